@@ -1,0 +1,29 @@
+"""distlm: raw text -> GPT-2-class model -> generated text, across many processes and machines.
+
+    snakemake --profile profiles/local                      # embedded default, one machine
+    snakemake --profile profiles/slurm --configfile config/gpt2-wikitext2.yaml
+    snakemake --profile profiles/local --forcerun train     # rerun one stage and what follows
+    snakemake --report report.html                          # the standard Snakemake report
+"""
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/config.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/model.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

@@ -1,0 +1,133 @@
+"""Process-group topology: decided once, then asked questions of.
+
+    with distributed(backend="gloo", timeout_s=120) as topo:
+        with topo.main_first():          # rank 0 does it, the others wait, then read its result
+            ...
+        if topo.is_main: ...
+
+Works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR set) and as a single plain process
+(world size 1, no process group needed but one is still created so collectives work uniformly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import socket
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from distlm import DistlmError
+from distlm.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: rank, world size, node-local rank and the device it owns."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first; the other ranks enter it after rank 0 has left it."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """Map the configured device ("cpu", "cuda", "auto") to this rank's device; never falls back."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise DistlmError(
+                "config runtime.device is 'cuda' but torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
+                "set runtime.device: cpu to run on the CPU"
+            )
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise DistlmError(f"local rank {local_rank} has no GPU: this node has {n}")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise DistlmError(f"config runtime.device: unknown device {device!r} (cpu, cuda or auto)")
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    if backend == "nccl" and device.type != "cuda":
+        raise DistlmError("config runtime.backend is 'nccl' but the device is the CPU; use gloo")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise DistlmError("config runtime.backend is 'nccl' but this torch build has no NCCL")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise DistlmError("config runtime.backend is 'gloo' but this torch build has no gloo")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def distributed(
+    *, backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0
+) -> Iterator[Topology]:
+    """Initialise the default process group from the torchrun environment; always tear it down.
+
+    Outside torchrun (no RANK in the environment) this is a world of one on a private port.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+    dev = resolve_device(device, local_rank)
+    check_backend(backend, dev)
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = dev
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world,
+        timeout=_dt.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    topo = Topology(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+    log.info("process group up: rank %d of %d, device %s, backend %s", rank, world, dev, backend)
+    try:
+        yield topo
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -1,0 +1,76 @@
+"""One logger for the whole library, with a timestamp and the rank in every line.
+
+Rank 0 also gets progress bars (`progress`); other ranks get none, so their logs stay readable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, TypeVar
+
+T = TypeVar("T")
+_FORMAT = "%(asctime)s.%(msecs)03d [rank %(rank)s] %(levelname)s %(name)s: %(message)s"
+_DATEFMT = "%Y-%m-%d %H:%M:%S"
+
+
+def _env_rank() -> str:
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return os.environ[var]
+    return "0"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: str) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def setup_logging(
+    log_file: str | os.PathLike | None = None,
+    *,
+    rank: int | None = None,
+    level: int = logging.INFO,
+) -> logging.Logger:
+    """Configure the `distlm` logger: stderr plus, optionally, a per-rank file.
+
+    `log_file` may contain `{rank}`, which is filled in so every rank writes its own file.
+    """
+    rank_s = str(rank) if rank is not None else _env_rank()
+    root = logging.getLogger("distlm")
+    root.setLevel(level)
+    root.propagate = False
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter(_FORMAT, _DATEFMT)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        path = Path(str(log_file).replace("{rank}", rank_s))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(path, mode="a", encoding="utf-8"))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h.addFilter(_RankFilter(rank_s))
+        root.addHandler(h)
+    return root
+
+
+def get_logger(name: str) -> logging.Logger:
+    if not name.startswith("distlm"):
+        name = f"distlm.{name}"
+    return logging.getLogger(name)
+
+
+def progress(iterable: Iterable[T] | None = None, *, enabled: bool = True, **kwargs) -> Iterable[T]:
+    """A tqdm bar on stderr when `enabled` (pass `topo.is_main`); otherwise a silent iterator."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=not enabled, dynamic_ncols=True, mininterval=1.0, **kwargs)

@@ -1,0 +1,13 @@
+"""Dataset prep: corpus -> tokenizer, HDF5 token blocks, stats JSON (rule prepare_data)."""
+
+from distlm.data import prepare
+from distlm.log import setup_logging
+
+snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+setup_logging(snakemake.log[0])
+prepare(
+    snakemake.config,
+    tokens_path=snakemake.output.tokens,
+    tokenizer_dir=snakemake.output.tokenizer,
+    stats_path=snakemake.output.stats,
+)
