@@ -1,0 +1,48 @@
+"""Shared fixtures: the repository root, Snakemake runs in scratch folders, the tiny workflow."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "configs" / "tiny.yaml"
+
+
+def run_snakemake(
+    workdir: Path,
+    *args: str,
+    configfile: Path | None = TINY,
+    profile: str | Path = ROOT / "profiles" / "local",
+    check: bool = True,
+    timeout: float = 1200,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the workflow with `workdir` as its working directory (results/ and logs/ land there)."""
+    cmd = [
+        sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"),
+        "--directory", str(workdir), "--profile", str(profile), *args,
+    ]
+    if configfile is not None:
+        cmd[cmd.index("--profile"):cmd.index("--profile")] = ["--configfile", str(configfile)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"snakemake failed ({proc.returncode}): {' '.join(cmd)}\n"
+            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-10000:]}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="session")
+def workflow_run(tmp_path_factory) -> Path:
+    """The whole tiny workflow, run once per test session; returns its working directory."""
+    wd = tmp_path_factory.mktemp("workflow")
+    run_snakemake(wd)
+    return wd
