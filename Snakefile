@@ -1,9 +1,9 @@
 """distlm: raw text -> GPT-2-class model -> generated text, across many processes and machines.
 
-    snakemake --profile profiles/local                      # embedded default, one machine
-    snakemake --profile profiles/slurm --configfile config/gpt2-wikitext2.yaml
-    snakemake --profile profiles/local --forcerun train     # rerun one stage and what follows
-    snakemake --report report.html                          # the standard Snakemake report
+snakemake --profile profiles/local                      # embedded default, one machine
+snakemake --profile profiles/slurm --configfile config/gpt2-wikitext2.yaml
+snakemake --profile profiles/local --forcerun train     # rerun one stage and what follows
+snakemake --report report.html                          # the standard Snakemake report
 """
 
 import os
@@ -23,9 +23,10 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/config.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
+include: "workflow/rules/eval.smk"
 
 
 rule all:
+    default_target: True
     input:
         all_targets(),
-    default_target: True

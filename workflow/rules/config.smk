@@ -1,11 +1,11 @@
 rule resolve_config:
     output:
         "results/config/{stage}.json",
-    params:
-        sections=lambda wc: stage_sections(wc.stage),
     log:
         "logs/config/{stage}.log",
     conda:
         "../envs/data.yaml"
+    params:
+        sections=lambda wc: stage_sections(wc.stage),
     script:
         "../scripts/resolve_config.py"

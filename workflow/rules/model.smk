@@ -4,15 +4,15 @@ rule serialize_model:
         tokenizer=rules.prepare_data.output.tokenizer,
     output:
         model=directory("results/model/base"),
-    params:
-        sections=stage_sections("model"),
     log:
         "logs/model/serialize.log",
     benchmark:
         "results/benchmarks/serialize_model.tsv"
-    threads: 2
     conda:
         "../envs/torch.yaml"
+    threads: 2
+    params:
+        sections=stage_sections("model"),
     script:
         "../scripts/serialize_model.py"
 

@@ -1,0 +1,220 @@
+"""Atomic, verifiable training checkpoints: save, find the last good one, check identity, prune.
+
+A checkpoint is a folder `step-XXXXXXXX/` under the checkpoint directory, written under a hidden
+temporary name and renamed when complete (a killed job never leaves one that looks finished):
+
+    model.safetensors   the weights (tied lm_head.weight omitted), in the training dtype
+    optimizer.pt        optimizer.state_dict() (tensors, numbers, lists: read with weights_only)
+    rng.pt              every rank's RNG states, gathered to rank 0 (read with weights_only)
+    state.json          step, data position, scheduler and gradient-scaler state, metric history,
+                        and the run identity (model, data, topology, optimisation settings)
+    checkpoint.json     written last: format tag and the sha256 of every file above
+
+Loading verifies checkpoint.json and every sha256; a corrupt or partial checkpoint is skipped (with
+a warning naming it) for the previous good one. A checkpoint whose identity differs from this run's
+is refused with a message listing what differs.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distlm import DistlmError
+from distlm.io import atomic_dir, read_json, sha256_file, write_json
+from distlm.log import get_logger
+from distlm.model import load_safetensors, save_safetensors
+
+log = get_logger(__name__)
+
+FORMAT = "distlm-checkpoint/1"
+_NAME = re.compile(r"^step-(\d{8})$")
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+# Identity keys whose difference is tolerated on resume (logged): extending a run is allowed.
+TOLERATED = {"optim.max_steps"}
+
+
+class CheckpointMismatch(DistlmError):
+    """A checkpoint was made by a run with a different model, data, topology or optimiser."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's RNG states (torch CPU, the CUDA device's, Python's) as weights_only-safe data."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda":
+        if "cuda" not in state:
+            raise DistlmError("checkpoint holds no CUDA RNG state (it was made on the CPU)")
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    step: int,
+    *,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    rng_states: list[dict],
+    state: dict,
+    keep_last: int,
+) -> Path:
+    """Write step `step`'s checkpoint atomically (call on rank 0), then keep only the last K."""
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / checkpoint_name(step)
+    with atomic_dir(final) as tmp:
+        save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(rng_states, tmp / "rng.pt")
+        write_json(tmp / "state.json", {**state, "step": step})
+        write_json(
+            tmp / "checkpoint.json",
+            {"format": FORMAT, "step": step, "sha256": {f: sha256_file(tmp / f) for f in FILES}},
+        )
+    prune(ckpt_dir, keep_last)
+    return final
+
+
+def prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, and leftovers of interrupted writes."""
+    found = list_checkpoints(ckpt_dir)
+    for c in found[:-keep_last] if keep_last > 0 else found:
+        shutil.rmtree(c.path, ignore_errors=True)
+        log.info("removed old checkpoint %s", c.path)
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[Checkpoint]:
+    """Completed checkpoint folders (by name), oldest first; temporary folders are ignored."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    out = []
+    for p in ckpt_dir.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir():
+            out.append(Checkpoint(p, int(m.group(1))))
+    return sorted(out, key=lambda c: c.step)
+
+
+# ----------------------------------------------------------------------------- verify / load
+
+
+def verify(ckpt: Checkpoint) -> None:
+    """Raise DistlmError naming the file when the checkpoint is partial or corrupt."""
+    meta = read_json(ckpt.path / "checkpoint.json", what="checkpoint index")
+    if meta.get("format") != FORMAT or meta.get("step") != ckpt.step:
+        raise DistlmError(
+            f"{ckpt.path / 'checkpoint.json'}: format {meta.get('format')!r} step {meta.get('step')!r}, "
+            f"expected {FORMAT!r} step {ckpt.step}"
+        )
+    for f in FILES:
+        p = ckpt.path / f
+        if not p.is_file():
+            raise DistlmError(f"{p}: missing from checkpoint")
+        actual = sha256_file(p)
+        if actual != meta["sha256"].get(f):
+            raise DistlmError(f"{p}: sha256 {actual} does not match checkpoint.json")
+
+
+def latest_good(ckpt_dir: str | Path) -> Checkpoint | None:
+    """The newest checkpoint that verifies; corrupt ones are skipped with a warning naming them."""
+    for ckpt in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            verify(ckpt)
+        except DistlmError as e:
+            log.warning("skipping corrupt or partial checkpoint %s: %s", ckpt.path, e)
+            continue
+        return ckpt
+    return None
+
+
+def read_state(ckpt: Checkpoint) -> dict:
+    return read_json(ckpt.path / "state.json", what="checkpoint state")
+
+
+def load_weights(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    return load_safetensors(ckpt.path / "model.safetensors")
+
+
+def load_optimizer_state(ckpt: Checkpoint, device: torch.device) -> dict:
+    return torch.load(ckpt.path / "optimizer.pt", map_location=device, weights_only=True)
+
+
+def load_rng_state(ckpt: Checkpoint, rank: int, world_size: int) -> dict:
+    states = torch.load(ckpt.path / "rng.pt", weights_only=True)
+    if len(states) != world_size:
+        raise CheckpointMismatch(
+            f"{ckpt.path}: made with world size {len(states)}, this run has {world_size}"
+        )
+    return states[rank]
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def identity_diff(saved: dict, current: dict) -> list[str]:
+    """Keys whose values differ, as 'key: checkpoint X, this run Y' lines."""
+    a, b = _flatten(saved), _flatten(current)
+    lines = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, "<absent>") != b.get(k, "<absent>"):
+            lines.append(f"{k}: checkpoint {a.get(k, '<absent>')!r}, this run {b.get(k, '<absent>')!r}")
+    return lines
+
+
+def check_identity(ckpt: Checkpoint, saved: dict, current: dict) -> None:
+    """Refuse a checkpoint made by a different run; tolerate (and log) only TOLERATED keys."""
+    diffs = identity_diff(saved, current)
+    hard = [d for d in diffs if d.split(":", 1)[0] not in TOLERATED]
+    if hard:
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt.path} was made by a different run and cannot be resumed:\n  "
+            + "\n  ".join(hard)
+            + f"\nRemove {ckpt.path.parent} (or set train.resume: never) to start afresh."
+        )
+    for d in diffs:
+        log.warning("resuming %s with a changed setting: %s", ckpt.path, d)

@@ -1,0 +1,83 @@
+"""Training metrics: per-step and validation rows, CSV files and TensorBoard, on rank 0 only.
+
+Rows are kept in memory and saved inside every checkpoint, so a resumed run continues the same
+history; the CSV files are (re)written atomically at each checkpoint and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+
+from distlm.io import write_text
+from distlm.log import get_logger
+
+log = get_logger(__name__)
+
+TRAIN_COLUMNS = ("step", "loss", "perplexity", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s")
+VAL_COLUMNS = ("step", "val_loss", "val_perplexity", "tokens")
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r[k] for k in columns})
+    return buf.getvalue()
+
+
+class Metrics:
+    """Collects rows; `enabled` (rank 0) also writes TensorBoard events and the CSV files."""
+
+    def __init__(
+        self, *, enabled: bool, metrics_csv: Path, val_csv: Path, tb_dir: Path | None,
+        history: dict | None = None, start_step: int = 0,
+    ) -> None:
+        self.enabled = enabled
+        self.metrics_csv = Path(metrics_csv)
+        self.val_csv = Path(val_csv)
+        self.train_rows: list[dict] = [r for r in (history or {}).get("train", []) if r["step"] <= start_step]
+        self.val_rows: list[dict] = [r for r in (history or {}).get("val", []) if r["step"] <= start_step]
+        self._tb = None
+        if enabled and tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a killed attempt wrote after the checkpoint we resume from
+            self._tb = SummaryWriter(str(tb_dir), purge_step=start_step + 1 if start_step else None)
+
+    def log_step(self, row: dict) -> None:
+        self.train_rows.append(row)
+        if self._tb is not None:
+            s = row["step"]
+            for k in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
+                self._tb.add_scalar(f"train/{k}", row[k], s)
+
+    def log_val(self, row: dict) -> None:
+        self.val_rows.append(row)
+        if self._tb is not None:
+            self._tb.add_scalar("val/loss", row["val_loss"], row["step"])
+            self._tb.add_scalar("val/perplexity", row["val_perplexity"], row["step"])
+
+    def history(self) -> dict:
+        return {"train": list(self.train_rows), "val": list(self.val_rows)}
+
+    def flush(self) -> None:
+        """Rewrite both CSV files atomically (rank 0) and flush TensorBoard."""
+        if not self.enabled:
+            return
+        write_text(self.metrics_csv, _csv(TRAIN_COLUMNS, self.train_rows))
+        write_text(self.val_csv, _csv(VAL_COLUMNS, self.val_rows))
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,118 @@
+"""A deterministic distributed sampler over the train blocks, addressed by optimizer step.
+
+The sample stream is an endless sequence of epochs; epoch `e` visits every block once in the order
+`randperm(n_blocks, seed=(seed, e))`. Optimizer step `s` consumes stream positions
+[s * G, (s + 1) * G) where G is the global batch (micro_batch * grad_accum * world_size); rank r
+takes the contiguous slice [r * B, (r + 1) * B) of it (B = micro_batch * grad_accum) and splits it
+into `grad_accum` micro-batches. The position is a pure function of the step, so a checkpoint needs
+only the step (and the identity of the stream) to resume exactly, and each rank reads from the HDF5
+file only the rows it trains on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from distlm import DistlmError
+from distlm.data import TokenBlocks
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is cut: per rank, per micro-step."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_rank * self.world_size
+
+
+def plan_batch(train_cfg: dict, world_size: int) -> BatchPlan:
+    """Derive the batch plan from config `train` and the world size; errors name the key."""
+    micro = train_cfg["micro_batch_size"]
+    gbs = train_cfg.get("global_batch_size")
+    if gbs is None:
+        return BatchPlan(micro, train_cfg["grad_accum_steps"], world_size)
+    per_step = micro * world_size
+    if gbs % per_step:
+        raise DistlmError(
+            f"train.global_batch_size: {gbs} is not divisible by train.micro_batch_size ({micro}) x "
+            f"world size ({world_size}) = {per_step}; pick a multiple of {per_step}"
+        )
+    return BatchPlan(micro, gbs // per_step, world_size)
+
+
+class StepSampler:
+    """Block indices of every (step, rank, micro-step), drawn from seeded per-epoch permutations."""
+
+    def __init__(self, n_blocks: int, plan: BatchPlan, rank: int, seed: int) -> None:
+        if n_blocks <= 0:
+            raise DistlmError("the train split has no blocks: nothing to train on")
+        self.n_blocks = n_blocks
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.n_blocks, generator=g).numpy()
+            self._perm_epoch = epoch
+        return self._perm
+
+    def positions(self, step: int) -> np.ndarray:
+        """Stream positions this rank reads for optimizer step `step` (0-based)."""
+        start = step * self.plan.global_batch + self.rank * self.plan.per_rank
+        return np.arange(start, start + self.plan.per_rank, dtype=np.int64)
+
+    def indices(self, step: int) -> np.ndarray:
+        """Block indices for `step`, shape (grad_accum, micro_batch)."""
+        pos = self.positions(step)
+        epochs, offsets = np.divmod(pos, self.n_blocks)
+        out = np.empty_like(pos)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._permutation(int(e))[offsets[sel]]
+        return out.reshape(self.plan.grad_accum, self.plan.micro_batch)
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.plan.global_batch / self.n_blocks
+
+    def state(self) -> dict:
+        """What a checkpoint records to check that a resume reads the same stream."""
+        return {
+            "n_blocks": self.n_blocks,
+            "seed": self.seed,
+            "global_batch": self.plan.global_batch,
+            "micro_batch": self.plan.micro_batch,
+            "grad_accum": self.plan.grad_accum,
+            "world_size": self.plan.world_size,
+        }
+
+
+class StepLoader:
+    """Reads one step's micro-batches for this rank from the HDF5 file (only those rows)."""
+
+    def __init__(self, blocks: TokenBlocks, sampler: StepSampler, device: torch.device) -> None:
+        self.blocks = blocks
+        self.sampler = sampler
+        self.device = device
+
+    def __call__(self, step: int) -> list[torch.Tensor]:
+        idx = self.sampler.indices(step)
+        rows = torch.from_numpy(self.blocks[idx.reshape(-1)])  # (accum * micro, T) int64
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        return list(rows.view(*idx.shape, -1).unbind(0))  # grad_accum x (micro, T)

@@ -1,0 +1,63 @@
+"""Config validation: defaults filled, unknown keys and impossible values rejected by name."""
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from distlm.config import ConfigError, load_config, validate_config
+
+
+def test_defaults_are_filled():
+    cfg = validate_config({})
+    assert cfg["data"]["block_size"] == 128
+    assert cfg["train"]["profile"]["enabled"] is False
+    assert cfg["inference"]["serve"]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "gpt2-wikitext2.yaml"])
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(ROOT / "config" / name)
+    assert cfg["runtime"]["device"] in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"colour": 1}, "colour: unknown key"),
+        ({"train": {"max_stepz": 3}}, "train.max_stepz: unknown key"),
+        ({"data": {"block_size": "big"}}, "data.block_size: 'big' is not of type 'integer'"),
+        ({"train": {"lr": -1}}, "train.lr"),
+        ({"broadcast": {"transport": "carrier-pigeon"}}, "broadcast.transport"),
+        ({"inference": {"stages": 5}}, "inference.stages: 5 pipeline stages but the model has only 4"),
+        ({"data": {"block_size": 512}}, "data.block_size: 512 is beyond the model's context of 256"),
+        ({"eval": {"context": 64, "stride": 65}}, "eval.stride"),
+        ({"runtime": {"backend": "nccl", "device": "cpu"}}, "runtime.backend"),
+        ({"model": {"source": "hub"}}, "model.name: required"),
+        ({"model": {"init": {"n_embd": 100, "n_head": 3}}}, "model.init.n_embd"),
+        ({"data": {"source": "local"}}, "data.local.train"),
+    ],
+)
+def test_bad_config_names_the_key(raw, key):
+    with pytest.raises(ConfigError) as e:
+        validate_config(raw)
+    assert key in str(e.value)
+
+
+def test_bad_yaml_names_the_file(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_local_model_folder_architecture_is_checked(tmp_path):
+    (tmp_path / "config.json").write_text('{"n_layer": 2, "n_positions": 64}')
+    raw = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    raw["model"] = {"source": "local", "name": str(tmp_path)}
+    with pytest.raises(ConfigError, match="data.block_size: 128 is beyond the model's context of 64"):
+        validate_config(raw)
+    raw["inference"] = {"stages": 3}
+    with pytest.raises(ConfigError, match="inference.stages: 3 pipeline stages but the model has only 2"):
+        validate_config(raw)

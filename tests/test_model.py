@@ -1,0 +1,151 @@
+"""Model serialize: sources, stage shards that round-trip exactly, corrupt files named."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from distlm import DistlmError
+from distlm.config import deep_merge, validate_config
+from distlm.data import prepare
+from distlm.io import read_json
+from distlm.model import (
+    build_model, init_config, load_model_dir, load_safetensors, load_shards, load_source,
+    load_stage_shard, plan_stages, read_manifest, serialize, state_dict_for_save, write_model_dir,
+)
+
+BASE = {"data": {"block_size": 32, "tokenizer": {"vocab_size": 400}}, "model": {"init": {"n_layer": 5, "n_head": 2, "n_embd": 32, "n_positions": 64}}}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    c = validate_config(BASE)
+    prepare(c, tokens_path=out / "tokens.h5", tokenizer_dir=out / "tokenizer", stats_path=out / "stats.json")
+    return out
+
+
+def make(tmp_path, data, stages, **model):
+    c = validate_config(deep_merge(BASE, {"model": model, "inference": {"stages": stages}}))
+    out = tmp_path / f"model-{stages}"
+    meta = serialize(c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=out)
+    return out, meta
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5])
+def test_shards_round_trip_exactly(tmp_path, data, stages):
+    out, meta = make(tmp_path, data, stages)
+    full = load_safetensors(out / "model.safetensors")
+    back = load_shards(out)
+    assert set(back) == set(full)
+    assert all(torch.equal(back[k], full[k]) and back[k].dtype == full[k].dtype for k in full)
+    man = read_manifest(out)
+    assert [s["layers"] for s in man["shards"]][0][0] == 0 and man["shards"][-1]["layers"][1] == 5
+    assert man["shards"][0]["has_embeddings"] and man["shards"][-1]["has_head"]
+    # Contiguous, non-empty layer ranges; every block in exactly one shard.
+    ranges = [tuple(s["layers"]) for s in man["shards"]]
+    assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    # The last stage carries its own copy of the tied embedding as lm_head.weight.
+    _, last = load_stage_shard(out, stages - 1)
+    assert torch.equal(last["lm_head.weight"], full["transformer.wte.weight"])
+    assert meta["stages"][0]["layers"] == man["shards"][0]["layers"]
+
+
+def test_model_folder_loads_back_as_the_same_model(tmp_path, data):
+    out, _ = make(tmp_path, data, 2)
+    m = load_model_dir(out)
+    again = build_model(m.config, seed=0)  # model.init.seed = 0
+    x = torch.randint(0, m.config.vocab_size, (2, 16))
+    assert torch.equal(m(x).logits, again.eval()(x).logits)
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()  # a valid Hugging Face folder too
+    assert torch.equal(hf(x).logits, m(x).logits)
+    assert len(AutoTokenizer.from_pretrained(out)) == m.config.vocab_size
+
+
+def test_balance_by_bytes():
+    # GPT-2-small-shaped: embeddings weigh ~5.5 blocks, so the end stages get fewer blocks.
+    cfg = init_config({"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "dropout": 0.0}, 50257, 50256)
+    with torch.device("meta"):
+        sd = {k: v for k, v in build_model(cfg).state_dict().items() if k != "lm_head.weight"}
+    plans = plan_stages(sd, 12, 3)
+    sizes = [p.nbytes for p in plans]
+    assert [p.layer_end - p.layer_start for p in plans] == [2, 8, 2]
+    assert max(sizes) / min(sizes) < 1.2
+    with pytest.raises(DistlmError, match="13 stages for a model with 12 layers"):
+        plan_stages(sd, 12, 13)
+
+
+def test_corrupt_and_truncated_weights_are_named(tmp_path, data):
+    out, _ = make(tmp_path, data, 2)
+    w = out / "model.safetensors"
+    good = w.read_bytes()
+    w.write_bytes(good[: len(good) // 2])
+    with pytest.raises(DistlmError, match="model.safetensors: sha256 .* does not match"):
+        load_model_dir(out)
+    with pytest.raises(DistlmError, match="model.safetensors: corrupt or truncated"):
+        load_safetensors(w)
+    w.write_bytes(b"\x00" * 7)
+    with pytest.raises(DistlmError, match="corrupt or truncated"):
+        load_safetensors(w)
+    w.write_bytes(good)
+    shard = out / "shards" / "stage-01.safetensors"
+    blob = bytearray(shard.read_bytes())
+    blob[-3] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(DistlmError, match=r"stage-01.safetensors: sha256 .* manifest.* \(stage 1\)"):
+        load_stage_shard(out, 1)
+
+
+def test_tensor_mismatch_is_named(tmp_path, data):
+    out, _ = make(tmp_path, data, 1)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["n_embd"] = 64
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DistlmError, match="tensor 'transformer.wte.weight' has shape"):
+        load_model_dir(out, verify=False)
+
+
+def test_local_model_folder_source(tmp_path, data):
+    """A Hugging Face folder (save_pretrained) brings its own weights and tokenizer."""
+    src = tmp_path / "hf-model"
+    from transformers import AutoTokenizer
+
+    cfg = init_config({"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0)
+    model = build_model(cfg, seed=7)
+    model.save_pretrained(src)
+    AutoTokenizer.from_pretrained(data / "tokenizer").save_pretrained(src)
+    c = validate_config(deep_merge(BASE, {"model": {"source": "local", "name": str(src)}, "inference": {"stages": 3}}))
+    d = tmp_path / "d"
+    stats = prepare(c, tokens_path=d / "tokens.h5", tokenizer_dir=d / "tokenizer", stats_path=d / "stats.json")
+    assert stats["tokenizer"].startswith("the model's own")
+    out = tmp_path / "out"
+    meta = serialize(c, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out)
+    assert meta["source"]["source"] == "local"
+    ref = state_dict_for_save(model)
+    got = load_safetensors(out / "model.safetensors")
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_unknown_hub_model_offline_is_named(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DistlmError, match="model.name 'no-such-org/no-such-model-xyz'"):
+        load_source({"source": "hub", "name": "no-such-org/no-such-model-xyz", "revision": None})
+    with pytest.raises(DistlmError, match="model folder not found"):
+        load_source({"source": "local", "name": "/nonexistent/folder", "revision": None})
+
+
+def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
+    out, _ = make(tmp_path, data, 2)
+    before = (out / "model.safetensors").read_bytes()
+    cfg = init_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0)
+    sd = state_dict_for_save(build_model(cfg, seed=1))
+    with pytest.raises(DistlmError):
+        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=tmp_path / "nope", stages=2, meta={})
+    with pytest.raises(DistlmError):  # 3 stages for 2 layers fails mid-way
+        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", stages=3, meta={})
+    assert (out / "model.safetensors").read_bytes() == before  # the old folder is intact
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp left behind
+    assert read_json(out / "distlm.json")["created_by"] == "model"

@@ -1,0 +1,60 @@
+"""The workflow as a user runs it: the whole DAG, the cache, dry runs, lint and bad configs."""
+
+import json
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, run_snakemake
+
+
+def test_backbone_outputs(workflow_run):
+    stats = json.loads((workflow_run / "results/data/stats.json").read_text())
+    assert stats["splits"]["train"]["blocks"] > 0
+    meta = json.loads((workflow_run / "results/model/base/distlm.json").read_text())
+    assert meta["n_layer"] == 3 and meta["created_by"] == "model"
+    man = json.loads((workflow_run / "results/model/base/shards/manifest.json").read_text())
+    assert man["stages"] == 3
+    for rule in ("prepare_data", "serialize_model"):
+        assert (workflow_run / f"results/benchmarks/{rule}.tsv").is_file()
+        assert (workflow_run / "logs").is_dir()
+    assert "INFO distlm.data" in (workflow_run / "logs/data/prepare.log").read_text()
+
+
+def test_second_run_does_nothing(workflow_run):
+    t = time.perf_counter()
+    proc = run_snakemake(workflow_run)
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    assert time.perf_counter() - t < 60  # generous: a cached run must not redo any work
+
+
+def test_forcerun_plans_only_that_stage_and_what_follows(workflow_run):
+    proc = run_snakemake(workflow_run, "-n", "--forcerun", "serialize_model")
+    out = proc.stdout + proc.stderr
+    assert "serialize_model" in out and "prepare_data " not in out.split("Job stats:")[1].split("Reasons")[0]
+
+
+def test_bad_config_fails_before_any_job(tmp_path):
+    proc = run_snakemake(tmp_path, "--config", 'inference={"stages": 9}', check=False)
+    assert proc.returncode != 0
+    assert "inference.stages: 9 pipeline stages but the model has only 3 layers" in proc.stderr
+    assert not (tmp_path / "results").exists()
+    proc = run_snakemake(tmp_path, "--config", 'train={"max_stepz": 1}', check=False)
+    assert proc.returncode != 0 and "train.max_stepz: unknown key" in proc.stderr
+
+
+def test_real_setup_plans(tmp_path):
+    proc = run_snakemake(tmp_path, "-n", configfile=ROOT / "config/gpt2-wikitext2.yaml")
+    out = proc.stdout + proc.stderr
+    assert "prepare_data" in out and "serialize_model" in out
+
+
+def test_lint_and_format_are_clean(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "--lint"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0 and "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    files = [str(ROOT / "Snakefile"), *map(str, sorted((ROOT / "workflow/rules").glob("*.smk")))]
+    fmt = subprocess.run([sys.executable, "-m", "snakefmt", "--check", *files], capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stderr
