@@ -23,7 +23,11 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/config.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
+include: "workflow/rules/train.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/report.smk"
+include: "workflow/rules/broadcast.smk"
+include: "workflow/rules/inference.smk"
 
 
 rule all:

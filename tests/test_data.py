@@ -171,6 +171,7 @@ def test_split_with_no_block_is_named(tmp_path):
     with pytest.raises(DistlmError, match=r"split 'validation' .*short.txt.* fewer than data.block_size=32"):
         run(tmp_path, c)
     assert not (tmp_path / "data" / "tokens.h5").exists()
+    assert not (tmp_path / "data" / "tokenizer").exists()
 
 
 def test_unknown_model_id_offline_is_named(tmp_path, monkeypatch):

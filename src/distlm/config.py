@@ -90,6 +90,12 @@ def check_consistency(cfg: dict, *, source: str = "config") -> None:
         ctx = cfg["eval"]["context"]
         if ctx is not None and ctx > n_positions:
             problems.append(f"eval.context: {ctx} is beyond the model's context of {n_positions}")
+        stride = cfg["eval"]["stride"]
+        if ctx is None and stride is not None and stride > n_positions:
+            problems.append(
+                f"eval.stride: {stride} is larger than the context (eval.context null = the "
+                f"model's {n_positions})"
+            )
     ev = cfg["eval"]
     if ev["context"] is not None and ev["stride"] is not None and ev["stride"] > ev["context"]:
         problems.append(f"eval.stride: {ev['stride']} is larger than eval.context {ev['context']}")

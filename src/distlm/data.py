@@ -377,19 +377,26 @@ def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, st
     for s in SPLITS:
         log.info("split %s: %d documents from %s", s, splits[s].documents, splits[s].origin)
 
+    # The tokenizer folder is renamed into place last: a failure anywhere leaves no output behind.
     with atomic_dir(tokenizer_dir) as tok_tmp:
-        tok = model_tokenizer(mcfg)
-        if tok is None:
-            log.info("training a byte-level BPE tokenizer (vocab %d) on the train split",
-                     dcfg["tokenizer"]["vocab_size"])
-            tok = train_tokenizer(
-                splits["train"].records, dcfg["tokenizer"]["vocab_size"],
-                dcfg["tokenizer"]["min_frequency"], tok_tmp,
-            )
-            tok_kind = "byte-level BPE trained on the train split"
-        else:
-            tok.save_pretrained(tok_tmp)
-            tok_kind = f"the model's own ({mcfg['name']})"
+        stats = _tokenize_and_write(cfg, splits, tok_tmp, cfg_digest, Path(tokens_path), stats_path, t0)
+    return stats
+
+
+def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, stats_path, t0) -> dict:
+    dcfg, mcfg = cfg["data"], cfg["model"]
+    tok = model_tokenizer(mcfg)
+    if tok is None:
+        log.info("training a byte-level BPE tokenizer (vocab %d) on the train split",
+                 dcfg["tokenizer"]["vocab_size"])
+        tok = train_tokenizer(
+            splits["train"].records, dcfg["tokenizer"]["vocab_size"],
+            dcfg["tokenizer"]["min_frequency"], tok_tmp,
+        )
+        tok_kind = "byte-level BPE trained on the train split"
+    else:
+        tok.save_pretrained(tok_tmp)
+        tok_kind = f"the model's own ({mcfg['name']})"
     vocab_size = len(tok)
 
     streams = {s: encode(tok, splits[s], dcfg["separator"]) for s in SPLITS}

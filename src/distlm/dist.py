@@ -117,6 +117,16 @@ def distributed(
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = dev
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if restart != "0":
+        # A torchrun restart reuses the agent's store, which still holds the failed attempt's keys
+        # (gloo/NCCL peer addresses): without a fresh prefix the new workers dial dead ones.
+        use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+            is_master=rank == 0 and not use_agent, timeout=_dt.timedelta(seconds=timeout_s),
+        )
+        kwargs["store"] = dist.PrefixStore(f"distlm/attempt-{restart}", store)
     dist.init_process_group(
         backend=backend,
         rank=rank,

@@ -34,7 +34,8 @@ BRIDGE = "distlm-br0"
 PARTITION = "debug"
 CPUS_PER_NODE = 4  # virtual: SlurmdParameters=config_overrides lets nodes claim more than the host
 MEM_PER_NODE_MB = 8000
-REQUIRED = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "ip"]
+REQUIRED = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "ip",
+            "nsenter", "unshare"]
 
 
 class HarnessError(RuntimeError):
@@ -74,8 +75,13 @@ class Cluster:
 
     def in_node(self, i: int, *cmd: str) -> list[str]:
         """A command line that runs `cmd` inside node i's namespace with its hostname."""
-        return ["ip", "netns", "exec", self.netns(i), "unshare", "--uts", "sh", "-c",
-                f'hostname {self.node_names()[i - 1]} && exec "$@"', "sh", *cmd]
+        etc = f"/etc/netns/{self.netns(i)}"
+        script = (f"hostname {self.node_names()[i - 1]} && mount --bind {etc}/hosts /etc/hosts"
+                  f" && mount --bind {etc}/resolv.conf /etc/resolv.conf"
+                  f' && mount --bind {etc}/slurm /etc/slurm && exec "$@"')
+        # nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs /sys/fs/cgroup.
+        return ["nsenter", f"--net=/run/netns/{self.netns(i)}", "unshare", "--uts", "--mount",
+                "sh", "-c", script, "sh", *cmd]
 
 
 def default_cluster(nodes: int | None = None) -> Cluster:
@@ -176,9 +182,11 @@ def _network_up(c: Cluster) -> None:
     existing = _run(["ip", "netns", "list"]).stdout
     for i in range(1, c.nodes + 1):
         ns, host_if = c.netns(i), f"distlm-v{i}"
-        etc = Path("/etc/netns") / ns
+        etc = Path("/etc/netns") / ns  # bind-mounted over /etc/hosts and /etc/slurm in the node
         (etc / "slurm").mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(hosts_file(c))
+        # No DNS server is reachable from a node: fail lookups at once instead of timing out.
+        (etc / "resolv.conf").write_text("options timeout:1 attempts:1\n")
         (etc / "hostname").write_text(c.node_names()[i - 1] + "\n")
         shutil.copy(c.conf, etc / "slurm" / "slurm.conf")
         if ns in existing.split():
@@ -240,6 +248,13 @@ def _idle_nodes(c: Cluster) -> int:
     return sum(1 for line in proc.stdout.splitlines() if line.split()[1:2] in (["idle"], ["mix"]))
 
 
+def running(c: Cluster) -> bool:
+    """Every daemon of this cluster alive and every node idle (or partly allocated)."""
+    pids = [c.state / "munge" / "munged.pid", c.state / "run" / "slurmctld.pid"]
+    pids += [c.state / "run" / f"slurmd-{n}.pid" for n in c.node_names()]
+    return all(_alive(p) for p in pids) and _idle_nodes(c) == c.nodes
+
+
 def up(c: Cluster) -> Cluster:
     """Start the cluster (or keep the running one) and wait until every node is idle."""
     why = missing_requirements()
@@ -248,7 +263,7 @@ def up(c: Cluster) -> Cluster:
     s = c.state
     if (s / "nodes").exists() and int((s / "nodes").read_text()) != c.nodes:
         down(default_cluster())
-    for sub in ("etc", "ctld", "spool", "run", "log"):
+    for sub in ("etc", "ctld", "run", "log", *(f"spool/{n}" for n in c.node_names())):
         (s / sub).mkdir(parents=True, exist_ok=True)
     (s / "nodes").write_text(str(c.nodes))
     c.conf.write_text(slurm_conf(c))

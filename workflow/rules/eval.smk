@@ -1,11 +1,9 @@
-# Checkpoint evaluation: sliding-window perplexity of the base and the trained model (torchrun).
-EVAL_MODELS = {"base": rules.serialize_model.output.model}
-if "train" in TARGETS:  # TEMPORARY until the train stage is merged: then always add "trained"
-    EVAL_MODELS["trained"] = "results/train/final"
-
-
-wildcard_constraints:
-    model="|".join(EVAL_MODELS),
+# Checkpoint evaluation (torchrun): sliding-window perplexity of the serialized base model and of
+# the final training checkpoint, every split in eval.splits, one JSON per model.
+EVAL_MODELS = {
+    "base": rules.serialize_model.output.model,
+    "trained": rules.train.output.final,
+}
 
 
 rule evaluate:
@@ -15,21 +13,24 @@ rule evaluate:
         model=lambda wc: EVAL_MODELS[wc.model],
     output:
         json="results/eval/{model}.json",
-    params:
-        sections=stage_sections("eval"),
-        script=entry_point("evaluate.py"),
-        nproc=config["eval"]["nproc_per_node"],
     log:
         "logs/eval/{model}.log",
     benchmark:
         "results/benchmarks/evaluate_{model}.tsv"
-    threads: config["eval"]["nproc_per_node"]
+    wildcard_constraints:
+        model="|".join(EVAL_MODELS),
     conda:
         "../envs/torch.yaml"
+    threads: config["eval"]["nproc_per_node"]
+    params:
+        sections=stage_sections("eval"),
+        script=entry_point("evaluate.py"),
+        nproc=config["eval"]["nproc_per_node"],
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc} {params.script}"
         " --config {input.cfg} --model {input.model} --tokens {input.tokens}"
-        " --name {wildcards.model} --out {output.json} > {log} 2>&1"
+        " --name {wildcards.model} --out {output.json}"
+        " --rank-log 'logs/eval/{wildcards.model}.rank{{rank}}.log' > {log} 2>&1"
 
 
 TARGETS["eval"] = expand(rules.evaluate.output.json, model=EVAL_MODELS)

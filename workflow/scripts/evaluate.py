@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node=2 workflow/scripts/evaluate.py \
         --config results/config/eval.json --model results/model/base \
-        --tokens results/data/tokens.h5 --name base --out results/eval/base.json
+        --tokens results/data/tokens.h5 --name base --out results/eval/base.json \
+        --rank-log 'logs/eval/base.rank{rank}.log'
 """
 
 import argparse
@@ -23,8 +24,9 @@ def main() -> None:
     p.add_argument("--tokens", required=True, help="HDF5 token file of the data stage")
     p.add_argument("--name", required=True, help="name of the model in the output (base, trained)")
     p.add_argument("--out", required=True, help="output JSON")
+    p.add_argument("--rank-log", default=None, help="per-rank log file; {rank} is filled in")
     args = p.parse_args()
-    setup_logging()
+    setup_logging(args.rank_log)
     cfg = read_resolved(args.config)
     rt = cfg["runtime"]
     with distributed(backend=rt["backend"], device=rt["device"], timeout_s=rt["timeout_s"]) as topo:

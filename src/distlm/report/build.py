@@ -32,6 +32,7 @@ table.data th,table.data td{border:1px solid #ccc;padding:.25rem .55rem;text-ali
   vertical-align:top}
 table.data th{background:#f3f3f3} table.data td:first-child,table.data th:first-child{text-align:left}
 table.data td.text{text-align:left;white-space:pre-wrap;max-width:38rem}
+table.data caption{caption-side:bottom;text-align:left;color:#666;font-size:.85rem}
 .not-collected{background:#fff4f4;border-left:4px solid #c33;padding:.5rem .8rem;margin:.6rem 0;
   color:#822}
 dl.facts{display:grid;grid-template-columns:max-content auto;gap:.15rem 1rem;font-size:.92rem}
@@ -69,7 +70,7 @@ def _fmt(v) -> str:
 def table_html(df: pd.DataFrame) -> str:
     """An HTML table; text columns keep their line breaks, numbers are right-aligned."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    text_cols = {c for c in df.columns if df[c].dtype == object and c in ("prompt", "generated", "operator")}
+    text_cols = {c for c in df.columns if df[c].dtype == object}
     rows = []
     for rec in df.itertuples(index=False):
         cells = []
@@ -120,17 +121,11 @@ def _section_facts(inp: Inputs, section: str) -> dict:
     return {}
 
 
-def _reason(inp: Inputs, item: Item) -> str | None:
-    """Why the item is not collected, or None when its inputs are all present."""
-    return next((inp.missing[k] for k in item.needs if k in inp.missing), None)
-
-
 def build_report(
     results: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
     formats=("png",),
-    cfg: dict | None = None,
     exclude_rules=("report",),
 ) -> list[Path]:
     """Collect every metrics file under `results` and write the report into `out_dir`.
@@ -138,7 +133,7 @@ def build_report(
     Returns the paths written: summary.html, figures/<name>.<fmt>, tables/<name>.html.
     """
     results, out_dir = Path(results), Path(out_dir)
-    inp = collect(results, cfg=cfg, exclude_rules=exclude_rules)
+    inp = collect(results, exclude_rules=exclude_rules)
     for key, why in inp.missing.items():
         log.info("%s: %s", key, why)
     written: list[Path] = []
@@ -146,11 +141,10 @@ def build_report(
     notes: dict[str, dict[str, list[str]]] = {s: {} for s in SECTIONS}
     for item in ITEMS:
         obj = item.make(inp)
-        reason = _reason(inp, item)
-        if obj is None and reason is None:
-            reason = f"not collected: no data for {item.title.lower()}"
-        if obj is None:
-            notes[item.section].setdefault(reason, []).append(item.title)
+        reasons = [inp.missing[k] for k in item.needs if k in inp.missing]
+        for why in reasons:  # also when only part of the item's inputs are absent
+            notes[item.section].setdefault(why, []).append(item.title)
+        reason = reasons[0] if reasons else f"not collected: no data for {item.title.lower()}"
         if item.kind == "figure":
             fig = obj if obj is not None else not_collected(item.title, reason)
             png = _png(fig)
@@ -189,7 +183,7 @@ def build_report(
         parts.append(f'<section id="sec-{s}"><h2>{html.escape(category(s))}</h2>')
         parts.append(_facts(_section_facts(inp, s)))
         for reason, titles in notes[s].items():
-            parts.append(_note(f"{', '.join(titles)}: {reason}"))
+            parts.append(_note(f"{reason}; affects: {', '.join(titles)}"))
         parts.extend(blocks[s])
         parts.append("</section>")
     summary = out_dir / SUMMARY

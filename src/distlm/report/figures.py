@@ -67,9 +67,8 @@ def train_loss(inp: Inputs) -> Figure | None:
             v = inp.val
             if v is not None and x == "step":
                 ax.plot(v["step"], v["val_" + col], "o-", color=_VAL, label="validation")
-            elif v is not None and has_tokens:
-                vt = pd.merge_asof(v[["step", "val_" + col]], m[["step", "tokens"]], on="step")
-                ax.plot(vt["tokens"], vt["val_" + col], "o-", color=_VAL, label="validation")
+            elif v is not None and "tokens" in v:
+                ax.plot(v["tokens"], v["val_" + col], "o-", color=_VAL, label="validation")
             ax.set_xlabel("optimizer step" if x == "step" else "tokens seen (all ranks)")
             ax.set_ylabel(label)
             if col == "ppl" and m[col].max() / max(m[col].min(), 1e-9) > 20:
@@ -84,9 +83,10 @@ def train_schedule(inp: Inputs) -> Figure | None:
     m = inp.metrics
     if m is None:
         return None
-    fig, axes = _figure(1, 2, "Learning rate and gradient norm")
+    fig, axes = _figure(1, 3, "Learning rate, gradient norm and throughput")
     for ax, col, label in ((axes[0], "lr", "learning rate"),
-                           (axes[1], "grad_norm", "gradient L2 norm (before clipping)")):
+                           (axes[1], "grad_norm", "gradient L2 norm (before clipping)"),
+                           (axes[2], "tokens_per_s", "training tokens/s (all ranks)")):
         if col not in m:
             _note(ax, f"not collected: metrics.csv has no {col} column")
             continue
@@ -103,8 +103,8 @@ def val_loss(inp: Inputs) -> Figure | None:
     if v is None:
         return None
     fig, axes = _figure(1, 2, "Validation during training")
-    for ax, col, label in ((axes[0], "val_loss", "validation loss"),
-                           (axes[1], "val_ppl", "validation perplexity")):
+    for ax, col, label in ((axes[0], "val_loss", "loss (nats/token)"),
+                           (axes[1], "val_ppl", "perplexity")):
         ax.plot(v["step"], v[col], "o-", color=_VAL, lw=1.6, label="validation")
         if inp.metrics is not None:
             ax.plot(inp.metrics["step"], inp.metrics[col.removeprefix("val_")], color=_TRAIN,
@@ -119,15 +119,25 @@ def profile_ops(inp: Inputs, top: int = 15) -> Figure | None:
     p = inp.profile
     if p is None:
         return None
-    d = p.head(top).iloc[::-1]
-    col = p.attrs.get("self_time_column", "self time")
-    fig = Figure(figsize=(10, 0.38 * len(d) + 1.6), layout="constrained")
+    mean = p.groupby("operator")["self_ms"].mean().sort_values(ascending=False).head(top)
+    ops = list(mean.index[::-1])  # largest at the top
+    ranks = sorted(p["rank"].unique())
+    fig = Figure(figsize=(11, 0.42 * len(ops) * max(1, len(ranks) / 2) + 1.8), layout="constrained")
     ax = fig.subplots()
-    ax.barh([str(n)[:48] for n in d["operator"]], d["self_time"], color=_TRAIN)
-    ax.set_xlabel(col)
-    ax.set_title(f"Top {len(d)} operators by self time (profiler)", fontsize=14, fontweight="bold")
+    h = 0.8 / len(ranks)
+    for i, r in enumerate(ranks):
+        d = p[p["rank"] == r].set_index("operator")["self_ms"].reindex(ops).fillna(0)
+        ys = [j - (i - (len(ranks) - 1) / 2) * h for j in range(len(ops))]  # rank 0 on top
+        ax.barh(ys, d.values, h, label=f"rank {r}")
+    ax.set_yticks(range(len(ops)), [o if len(o) <= 48 else o[:45] + "..." for o in ops])
+    w = p.attrs.get("window") or {}
+    active = f", {w['active']} profiled step(s)" if "active" in w else ""
+    ax.set_xlabel(f"{p.attrs.get('sort_by', 'self time')} (ms{active})")
+    ax.set_title(f"Top {len(ops)} operators by {p.attrs.get('sort_by', 'self time')}",
+                 fontsize=14, fontweight="bold")
     ax.grid(True, axis="x", alpha=0.3)
     ax.tick_params(labelsize=9)
+    ax.legend(fontsize=9)
     return fig
 
 
@@ -148,6 +158,11 @@ def broadcast(inp: Inputs) -> Figure | None:
     per = r.groupby("transport", sort=False)["gbps"].agg(["mean", "min", "max"])
     axes[1].bar(per.index, per["mean"], color=[colors[t] for t in per.index],
                 yerr=[per["mean"] - per["min"], per["max"] - per["mean"]], capsize=6)
+    if r["all_gbps"].notna().any():
+        overall = r.groupby("transport", sort=False)["all_gbps"].first()
+        axes[1].plot(overall.index, overall.values, "kD", ms=9,
+                     label="all receivers done (sender's clock)")
+        axes[1].legend(fontsize=9, loc="lower center")
     axes[1].set_ylabel("GB/s (mean, min-max over receivers)")
     axes[1].set_title("per transport", fontsize=11)
     return fig
@@ -158,6 +173,7 @@ def perplexity(inp: Inputs) -> Figure | None:
     if e is None:
         return None
     fig, axes = _figure(1, 1, "Perplexity: base against trained model")
+    fig.set_size_inches(7.5, _PANEL[1] + 0.5)
     ax = axes[0]
     splits = list(dict.fromkeys(e["split"]))
     models = list(dict.fromkeys(e["model"]))
@@ -172,7 +188,9 @@ def perplexity(inp: Inputs) -> Figure | None:
     ax.set_ylabel("perplexity (lower is better)")
     if e["perplexity"].max() / max(e["perplexity"].min(), 1e-9) > 20:
         ax.set_yscale("log")
-    ax.legend()
+    else:
+        ax.set_ylim(0, e["perplexity"].max() * 1.2)  # room for the labels and the legend
+    ax.legend(ncols=len(models), loc="upper center")
     return fig
 
 
@@ -180,15 +198,44 @@ def inference(inp: Inputs) -> Figure | None:
     t = inp.inference
     if t is None:
         return None
-    fig, axes = _figure(1, 2, "Pipeline inference")
-    for ax, col, label in ((axes[0], "tokens_per_s", "generated tokens/s"),
-                           (axes[1], "ttft_s", "time to first token (s)")):
+    fig, axes = _figure(2, 2, "Pipeline inference")
+    for ax, col, label in ((axes[0], "tokens_per_s", "generated tokens/s (all prompts)"),
+                           (axes[1], "ttft_mean_s", "time to first token (s), mean and max")):
         for lanes, d in t.sort_values("stages").groupby("lanes"):
-            ax.plot(d["stages"], d[col], "o-", label=f"{lanes} prompt(s) in flight")
+            yerr = [[0] * len(d), d["ttft_max_s"] - d["ttft_mean_s"]] if col == "ttft_mean_s" else None
+            ax.errorbar(d["stages"], d[col], yerr=yerr, fmt="o-", capsize=5,
+                        label=f"{lanes} prompt(s) in flight")
         ax.set_xlabel("pipeline stages (MPI ranks)")
         ax.set_xticks(sorted(t["stages"].unique()))
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
+        ax.legend(fontsize=9)
+    p, lanes = inp.prompts, int(t["lanes"].iloc[-1])
+    ax = axes[2]
+    if p is None:
+        _note(ax, "not collected: timing.json has no per_prompt timing")
+    else:
+        ax.bar(p["index"], p["ttft_s"], color=_TRAIN, label="time to first token")
+        if "queue_s" in p:
+            ax.bar(p["index"], p["queue_s"], color="#ff7f0e", label="of which queued for a lane")
+        ax.set_xlabel(f"prompt (submitted together; {lanes} in flight at a time)")
+        ax.set_ylabel("seconds")
+        ax.set_xticks(list(p["index"]))
+        ax.legend(fontsize=9)
+    ax = axes[3]
+    st = inp.stages
+    if st is None:
+        _note(ax, "not collected: timing.json has no per_stage timing")
+    else:
+        bottom = pd.Series(0.0, index=st.index)
+        for col, label, color in (("compute_s", "forward", _TRAIN), ("send_s", "send", "#ff7f0e"),
+                                  ("recv_wait_s", "wait for previous stage", "#9467bd")):
+            if col in st:
+                ax.bar(st["stage"], st[col], bottom=bottom, color=color, label=label)
+                bottom = bottom + st[col]
+        ax.set_xlabel("pipeline stage (last run)")
+        ax.set_xticks(list(st["stage"]))
+        ax.set_ylabel("seconds")
         ax.legend(fontsize=9)
     return fig
 
@@ -233,7 +280,7 @@ def table_broadcast(inp: Inputs) -> pd.DataFrame | None:
         return None
     r = inp.receivers.copy()
     r["bytes"] = r["bytes"].map(_fmt_bytes)
-    return r.rename(columns={"gbps": "GB/s"})
+    return r.drop(columns=["all_gbps"]).rename(columns={"gbps": "GB/s"})
 
 
 def table_train(inp: Inputs) -> pd.DataFrame | None:
@@ -241,7 +288,8 @@ def table_train(inp: Inputs) -> pd.DataFrame | None:
     if m is None:
         return None
     rows = []
-    for col in [c for c in ("loss", "ppl", "lr", "grad_norm", "tokens") if c in m]:
+    for col in [c for c in ("loss", "ppl", "lr", "grad_norm", "tokens", "tokens_per_s",
+                            "step_time_s") if c in m]:
         rows.append({"metric": col, "first": m[col].iloc[0], "last": m[col].iloc[-1],
                      "min": m[col].min(), "max": m[col].max()})
     if inp.val is not None:
@@ -257,7 +305,8 @@ def table_train(inp: Inputs) -> pd.DataFrame | None:
 def table_profile(inp: Inputs, top: int = 25) -> pd.DataFrame | None:
     if inp.profile is None:
         return None
-    return inp.profile.drop(columns=["self_time"]).head(top)
+    p = inp.profile
+    return p[p["rank"] == p["rank"].min()].head(top).reset_index(drop=True)
 
 
 def table_eval(inp: Inputs) -> pd.DataFrame | None:
@@ -274,6 +323,10 @@ def table_eval(inp: Inputs) -> pd.DataFrame | None:
 
 def table_inference(inp: Inputs) -> pd.DataFrame | None:
     return inp.inference
+
+
+def table_stages(inp: Inputs) -> pd.DataFrame | None:
+    return inp.stages
 
 
 def table_generations(inp: Inputs) -> pd.DataFrame | None:

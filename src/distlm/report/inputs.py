@@ -49,10 +49,11 @@ class Inputs:
     metrics: pd.DataFrame | None = None
     val: pd.DataFrame | None = None
     profile: pd.DataFrame | None = None
-    profile_file: Path | None = None
     evals: pd.DataFrame | None = None
     timing: dict | None = None
     inference: pd.DataFrame | None = None
+    prompts: pd.DataFrame | None = None
+    stages: pd.DataFrame | None = None
     generations: pd.DataFrame | None = None
     benchmarks: pd.DataFrame | None = None
     missing: dict[str, str] = field(default_factory=dict)
@@ -128,7 +129,9 @@ def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
 
 def read_benchmarks(folder: Path, exclude: set[str] = frozenset()) -> pd.DataFrame | None:
     """Snakemake `benchmark:` TSVs -> one row per rule: wall seconds, peak RSS (MB), CPU seconds."""
-    files = sorted(p for p in folder.glob("*.tsv") if p.stem not in exclude)
+    # In the order the jobs finished (a benchmark is written when its job ends).
+    files = sorted((p for p in folder.glob("*.tsv") if p.stem not in exclude),
+                   key=lambda p: (p.stat().st_mtime, p.name))
     if not files:
         return None
     rows = []
@@ -148,48 +151,61 @@ def read_metrics(path: Path) -> pd.DataFrame:
     df = _csv(path, "training metrics", required=("step", "loss"))
     if df.empty:
         raise _fail(path, "training metrics", "no rows")
-    if "ppl" not in df:
-        ppl = _first(df.columns, "perplexity", "train_ppl")
-        df["ppl"] = df[ppl] if ppl else df["loss"].clip(upper=50).map(math.exp)
-    tok = _first(df.columns, "tokens", "tokens_seen", "tokens_total")
-    if tok and tok != "tokens":
-        df["tokens"] = df[tok]
+    if "perplexity" in df:
+        df["ppl"] = pd.to_numeric(df["perplexity"], errors="coerce")
+    else:
+        df["ppl"] = df["loss"].clip(upper=50).map(math.exp)
     return df.sort_values("step").reset_index(drop=True)
 
 
 def read_val(path: Path) -> pd.DataFrame:
-    """Validation CSV written during training: step and validation loss."""
-    df = pd.read_csv(path) if path.stat().st_size else pd.DataFrame()
-    loss = _first(df.columns, "val_loss", "loss")
-    if loss is None:
-        raise _fail(path, "validation metrics", f"no val_loss/loss column (columns: {list(df.columns)})")
-    df = _csv(path, "validation metrics", required=("step", loss))
-    if loss != "val_loss":
-        df["val_loss"] = df[loss]
-    if "val_ppl" not in df:
+    """Validation CSV written during training: step, validation loss (and perplexity, tokens)."""
+    df = _csv(path, "validation metrics", required=("step", "val_loss"))
+    if "val_perplexity" in df:
+        df["val_ppl"] = pd.to_numeric(df["val_perplexity"], errors="coerce")
+    else:
         df["val_ppl"] = df["val_loss"].clip(upper=50).map(math.exp)
     return df.sort_values("step").reset_index(drop=True)
 
 
-def read_profile(folder: Path) -> tuple[pd.DataFrame, Path] | None:
-    """The profiler's top-operator table: operator name and self time per operator."""
-    tables = sorted(folder.glob("*.csv"))
-    if not tables:
-        return None
-    path = next((p for p in tables if "top" in p.stem or "op" in p.stem), tables[0])
-    df = pd.read_csv(path) if path.stat().st_size else pd.DataFrame()
-    name = _first(df.columns, "name", "op", "operator", "key")
-    self_t = next((c for c in df.columns if "self" in c.lower() and ("time" in c.lower() or c.lower().endswith("_us") or c.lower().endswith("_ms"))), None)
-    if name is None or self_t is None:
-        raise _fail(
-            path, "profiler table",
-            f"expected an operator name column and a self-time column (columns: {list(df.columns)})",
-        )
-    df = _csv(path, "profiler table", required=(self_t,))
-    df = df.rename(columns={name: "operator"})
-    df["self_time"] = df[self_t]
-    df.attrs["self_time_column"] = self_t
-    return df.sort_values("self_time", ascending=False).reset_index(drop=True), path
+def read_profile(folder: Path) -> tuple[pd.DataFrame | None, str]:
+    """The profiler's top operators of every rank (`top-ops-rank<r>.json`), long format.
+
+    Returns (table, note): table None with the reason in `note` when no window was captured
+    (`profile.json` says whether profiling was on and why nothing was captured).
+    """
+    summary = folder / "profile.json"
+    info = _json(summary, "profiler summary") if summary.is_file() else {}
+    if info.get("enabled") is False:
+        return None, f"profiling is off: train.profile.enabled is false ({summary})"
+    files = sorted(folder.glob("top-ops-rank*.json"), key=lambda p: p.name)
+    if not files:
+        why = info.get("reason") or "the profiler wrote no top-ops-rank<r>.json"
+        return None, f"no profiler window was captured: {why}"
+    rows = []
+    for path in files:
+        what = "profiler table"
+        rep = _json(path, what)
+        ops = rep.get("ops") if isinstance(rep, dict) else None
+        if not isinstance(ops, list):
+            raise _fail(path, what, "field ops: expected a list of operators")
+        key = rep.get("sort_by", "self_cpu_us")
+        for i, op in enumerate(ops):
+            if not isinstance(op, dict) or "name" not in op:
+                raise _fail(path, what, f"ops[{i}]: expected an object with a name")
+            rows.append({
+                "rank": int(rep.get("rank", path.stem.rsplit("rank", 1)[-1])),
+                "operator": str(op["name"]),
+                "calls": int(_number(op, "calls", path, what, f"ops[{i}].")),
+                "self_ms": _number(op, key, path, what, f"ops[{i}].") / 1000.0,
+                "total_ms": _number(op, key.replace("self_", "").replace("_us", "_total_us"), path,
+                                    what, f"ops[{i}].") / 1000.0,
+                "self_pct": op.get("self_pct"),
+            })
+    df = pd.DataFrame(rows)
+    df.attrs["sort_by"] = "self device time" if "device" in key else "self CPU time"
+    df.attrs["window"] = info.get("window") or rep.get("window")
+    return df, ""
 
 
 def read_eval(path: Path, model: str) -> pd.DataFrame:
@@ -202,58 +218,107 @@ def read_eval(path: Path, model: str) -> pd.DataFrame:
     rows = []
     for split, r in splits.items():
         row = {"model": model, "split": split}
-        row["loss"] = _number(r, _first(r, "loss", "nll", "mean_nll") or "loss", path, what, f"splits.{split}.")
-        row["perplexity"] = _number(r, _first(r, "perplexity", "ppl") or "perplexity", path, what, f"splits.{split}.")
-        tok = _first(r, "tokens", "scored_tokens", "n_tokens")
-        row["tokens"] = int(_number(r, tok, path, what, f"splits.{split}.")) if tok else None
+        where = f"splits.{split}."
+        row["loss"] = _number(r, "mean_loss", path, what, where)
+        row["perplexity"] = _number(r, "perplexity", path, what, where)
+        row["tokens_scored"] = int(_number(r, "tokens_scored", path, what, where))
+        row["tokens_per_s"] = r.get("tokens_per_s")
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+_BROADCAST_FACTS = ("transport", "backend", "device", "world_size", "bytes", "tensors", "buckets",
+                    "bucket_bytes", "chunk_bytes", "seconds", "gbps", "all_verified", "model")
+
+
 def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
-    """Broadcast report JSON -> (run facts, one row per receiver with seconds and GB/s)."""
+    """Broadcast report JSON -> (run facts, one row per receiver with seconds and GB/s).
+
+    One run per file (distlm.transfer.run_broadcast_stage), or {"runs": [...]} of several
+    (transports); the sender's overall GB/s (clock stopped when the last receiver reported)
+    is kept per row as `all_gbps`."""
     what = "broadcast report"
     rep = _json(path, what)
-    runs = rep.get("runs") if isinstance(rep, dict) and "runs" in rep else [rep]
+    if not isinstance(rep, dict):
+        raise _fail(path, what, "expected a JSON object")
+    sweep = isinstance(rep.get("runs"), list)
+    runs = rep["runs"] if sweep else [rep]
     rows = []
     for i, run in enumerate(runs):
+        pre = f"runs[{i}]." if sweep else ""
         recv = run.get("receivers") if isinstance(run, dict) else None
         if not isinstance(recv, list) or not recv:
-            raise _fail(path, what, "field receivers: expected a non-empty list")
-        transport = str(run.get("transport", "?"))
+            raise _fail(path, what, f"field {pre}receivers: expected a non-empty list")
+        size = int(_number(run, "bytes", path, what, pre))
+        overall = run.get("gbps")
         for j, r in enumerate(recv):
-            where = f"receivers[{j}]."
-            gbps = _first(r, "gbps", "GBps", "gb_per_s")
+            where = f"{pre}receivers[{j}]."
             rows.append({
-                "transport": transport,
-                "receiver": r.get("rank", j + 1),
-                "bytes": int(_number(r if "bytes" in r else run, "bytes", path, what, where)),
+                "transport": str(run.get("transport", "?")),
+                "receiver": r.get("rank", j + 1) if isinstance(r, dict) else j + 1,
+                "bytes": size,
                 "seconds": _number(r, "seconds", path, what, where),
-                "gbps": _number(r, gbps or "gbps", path, what, where),
-                "digest_ok": r.get("digest_ok", r.get("verified")),
+                "gbps": _number(r, "gbps", path, what, where),
+                "verified": r.get("verified"),
+                **{k: r[k] for k in ("checksum_seconds", "unpack_seconds") if k in r},
+                "all_gbps": overall,
             })
-    facts = {k: v for k, v in (runs[0] if len(runs) == 1 else rep).items() if not isinstance(v, (list, dict))}
+    facts = {k: runs[-1][k] for k in _BROADCAST_FACTS if k in runs[-1]}
     return facts, pd.DataFrame(rows)
 
 
-def read_timing(path: Path) -> tuple[dict, pd.DataFrame]:
-    """Inference timing JSON -> (run facts, one row per (stages, prompts in flight) setting)."""
+def _ttft(r: dict, path: Path, what: str, where: str) -> tuple[float, float]:
+    t = r.get("ttft_s")
+    if isinstance(t, dict):
+        return (_number(t, "mean", path, what, f"{where}ttft_s."),
+                _number(t, "max", path, what, f"{where}ttft_s."))
+    v = _number(r, "ttft_s", path, what, where)
+    return v, v
+
+
+def read_timing(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame | None, pd.DataFrame | None]:
+    """Inference timing JSON -> (run facts, one row per run (stages, prompts in flight),
+    per-prompt timing of the last run, per-stage time split of the last run).
+
+    A file holds one run, or a sweep as {"runs": [run, ...]} over stage counts and lanes."""
     what = "inference timing"
     t = _json(path, what)
     if not isinstance(t, dict):
         raise _fail(path, what, "expected a JSON object")
-    runs = t.get("runs") if isinstance(t.get("runs"), list) else [t]
+    sweep = isinstance(t.get("runs"), list)
+    runs = t["runs"] if sweep else [t]
     rows = []
     for i, r in enumerate(runs):
-        where = f"runs[{i}]." if "runs" in t else ""
+        where = f"runs[{i}]." if sweep else ""
+        mean, worst = _ttft(r, path, what, where)
         rows.append({
             "stages": int(_number(r, "stages", path, what, where)),
-            "lanes": int(_number(r, _first(r, "lanes", "in_flight", "prompts_in_flight") or "lanes", path, what, where)),
-            "tokens_per_s": _number(r, _first(r, "tokens_per_s", "tokens_per_second") or "tokens_per_s", path, what, where),
-            "ttft_s": _number(r, _first(r, "ttft_s", "time_to_first_token_s") or "ttft_s", path, what, where),
+            "lanes": int(_number(r, "lanes", path, what, where)),
+            "prompts": r.get("prompts"),
+            "tokens": r.get("tokens"),
+            "wall_s": r.get("wall_s"),
+            "tokens_per_s": _number(r, "tokens_per_s", path, what, where),
+            "ttft_mean_s": mean,
+            "ttft_max_s": worst,
         })
-    facts = {k: v for k, v in t.items() if not isinstance(v, (list, dict))}
-    return facts, pd.DataFrame(rows)
+    last = runs[-1]
+    prompts = pd.DataFrame(last.get("per_prompt") or []) if isinstance(last, dict) else None
+    if prompts is not None and not prompts.empty:
+        absent = [c for c in ("index", "ttft_s") if c not in prompts]
+        if absent:
+            raise _fail(path, what, f"per_prompt: missing field(s) {', '.join(absent)}")
+    else:
+        prompts = None
+    stages = pd.DataFrame(last.get("per_stage") or []) if isinstance(last, dict) else None
+    if stages is not None and not stages.empty:
+        absent = [c for c in ("stage", "compute_s") if c not in stages]
+        if absent:
+            raise _fail(path, what, f"per_stage: missing field(s) {', '.join(absent)}")
+        stages = stages.sort_values("stage").reset_index(drop=True)
+    else:
+        stages = None
+    facts = {k: v for k, v in last.items() if not isinstance(v, (list, dict))}
+    return facts, pd.DataFrame(rows), prompts, stages
 
 
 def read_generations(path: Path, limit: int = 20) -> pd.DataFrame:
@@ -269,8 +334,10 @@ def read_generations(path: Path, limit: int = 20) -> pd.DataFrame:
                 raise _fail(path, "generations", f"line {n} is not valid JSON ({e})") from None
             if not isinstance(rec, dict) or "prompt" not in rec:
                 raise _fail(path, "generations", f"line {n}: expected an object with a prompt")
-            text = _first(rec, "completion", "generation", "text", "output")
-            rows.append({"prompt": rec["prompt"], "generated": rec.get(text, "") if text else ""})
+            text = _first(rec, "text", "completion", "generation")
+            row = {"prompt": rec["prompt"], "generated": rec.get(text, "") if text else ""}
+            row.update({k: rec[k] for k in ("tokens", "finish_reason", "ttft_s") if k in rec})
+            rows.append(row)
             if len(rows) >= limit:
                 break
     return pd.DataFrame(rows)
@@ -279,10 +346,9 @@ def read_generations(path: Path, limit: int = 20) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- collect
 
 
-def collect(results: str | os.PathLike, *, cfg: dict | None = None, exclude_rules=("report",)) -> Inputs:
+def collect(results: str | os.PathLike, *, exclude_rules=("report",)) -> Inputs:
     """Read every metrics file under `results`; absent ones get a reason in `Inputs.missing`."""
     inp = Inputs(results=Path(results))
-    cfg = cfg or {}
 
     def absent(key: str, why: str) -> None:
         p = inp.path(key)
@@ -304,13 +370,12 @@ def collect(results: str | os.PathLike, *, cfg: dict | None = None, exclude_rule
         inp.val = read_val(inp.path("val"))
     else:
         absent("val", "the train stage has not run or ran no validation")
-    prof = read_profile(inp.path("profile")) if inp.path("profile").is_dir() else None
-    if prof is not None:
-        inp.profile, inp.profile_file = prof
+    if inp.path("profile").is_dir():
+        inp.profile, why = read_profile(inp.path("profile"))
+        if inp.profile is None:
+            inp.missing["profile"] = f"not collected: {why}"
     else:
-        enabled = cfg.get("train", {}).get("profile", {}).get("enabled")
-        absent("profile", "profiling is off: train.profile.enabled is false" if enabled is False
-               else "the train stage has not run or profiling is off")
+        absent("profile", "the train stage has not run")
     evals = []
     for model in ("base", "trained"):
         key = f"eval_{model}"
@@ -320,7 +385,7 @@ def collect(results: str | os.PathLike, *, cfg: dict | None = None, exclude_rule
             absent(key, "the eval stage has not run")
     inp.evals = pd.concat(evals, ignore_index=True) if evals else None
     if inp.path("timing").is_file():
-        inp.timing, inp.inference = read_timing(inp.path("timing"))
+        inp.timing, inp.inference, inp.prompts, inp.stages = read_timing(inp.path("timing"))
     else:
         absent("timing", "the inference stage has not run")
     if inp.path("generations").is_file():

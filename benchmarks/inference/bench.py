@@ -1,0 +1,214 @@
+"""Tokens/s of Hugging Face `generate` vs the distlm MPI pipeline, side by side, in one run.
+
+    python benchmarks/inference/bench.py                       # seeded GPT-2-architecture model
+    python benchmarks/inference/bench.py --model results/train/final --prompts config/prompts.txt
+    python benchmarks/inference/bench.py --out benchmarks/inference/results.json
+
+Same model weights, prompts and greedy settings for every row:
+  * hf_generate: single-process GPT2LMHeadModel.generate (KV cache), one prompt at a time;
+  * distlm S = 1, 2, 3 (mpiexec -n S): one prompt at a time (lanes = 1), then all M >= S prompts in
+    flight together (lanes = M), in the same pipeline launch.
+Each figure is the best of --repeats timed runs after one warm-up run (the machine may be shared).
+Targets (issue 6): S = 1 >= 0.8x hf_generate; S = 3 with M >= 3 in flight >= 1.5x S = 3 one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model folder (default: a seeded init, see --layers/--embd)")
+    p.add_argument("--prompts", default=str(ROOT / "config" / "prompts.txt"))
+    p.add_argument("--m", type=int, default=6, help="prompts in flight (cycled from the prompt file)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--embd", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
+    p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------- model and prompts
+
+
+def seeded_model(folder: Path, args) -> Path:
+    """A GPT-2-architecture model with a tokenizer trained on the embedded corpus."""
+    from distlm.data import load_embedded, train_tokenizer
+    from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+
+    tokdir = folder / "tokenizer"
+    tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
+    cfg = init_config(
+        dict(n_positions=256, n_embd=args.embd, n_layer=args.layers, n_head=args.heads, dropout=0.0),
+        len(tok), tok.eos_token_id,
+    )
+    sd = state_dict_for_save(build_model(cfg, seed=0))
+    write_model_dir(folder / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir, stages=1,
+                    meta={"source": {"kind": "init", "seed": 0}})
+    return folder / "model"
+
+
+def sharded(model: Path, stages: int, work: Path) -> Path:
+    """The same weights as a model folder with `stages` shards."""
+    from distlm.model import load_config_json, load_model_dir, read_manifest, state_dict_for_save, write_model_dir
+
+    if read_manifest(model)["stages"] == stages:
+        return model
+    out = work / f"s{stages}"
+    if not out.exists():
+        sd = state_dict_for_save(load_model_dir(model))
+        write_model_dir(out, state_dict=sd, config=load_config_json(model), tokenizer_dir=model,
+                        stages=stages, meta={"source": str(model)})
+    return out
+
+
+def prompts(path: str, m: int) -> list[str]:
+    from distlm.inference.prompts import read_prompts
+
+    base = read_prompts(path)
+    return [base[i % len(base)] for i in range(m)]
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def hf_generate(model_dir: Path, texts: list[str], n: int, repeats: int) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from distlm.model import load_model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model_dir(model_dir)
+    ids = [torch.tensor([tok(t, add_special_tokens=False)["input_ids"]]) for t in texts]
+    # no EOS stop: every prompt makes exactly n tokens, as in the pipeline runs below
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=tok.eos_token_id)
+
+    def run() -> tuple[float, int]:
+        t0, total = time.perf_counter(), 0
+        with torch.inference_mode():
+            for x in ids:
+                total += model.generate(x, **kw).shape[1] - x.shape[1]
+        return time.perf_counter() - t0, total
+
+    run()
+    best = min((run() for _ in range(repeats)), key=lambda r: r[0])
+    return {"tokens": best[1], "wall_s": best[0], "tokens_per_s": best[1] / best[0],
+            "threads": torch.get_num_threads()}
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """Under mpiexec: one pipeline, timed one prompt at a time and with all prompts in flight."""
+    from distlm.inference.pipeline import Scheduler, generate_batch, mpi_pipeline, run_workers
+
+    spec = json.loads(Path(spec_path).read_text())
+    icfg = spec["inference"]
+    with mpi_pipeline(icfg, spec["model"]) as pipe:
+        if not run_workers(pipe):
+            return
+        results = {}
+        for name, lanes in (("one_at_a_time", 1), ("in_flight", len(spec["prompts"]))):
+            cfg = {**icfg, "lanes": lanes}
+            runs = []
+            for _ in range(spec["repeats"] + 1):  # the first is a warm-up
+                pipe.scheduler = Scheduler(
+                    pipe.model, pipe.ring, pipe.topo, lanes=lanes, eos_token_id=None,  # no EOS stop
+                    context=pipe.context, timeout_s=icfg["timeout_s"], stats=pipe.stats,
+                )
+                pipe.stats.reset()
+                _, timing = generate_batch(pipe, spec["prompts"], cfg)
+                runs.append(timing)
+            best = max(runs[1:], key=lambda t: t["tokens_per_s"])
+            results[name] = {k: best[k] for k in ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")}
+            results[name]["ttft_mean_s"] = best["ttft_s"]["mean"]
+        results["per_stage"] = pipe.scheduler.stop()
+        Path(out_path).write_text(json.dumps(results))
+
+
+def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: int, work: Path, timeout: float) -> dict:
+    from distlm.config import validate_config
+
+    icfg = validate_config({"inference": {"stages": stages, "max_new_tokens": n, "greedy": True,
+                                          "timeout_s": 120}})["inference"]
+    spec = work / f"spec-{stages}.json"
+    out = work / f"out-{stages}.json"
+    spec.write_text(json.dumps({"inference": icfg, "model": str(model_dir), "prompts": texts, "repeats": repeats}))
+    cmd = ["mpiexec", "-n", str(stages), sys.executable, __file__, "--worker", str(spec), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"distlm S={stages} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        from distlm.log import setup_logging
+
+        setup_logging()
+        worker(*args.worker)
+        return
+    import torch
+
+    from distlm.model import load_config_json
+
+    work = Path(tempfile.mkdtemp(prefix="distlm-bench-"))
+    try:
+        model = Path(args.model) if args.model else seeded_model(work, args)
+        texts = prompts(args.prompts, args.m)
+        stages = [int(s) for s in args.stages.split(",")]
+        if args.m < max(stages):
+            raise SystemExit(f"--m {args.m}: need at least as many prompts as stages ({max(stages)})")
+        n = args.max_new_tokens
+        hf = hf_generate(model, texts, n, args.repeats)
+        print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
+        rows = {}
+        for s in stages:
+            rows[str(s)] = distlm_run(sharded(model, s, work), s, texts, n, args.repeats, work, args.timeout)
+            r = rows[str(s)]
+            print(f"distlm S={s}: one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
+                  f"{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} tokens/s", flush=True)
+        cfg = load_config_json(model)
+        ratios = {"s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]} if "1" in rows else {}
+        for s, r in rows.items():
+            ratios[f"s{s}_in_flight_vs_one_at_a_time"] = r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
+        targets = {}
+        if "s1_vs_hf_generate" in ratios:
+            targets["s1 >= 0.8x hf_generate"] = ratios["s1_vs_hf_generate"] >= 0.8
+        if "s3_in_flight_vs_one_at_a_time" in ratios:
+            targets["s3 in flight >= 1.5x one at a time"] = ratios["s3_in_flight_vs_one_at_a_time"] >= 1.5
+        result = {
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                        "load_avg_1m": os.getloadavg()[0]},
+            "model": {"folder": str(args.model or "seeded init"), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+                      "n_head": cfg.n_head, "vocab_size": cfg.vocab_size},
+            "prompts": len(texts), "max_new_tokens": n, "repeats": args.repeats,
+            "hf_generate": hf, "distlm": rows, "ratios": ratios, "targets_met": targets,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({"ratios": ratios, "targets_met": targets}, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,639 @@
+"""Pipeline-parallel generation over MPI: one rank per stage, a ring of point-to-point messages.
+
+    mpiexec -n 3 python workflow/scripts/infer.py --config results/config/inference.json \
+        --model results/train/final --prompts config/prompts.txt \
+        --generations results/inference/generations.jsonl --timing results/inference/timing.json
+
+Stage 0 (rank 0) owns the scheduler: it admits sequences into *lanes* (one KV cache per lane on
+every stage), packs ready lanes into micro-batches of at most ceil(lanes / stages) and keeps up to
+`stages` micro-batches in flight, so different prompts occupy different stages at the same moment.
+Hidden states flow stage -> stage + 1; the last stage picks each sequence's next token and sends the
+tokens back to stage 0, which decides whether the sequence goes round again (decode) or finishes.
+
+Every wait has a deadline: a rank that dies or hangs makes the others stop with an error that names
+the stage they were waiting for (then MPI_Abort), never a hang. Stage 0 waits `inference.timeout_s`
+for tokens to come back, the other stages twice that for their next message, so stage 0 (and in
+serve mode its HTTP server, which answers 503) is the first to notice. While the
+pipeline is idle (serve mode) stage 0 sends an empty micro-batch round the ring as a heartbeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from distlm import DistlmError
+from distlm.inference.prompts import encode_prompt, read_prompts
+from distlm.inference.sampling import (
+    RequestError,
+    SamplingParams,
+    new_generator,
+    params_from_config,
+    pick_token,
+)
+from distlm.inference.stage import Item, StageModel, load_stage
+from distlm.io import atomic_path, write_json
+from distlm.log import get_logger
+
+log = get_logger(__name__)
+
+TAG = 17
+_SPIN = 200  # polls before a waiting rank starts to sleep between polls
+
+
+class PipelineError(DistlmError):
+    """A stage died or stopped answering: the message names the stage and the timeout."""
+
+
+# ----------------------------------------------------------------------------- topology / links
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    """Where this rank sits in the ring of stages."""
+
+    rank: int
+    stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.stages - 1
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.stages
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.stages
+
+
+@dataclass
+class StageStats:
+    """Where a stage's time went: forward passes, sends, and waiting for the previous stage."""
+
+    stage: int
+    compute_s: float = 0.0
+    send_s: float = 0.0
+    recv_wait_s: float = 0.0
+    micro_batches: int = 0
+    items: int = 0
+    messages_sent: int = 0
+    bytes_sent: int = 0
+
+    def reset(self) -> None:
+        self.__init__(stage=self.stage)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["comm_s"] = self.send_s + self.recv_wait_s
+        return d
+
+
+class Backoff:
+    """Poll tightly for a while, then sleep in growing steps (up to 0.5 ms) so idle ranks yield the CPU."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def pause(self) -> None:
+        self.n += 1
+        if self.n > _SPIN:
+            time.sleep(min(5e-4, 1e-5 * (self.n - _SPIN)))
+
+
+class Ring:
+    """Messages to the next stage and from the previous one; every wait has a deadline."""
+
+    def __init__(self, comm, topo: PipelineTopology, *, timeout_s: float, stats: StageStats) -> None:
+        self.comm = comm
+        self.topo = topo
+        self.timeout_s = timeout_s
+        self.stats = stats
+
+    def send(self, msg: tuple, nbytes: int = 0) -> None:
+        t0 = time.perf_counter()
+        req = self.comm.isend(msg, dest=self.topo.next, tag=TAG)
+        deadline = time.monotonic() + self.timeout_s
+        backoff = Backoff()
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"stage {self.topo.rank}: stage {self.topo.next} did not take a message within "
+                    f"{self.timeout_s:g} s (inference.timeout_s): it died or hangs"
+                )
+            backoff.pause()
+        self.stats.send_s += time.perf_counter() - t0
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += nbytes
+
+    def ready(self) -> bool:
+        return self.comm.Iprobe(source=self.topo.prev, tag=TAG)
+
+    def take(self):
+        return self.comm.recv(source=self.topo.prev, tag=TAG)
+
+    def recv(self):
+        """The next message from the previous stage, waiting at most timeout_s."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        backoff = Backoff()
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"stage {self.topo.rank}: nothing from stage {self.topo.prev} for "
+                    f"{self.timeout_s:g} s (inference.timeout_s): it died or hangs"
+                )
+            backoff.pause()
+        msg = self.take()
+        self.stats.recv_wait_s += time.perf_counter() - t0
+        return msg
+
+
+def to_wire(x: torch.Tensor) -> tuple[str, np.ndarray]:
+    """A tensor as (dtype name, numpy array); bfloat16 travels as its int16 bit pattern."""
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return "bfloat16", x.view(torch.int16).numpy()
+    return str(x.dtype).removeprefix("torch."), x.numpy()
+
+
+def from_wire(payload: tuple[str, np.ndarray]) -> torch.Tensor:
+    name, arr = payload
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if name == "bfloat16" else t
+
+
+# ----------------------------------------------------------------------------- sequences
+
+
+@dataclass
+class Sequence:
+    """One prompt's generation; callbacks run on stage 0's main thread."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_token: Callable[["Sequence", int], None] | None = None
+    on_done: Callable[["Sequence"], None] | None = None
+    lane: int = -1
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    t_submit: float = 0.0
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+
+    def timing(self) -> dict:
+        gen_s = self.t_done - self.t_first
+        return {
+            "ttft_s": self.t_first - self.t_submit,
+            "queue_s": self.t_admit - self.t_submit,
+            "total_s": self.t_done - self.t_submit,
+            "tokens": len(self.tokens),
+            # decode rate after the first token; a single token has none
+            "decode_tokens_per_s": (len(self.tokens) - 1) / gen_s if len(self.tokens) > 1 and gen_s > 0 else None,
+            "tokens_per_s": len(self.tokens) / (self.t_done - self.t_submit),
+        }
+
+
+class Sampler:
+    """The last stage's per-lane sampling state (parameters and random generator)."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+
+    def start(self, lane: int, params: SamplingParams) -> None:
+        self.lanes[lane] = (params, new_generator(params))
+
+    def pick(self, lane: int, logits: torch.Tensor) -> int:
+        params, gen = self.lanes[lane]
+        return pick_token(logits, params, gen)
+
+
+def _header(items: list[Item], seqs: list[Sequence]) -> list[tuple]:
+    # Sampling parameters travel with a sequence's prefill, once; the last stage keeps them per lane.
+    return [
+        (it.seq, it.lane, it.pos, it.n, s.params.to_dict() if it.pos == 0 else None)
+        for it, s in zip(items, seqs)
+    ]
+
+
+def _sample(sampler: Sampler, header: list[tuple], logits: torch.Tensor) -> list[tuple[int, int]]:
+    out = []
+    for i, (seq, lane, pos, _n, params) in enumerate(header):
+        if pos == 0:
+            sampler.start(lane, SamplingParams(**params))
+        out.append((seq, sampler.pick(lane, logits[i])))
+    return out
+
+
+# ----------------------------------------------------------------------------- stage 0
+
+
+class Scheduler:
+    """Stage 0: lanes, micro-batches, and the decision to continue or finish each sequence."""
+
+    def __init__(
+        self,
+        model: StageModel,
+        ring: Ring | None,
+        topo: PipelineTopology,
+        *,
+        lanes: int,
+        eos_token_id: int | None,
+        context: int,
+        timeout_s: float,
+        stats: StageStats,
+    ) -> None:
+        self.model, self.ring, self.topo = model, ring, topo
+        self.lanes = lanes
+        self.cap = math.ceil(lanes / topo.stages)  # sequences per micro-batch
+        self.eos = eos_token_id
+        self.context = context
+        self.timeout_s = timeout_s
+        self.stats = stats
+        self.sampler = Sampler()
+        self.waiting: deque[Sequence] = deque()
+        self.ready: deque[Sequence] = deque()
+        self.active: dict[int, Sequence] = {}
+        self.free = list(range(lanes - 1, -1, -1))
+        self.inflight = 0
+        self.progress_at = time.monotonic()
+        self.last_send = time.monotonic()
+        self._next_id = 0
+
+    # -- public
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def submit(self, seq: Sequence) -> None:
+        seq.t_submit = seq.t_submit or time.perf_counter()
+        self.waiting.append(seq)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.ready or self.inflight)
+
+    def step(self) -> bool:
+        """Do what can be done now without waiting; False when nothing could (caller pauses)."""
+        did = False
+        while self.ring is not None and self.inflight and self.ring.ready():
+            self._reply(self.ring.take())
+            did = True
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            if seq.cancelled:
+                self._finish(seq, "cancelled")
+                continue
+            seq.lane = self.free.pop()
+            seq.t_admit = time.perf_counter()
+            self.active[seq.id] = seq
+            self.ready.append(seq)
+        if self.ready and self.inflight < self.topo.stages:
+            batch = [self.ready.popleft() for _ in range(min(self.cap, len(self.ready)))]
+            self._launch(batch)
+            return True
+        if self.inflight and not did and time.monotonic() - self.progress_at > self.timeout_s:
+            raise PipelineError(
+                f"stage 0: no tokens back from the pipeline (stages 1-{self.topo.stages - 1}) for "
+                f"{self.timeout_s:g} s (inference.timeout_s): a stage died or hangs"
+            )
+        return did
+
+    def heartbeat(self, every_s: float) -> None:
+        """When idle, send an empty micro-batch round the ring, so every stage knows the others live."""
+        if self.ring is not None and not self.busy and time.monotonic() - self.last_send > every_s:
+            self._send_work([], [], None)
+
+    def hello(self) -> list[dict]:
+        """Each stage adds where it runs (host, pid, layers); stage 0 gets the list back."""
+        infos = [stage_info(self.model)]
+        if self.ring is None:
+            return infos
+        self.ring.send(("hello", infos))
+        return self.ring.recv()[1]
+
+    def stop(self) -> list[dict]:
+        """End the workers; each adds its StageStats on the way round."""
+        stats = [self.stats.to_dict()]
+        if self.ring is None:
+            return stats
+        self.ring.send(("stop", stats))
+        msg = self.ring.recv()
+        while msg[0] != "stop":  # a heartbeat still on its way
+            msg = self.ring.recv()
+        return msg[1]
+
+    def fail_all(self, reason: str) -> list[Sequence]:
+        """The pipeline is gone: every sequence not yet finished, removed from the scheduler."""
+        seqs = list(self.waiting) + list(self.active.values())
+        self.waiting.clear()
+        self.ready.clear()
+        self.active.clear()
+        return seqs
+
+    # -- internals
+
+    def _launch(self, batch: list[Sequence]) -> None:
+        items, ids = [], []
+        for s in batch:
+            if not s.tokens:
+                items.append(Item(s.id, s.lane, 0, len(s.prompt_ids)))
+                ids.extend(s.prompt_ids)
+            else:
+                items.append(Item(s.id, s.lane, len(s.prompt_ids) + len(s.tokens) - 1, 1))
+                ids.append(s.tokens[-1])
+        t0 = time.perf_counter()
+        out = self.model(items, torch.tensor(ids, dtype=torch.long))
+        self.stats.compute_s += time.perf_counter() - t0
+        self.stats.micro_batches += 1
+        self.stats.items += len(items)
+        header = _header(items, batch)
+        if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
+            for seq_id, token in _sample(self.sampler, header, out):
+                self._token(self.active[seq_id], token)
+            self.progress_at = time.monotonic()
+        else:
+            self._send_work(items, header, out)
+
+    def _send_work(self, items, header, out) -> None:
+        payload = to_wire(out) if out is not None else None
+        if self.inflight == 0:
+            self.progress_at = time.monotonic()
+        self.ring.send(("work", header, payload), payload[1].nbytes if payload else 0)
+        self.inflight += 1
+        self.last_send = time.monotonic()
+
+    def _reply(self, msg) -> None:
+        if msg[0] != "tokens":
+            raise PipelineError(f"stage 0: unexpected message {msg[0]!r} from the last stage")
+        self.inflight -= 1
+        self.progress_at = time.monotonic()
+        for seq_id, token in msg[1]:
+            seq = self.active.get(seq_id)
+            if seq is not None:
+                self._token(seq, token)
+
+    def _token(self, seq: Sequence, token: int) -> None:
+        now = time.perf_counter()
+        if not seq.tokens:
+            seq.t_first = now
+        seq.tokens.append(token)
+        if seq.on_token is not None:
+            seq.on_token(seq, token)
+        reason = None
+        if self.eos is not None and token == self.eos:
+            reason = "stop"
+        elif len(seq.tokens) >= seq.params.max_new_tokens or len(seq.prompt_ids) + len(seq.tokens) >= self.context:
+            reason = "length"
+        elif seq.cancelled:
+            reason = "cancelled"
+        if reason is None:
+            self.ready.append(seq)
+        else:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.t_done = time.perf_counter()
+        if seq.t_admit:
+            self.active.pop(seq.id, None)
+            self.free.append(seq.lane)
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+
+# ----------------------------------------------------------------------------- stages 1..S-1
+
+
+def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
+    """A later stage: forward what arrives, pass it on (or the picked tokens back); until stop."""
+    sampler = Sampler()
+    last = ring.topo.is_last
+    while True:
+        msg = ring.recv()
+        kind = msg[0]
+        if kind == "hello":
+            ring.send(("hello", msg[1] + [stage_info(model)]))
+            stats.reset()  # count the steady state, not the wait for the others to load
+        elif kind == "stop":
+            ring.send(("stop", msg[1] + [stats.to_dict()]))
+            return
+        elif kind == "work":
+            _, header, payload = msg
+            out = None
+            if header:
+                items = [Item(*h[:4]) for h in header]
+                t0 = time.perf_counter()
+                out = model(items, from_wire(payload))
+                stats.compute_s += time.perf_counter() - t0
+                stats.micro_batches += 1
+                stats.items += len(items)
+            if last:
+                ring.send(("tokens", _sample(sampler, header, out) if header else []))
+            else:
+                wire = to_wire(out) if out is not None else None
+                ring.send(("work", header, wire), wire[1].nbytes if wire else 0)
+        else:
+            raise PipelineError(f"stage {ring.topo.rank}: unexpected message {kind!r}")
+
+
+def stage_info(model: StageModel) -> dict:
+    return {
+        "stage": model.stage,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "layers": [model.start, model.end],
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ----------------------------------------------------------------------------- running a pipeline
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a running pipeline (stage 0 gets the scheduler and the tokenizer)."""
+
+    topo: PipelineTopology
+    model: StageModel
+    ring: Ring | None
+    stats: StageStats
+    scheduler: Scheduler | None = None
+    tokenizer: object = None
+    context: int = 0
+    eos_token_id: int | None = None
+    infos: list[dict] = field(default_factory=list)
+
+
+def set_threads(stages: int) -> None:
+    """Split the CPU cores between the ranks on this host unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", stages)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+
+
+@contextlib.contextmanager
+def mpi_pipeline(icfg: dict, model_dir: str | Path) -> Iterator[Pipeline]:
+    """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
+    try:
+        set_threads(topo.stages)
+        stats = StageStats(stage=topo.rank)
+        model = load_stage(model_dir, topo.rank, world=topo.stages)
+        # Stage 0 gives up first (it owns the HTTP server and answers 503 before the job ends); the
+        # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
+        wait_s = icfg["timeout_s"] * (1 if topo.is_first else 2)
+        ring = Ring(comm, topo, timeout_s=wait_s, stats=stats) if topo.stages > 1 else None
+        pipe = Pipeline(topo, model, ring, stats)
+        if topo.is_first:
+            from distlm.data import load_tokenizer
+
+            pipe.tokenizer = load_tokenizer(model_dir)
+            pipe.context = model.config.n_positions
+            pipe.eos_token_id = pipe.tokenizer.eos_token_id
+            pipe.scheduler = Scheduler(
+                model, ring, topo, lanes=icfg["lanes"], eos_token_id=pipe.eos_token_id,
+                context=pipe.context, timeout_s=icfg["timeout_s"], stats=stats,
+            )
+            pipe.infos = pipe.scheduler.hello()
+            stats.reset()
+            log.info("pipeline of %d stages up: %s", topo.stages, json.dumps(pipe.infos))
+        yield pipe
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        sys.stderr.flush()
+        os._exit(130)
+    except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
+        if isinstance(e, DistlmError):
+            log.error("stage %d failed: %s", topo.rank, e)
+        else:
+            log.exception("stage %d failed", topo.rank)
+        for h in log.handlers + log.parent.handlers:
+            h.flush()
+        comm.Abort(1)
+
+
+def run_workers(pipe: Pipeline) -> bool:
+    """Stages 1..S-1 serve until stage 0 stops them; True when this rank is stage 0."""
+    if pipe.topo.is_first:
+        return True
+    worker_loop(pipe.model, pipe.ring, pipe.stats)
+    return False
+
+
+def drive(sched: Scheduler, more: Callable[[], bool], *, on_idle: Callable[[], None] | None = None) -> None:
+    """Step the scheduler while `more()`; time spent waiting for tokens counts as stage 0's recv wait."""
+    backoff = Backoff()
+    while more():
+        if sched.step():
+            backoff.reset()
+            continue
+        if on_idle is not None and not sched.busy:
+            on_idle()
+            continue
+        t0 = time.perf_counter()
+        backoff.pause()
+        if sched.inflight:
+            sched.stats.recv_wait_s += time.perf_counter() - t0
+
+
+def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: str = "prompts") -> tuple[list[dict], dict]:
+    """Stage 0: run every prompt through the pipeline; (generation records, timing summary)."""
+    sched, tok = pipe.scheduler, pipe.tokenizer
+    seqs, dropped = [], []
+    for i, text in enumerate(prompts):
+        params = params_from_config(icfg, context=pipe.context, seed_offset=i)
+        try:
+            ids, cut = encode_prompt(
+                tok, text, context=pipe.context, max_new_tokens=params.max_new_tokens,
+                overflow=icfg["prompt_overflow"],
+            )
+        except RequestError as e:
+            raise DistlmError(f"{source}: prompt {i + 1}: {e}") from None
+        if cut:
+            log.warning("%s: prompt %d: dropped its first %d tokens to fit the context", source, i + 1, cut)
+        seqs.append(Sequence(sched.new_id(), ids, params))
+        dropped.append(cut)
+    t0 = time.perf_counter()
+    for s in seqs:
+        s.t_submit = t0
+        sched.submit(s)
+    drive(sched, lambda: sched.busy)
+    wall = time.perf_counter() - t0
+    records = []
+    for i, (text, s, cut) in enumerate(zip(prompts, seqs, dropped)):
+        records.append({
+            "index": i,
+            "prompt": text,
+            "text": tok.decode(s.tokens, skip_special_tokens=True),
+            "tokens": len(s.tokens),
+            "token_ids": s.tokens,
+            "finish_reason": s.finish_reason,
+            "prompt_tokens": len(s.prompt_ids),
+            "prompt_truncated_tokens": cut,
+            **{k: v for k, v in s.timing().items() if k != "tokens"},
+        })
+    total = sum(len(s.tokens) for s in seqs)
+    timing = {
+        "stages": pipe.topo.stages,
+        "lanes": icfg["lanes"],
+        "micro_batch_size": sched.cap,
+        "prompts": len(seqs),
+        "tokens": total,
+        "wall_s": wall,
+        "tokens_per_s": total / wall if wall > 0 else None,
+        "ttft_s": {
+            "mean": sum(s.t_first - s.t_submit for s in seqs) / len(seqs),
+            "max": max(s.t_first - s.t_submit for s in seqs),
+        },
+        "per_prompt": [{"index": r["index"], **seqs[i].timing()} for i, r in enumerate(records)],
+    }
+    return records, timing
+
+
+def run_batch(icfg: dict, *, model_dir, prompts_path, generations_path, timing_path) -> None:
+    """The inference stage: every rank calls this; stage 0 writes the generations and the timing."""
+    with mpi_pipeline(icfg, model_dir) as pipe:
+        if not run_workers(pipe):
+            return
+        prompts = read_prompts(prompts_path)
+        records, timing = generate_batch(pipe, prompts, icfg, source=str(prompts_path))
+        timing["per_stage"] = pipe.scheduler.stop()
+        timing["hosts"] = pipe.infos
+        timing["model"] = str(model_dir)
+        with atomic_path(generations_path) as tmp:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in records:
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_json(timing_path, timing)
+        log.info(
+            "%d prompts, %d tokens in %.2f s: %.1f tokens/s over %d stages",
+            timing["prompts"], timing["tokens"], timing["wall_s"], timing["tokens_per_s"] or 0, timing["stages"],
+        )

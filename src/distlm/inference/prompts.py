@@ -1,0 +1,74 @@
+"""Prompts: a prompt file (one per line), where a relative path is found, and prompt tokens.
+
+Kept free of torch so the workflow can import it when it builds the DAG.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distlm import DistlmError
+
+
+class RequestError(DistlmError):
+    """A bad generation request (or prompt): the message names the field; `status` is the HTTP code."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+def encode_prompt(tok, text: str, *, context: int, max_new_tokens: int, overflow: str) -> tuple[list[int], int]:
+    """Token ids of a prompt and how many leading tokens were dropped to fit the context."""
+    if not isinstance(text, str) or not text:
+        raise RequestError("prompt: empty prompt", param="prompt")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise RequestError("prompt: the prompt has no tokens", param="prompt")
+    room = context - max_new_tokens
+    if len(ids) <= room:
+        return ids, 0
+    if overflow == "reject":
+        raise RequestError(
+            f"prompt: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the model's context "
+            f"of {context} (inference.prompt_overflow is reject)",
+            param="prompt",
+        )
+    return ids[len(ids) - room :], len(ids) - room
+
+
+def resolve_prompts_path(path: str | Path, root: str | Path) -> Path:
+    """A relative prompt file is looked up in the working directory first, then the repository root."""
+    p = Path(path)
+    if p.is_absolute():
+        candidates = [p]
+    else:
+        candidates = [Path.cwd() / p, Path(root) / p]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise DistlmError(
+        f"inference.prompts: prompt file {str(path)!r} not found (looked in "
+        + ", ".join(str(c) for c in candidates) + ")"
+    )
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """One prompt per non-blank line (UTF-8); `\\n` in a line stands for a newline."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DistlmError(f"prompt file not found: {path}") from None
+    prompts = []
+    for i, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            text = line.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            raise DistlmError(f"{path}:{i}: not valid UTF-8 ({e})") from None
+        if text.strip():
+            prompts.append(text.replace("\\n", "\n"))
+    if not prompts:
+        raise DistlmError(f"{path}: no prompts (one per non-blank line)")
+    return prompts

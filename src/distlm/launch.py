@@ -1,0 +1,200 @@
+"""Multi-node torchrun inside a SLURM allocation: one `srun` task per node, c10d rendezvous on the
+allocation's first node. The SLURM profile sets a rule's `torchrun` resource to this launcher:
+
+    distlm-launch srun-torchrun --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
+
+inside a job of N nodes runs
+
+    srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 \\
+        python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
+        --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
+
+With `srun-torchrun --spread-procs`, --nproc-per-node is the job's TOTAL process count, spread over
+the nodes as evenly as possible (3 on 2 nodes: 2 + 1): for stages whose world size is fixed by the
+config (the weight broadcast: 1 sender + receivers), not by the hardware.
+
+Each task execs `python -m torch.distributed.run --nnodes=$SLURM_NNODES --rdzv-backend=c10d --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID ...`: world size N x nproc-per-node.
+
+The rule carries the `mpi` resource so the Snakemake plugin runs its shell in the batch script
+itself (not inside `srun -n1`, where this inner step would wait for ever). Snakemake's jobstep
+plugin clears SLURM_* except SLURM_JOB_ID, so the allocation (nodes, CPUs per task) is read back
+from `scontrol show job`. `--kill-on-bad-exit` ends every node's torchrun when one fails, and the
+rendezvous has a join timeout, so a lost node is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from distlm import DistlmError
+
+# torchrun options this launcher decides: given by the caller they would contradict the allocation.
+_OWNED = ("--standalone", "--nnodes", "--node-rank", "--node_rank", "--rdzv-backend",
+          "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
+          "--master-addr", "--master_addr", "--master-port", "--master_port")
+DEFAULT_JOIN_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The parts of a SLURM job this launcher needs."""
+
+    job_id: str
+    hosts: tuple[str, ...]
+    cpus_per_task: int
+
+    @property
+    def head(self) -> str:
+        return self.hosts[0]
+
+
+def parse_job(text: str) -> dict[str, str]:
+    """`scontrol show job -o` output -> {field: value} (values with spaces are cut; we need none)."""
+    return dict(re.findall(r"(?:^|\s)([A-Za-z/:]+)=(\S*)", text))
+
+
+def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
+    def scontrol(*args: str) -> str:
+        cmd = ["scontrol", *args]
+        try:
+            proc = run(cmd, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError as e:
+            raise DistlmError(f"distlm-launch: `scontrol` not found on PATH ({e})") from e
+        if proc.returncode != 0:
+            raise DistlmError(f"distlm-launch: `{shlex.join(cmd)}` failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    fields = parse_job(scontrol("show", "job", "-o", job_id))
+    nodelist = fields.get("NodeList", "")
+    if not nodelist or nodelist == "(null)":
+        raise DistlmError(f"distlm-launch: SLURM job {job_id} has no NodeList (is it running?)")
+    hosts = tuple(scontrol("show", "hostnames", nodelist).split())
+    cpus = fields.get("CPUs/Task", "1")
+    return Allocation(job_id=job_id, hosts=hosts,
+                      cpus_per_task=int(cpus) if cpus.isdigit() else 1)
+
+
+def check_torchrun_args(args: list[str]) -> None:
+    """Refuse a missing script and the torchrun options the launcher owns (before the script)."""
+    script_at = next((i for i, a in enumerate(args) if a.endswith(".py") or a == "-m"), None)
+    if script_at is None:
+        raise DistlmError("distlm-launch srun-torchrun: no script.py given (usage: distlm-launch "
+                          "srun-torchrun [torchrun options] script.py [script args])")
+    for a in args[:script_at]:
+        if a.split("=", 1)[0] in _OWNED:
+            raise DistlmError(
+                f"distlm-launch srun-torchrun: torchrun option {a.split('=', 1)[0]} is set by the "
+                "launcher from the SLURM allocation (nodes, rendezvous); remove it from the "
+                "`torchrun` resource or the rule")
+
+
+def rendezvous_port(alloc: Allocation, hostname: str) -> int:
+    """A free port on the head node when we run there (the batch host), else one from the job id."""
+    if hostname in (alloc.head, alloc.head.split(".")[0]):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+    return 20000 + int(re.sub(r"\D", "", alloc.job_id) or 0) % 20000
+
+
+def _nproc_at(args: list[str]) -> tuple[int, int]:
+    """(index, value) of --nproc-per-node in torchrun's options (before the script)."""
+    for i, a in enumerate(args):
+        if a.endswith(".py") or a == "-m":
+            break
+        name, _, val = a.partition("=")
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            val = val if _ else (args[i + 1] if i + 1 < len(args) else "")
+            if not val.isdigit() or int(val) < 1:
+                raise DistlmError(f"distlm-launch: {a} needs a positive process count")
+            return i, int(val)
+    raise DistlmError("distlm-launch --spread-procs: the torchrun options have no --nproc-per-node")
+
+
+def spread(total: int, nodes: int, node: int) -> int:
+    """Processes on node `node` of `nodes` when `total` are spread evenly (the first get more)."""
+    if total < nodes:
+        raise DistlmError(f"distlm-launch --spread-procs: {total} processes cannot cover "
+                          f"{nodes} nodes; ask for at most {total} nodes for this rule")
+    return total // nodes + (1 if node < total % nodes else 0)
+
+
+def srun_command(alloc: Allocation, torchrun_args: list[str], *, port: int,
+                 python: str = sys.executable, spread_procs: bool = False) -> list[str]:
+    n = len(alloc.hosts)
+    if spread_procs:
+        spread(_nproc_at(torchrun_args)[1], n, 0)  # refuse too many nodes before starting any
+    rdzv = [f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}"]
+    if not any(a.startswith("--rdzv-conf") or a.startswith("--rdzv_conf") for a in torchrun_args):
+        rdzv.append(f"--rdzv-conf=join_timeout={DEFAULT_JOIN_TIMEOUT_S}")
+    return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+            f"--cpus-per-task={alloc.cpus_per_task}", "--kill-on-bad-exit=1",
+            python, "-m", "distlm.launch", "torchrun-node", *(["--spread-procs"] if spread_procs
+                                                               else []),
+            *rdzv, "--", *torchrun_args]
+
+
+def node_command(argv: list[str], env: dict[str, str], *,
+                 python: str = sys.executable) -> list[str]:
+    """The torchrun line of one srun task: node count and rank from srun's task environment."""
+    if "--" not in argv:
+        raise DistlmError("distlm-launch torchrun-node: expected `-- <torchrun args>`")
+    cut = argv.index("--")
+    own, args = argv[:cut], argv[cut + 1:]
+    need = ("SLURM_NNODES", "SLURM_NODEID") if "--spread-procs" in own else ("SLURM_NNODES",)
+    missing = [v for v in need if v not in env]
+    if missing:
+        raise DistlmError(f"distlm-launch torchrun-node runs as an srun task; {', '.join(missing)} "
+                          "not set")
+    if "--spread-procs" in own:
+        own = [a for a in own if a != "--spread-procs"]
+        i, total = _nproc_at(args)
+        here = spread(total, int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"]))
+        args = args[:i] + [f"--nproc-per-node={here}"] + args[i + (1 if "=" in args[i] else 2):]
+    return [python, "-m", "torch.distributed.run", f"--nnodes={env['SLURM_NNODES']}",
+            "--rdzv-backend=c10d", *own, *args]
+
+
+def srun_torchrun(args: list[str]) -> int:
+    spread_procs = bool(args) and args[0] == "--spread-procs"
+    args = args[1:] if spread_procs else args
+    check_torchrun_args(args)
+    job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
+    if not job_id:
+        raise DistlmError("distlm-launch srun-torchrun runs inside a SLURM allocation but "
+                          "SLURM_JOB_ID is not set; on one machine use `torchrun --standalone`")
+    alloc = read_allocation(job_id)
+    cmd = srun_command(alloc, args, port=rendezvous_port(alloc, socket.gethostname()),
+                       spread_procs=spread_procs)
+    print(f"distlm-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    usage = ("usage: distlm-launch srun-torchrun [--spread-procs] [torchrun options] script.py "
+             "[script args]\n"
+             "       (inside a SLURM job: one srun task per node, c10d rendezvous on the first)")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__ + "\n" + usage)
+        return 0 if argv else 2
+    try:
+        if argv[0] == "srun-torchrun":
+            return srun_torchrun(argv[1:])
+        if argv[0] == "torchrun-node":
+            cmd = node_command(argv[1:], dict(os.environ))
+            os.execv(cmd[0], cmd)
+        raise DistlmError(f"distlm-launch: unknown command {argv[0]!r}\n{usage}")
+    except DistlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Pipeline inference: sampling, prompts, stage shards vs Hugging Face generate, MPI runs, workflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlm import DistlmError
+from distlm.inference.pipeline import (
+    PipelineTopology,
+    Scheduler,
+    Sequence,
+    StageStats,
+)
+from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
+from distlm.inference.sampling import SamplingParams, make_params, pick_token
+from distlm.inference.stage import Item, load_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+INFER = ROOT / "workflow" / "scripts" / "infer.py"
+N_LAYER = 5  # divisible by neither 2 nor 3 stages
+PROMPTS = [
+    "The for statement in Python",
+    "A class",
+    "Exceptions are raised when the",
+    "The import statement combines two operations: it searches",
+    "x",
+]
+
+
+def build_tiny_models(root: Path) -> dict[int, Path]:
+    """A 5-layer GPT-2 written as model folders with 1, 2 and 3 stage shards.
+
+    Weights are drawn wider than GPT-2's init so that greedy decoding does not settle on one
+    repeated token and the equality tests compare varied sequences.
+    """
+    from transformers import AutoTokenizer
+
+    from distlm.data import load_embedded, train_tokenizer
+    from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+
+    done = {s: root / f"s{s}" for s in (1, 2, 3)}
+    if all((p / "shards" / "manifest.json").is_file() for p in done.values()):
+        return done
+    tokdir = root / "tokenizer"
+    train_tokenizer([t for _, t in load_embedded()[:150]], 400, 2, tokdir)
+    tok = AutoTokenizer.from_pretrained(tokdir)
+    cfg = init_config(
+        dict(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0), len(tok), tok.eos_token_id
+    )
+    model = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if ".ln" in name and name.endswith("weight") else 0.0
+            p.copy_(base + torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
+    sd = state_dict_for_save(model)
+    for s, path in done.items():
+        write_model_dir(path, state_dict=sd, config=cfg, tokenizer_dir=tokdir, stages=s, meta={"source": "test"})
+    return done
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[int, Path]:
+    return build_tiny_models(tmp_path_factory.getbasetemp() / "inference-models")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_models):
+    """Greedy token ids from single-process GPT2LMHeadModel.generate, per prompt."""
+    from transformers import AutoTokenizer
+
+    from distlm.model import load_model_dir
+
+    folder = tiny_models[1]
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = load_model_dir(folder)
+    cache = {}
+
+    def ref(prompt: str, max_new: int) -> list[int]:
+        if (prompt, max_new) not in cache:
+            ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+            out = model.generate(
+                ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            cache[prompt, max_new] = out[0, ids.shape[1]:].tolist()
+        return cache[prompt, max_new]
+
+    ref.tokenizer = tok
+    return ref
+
+
+def icfg(**over) -> dict:
+    from distlm.config import validate_config
+
+    return validate_config({"inference": over})["inference"]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_make_params_rejects_bad_values_naming_the_field():
+    cases = [
+        (dict(max_new_tokens=0), "max_tokens"),
+        (dict(max_new_tokens=-3), "max_tokens"),
+        (dict(max_new_tokens=64), "max_tokens: 64 is beyond the model's context"),
+        (dict(max_new_tokens=2.5), "max_tokens: expected an integer"),
+        (dict(max_new_tokens=True), "max_tokens: expected an integer"),
+        (dict(max_new_tokens=8, temperature=-0.1), "temperature: must be >= 0"),
+        (dict(max_new_tokens=8, top_p=0.0), "top_p: must be in (0, 1]"),
+        (dict(max_new_tokens=8, top_p=1.5), "top_p: must be in (0, 1]"),
+        (dict(max_new_tokens=8, top_k=-1), "top_k"),
+        (dict(max_new_tokens=8, seed=-1), "seed"),
+        (dict(max_new_tokens=8, temperature=float("nan")), "temperature: expected a number"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(RequestError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+            make_params(context=64, **kw)
+    with pytest.raises(RequestError, match="above this server's limit of 10"):
+        make_params(max_new_tokens=11, context=64, max_allowed=10)
+    assert make_params(max_new_tokens=63, context=64).greedy
+
+
+def test_pick_token_greedy_topk_topp_and_seed():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -5.0])
+    assert pick_token(logits, SamplingParams(4), None) == 1
+    gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    p = SamplingParams(4, temperature=1.0, top_k=2, seed=0)
+    picks = {pick_token(logits, p, gen(s)) for s in range(50)}
+    assert picks == {1, 3}  # top-2 only, both reachable
+    p = SamplingParams(4, temperature=1.0, top_p=0.01)
+    assert {pick_token(logits, p, gen(s)) for s in range(20)} == {1}  # nucleus of one token
+    p = SamplingParams(4, temperature=5.0)
+    a = [pick_token(logits, p, g) for g in [gen(7)] for _ in range(30)]
+    g = gen(7)
+    assert a == [pick_token(logits, p, g) for _ in range(30)]  # same seed, same draws
+    assert len(set(a)) > 2
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_encode_prompt_truncates_or_rejects(hf_reference):
+    tok = hf_reference.tokenizer
+    text = "word " * 80
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    ids, cut = encode_prompt(tok, text, context=64, max_new_tokens=10, overflow="truncate")
+    assert len(ids) == 54 and cut == n - 54
+    with pytest.raises(RequestError, match=f"prompt: {n} prompt tokens \\+ 10 new tokens exceed"):
+        encode_prompt(tok, text, context=64, max_new_tokens=10, overflow="reject")
+    with pytest.raises(RequestError, match="prompt: empty prompt"):
+        encode_prompt(tok, "", context=64, max_new_tokens=10, overflow="truncate")
+    assert encode_prompt(tok, "A class", context=64, max_new_tokens=10, overflow="reject")[1] == 0
+
+
+def test_read_prompts_and_resolution(tmp_path, monkeypatch):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"first\n\n  \nsecond\\nline\r\n")
+    assert read_prompts(f) == ["first", "second\nline"]
+    f.write_bytes(b"ok\n\xff\xfe\n")
+    with pytest.raises(DistlmError, match=r"p.txt:2: not valid UTF-8"):
+        read_prompts(f)
+    f.write_bytes(b"\n \n")
+    with pytest.raises(DistlmError, match="no prompts"):
+        read_prompts(f)
+    # relative: the working directory first, then the repository root
+    monkeypatch.chdir(tmp_path)
+    assert resolve_prompts_path("config/prompts.txt", ROOT) == (ROOT / "config" / "prompts.txt").resolve()
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "prompts.txt").write_text("mine\n")
+    assert resolve_prompts_path("config/prompts.txt", ROOT) == (tmp_path / "config" / "prompts.txt").resolve()
+    with pytest.raises(DistlmError, match="inference.prompts: prompt file 'nope.txt' not found"):
+        resolve_prompts_path("nope.txt", ROOT)
+
+
+# ----------------------------------------------------------------------------- stages in one process
+
+
+def test_shard_digest_mismatch_is_refused(tiny_models, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models[2], bad)
+    shard = bad / "shards" / "stage-01.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert load_stage(bad, 0, world=2).first
+    with pytest.raises(DistlmError, match=r"stage-01.safetensors: sha256 .* does not match the manifest"):
+        load_stage(bad, 1, world=2)
+    with pytest.raises(DistlmError, match="has 2 stage shards but the pipeline runs 3 ranks"):
+        load_stage(bad, 0, world=3)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_stage_chain_packed_matches_generate(tiny_models, hf_reference, stages):
+    """All prompts packed in one micro-batch, passed through the S stage modules in turn."""
+    tok = hf_reference.tokenizer
+    models = [load_stage(tiny_models[stages], s, world=stages) for s in range(stages)]
+    assert [m.end - m.start for m in models] and sum(m.end - m.start for m in models) == N_LAYER
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    n_new = 12
+    items = [Item(k, k, 0, len(i)) for k, i in enumerate(ids)]
+    x = torch.tensor([t for i in ids for t in i])
+    got = [[] for _ in ids]
+    for step in range(n_new):
+        h = x
+        for m in models:
+            h = m(items, h)
+        nxt = h.argmax(-1)
+        for k in range(len(ids)):
+            got[k].append(int(nxt[k]))
+        items = [Item(k, k, len(ids[k]) + step, 1) for k in range(len(ids))]
+        x = nxt
+    for p, g in zip(PROMPTS, got):
+        ref = hf_reference(p, n_new)
+        assert len(set(ref)) > 3, "the reference should not be one repeated token"
+        assert g == ref, p
+
+
+def _scheduler(folder, *, lanes, eos=None):
+    model = load_stage(folder, 0, world=1)
+    return Scheduler(
+        model, None, PipelineTopology(0, 1), lanes=lanes, eos_token_id=eos, context=64,
+        timeout_s=10, stats=StageStats(0),
+    )
+
+
+def _run(sched, prompts_ids, params):
+    seqs = [Sequence(sched.new_id(), ids, p) for ids, p in zip(prompts_ids, params)]
+    for s in seqs:
+        sched.submit(s)
+    while sched.busy:
+        sched.step()
+    return seqs
+
+
+def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
+    tok = hf_reference.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    greedy = [SamplingParams(8)] * len(ids)
+    seqs = _run(_scheduler(tiny_models[1], lanes=2), ids, greedy)  # 5 prompts queue for 2 lanes
+    for p, s in zip(PROMPTS, seqs):
+        assert s.tokens == hf_reference(p, 8) and s.finish_reason == "length"
+        assert s.t_first >= s.t_admit >= s.t_submit
+    # end of text: make the 3rd greedy token of prompt 0 the EOS id
+    eos = seqs[0].tokens[2]
+    s = _run(_scheduler(tiny_models[1], lanes=2, eos=eos), ids[:1], greedy[:1])[0]
+    assert s.tokens == seqs[0].tokens[:3] and s.finish_reason == "stop"
+    # sampling: a seed fixes the draw, whatever shares the lanes
+    sp = [SamplingParams(10, temperature=1.0, top_k=50, top_p=0.9, seed=11 + i) for i in range(len(ids))]
+    alone = [_run(_scheduler(tiny_models[1], lanes=1), [i], [p])[0].tokens for i, p in zip(ids, sp)]
+    together = [s.tokens for s in _run(_scheduler(tiny_models[1], lanes=4), ids, sp)]
+    assert alone == together
+    other = _run(_scheduler(tiny_models[1], lanes=1), ids[:1], [SamplingParams(10, temperature=1.0, seed=99)])
+    assert other[0].tokens != alone[0]
+
+
+# ----------------------------------------------------------------------------- MPI
+
+
+def write_config(path: Path, **over) -> Path:
+    from distlm.config import validate_config
+
+    cfg = validate_config({"inference": over})
+    path.write_text(json.dumps({"runtime": cfg["runtime"], "inference": cfg["inference"]}))
+    return path
+
+
+def mpiexec(n: int, script: Path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = ["mpiexec", "-n", str(n), sys.executable, str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("stages,lanes", [(1, 2), (2, 1), (3, 4)])
+def test_mpi_pipeline_greedy_equals_generate(tiny_models, hf_reference, tmp_path, stages, lanes):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    cfg = write_config(tmp_path / "cfg.json", stages=stages, lanes=lanes, max_new_tokens=10, timeout_s=60)
+    gen, timing = tmp_path / "out" / "generations.jsonl", tmp_path / "out" / "timing.json"
+    proc = mpiexec(stages, INFER, "--config", cfg, "--model", tiny_models[stages], "--prompts", prompts,
+                   "--generations", gen, "--timing", timing)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = [json.loads(line) for line in gen.read_text().splitlines()]
+    assert [r["prompt"] for r in recs] == PROMPTS
+    for r in recs:
+        assert r["token_ids"] == hf_reference(r["prompt"], 10), r["prompt"]
+        assert r["tokens"] == 10 and r["finish_reason"] == "length"
+        assert r["text"] == hf_reference.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+    t = json.loads(timing.read_text())
+    assert t["stages"] == stages and t["prompts"] == len(PROMPTS) and t["tokens"] == 10 * len(PROMPTS)
+    assert [s["stage"] for s in t["per_stage"]] == list(range(stages))
+    assert all(s["compute_s"] > 0 and s["items"] == 10 * len(PROMPTS) for s in t["per_stage"])
+    assert len(t["per_prompt"]) == len(PROMPTS) and all(p["ttft_s"] > 0 for p in t["per_prompt"])
+    assert [h["layers"] for h in t["hosts"]][-1][1] == N_LAYER
+    assert "[rank 0]" in proc.stderr and f"[rank {stages - 1}]" in proc.stderr
+
+
+def test_mpi_bad_shard_ends_every_rank_with_an_error(tiny_models, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models[2], bad)
+    shard = bad / "shards" / "stage-01.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("A class\n")
+    cfg = write_config(tmp_path / "cfg.json", stages=2, timeout_s=30)
+    proc = mpiexec(2, INFER, "--config", cfg, "--model", bad, "--prompts", prompts,
+                   "--generations", tmp_path / "g.jsonl", "--timing", tmp_path / "t.json", timeout=180)
+    assert proc.returncode != 0
+    assert "stage-01.safetensors: sha256" in proc.stderr and "does not match the manifest" in proc.stderr
+    assert not (tmp_path / "g.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- workflow
+
+
+def test_inference_stage_in_workflow(workflow_run):
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "tests" / "configs" / "tiny.yaml").read_text())["inference"]
+    out = workflow_run / "results" / "inference"
+    prompts = read_prompts(ROOT / "config" / "prompts.txt")  # resolved against the repository root
+    recs = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in recs] == prompts
+    for r in recs:
+        assert 1 <= r["tokens"] <= cfg["max_new_tokens"] and r["finish_reason"] in ("length", "stop")
+        assert r["tokens"] == len(r["token_ids"]) and isinstance(r["text"], str)
+    t = json.loads((out / "timing.json").read_text())
+    assert t["stages"] == cfg["stages"] == len(t["per_stage"]) == len(t["hosts"])
+    assert t["model"].endswith("results/train/final")
+    assert t["tokens"] == sum(r["tokens"] for r in recs) and t["tokens_per_s"] > 0
+    log = (workflow_run / "logs" / "inference" / "infer.log").read_text()
+    assert f"[rank {cfg['stages'] - 1}]" in log

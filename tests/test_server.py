@@ -1,0 +1,247 @@
+"""Serve mode: a real MPI pipeline behind HTTP, driven by the openai client and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from distlm.dist import free_port
+from test_inference import PROMPTS, build_tiny_models, hf_reference, tiny_models, write_config  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE = ROOT / "workflow" / "scripts" / "serve.py"
+TOKEN = "t0ken"
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+        self.base = f"http://127.0.0.1:{port}"
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None, *, token: str | None = TOKEN,
+                headers: dict | None = None, timeout: float = 60) -> tuple[int, dict | str]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        text = raw.decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+
+def start_server(folder: Path, stages: int, tmp: Path, **over) -> Server:
+    port = free_port()
+    serve = {"port": port, "token": TOKEN, "max_request_bytes": 2048, "max_tokens": 20}
+    cfg = write_config(tmp / "cfg.json", stages=stages, lanes=4, serve=serve, **over)
+    log = tmp / "serve.log"
+    proc = subprocess.Popen(
+        ["mpiexec", "-n", str(stages), sys.executable, str(SERVE), "--config", str(cfg), "--model", str(folder)],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    server = Server(proc, port, log)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if server.request("GET", "/health", timeout=2)[0] == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise AssertionError(f"server did not come up:\n{log.read_text()[-4000:]}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    s = start_server(tiny_models[2], 2, tmp_path_factory.mktemp("serve"), timeout_s=30)
+    yield s
+    stop_server(s)
+
+
+def client(server: Server, token: str = TOKEN):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base + "/v1", api_key=token, max_retries=0, timeout=60)
+
+
+def test_health_and_models(server):
+    status, h = server.request("GET", "/health", token=None)
+    assert status == 200 and h["status"] == "ok" and h["stages"] == 2
+    assert [p["stage"] for p in h["pipeline"]] == [0, 1]
+    assert client(server).models.list().data[0].id == "s2"
+
+
+def test_openai_client_greedy_matches_generate_and_streams(server, hf_reference):
+    c = client(server)
+    tok = hf_reference.tokenizer
+    r = c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=9, temperature=0)
+    want = tok.decode(hf_reference(PROMPTS[0], 9), skip_special_tokens=True)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 9 and r.usage.prompt_tokens == len(tok(PROMPTS[0])["input_ids"])
+    chunks = list(c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=9, temperature=0, stream=True))
+    assert len(chunks) >= 2 and "".join(ch.choices[0].text for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    # a list of prompts: one choice each
+    r = c.completions.create(model="s2", prompt=PROMPTS[:3], max_tokens=5, temperature=0)
+    assert [ch.text for ch in r.choices] == [
+        tok.decode(hf_reference(p, 5), skip_special_tokens=True) for p in PROMPTS[:3]
+    ]
+
+
+def test_seeded_sampling_is_reproducible_under_concurrency(server):
+    c = client(server)
+    ask = lambda seed: c.completions.create(  # noqa: E731
+        model="s2", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0.95, seed=seed,
+        extra_body={"top_k": 40},
+    ).choices[0].text
+    first = ask(5)
+    with ThreadPoolExecutor(6) as ex:  # more requests than lanes, all at once
+        again = list(ex.map(ask, [5] * 6))
+    assert again == [first] * 6
+    assert {ask(s) for s in (6, 7, 8)} != {first}
+
+
+def test_concurrent_requests_each_get_their_own_answer(server, hf_reference):
+    tok = hf_reference.tokenizer
+
+    def ask(p):
+        return server.request("POST", "/v1/completions", {"prompt": p, "max_tokens": 7, "temperature": 0})
+
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        results = list(ex.map(ask, PROMPTS * 2))
+    for p, (status, body) in zip(PROMPTS * 2, results):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tok.decode(hf_reference(p, 7), skip_special_tokens=True)
+
+
+def test_plain_http_stream(server):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 6, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}",
+                                                    "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 6
+
+
+BAD = [
+    # (body, status, param, message fragment)
+    ({"prompt": "", "max_tokens": 4}, 400, "prompt", "empty prompt"),
+    ({"max_tokens": 4}, 400, "prompt", "prompt: required"),
+    ({"prompt": [1, 2], "max_tokens": 4}, 400, "prompt", "expected a string"),
+    ({"prompt": "A class", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ({"prompt": "A class", "max_tokens": -2}, 400, "max_tokens", "at least 1"),
+    ({"prompt": "A class", "max_tokens": 100}, 400, "max_tokens", "beyond the model's context of 64"),
+    ({"prompt": "A class", "max_tokens": 30}, 400, "max_tokens", "above this server's limit of 20"),
+    ({"prompt": "A class", "max_tokens": "5"}, 400, "max_tokens", "expected an integer"),
+    ({"prompt": "A class", "temperature": -0.5}, 400, "temperature", "must be >= 0"),
+    ({"prompt": "A class", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "A class", "top_p": 1.01}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "A class", "n": 2}, 400, "n", "not supported"),
+    ({"prompt": "A class", "stream": "yes"}, 400, "stream", "true or false"),
+    (b"\xff\xfe{}", 400, None, "not valid UTF-8"),
+    (b'{"prompt": "A class", ', 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "expected a JSON object"),
+    (json.dumps({"prompt": "x" * 3000}).encode(), 413, None, "over the limit of 2048"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,fragment", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_4xx_json(server, body, status, param, fragment):
+    got, err = server.request("POST", "/v1/completions", body)
+    assert got == status, err
+    assert fragment in err["error"]["message"] and err["error"]["param"] == param
+    assert err["error"]["type"] == "invalid_request_error"
+
+
+def test_auth_routes_and_limits(server):
+    import openai
+
+    assert server.request("POST", "/v1/completions", {"prompt": "A"}, token=None)[0] == 401
+    status, err = server.request("POST", "/v1/completions", {"prompt": "A"}, token="wrong")
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").completions.create(model="s2", prompt="A", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client(server).completions.create(model="s2", prompt="A", max_tokens=2, top_p=2.0)
+    assert server.request("GET", "/nope")[0] == 404
+    assert server.request("GET", "/v1/completions")[0] == 405
+
+
+def test_long_prompt_truncated_and_said_so_then_still_serving(server):
+    status, body = server.request("POST", "/v1/completions", {"prompt": "word " * 120, "max_tokens": 10})
+    assert status == 200, body
+    ch = body["choices"][0]
+    assert ch["prompt_truncated_tokens"] > 0 and "dropped its first" in body["warnings"][0]
+    assert body["usage"]["prompt_tokens"] == 64 - 10
+    status, h = server.request("GET", "/health")
+    assert status == 200 and h["active"] == 0 and h["waiting"] == 0
+
+
+def test_long_prompt_rejected_when_configured(tiny_models, tmp_path):
+    s = start_server(tiny_models[1], 1, tmp_path, prompt_overflow="reject", timeout_s=30)
+    try:
+        status, err = s.request("POST", "/v1/completions", {"prompt": "word " * 120, "max_tokens": 10})
+        assert status == 400 and "exceed the model's context of 64" in err["error"]["message"]
+        assert err["error"]["param"] == "prompt"
+        assert s.request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 3})[0] == 200
+    finally:
+        stop_server(s)
+
+
+def test_hung_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
+    s = start_server(tiny_models[2], 2, tmp_path, timeout_s=3)
+    pid = s.request("GET", "/health")[1]["pipeline"][1]["pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # stage 1 stops answering (alive, so the launcher does not notice)
+        t0 = time.monotonic()
+        status, err = s.request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 5}, timeout=60)
+        assert status == 503, err
+        assert "no tokens back from the pipeline" in err["error"]["message"]
+        assert time.monotonic() - t0 < 20
+        s.proc.wait(timeout=60)  # stage 0 aborts the job after answering
+        assert s.proc.returncode != 0
+        assert "pipeline failed, answering 503" in s.log.read_text()
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stop_server(s)

@@ -1,0 +1,164 @@
+"""distlm-launch (multi-node torchrun under SLURM) and the SLURM profiles, without a cluster.
+
+The same code paths against a real cluster: tests/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distlm import DistlmError
+from distlm import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import profile as test_profile  # noqa: E402
+
+SCONTROL_JOB = (
+    "JobId=42 JobName=ab12 UserId=root(0) GroupId=root(0) JobState=RUNNING Reason=None "
+    "NumNodes=2 NumCPUs=4 NumTasks=2 CPUs/Task=2 ReqB:S:C:T=0:0:*:* NodeList=node[1-2] "
+    "BatchHost=node1 WorkDir=/tmp/my work dir Command=(null)"
+)
+
+
+class FakeRun:
+    """Answers `scontrol` like a cluster with job 42 on node1,node2; records the calls."""
+
+    def __init__(self, job_text=SCONTROL_JOB, rc=0):
+        self.calls, self.job_text, self.rc = [], job_text, rc
+
+    def __call__(self, cmd, **kw):
+        self.calls.append(cmd)
+        if cmd[1:3] == ["show", "job"]:
+            return subprocess.CompletedProcess(cmd, self.rc, self.job_text, "no such job")
+        return subprocess.CompletedProcess(cmd, 0, "node1\nnode2\n", "")
+
+
+def test_parse_job_reads_fields_and_ignores_spaced_values():
+    f = launch.parse_job(SCONTROL_JOB)
+    assert f["NodeList"] == "node[1-2]" and f["CPUs/Task"] == "2" and f["NumNodes"] == "2"
+    assert f["BatchHost"] == "node1"
+
+
+def test_read_allocation_expands_hostnames():
+    run = FakeRun()
+    alloc = launch.read_allocation("42", run=run)
+    assert alloc.hosts == ("node1", "node2") and alloc.head == "node1"
+    assert alloc.cpus_per_task == 2
+    assert run.calls[1] == ["scontrol", "show", "hostnames", "node[1-2]"]
+
+
+def test_read_allocation_errors_name_the_command():
+    with pytest.raises(DistlmError, match="scontrol show job -o 42.*no such job"):
+        launch.read_allocation("42", run=FakeRun(rc=1))
+    with pytest.raises(DistlmError, match="job 42 has no NodeList"):
+        launch.read_allocation("42", run=FakeRun(job_text="JobId=42 NodeList=(null)"))
+
+
+def test_srun_command_one_task_per_node_with_c10d_on_head():
+    alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
+    cmd = launch.srun_command(alloc, ["--nproc-per-node=4", "train.py", "--x", "1"], port=29400,
+                              python="py")
+    assert cmd[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                       "--cpus-per-task=2", "--kill-on-bad-exit=1"]
+    assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
+    assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in cmd
+    assert cmd[cmd.index("--") + 1:] == ["--nproc-per-node=4", "train.py", "--x", "1"]
+    given = launch.srun_command(alloc, ["--rdzv-conf=join_timeout=5", "t.py"], port=1, python="py")
+    assert not any(a.startswith("--rdzv-conf=join_timeout=300") for a in given)
+
+
+def test_node_command_takes_nodes_from_srun_task_env():
+    argv = ["--rdzv-endpoint=node1:1", "--rdzv-id=42", "--", "--nproc-per-node=2", "t.py"]
+    cmd = launch.node_command(argv, {"SLURM_NNODES": "3", "SLURM_NODEID": "1"}, python="py")
+    assert cmd == ["py", "-m", "torch.distributed.run", "--nnodes=3", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=node1:1", "--rdzv-id=42", "--nproc-per-node=2", "t.py"]
+    with pytest.raises(DistlmError, match="SLURM_NNODES not set"):
+        launch.node_command(argv, {}, python="py")
+
+
+def test_spread_procs_divides_the_total_over_nodes():
+    assert [launch.spread(3, 2, i) for i in range(2)] == [2, 1]
+    assert [launch.spread(8, 4, i) for i in range(4)] == [2, 2, 2, 2]
+    with pytest.raises(DistlmError, match="3 processes cannot cover 4 nodes"):
+        launch.spread(3, 4, 0)
+    argv = ["--spread-procs", "--rdzv-id=1", "--", "--nproc-per-node", "3", "t.py", "--n", "9"]
+    env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    cmd = launch.node_command(argv, env, python="py")
+    assert cmd[3:] == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-id=1", "--nproc-per-node=1",
+                       "t.py", "--n", "9"]
+    alloc = launch.Allocation(job_id="7", hosts=("a", "b", "c"), cpus_per_task=1)
+    assert "--spread-procs" in launch.srun_command(alloc, ["--nproc-per-node=3", "t.py"], port=1,
+                                                   spread_procs=True)
+    with pytest.raises(DistlmError, match="2 processes cannot cover 3 nodes"):
+        launch.srun_command(alloc, ["--nproc-per-node=2", "t.py"], port=1, spread_procs=True)
+    with pytest.raises(DistlmError, match="no --nproc-per-node"):
+        launch.srun_command(alloc, ["t.py"], port=1, spread_procs=True)
+
+
+@pytest.mark.parametrize("arg", ["--standalone", "--nnodes=2", "--rdzv-endpoint=x:1",
+                                 "--master-port=5"])
+def test_launcher_owned_torchrun_options_are_refused(arg):
+    with pytest.raises(DistlmError, match=f"torchrun option {arg.split('=')[0]} is set by"):
+        launch.check_torchrun_args([arg, "--nproc-per-node=2", "t.py"])
+
+
+def test_script_args_after_the_script_are_not_checked():
+    launch.check_torchrun_args(["--nproc-per-node=2", "t.py", "--nnodes=7"])
+    with pytest.raises(DistlmError, match="no script.py given"):
+        launch.check_torchrun_args(["--nproc-per-node=2"])
+
+
+def test_rendezvous_port_free_on_head_and_from_job_id_elsewhere():
+    alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=1)
+    assert launch.rendezvous_port(alloc, "node2") == 20042
+    assert 0 < launch.rendezvous_port(alloc, "node1") < 65536
+
+
+def test_cli_outside_slurm_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    assert launch.main(["srun-torchrun", "--nproc-per-node=2", "t.py"]) == 2
+    assert "SLURM_JOB_ID is not set" in capsys.readouterr().err
+    assert launch.main(["bogus"]) == 2
+    assert "unknown command 'bogus'" in capsys.readouterr().err
+
+
+def _profile():
+    return yaml.safe_load((ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+
+
+def test_slurm_profile_multi_process_rules_carry_mpi_and_launchers():
+    prof = _profile()
+    assert prof["executor"] == "slurm"
+    assert not any(e.startswith("mpi=") for e in prof["default-resources"]), \
+        "mpi in default-resources would take every job out of its srun wrapper"
+    rules = prof["set-resources"]
+    for rule in ("broadcast", "train", "evaluate"):
+        assert rules[rule]["torchrun"].startswith("'distlm-launch srun-torchrun"), rule
+        assert "mpi" in rules[rule], f"{rule} calls srun itself: it needs the mpi resource"
+        assert rules[rule]["tasks"] == rules[rule]["nodes"] >= 2, rule
+    assert rules["inference"]["mpi"] == "'srun --mpi=pmi2'"
+
+
+def test_pyproject_pins_the_slurm_plugins():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"snakemake-executor-plugin-slurm-jobstep>=0.6.1' in text
+    assert '"snakemake-executor-plugin-slurm==' in text, "profiles/slurm is written for one version"
+
+
+def test_test_profile_layers_overrides_on_the_real_profile(tmp_path):
+    out = yaml.safe_load((test_profile.write_test_profile(tmp_path) / "config.yaml").read_text())
+    base = _profile()
+    assert out["executor"] == "slurm"
+    assert out["slurm-init-seconds-before-status-checks"] < 10
+    assert "slurm_partition='debug'" in out["default-resources"]
+    assert "slurm_partition=''" not in out["default-resources"]
+    # per-rule keys the overrides do not name come from the real profile unchanged
+    assert out["set-resources"]["train"]["torchrun"] == base["set-resources"]["train"]["torchrun"]
+    assert out["set-resources"]["train"]["mem_mb"] != base["set-resources"]["train"]["mem_mb"]

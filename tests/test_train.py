@@ -1,0 +1,233 @@
+"""DDP training stage: schedule, sampler, checkpoints (unit); world-of-one runs in process (NaN,
+refusals, bad input); a 2-rank gloo run under torchrun killed and restarted (bit-identical resume);
+the stage inside the tiny workflow (profiler on)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlm import DistlmError
+from distlm.config import sections, validate_config
+from distlm.model import load_model_dir, read_meta
+from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
+from distlm.train import checkpoint as ck
+from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
+from distlm.train.synthetic import make_inputs
+from distlm.train.trainer import resolve_precision
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "workflow" / "scripts" / "train.py"
+STAGE = ["runtime", "data", "model", "broadcast", "train"]
+
+
+def train_cfg(**train) -> dict:
+    base = {
+        "max_steps": 6, "micro_batch_size": 4, "warmup_steps": 2, "lr": 0.01, "min_lr": 0.001,
+        "ckpt_every": 2, "eval_every": 3, "eval_batches": 2, "keep_last": 2,
+        "profile": {"enabled": False},
+    }
+    for k, v in train.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            base[k] = {**base[k], **v}
+        else:
+            base[k] = v
+    cfg = validate_config({
+        "runtime": {"timeout_s": 60},
+        "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+        "train": base,
+    })
+    return sections(cfg, STAGE)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    return make_inputs(tmp_path_factory.mktemp("train-inputs"))
+
+
+def paths(inputs, out: Path, **over) -> TrainPaths:
+    return TrainPaths(tokens=over.get("tokens", inputs["tokens"]), model=over.get("model", inputs["model"]),
+                      tokenizer=inputs["tokenizer"], out=out)
+
+
+# ----------------------------------------------------------------------------- unit
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    t = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4, "max_steps": 20}
+    lrs = [lr_at(s, t) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lrs[-1] > t["min_lr"] and lr_at(20, t) == pytest.approx(0.1)
+
+
+def test_global_batch_must_divide():
+    assert plan_batch({"micro_batch_size": 4, "global_batch_size": 32, "grad_accum_steps": 1}, 2).grad_accum == 4
+    with pytest.raises(DistlmError, match="train.global_batch_size: 30 is not divisible"):
+        plan_batch({"micro_batch_size": 4, "global_batch_size": 30, "grad_accum_steps": 1}, 2)
+
+
+def test_sampler_ranks_disjoint_and_epoch_covers_every_block():
+    plan = BatchPlan(micro_batch=2, grad_accum=3, world_size=2)  # 12 blocks per step
+    samplers = [StepSampler(24, plan, r, seed=7) for r in range(2)]
+    seen = []
+    for step in range(2):  # 2 steps x 12 = one epoch of 24 blocks
+        parts = [s.indices(step) for s in samplers]
+        assert parts[0].shape == (3, 2)
+        assert not set(parts[0].ravel()) & set(parts[1].ravel())
+        seen += [int(i) for p in parts for i in p.ravel()]
+    assert sorted(seen) == list(range(24))
+    again = StepSampler(24, plan, 1, seed=7)
+    assert (again.indices(5) == samplers[1].indices(5)).all()  # pure function of the step
+    with pytest.raises(DistlmError, match="no blocks"):
+        StepSampler(0, plan, 0, seed=7)
+
+
+def test_precision_never_falls_back():
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    with pytest.raises(DistlmError, match="fp16 needs a GPU"):
+        resolve_precision("fp16", torch.device("cpu"))
+
+
+def _save(d: Path, step: int, keep: int = 10) -> None:
+    ck.save_checkpoint(
+        d, step, weights={"w": torch.full((4,), float(step))}, optimizer_state={"state": {}, "param_groups": []},
+        rng_states=[ck.rng_state(torch.device("cpu"))], state={"identity": {}}, keep_last=keep,
+    )
+
+
+def test_checkpoints_keep_last_and_skip_corrupt(tmp_path, caplog):
+    for s in (2, 4, 6, 8):
+        _save(tmp_path, s, keep=3)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [4, 6, 8]
+    # a truncated weights file in the newest, and a partial one (no index) above it
+    w = tmp_path / "step-00000008" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:20])
+    (tmp_path / "step-00000010").mkdir()
+    (tmp_path / ".step-00000012.abc.tmp").mkdir()  # an interrupted write: ignored
+    with caplog.at_level(logging.WARNING, logger="distlm"):
+        good = ck.latest_good(tmp_path)
+    assert good.step == 6
+    assert "step-00000010" in caplog.text and "step-00000008" in caplog.text
+    assert "sha256" in caplog.text and "checkpoint index not found" in caplog.text
+
+
+def test_identity_mismatch_names_what_differs(tmp_path):
+    c = ck.Checkpoint(tmp_path / "step-00000002", 2)
+    saved = {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 10, "lr": 0.1}}
+    ck.check_identity(c, saved, {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 20, "lr": 0.1}})
+    with pytest.raises(ck.CheckpointMismatch, match=r"model.arch_digest: checkpoint 'aaa', this run 'bbb'"):
+        ck.check_identity(c, saved, {"model": {"arch_digest": "bbb"}, "optim": {"max_steps": 10, "lr": 0.1}})
+
+
+# ----------------------------------------------------------------------------- world of one
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(inputs, tmp_path):
+    out = tmp_path / "train"
+    with pytest.raises(TrainingDiverged, match="step 3: loss nan"):
+        run_training(train_cfg(fault={"nan_at_step": 3}), paths(inputs, out))
+    assert [c.step for c in ck.list_checkpoints(out / "checkpoints")] == [2]
+    ck.verify(ck.latest_good(out / "checkpoints"))
+    assert not (out / "final").exists()
+
+
+def test_mismatched_checkpoint_is_refused(inputs, tmp_path):
+    out = tmp_path / "train"
+    run_training(train_cfg(max_steps=2), paths(inputs, out))
+    other = make_inputs(tmp_path / "other", n_embd=48, seed=1)  # another architecture, same data
+    with pytest.raises(ck.CheckpointMismatch) as e:
+        run_training(train_cfg(max_steps=2), paths(inputs, out, model=other["model"]))
+    assert "model.arch_digest" in str(e.value) and "model.base_model_sha256" in str(e.value)
+    assert "data." not in str(e.value)
+    with pytest.raises(ck.CheckpointMismatch, match=r"optim.lr: checkpoint 0.01, this run 0.02"):
+        run_training(train_cfg(max_steps=2, lr=0.02), paths(inputs, out))
+    # resume: never starts afresh instead
+    run_training(train_cfg(max_steps=2, lr=0.02, resume="never"), paths(inputs, out))
+    assert read_meta(out / "final")["training"]["resumed_from"] is None
+
+
+def test_bad_inputs_are_refused(tmp_path):
+    short = make_inputs(tmp_path / "short", block_size=32, n_positions=16)
+    with pytest.raises(DistlmError, match="block size 32 is beyond the context"):
+        run_training(train_cfg(), paths(short, tmp_path / "a"))
+    ok = make_inputs(tmp_path / "ok")
+    with pytest.raises(DistlmError, match="train.global_batch_size"):
+        run_training(train_cfg(global_batch_size=6), paths(ok, tmp_path / "b"))
+
+
+# ----------------------------------------------------------------------------- torchrun, 2 ranks
+
+
+def _torchrun(cfg: dict, inputs, out: Path, *, restarts: int = 0) -> subprocess.CompletedProcess:
+    cfg_path = out.parent / f"{out.name}.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(json.dumps(cfg))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        f"--max-restarts={restarts}", "--monitor-interval=0.2", str(SCRIPT), "--config", str(cfg_path),
+        "--tokens", str(inputs["tokens"]), "--tokenizer", str(inputs["tokenizer"]),
+        "--model", str(inputs["model"]), "--out", str(out), "--rank-log", str(out / "logs" / "rank{rank}.log"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path):
+    cfg = train_cfg(profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1})
+    a = _torchrun(cfg, inputs, tmp_path / "a")
+    assert a.returncode == 0, a.stderr[-4000:]
+    # the same run, its last rank SIGKILLed after step 3 (checkpoint at 2); torchrun restarts it
+    killed = train_cfg(profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1}, fault={"kill_after_step": 3})
+    b = _torchrun(killed, inputs, tmp_path / "b", restarts=1)
+    assert b.returncode == 0, b.stderr[-4000:]
+    assert "killing rank 1" in (tmp_path / "b" / "logs" / "rank1.log").read_text()
+    assert "resuming from" in (tmp_path / "b" / "logs" / "rank0.log").read_text()
+
+    wa = load_model_dir(tmp_path / "a" / "final").state_dict()
+    wb = load_model_dir(tmp_path / "b" / "final").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    rows = [r.split(",") for r in (tmp_path / "a" / "metrics.csv").read_text().splitlines()[1:]]
+    assert len(rows) == 6 and float(rows[-1][1]) < float(rows[0][1])  # the loss falls
+    strip = lambda p: [",".join(r.split(",")[:6]) for r in p.read_text().splitlines()]  # noqa: E731
+    assert strip(tmp_path / "a" / "metrics.csv") == strip(tmp_path / "b" / "metrics.csv")
+    meta = read_meta(tmp_path / "b" / "final")
+    assert meta["created_by"] == "train" and meta["training"]["restart_count"] == 1
+    assert meta["training"]["resumed_from"].endswith("step-00000002")
+    for r in (0, 1):
+        line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
+        assert f"[rank {r}]" in line and line[:4].isdigit()
+        assert (tmp_path / "a" / "profile" / f"trace-rank{r}.json").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- workflow
+
+
+def test_train_stage_in_tiny_workflow(workflow_run):
+    res = workflow_run / "results" / "train"
+    base = workflow_run / "results" / "model" / "base"
+    final = res / "final"
+    assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in base.iterdir())
+    meta = read_meta(final)
+    assert meta["created_by"] == "train" and meta["training"]["steps"] == 8
+    assert meta["training"]["world_size"] == 2 and meta["arch_digest"] == read_meta(base)["arch_digest"]
+    load_model_dir(final)
+    rows = (res / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,loss,perplexity,grad_norm,lr") and len(rows) == 9
+    assert len((res / "val.csv").read_text().splitlines()) == 3  # steps 4 and 8
+    assert list((res / "tb").glob("events.out.tfevents.*"))
+    prof = json.loads((res / "profile" / "profile.json").read_text())
+    assert prof["enabled"] and prof["captured"]
+    for r in (0, 1):
+        assert (res / "profile" / f"trace-rank{r}.json").is_file()
+        top = json.loads((res / "profile" / f"top-ops-rank{r}.json").read_text())
+        assert top["ops"] and top["ops"][0]["self_cpu_us"] >= top["ops"][-1]["self_cpu_us"]
+        assert f"[rank {r}]" in (workflow_run / "logs" / "train" / f"rank{r}.log").read_text()
+    assert [c.step for c in ck.list_checkpoints(res / "checkpoints")] == [4, 8]

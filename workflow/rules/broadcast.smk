@@ -1,0 +1,27 @@
+# Weight broadcast (torchrun, 1 sender + broadcast.receivers): rank 0 sends the serialized model to
+# every other rank through distlm.transfer (the module training uses for its initial weights);
+# every receiver verifies each bucket's checksum; rank 0 writes the JSON report.
+rule broadcast:
+    input:
+        cfg="results/config/broadcast.json",
+        model=rules.serialize_model.output.model,
+    output:
+        report="results/broadcast/report.json",
+    log:
+        "logs/broadcast/torchrun.log",
+    benchmark:
+        "results/benchmarks/broadcast.tsv"
+    conda:
+        "../envs/torch.yaml"
+    threads: 1 + config["broadcast"]["receivers"]
+    params:
+        sections=stage_sections("broadcast"),
+        script=entry_point("broadcast.py"),
+        nproc=1 + config["broadcast"]["receivers"],
+    shell:
+        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script}"
+        " --config {input.cfg} --model {input.model} --report {output.report}"
+        " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log} 2>&1"
+
+
+TARGETS["broadcast"] = rules.broadcast.output

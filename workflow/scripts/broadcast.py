@@ -1,0 +1,35 @@
+"""Weight broadcast under torchrun (rule broadcast): rank 0 sends the serialized model to every
+other rank through distlm.transfer; every receiver verifies; rank 0 writes the JSON report.
+
+    torchrun --standalone --nproc-per-node=3 workflow/scripts/broadcast.py \
+        --config results/config/broadcast.json --model results/model/base \
+        --report results/broadcast/report.json --rank-log 'logs/broadcast/rank{rank}.log'
+"""
+
+import argparse
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distlm.config import read_resolved
+from distlm.dist import distributed
+from distlm.log import setup_logging
+from distlm.transfer import run_broadcast_stage
+
+
+@record
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="resolved config (results/config/broadcast.json)")
+    p.add_argument("--model", required=True, help="model folder of the model stage")
+    p.add_argument("--report", required=True, help="output JSON report (written by rank 0)")
+    p.add_argument("--rank-log", required=True, help="per-rank log file; {rank} is filled in")
+    args = p.parse_args()
+    setup_logging(args.rank_log)
+    cfg = read_resolved(args.config)
+    rt = cfg["runtime"]
+    with distributed(backend=rt["backend"], device=rt["device"], timeout_s=rt["timeout_s"]) as topo:
+        run_broadcast_stage(cfg, topo=topo, model_dir=args.model, report_path=args.report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Profile reports: every stage's metrics -> figures, tables, one HTML summary (rule report)."""
+
+from pathlib import Path
+
+from distlm.log import setup_logging
+from distlm.report import build_report
+
+snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+log = setup_logging(snakemake.log[0])
+try:
+    written = build_report(
+        "results",
+        Path(snakemake.output.summary).parent,
+        formats=snakemake.config["report"]["formats"],
+        exclude_rules=[snakemake.rule],  # its own benchmark is written after it ends
+    )
+except Exception:
+    log.exception("report failed")
+    raise
+undeclared = set(snakemake.output) - {str(p) for p in written}
+if undeclared:
+    raise RuntimeError(f"rule report: outputs not written by build_report: {sorted(undeclared)}")

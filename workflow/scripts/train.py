@@ -1,0 +1,36 @@
+"""DDP training stage entry point, started by torchrun (workflow/rules/train.smk):
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=0 workflow/scripts/train.py \\
+        --config results/config/train.json --tokens results/data/tokens.h5 \\
+        --tokenizer results/data/tokenizer --model results/model/base --out results/train \\
+        --rank-log 'logs/train/rank{rank}.log'
+
+All logic is in distlm.train; see its docstrings.
+"""
+
+import argparse
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from distlm.config import read_resolved
+from distlm.log import setup_logging
+from distlm.train import TrainPaths, run_training
+
+
+@record
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="resolved config JSON (results/config/train.json)")
+    p.add_argument("--tokens", required=True, type=Path)
+    p.add_argument("--tokenizer", required=True, type=Path)
+    p.add_argument("--model", required=True, type=Path, help="model folder with the initial weights")
+    p.add_argument("--out", required=True, type=Path, help="stage output folder (results/train)")
+    p.add_argument("--rank-log", default=None, help="per-rank log file; {rank} is filled in")
+    a = p.parse_args()
+    setup_logging(a.rank_log)
+    run_training(read_resolved(a.config), TrainPaths(tokens=a.tokens, model=a.model, tokenizer=a.tokenizer, out=a.out))
+
+
+if __name__ == "__main__":
+    main()
