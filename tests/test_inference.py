@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,7 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
     train_tokenizer([t for _, t in load_embedded()[:150]], 400, 2, tokdir)
     tok = AutoTokenizer.from_pretrained(tokdir)
     cfg = init_config(
-        dict(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0), len(tok), tok.eos_token_id
+        {"n_positions": 64, "n_embd": 32, "n_layer": N_LAYER, "n_head": 2, "dropout": 0.0}, len(tok), tok.eos_token_id
     )
     model = build_model(cfg, seed=0)
     g = torch.Generator().manual_seed(1)
@@ -108,20 +109,20 @@ def icfg(**over) -> dict:
 
 def test_make_params_rejects_bad_values_naming_the_field():
     cases = [
-        (dict(max_new_tokens=0), "max_tokens"),
-        (dict(max_new_tokens=-3), "max_tokens"),
-        (dict(max_new_tokens=64), "max_tokens: 64 is beyond the model's context"),
-        (dict(max_new_tokens=2.5), "max_tokens: expected an integer"),
-        (dict(max_new_tokens=True), "max_tokens: expected an integer"),
-        (dict(max_new_tokens=8, temperature=-0.1), "temperature: must be >= 0"),
-        (dict(max_new_tokens=8, top_p=0.0), "top_p: must be in (0, 1]"),
-        (dict(max_new_tokens=8, top_p=1.5), "top_p: must be in (0, 1]"),
-        (dict(max_new_tokens=8, top_k=-1), "top_k"),
-        (dict(max_new_tokens=8, seed=-1), "seed"),
-        (dict(max_new_tokens=8, temperature=float("nan")), "temperature: expected a number"),
+        ({"max_new_tokens": 0}, "max_tokens"),
+        ({"max_new_tokens": -3}, "max_tokens"),
+        ({"max_new_tokens": 64}, "max_tokens: 64 is beyond the model's context"),
+        ({"max_new_tokens": 2.5}, "max_tokens: expected an integer"),
+        ({"max_new_tokens": True}, "max_tokens: expected an integer"),
+        ({"max_new_tokens": 8, "temperature": -0.1}, "temperature: must be >= 0"),
+        ({"max_new_tokens": 8, "top_p": 0.0}, "top_p: must be in (0, 1]"),
+        ({"max_new_tokens": 8, "top_p": 1.5}, "top_p: must be in (0, 1]"),
+        ({"max_new_tokens": 8, "top_k": -1}, "top_k"),
+        ({"max_new_tokens": 8, "seed": -1}, "seed"),
+        ({"max_new_tokens": 8, "temperature": float("nan")}, "temperature: expected a number"),
     ]
     for kw, msg in cases:
-        with pytest.raises(RequestError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+        with pytest.raises(RequestError, match=re.escape(msg)):
             make_params(context=64, **kw)
     with pytest.raises(RequestError, match="above this server's limit of 10"):
         make_params(max_new_tokens=11, context=64, max_allowed=10)
@@ -131,7 +132,7 @@ def test_make_params_rejects_bad_values_naming_the_field():
 def test_pick_token_greedy_topk_topp_and_seed():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.9, -5.0])
     assert pick_token(logits, SamplingParams(4), None) == 1
-    gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    gen = lambda s: torch.Generator().manual_seed(s)
     p = SamplingParams(4, temperature=1.0, top_k=2, seed=0)
     picks = {pick_token(logits, p, gen(s)) for s in range(50)}
     assert picks == {1, 3}  # top-2 only, both reachable
@@ -277,7 +278,7 @@ def write_config(path: Path, **over) -> Path:
 def mpiexec(n: int, script: Path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = ["mpiexec", "-n", str(n), sys.executable, str(script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 @pytest.mark.parametrize("stages,lanes", [(1, 2), (2, 1), (3, 4)])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_snakemake
+
 from distlm.report import FIGURES, ITEMS, LAYOUT, TABLES, ReportError, build_report, outputs
 from distlm.report.inputs import collect
 from distlm.train.metrics import Metrics
@@ -28,16 +28,35 @@ BENCH_HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmea
 
 def write_train(results: Path, steps: int = 12) -> None:
     """metrics.csv and val.csv through the training stage's own writer."""
-    m = Metrics(enabled=True, metrics_csv=results / LAYOUT["metrics"], val_csv=results / LAYOUT["val"],
-                tb_dir=None)
+    m = Metrics(
+        enabled=True,
+        metrics_csv=results / LAYOUT["metrics"],
+        val_csv=results / LAYOUT["val"],
+        tb_dir=None,
+    )
     for s in range(1, steps + 1):
         loss = 7.0 - 0.3 * s
-        m.log_step({"step": s, "loss": loss, "perplexity": 2.718281828 ** loss, "grad_norm": 1.0 / s,
-                    "lr": 1e-3 * min(1.0, s / 3), "tokens": 512 * s, "tokens_per_s": 1000.0 + s,
-                    "step_time_s": 0.5})
+        m.log_step(
+            {
+                "step": s,
+                "loss": loss,
+                "perplexity": 2.718281828**loss,
+                "grad_norm": 1.0 / s,
+                "lr": 1e-3 * min(1.0, s / 3),
+                "tokens": 512 * s,
+                "tokens_per_s": 1000.0 + s,
+                "step_time_s": 0.5,
+            }
+        )
         if s % 4 == 0:
-            m.log_val({"step": s, "val_loss": loss + 0.2, "val_perplexity": 2.718281828 ** (loss + 0.2),
-                       "tokens": 512 * s})
+            m.log_val(
+                {
+                    "step": s,
+                    "val_loss": loss + 0.2,
+                    "val_perplexity": 2.718281828 ** (loss + 0.2),
+                    "tokens": 512 * s,
+                }
+            )
     m.flush()
     m.close()
 
@@ -46,8 +65,13 @@ def write_profile(results: Path, ranks=(0, 1), enabled: bool = True) -> None:
     """A real torch.profiler window through the training stage's StepProfiler, per rank."""
     cfg = {"enabled": enabled, "wait": 0, "warmup": 1, "active": 1, "top_ops": 8}
     for rank in ranks:
-        prof = StepProfiler(cfg, out_dir=results / LAYOUT["profile"], rank=rank,
-                            device=torch.device("cpu"), start_step=0)
+        prof = StepProfiler(
+            cfg,
+            out_dir=results / LAYOUT["profile"],
+            rank=rank,
+            device=torch.device("cpu"),
+            start_step=0,
+        )
         with prof:
             for _ in range(3):
                 a = torch.randn(64, 64)
@@ -60,9 +84,18 @@ def write_profile(results: Path, ranks=(0, 1), enabled: bool = True) -> None:
 def write_eval(results: Path, name: str, ppl: float) -> None:
     import math
 
-    splits = {s: {"mean_loss": math.log(ppl * f), "perplexity": ppl * f, "tokens_scored": 1000,
-                  "tokens": 1064, "windows": 10, "seconds": 0.5, "tokens_per_s": 2000.0}
-              for s, f in (("validation", 1.0), ("test", 1.1))}
+    splits = {
+        s: {
+            "mean_loss": math.log(ppl * f),
+            "perplexity": ppl * f,
+            "tokens_scored": 1000,
+            "tokens": 1064,
+            "windows": 10,
+            "seconds": 0.5,
+            "tokens_per_s": 2000.0,
+        }
+        for s, f in (("validation", 1.0), ("test", 1.1))
+    }
     path = results / LAYOUT[f"eval_{name}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"format": "distlm-eval/1", "name": name, "splits": splits}))
@@ -71,27 +104,68 @@ def write_eval(results: Path, name: str, ppl: float) -> None:
 def write_broadcast(results: Path) -> None:
     path = results / LAYOUT["broadcast"]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "transport": "torch", "backend": "gloo", "bytes": 4_000_000, "seconds": 0.02, "gbps": 0.2,
-        "receivers": [{"rank": r, "seconds": 0.018 + r / 1000, "gbps": 0.21 - r / 100,
-                       "verified": True} for r in (1, 2)],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "transport": "torch",
+                "backend": "gloo",
+                "bytes": 4_000_000,
+                "seconds": 0.02,
+                "gbps": 0.2,
+                "receivers": [
+                    {
+                        "rank": r,
+                        "seconds": 0.018 + r / 1000,
+                        "gbps": 0.21 - r / 100,
+                        "verified": True,
+                    }
+                    for r in (1, 2)
+                ],
+            }
+        )
+    )
 
 
 def timing_run(stages: int, lanes: int, prompts: int = 6) -> dict:
     """One run in the layout distlm.inference.pipeline.generate_batch writes."""
-    per_prompt = [{"index": i, "ttft_s": 0.05 * stages * (1 + i // lanes), "queue_s": 0.05 * (i // lanes),
-                   "total_s": 0.5, "decode_tokens_per_s": 20.0, "tokens_per_s": 16.0}
-                  for i in range(prompts)]
+    per_prompt = [
+        {
+            "index": i,
+            "ttft_s": 0.05 * stages * (1 + i // lanes),
+            "queue_s": 0.05 * (i // lanes),
+            "total_s": 0.5,
+            "decode_tokens_per_s": 20.0,
+            "tokens_per_s": 16.0,
+        }
+        for i in range(prompts)
+    ]
     return {
-        "stages": stages, "lanes": lanes, "micro_batch_size": lanes, "prompts": prompts,
-        "tokens": 8 * prompts, "wall_s": 0.4 * stages, "tokens_per_s": 8 * prompts / (0.4 * stages),
-        "ttft_s": {"mean": sum(p["ttft_s"] for p in per_prompt) / prompts,
-                   "max": max(p["ttft_s"] for p in per_prompt)},
+        "stages": stages,
+        "lanes": lanes,
+        "micro_batch_size": lanes,
+        "prompts": prompts,
+        "tokens": 8 * prompts,
+        "wall_s": 0.4 * stages,
+        "tokens_per_s": 8 * prompts / (0.4 * stages),
+        "ttft_s": {
+            "mean": sum(p["ttft_s"] for p in per_prompt) / prompts,
+            "max": max(p["ttft_s"] for p in per_prompt),
+        },
         "per_prompt": per_prompt,
-        "per_stage": [{"stage": s, "compute_s": 0.1, "send_s": 0.01, "recv_wait_s": 0.05 * s,
-                       "micro_batches": 10, "items": 40, "messages_sent": 10, "bytes_sent": 1000,
-                       "comm_s": 0.01 + 0.05 * s} for s in range(stages)],
+        "per_stage": [
+            {
+                "stage": s,
+                "compute_s": 0.1,
+                "send_s": 0.01,
+                "recv_wait_s": 0.05 * s,
+                "micro_batches": 10,
+                "items": 40,
+                "messages_sent": 10,
+                "bytes_sent": 1000,
+                "comm_s": 0.01 + 0.05 * s,
+            }
+            for s in range(stages)
+        ],
         "hosts": [{"stage": s} for s in range(stages)],
         "model": "results/train/final",
     }
@@ -100,13 +174,27 @@ def timing_run(stages: int, lanes: int, prompts: int = 6) -> dict:
 def write_inference(results: Path, sweep: bool = False) -> None:
     path = results / LAYOUT["timing"]
     path.parent.mkdir(parents=True, exist_ok=True)
-    timing = ({"runs": [timing_run(st, ln) for st in (1, 2, 3) for ln in (1, 4)]} if sweep
-              else timing_run(3, 4))
+    timing = (
+        {"runs": [timing_run(st, ln) for st in (1, 2, 3) for ln in (1, 4)]}
+        if sweep
+        else timing_run(3, 4)
+    )
     path.write_text(json.dumps(timing))
     (results / LAYOUT["generations"]).write_text(
-        "".join(json.dumps({"index": i, "prompt": f"p{i} <b>", "text": f"text {i}\nline", "tokens": 8,
-                            "finish_reason": "length", "ttft_s": 0.1}) + "\n"
-                for i in range(3))
+        "".join(
+            json.dumps(
+                {
+                    "index": i,
+                    "prompt": f"p{i} <b>",
+                    "text": f"text {i}\nline",
+                    "tokens": 8,
+                    "finish_reason": "length",
+                    "ttft_s": 0.1,
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
     )
 
 
@@ -121,11 +209,25 @@ def write_benchmarks(results: Path, rules=("prepare_data", "train", "report")) -
 
 def write_all(results: Path) -> None:
     (results / "data").mkdir(parents=True, exist_ok=True)
-    (results / LAYOUT["stats"]).write_text(json.dumps({
-        "source": {"kind": "embedded"}, "tokenizer": "bpe", "vocab_size": 1024, "block_size": 64,
-        "splits": {s: {"documents": 3, "tokens": 6400 + i, "blocks": 100, "tail_tokens_not_in_blocks": i}
-                   for i, s in enumerate(("train", "validation", "test"))},
-    }))
+    (results / LAYOUT["stats"]).write_text(
+        json.dumps(
+            {
+                "source": {"kind": "embedded"},
+                "tokenizer": "bpe",
+                "vocab_size": 1024,
+                "block_size": 64,
+                "splits": {
+                    s: {
+                        "documents": 3,
+                        "tokens": 6400 + i,
+                        "blocks": 100,
+                        "tail_tokens_not_in_blocks": i,
+                    }
+                    for i, s in enumerate(("train", "validation", "test"))
+                },
+            }
+        )
+    )
     write_broadcast(results)
     write_train(results)
     write_profile(results)
@@ -178,8 +280,15 @@ def test_collect_reads_real_writer_formats(tmp_path):
     assert set(inp.evals["model"]) == {"base", "trained"}
     assert list(inp.receivers["receiver"]) == [1, 2]
     assert inp.inference.to_dict("records")[0] | {"ttft_max_s": 0} == {
-        "stages": 3, "lanes": 4, "prompts": 6, "tokens": 48, "wall_s": pytest.approx(1.2),
-        "tokens_per_s": pytest.approx(40.0), "ttft_mean_s": pytest.approx(0.2), "ttft_max_s": 0}
+        "stages": 3,
+        "lanes": 4,
+        "prompts": 6,
+        "tokens": 48,
+        "wall_s": pytest.approx(1.2),
+        "tokens_per_s": pytest.approx(40.0),
+        "ttft_mean_s": pytest.approx(0.2),
+        "ttft_max_s": 0,
+    }
     assert list(inp.stages["stage"]) == [0, 1, 2] and len(inp.prompts) == 6
     assert list(inp.generations["generated"]) == ["text 0\nline", "text 1\nline", "text 2\nline"]
     assert list(inp.benchmarks["rule"]) == ["prepare_data", "train"]
@@ -191,7 +300,8 @@ def test_inference_sweep(tmp_path):
     write_inference(tmp_path, sweep=True)
     inp = collect(tmp_path)
     assert sorted(zip(inp.inference["stages"], inp.inference["lanes"])) == [
-        (s, ln) for s in (1, 2, 3) for ln in (1, 4)]
+        (s, ln) for s in (1, 2, 3) for ln in (1, 4)
+    ]
     assert list(inp.stages["stage"]) == [0, 1, 2]  # the last run's split
 
 
@@ -227,8 +337,15 @@ def test_partial_inputs(tmp_path):
 def test_profile_window_not_captured(tmp_path):
     folder = tmp_path / LAYOUT["profile"]
     folder.mkdir(parents=True)
-    (folder / "profile.json").write_text(json.dumps(
-        {"enabled": True, "captured": False, "reason": "the run had 1 steps after its start, the window needs 3"}))
+    (folder / "profile.json").write_text(
+        json.dumps(
+            {
+                "enabled": True,
+                "captured": False,
+                "reason": "the run had 1 steps after its start, the window needs 3",
+            }
+        )
+    )
     inp = collect(tmp_path)
     assert "window needs 3" in inp.missing["profile"]
 
@@ -240,13 +357,30 @@ def test_profile_window_not_captured(tmp_path):
         (LAYOUT["metrics"], "step,lr\n1,0.1\n", "missing column(s) loss"),
         (LAYOUT["val"], "step,loss\n1,2\n", "missing column(s) val_loss"),
         (LAYOUT["stats"], "{not json", "not valid JSON"),
-        (LAYOUT["stats"], json.dumps({"splits": {"train": {"tokens": "many"}}}), "splits.train.documents"),
-        (LAYOUT["eval_base"], json.dumps({"splits": {"test": {"perplexity": 3}}}), "splits.test.mean_loss"),
+        (
+            LAYOUT["stats"],
+            json.dumps({"splits": {"train": {"tokens": "many"}}}),
+            "splits.train.documents",
+        ),
+        (
+            LAYOUT["eval_base"],
+            json.dumps({"splits": {"test": {"perplexity": 3}}}),
+            "splits.test.mean_loss",
+        ),
         (LAYOUT["broadcast"], json.dumps({"transport": "torch"}), "field receivers"),
         (LAYOUT["timing"], "[]", "expected a JSON object"),
-        (LAYOUT["timing"], json.dumps({"stages": 2, "lanes": 1, "tokens_per_s": 3.0}), "field ttft_s"),
-        (LAYOUT["timing"], json.dumps({"runs": [{"stages": 2, "lanes": 1, "tokens_per_s": 3.0,
-                                                  "ttft_s": {"mean": 1}}]}), "runs[0].ttft_s.max"),
+        (
+            LAYOUT["timing"],
+            json.dumps({"stages": 2, "lanes": 1, "tokens_per_s": 3.0}),
+            "field ttft_s",
+        ),
+        (
+            LAYOUT["timing"],
+            json.dumps(
+                {"runs": [{"stages": 2, "lanes": 1, "tokens_per_s": 3.0, "ttft_s": {"mean": 1}}]}
+            ),
+            "runs[0].ttft_s.max",
+        ),
         (LAYOUT["generations"], '{"prompt": "a"}\nnot json\n', "line 2 is not valid JSON"),
         ("benchmarks/train.tsv", "s\tmax_rss\nslow\t1\n", "column 's' row 1"),
         ("train/profile/top-ops-rank0.json", json.dumps({"rank": 0, "ops": {}}), "field ops"),
@@ -266,13 +400,25 @@ def test_malformed_file_is_named(tmp_path, rel, content, expected):
 
 
 def chromium() -> str | None:
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
-                 if shutil.which(n)), None)
+    return next(
+        (
+            shutil.which(n)
+            for n in ("chromium", "chromium-browser", "google-chrome")
+            if shutil.which(n)
+        ),
+        None,
+    )
 
 
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
 ]
 
 # Marks every image once the page has loaded: loaded images have a natural width.
@@ -298,7 +444,10 @@ def render(page: Path, tmp_path: Path) -> tuple[str, Path]:
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [exe, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}", *args],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
 
     dom = run("--virtual-time-budget=5000", "--dump-dom", probe.as_uri())
@@ -313,6 +462,7 @@ def test_chromium_loads_every_image_of_synthetic_report(tmp_path):
     write_all(tmp_path / "results")
     build_report(tmp_path / "results", tmp_path / "report")
     dom, shot = render(tmp_path / "report" / "summary.html", tmp_path)
+    assert shot.stat().st_size > 10_000
     assert f'data-checked="{len(FIGURES)}"' in dom
     assert dom.count('data-loaded="true"') == len(FIGURES)
 
@@ -320,7 +470,9 @@ def test_chromium_loads_every_image_of_synthetic_report(tmp_path):
 def test_chromium_detects_a_broken_image(tmp_path):
     """The check itself can fail: a corrupt image is reported as not loaded."""
     page = tmp_path / "broken.html"
-    page.write_text('<!DOCTYPE html><html><body><img src="data:image/png;base64,AAAA"></body></html>')
+    page.write_text(
+        '<!DOCTYPE html><html><body><img src="data:image/png;base64,AAAA"></body></html>'
+    )
     dom, _ = render(page, tmp_path)
     assert 'data-loaded="false"' in dom and 'data-loaded="true"' not in dom
 
@@ -333,7 +485,7 @@ def test_workflow_report(workflow_run, tmp_path):
     for _, path in outputs(["png"]):  # tiny.yaml keeps report.formats at its default, png
         assert (report / path).is_file(), path
     page = (report / "summary.html").read_text()
-    assert "src=\"http" not in page and "href=\"http" not in page  # opens offline, from disk
+    assert 'src="http' not in page and 'href="http' not in page  # opens offline, from disk
     dom, shot = render(report / "summary.html", tmp_path)
     n = len(images(page))
     assert n >= 2  # at least the dataset-independent figures: perplexity and rule resources

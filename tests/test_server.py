@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,12 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import test_inference
+from test_inference import PROMPTS, write_config
 
 from distlm.dist import free_port
-from test_inference import PROMPTS, build_tiny_models, hf_reference, tiny_models, write_config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "workflow" / "scripts" / "serve.py"
+# the session fixtures of test_inference.py: the tiny model folders and the `generate` reference
+tiny_models = test_inference.tiny_models
+hf_reference = test_inference.hf_reference
 TOKEN = "t0ken"
 
 
@@ -55,11 +58,12 @@ def start_server(folder: Path, stages: int, tmp: Path, **over) -> Server:
     serve = {"port": port, "token": TOKEN, "max_request_bytes": 2048, "max_tokens": 20}
     cfg = write_config(tmp / "cfg.json", stages=stages, lanes=4, serve=serve, **over)
     log = tmp / "serve.log"
-    proc = subprocess.Popen(
-        ["mpiexec", "-n", str(stages), sys.executable, str(SERVE), "--config", str(cfg), "--model", str(folder)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            ["mpiexec", "-n", str(stages), sys.executable, str(SERVE), "--config", str(cfg), "--model", str(folder)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
     server = Server(proc, port, log)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -121,7 +125,7 @@ def test_openai_client_greedy_matches_generate_and_streams(server, hf_reference)
 
 def test_seeded_sampling_is_reproducible_under_concurrency(server):
     c = client(server)
-    ask = lambda seed: c.completions.create(  # noqa: E731
+    ask = lambda seed: c.completions.create(
         model="s2", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0.95, seed=seed,
         extra_body={"top_k": 40},
     ).choices[0].text

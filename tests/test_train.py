@@ -4,6 +4,7 @@ the stage inside the tiny workflow (profiler on)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -30,8 +31,15 @@ STAGE = ["runtime", "data", "model", "broadcast", "train"]
 
 def train_cfg(**train) -> dict:
     base = {
-        "max_steps": 6, "micro_batch_size": 4, "warmup_steps": 2, "lr": 0.01, "min_lr": 0.001,
-        "ckpt_every": 2, "eval_every": 3, "eval_batches": 2, "keep_last": 2,
+        "max_steps": 6,
+        "micro_batch_size": 4,
+        "warmup_steps": 2,
+        "lr": 0.01,
+        "min_lr": 0.001,
+        "ckpt_every": 2,
+        "eval_every": 3,
+        "eval_batches": 2,
+        "keep_last": 2,
         "profile": {"enabled": False},
     }
     for k, v in train.items():
@@ -39,11 +47,13 @@ def train_cfg(**train) -> dict:
             base[k] = {**base[k], **v}
         else:
             base[k] = v
-    cfg = validate_config({
-        "runtime": {"timeout_s": 60},
-        "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
-        "train": base,
-    })
+    cfg = validate_config(
+        {
+            "runtime": {"timeout_s": 60},
+            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "train": base,
+        }
+    )
     return sections(cfg, STAGE)
 
 
@@ -53,8 +63,12 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
 
 
 def paths(inputs, out: Path, **over) -> TrainPaths:
-    return TrainPaths(tokens=over.get("tokens", inputs["tokens"]), model=over.get("model", inputs["model"]),
-                      tokenizer=inputs["tokenizer"], out=out)
+    return TrainPaths(
+        tokens=over.get("tokens", inputs["tokens"]),
+        model=over.get("model", inputs["model"]),
+        tokenizer=inputs["tokenizer"],
+        out=out,
+    )
 
 
 # ----------------------------------------------------------------------------- unit
@@ -64,12 +78,17 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     t = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4, "max_steps": 20}
     lrs = [lr_at(s, t) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[4:]))
     assert lrs[-1] > t["min_lr"] and lr_at(20, t) == pytest.approx(0.1)
 
 
 def test_global_batch_must_divide():
-    assert plan_batch({"micro_batch_size": 4, "global_batch_size": 32, "grad_accum_steps": 1}, 2).grad_accum == 4
+    assert (
+        plan_batch(
+            {"micro_batch_size": 4, "global_batch_size": 32, "grad_accum_steps": 1}, 2
+        ).grad_accum
+        == 4
+    )
     with pytest.raises(DistlmError, match="train.global_batch_size: 30 is not divisible"):
         plan_batch({"micro_batch_size": 4, "global_batch_size": 30, "grad_accum_steps": 1}, 2)
 
@@ -98,8 +117,13 @@ def test_precision_never_falls_back():
 
 def _save(d: Path, step: int, keep: int = 10) -> None:
     ck.save_checkpoint(
-        d, step, weights={"w": torch.full((4,), float(step))}, optimizer_state={"state": {}, "param_groups": []},
-        rng_states=[ck.rng_state(torch.device("cpu"))], state={"identity": {}}, keep_last=keep,
+        d,
+        step,
+        weights={"w": torch.full((4,), float(step))},
+        optimizer_state={"state": {}, "param_groups": []},
+        rng_states=[ck.rng_state(torch.device("cpu"))],
+        state={"identity": {}},
+        keep_last=keep,
     )
 
 
@@ -122,9 +146,15 @@ def test_checkpoints_keep_last_and_skip_corrupt(tmp_path, caplog):
 def test_identity_mismatch_names_what_differs(tmp_path):
     c = ck.Checkpoint(tmp_path / "step-00000002", 2)
     saved = {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 10, "lr": 0.1}}
-    ck.check_identity(c, saved, {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 20, "lr": 0.1}})
-    with pytest.raises(ck.CheckpointMismatch, match=r"model.arch_digest: checkpoint 'aaa', this run 'bbb'"):
-        ck.check_identity(c, saved, {"model": {"arch_digest": "bbb"}, "optim": {"max_steps": 10, "lr": 0.1}})
+    ck.check_identity(
+        c, saved, {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 20, "lr": 0.1}}
+    )
+    with pytest.raises(
+        ck.CheckpointMismatch, match=r"model.arch_digest: checkpoint 'aaa', this run 'bbb'"
+    ):
+        ck.check_identity(
+            c, saved, {"model": {"arch_digest": "bbb"}, "optim": {"max_steps": 10, "lr": 0.1}}
+        )
 
 
 # ----------------------------------------------------------------------------- world of one
@@ -171,13 +201,29 @@ def _torchrun(cfg: dict, inputs, out: Path, *, restarts: int = 0) -> subprocess.
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(json.dumps(cfg))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        f"--max-restarts={restarts}", "--monitor-interval=0.2", str(SCRIPT), "--config", str(cfg_path),
-        "--tokens", str(inputs["tokens"]), "--tokenizer", str(inputs["tokenizer"]),
-        "--model", str(inputs["model"]), "--out", str(out), "--rank-log", str(out / "logs" / "rank{rank}.log"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.2",
+        str(SCRIPT),
+        "--config",
+        str(cfg_path),
+        "--tokens",
+        str(inputs["tokens"]),
+        "--tokenizer",
+        str(inputs["tokenizer"]),
+        "--model",
+        str(inputs["model"]),
+        "--out",
+        str(out),
+        "--rank-log",
+        str(out / "logs" / "rank{rank}.log"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path):
@@ -185,7 +231,9 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     a = _torchrun(cfg, inputs, tmp_path / "a")
     assert a.returncode == 0, a.stderr[-4000:]
     # the same run, its last rank SIGKILLed after step 3 (checkpoint at 2); torchrun restarts it
-    killed = train_cfg(profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1}, fault={"kill_after_step": 3})
+    killed = train_cfg(
+        profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1}, fault={"kill_after_step": 3}
+    )
     b = _torchrun(killed, inputs, tmp_path / "b", restarts=1)
     assert b.returncode == 0, b.stderr[-4000:]
     assert "killing rank 1" in (tmp_path / "b" / "logs" / "rank1.log").read_text()
@@ -196,11 +244,16 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     rows = [r.split(",") for r in (tmp_path / "a" / "metrics.csv").read_text().splitlines()[1:]]
     assert len(rows) == 6 and float(rows[-1][1]) < float(rows[0][1])  # the loss falls
-    strip = lambda p: [",".join(r.split(",")[:6]) for r in p.read_text().splitlines()]  # noqa: E731
+    strip = lambda p: [",".join(r.split(",")[:6]) for r in p.read_text().splitlines()]
     assert strip(tmp_path / "a" / "metrics.csv") == strip(tmp_path / "b" / "metrics.csv")
     meta = read_meta(tmp_path / "b" / "final")
     assert meta["created_by"] == "train" and meta["training"]["restart_count"] == 1
     assert meta["training"]["resumed_from"].endswith("step-00000002")
+    # a world of one cannot resume the 2-rank checkpoint: refused, naming the world size
+    with pytest.raises(
+        ck.CheckpointMismatch, match=r"topology.world_size: checkpoint 2, this run 1"
+    ):
+        run_training(cfg, paths(inputs, tmp_path / "a"))
     for r in (0, 1):
         line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
         assert f"[rank {r}]" in line and line[:4].isdigit()
@@ -217,7 +270,10 @@ def test_train_stage_in_tiny_workflow(workflow_run):
     assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in base.iterdir())
     meta = read_meta(final)
     assert meta["created_by"] == "train" and meta["training"]["steps"] == 8
-    assert meta["training"]["world_size"] == 2 and meta["arch_digest"] == read_meta(base)["arch_digest"]
+    assert (
+        meta["training"]["world_size"] == 2
+        and meta["arch_digest"] == read_meta(base)["arch_digest"]
+    )
     load_model_dir(final)
     rows = (res / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,perplexity,grad_norm,lr") and len(rows) == 9

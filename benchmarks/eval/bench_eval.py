@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -71,7 +72,7 @@ def main() -> None:
     device = torch.device(a.device)
     amp = resolve_precision(a.precision, device)
     config = GPT2Config(vocab_size=a.vocab, n_positions=a.n_positions, n_embd=a.n_embd,
-                        n_layer=a.n_layer, n_head=a.n_head)
+                        n_layer=a.n_layer, n_head=a.n_head, bos_token_id=0, eos_token_id=0)
     model = build_model(config, seed=0).to(device).eval()
     ids = torch.as_tensor(np.random.default_rng(0).integers(0, a.vocab, a.tokens), dtype=torch.long)
     topo = Topology(rank=0, world_size=1, local_rank=0, device=device, backend="gloo")
@@ -97,6 +98,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "load_avg_1min": os.getloadavg()[0],  # other work on the machine slows both sides alike
         "settings": vars(a),
         "windows": len(sliding_windows(a.tokens, a.context, a.stride)),
         "tokens_scored": n_guide,

@@ -57,7 +57,7 @@ def seeded_model(folder: Path, args) -> Path:
     tokdir = folder / "tokenizer"
     tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
     cfg = init_config(
-        dict(n_positions=256, n_embd=args.embd, n_layer=args.layers, n_head=args.heads, dropout=0.0),
+        {"n_positions": 256, "n_embd": args.embd, "n_layer": args.layers, "n_head": args.heads, "dropout": 0.0},
         len(tok), tok.eos_token_id,
     )
     sd = state_dict_for_save(build_model(cfg, seed=0))
@@ -68,7 +68,13 @@ def seeded_model(folder: Path, args) -> Path:
 
 def sharded(model: Path, stages: int, work: Path) -> Path:
     """The same weights as a model folder with `stages` shards."""
-    from distlm.model import load_config_json, load_model_dir, read_manifest, state_dict_for_save, write_model_dir
+    from distlm.model import (
+        load_config_json,
+        load_model_dir,
+        read_manifest,
+        state_dict_for_save,
+        write_model_dir,
+    )
 
     if read_manifest(model)["stages"] == stages:
         return model
@@ -100,7 +106,7 @@ def hf_generate(model_dir: Path, texts: list[str], n: int, repeats: int) -> dict
     model = load_model_dir(model_dir)
     ids = [torch.tensor([tok(t, add_special_tokens=False)["input_ids"]]) for t in texts]
     # no EOS stop: every prompt makes exactly n tokens, as in the pipeline runs below
-    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=tok.eos_token_id)
+    kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "use_cache": True, "pad_token_id": tok.eos_token_id}
 
     def run() -> tuple[float, int]:
         t0, total = time.perf_counter(), 0
@@ -152,7 +158,7 @@ def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: 
     out = work / f"out-{stages}.json"
     spec.write_text(json.dumps({"inference": icfg, "model": str(model_dir), "prompts": texts, "repeats": repeats}))
     cmd = ["mpiexec", "-n", str(stages), sys.executable, __file__, "--worker", str(spec), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"distlm S={stages} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())

@@ -28,17 +28,46 @@ from pathlib import Path
 
 PRESETS = {
     # the embedded default (config/config.yaml): 4 layers, 128 wide, 4096 tokens, block 128
-    "default": dict(vocab=4096, block_size=128, n_layer=4, n_head=4, n_embd=128, micro_batch=8),
+    "default": {
+        "vocab": 4096,
+        "block_size": 128,
+        "n_layer": 4,
+        "n_head": 4,
+        "n_embd": 128,
+        "micro_batch": 8,
+    },
     # GPT-2 small (124M) at its full context
-    "gpt2": dict(vocab=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, micro_batch=16),
+    "gpt2": {
+        "vocab": 50257,
+        "block_size": 1024,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_embd": 768,
+        "micro_batch": 16,
+    },
 }
 
 # Dense peak FLOP/s (no sparsity) per device, by a substring of torch.cuda.get_device_name().
 PEAK_FLOPS = {
-    "bf16": [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
-             ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12), ("RTX 4090", 165e12)],
-    "fp16": [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
-             ("V100", 125e12), ("L40S", 362e12), ("T4", 65e12)],
+    "bf16": [
+        ("H200", 989e12),
+        ("H100 PCIe", 756e12),
+        ("H100", 989e12),
+        ("A100", 312e12),
+        ("L40S", 362e12),
+        ("A10G", 70e12),
+        ("L4", 121e12),
+        ("RTX 4090", 165e12),
+    ],
+    "fp16": [
+        ("H200", 989e12),
+        ("H100 PCIe", 756e12),
+        ("H100", 989e12),
+        ("A100", 312e12),
+        ("V100", 125e12),
+        ("L40S", 362e12),
+        ("T4", 65e12),
+    ],
     "fp32": [("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("V100", 15.7e12)],
 }
 
@@ -69,34 +98,67 @@ def worker(a) -> None:
 
     setup_logging(None, level=30)  # warnings only: the loop's log lines would be noise here
     p = PRESETS[a.preset]
-    cfg = validate_config({
-        "runtime": {"device": a.device, "backend": "nccl" if a.device == "cuda" else "gloo", "timeout_s": 600},
-        "broadcast": {"bucket_mb": 64},
-        "train": {"micro_batch_size": p["micro_batch"], "max_steps": 10**6, "warmup_steps": 10, "lr": 3e-4,
-                  "min_lr": 3e-5, "precision": a.precision, "compile": a.compile, "log_every": 10**6,
-                  "ckpt_every": 10**6, "eval_every": 10**6},
-    })
+    cfg = validate_config(
+        {
+            "runtime": {
+                "device": a.device,
+                "backend": "nccl" if a.device == "cuda" else "gloo",
+                "timeout_s": 600,
+            },
+            "broadcast": {"bucket_mb": 64},
+            "train": {
+                "micro_batch_size": p["micro_batch"],
+                "max_steps": 10**6,
+                "warmup_steps": 10,
+                "lr": 3e-4,
+                "min_lr": 3e-5,
+                "precision": a.precision,
+                "compile": a.compile,
+                "log_every": 10**6,
+                "ckpt_every": 10**6,
+                "eval_every": 10**6,
+            },
+        }
+    )
     cfg = sections(cfg, ["runtime", "data", "model", "broadcast", "train"])
     with distributed(backend=cfg["runtime"]["backend"], device=a.device, timeout_s=600) as topo:
         root = Path(a.workdir)
         with topo.main_first():
             if topo.is_main:
-                make_inputs(root, vocab=p["vocab"], block_size=p["block_size"], n_layer=p["n_layer"],
-                            n_head=p["n_head"], n_embd=p["n_embd"], train_blocks=max(256, 4 * p["micro_batch"] * topo.world_size),
-                            val_blocks=8)
-        paths = TrainPaths(tokens=root / "tokens.h5", model=root / "model", tokenizer=root / "tokenizer",
-                           out=root / f"out-{os.getpid()}")
+                make_inputs(
+                    root,
+                    vocab=p["vocab"],
+                    block_size=p["block_size"],
+                    n_layer=p["n_layer"],
+                    n_head=p["n_head"],
+                    n_embd=p["n_embd"],
+                    train_blocks=max(256, 4 * p["micro_batch"] * topo.world_size),
+                    val_blocks=8,
+                )
+        paths = TrainPaths(
+            tokens=root / "tokens.h5",
+            model=root / "model",
+            tokenizer=root / "tokenizer",
+            out=root / f"out-{os.getpid()}",
+        )
         trainer = Trainer(cfg, paths, topo).setup()
 
         # the minimal loop: same architecture and weights, defaults everywhere
         plain = load_model_dir(root / "model", device=topo.device).train()
         plain.loss_type = "ForCausalLM"
-        plain_ddp = DDP(plain, device_ids=[topo.device.index] if topo.device.type == "cuda" else None)
+        plain_ddp = DDP(
+            plain, device_ids=[topo.device.index] if topo.device.type == "cuda" else None
+        )
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4)
         g = torch.Generator().manual_seed(topo.rank)
-        batch = torch.randint(0, p["vocab"], (p["micro_batch"], p["block_size"]), generator=g).to(topo.device)
-        amp = (torch.autocast(topo.device.type, dtype=trainer.autocast_dtype)
-               if trainer.autocast_dtype is not None else contextlib.nullcontext())
+        batch = torch.randint(0, p["vocab"], (p["micro_batch"], p["block_size"]), generator=g).to(
+            topo.device
+        )
+        amp = (
+            torch.autocast(topo.device.type, dtype=trainer.autocast_dtype)
+            if trainer.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
 
         def plain_step():
             with amp:
@@ -133,15 +195,22 @@ def worker(a) -> None:
             med = {k: statistics.median(v) for k, v in rounds.items()}
             n_params = sum(t.numel() for t in plain.parameters())
             n_pos = plain.transformer.wpe.weight.numel()
-            fpt = flops_per_token(n_params - n_pos, p["n_layer"], p["n_head"], p["n_embd"], p["block_size"])
+            fpt = flops_per_token(
+                n_params - n_pos, p["n_layer"], p["n_head"], p["n_embd"], p["block_size"]
+            )
             result = {
                 "benchmark": "train step throughput: distlm vs minimal DDP loop",
-                "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
+                "device": torch.cuda.get_device_name(topo.device)
+                if topo.device.type == "cuda"
+                else "cpu",
                 "torch": torch.__version__,
                 "world_size": topo.world_size,
                 "threads_per_rank": torch.get_num_threads(),
                 "preset": a.preset,
-                "model": {**{k: p[k] for k in ("vocab", "n_layer", "n_head", "n_embd")}, "parameters": n_params},
+                "model": {
+                    **{k: p[k] for k in ("vocab", "n_layer", "n_head", "n_embd")},
+                    "parameters": n_params,
+                },
                 "block_size": p["block_size"],
                 "micro_batch_per_rank": p["micro_batch"],
                 "global_batch": trainer.plan.global_batch,
@@ -154,14 +223,17 @@ def worker(a) -> None:
                 "tokens_per_s_rounds": rounds,
                 "ratio_distlm_over_plain": med["distlm"] / med["plain"],
                 # each round's pair ran back to back: the median of their ratios is robust to load drift
-                "ratio_paired_median": statistics.median(d / q for d, q in zip(rounds["distlm"], rounds["plain"])),
+                "ratio_paired_median": statistics.median(
+                    d / q for d, q in zip(rounds["distlm"], rounds["plain"])
+                ),
                 "target_ratio_cpu": 0.95,
             }
             if topo.device.type == "cuda":
                 peak = peak_flops(result["device"], trainer.precision)
                 per_dev = fpt * med["distlm"] / topo.world_size
                 result["mfu"] = {
-                    "flops_per_token": fpt, "peak_flops_per_device": peak,
+                    "flops_per_token": fpt,
+                    "peak_flops_per_device": peak,
                     "distlm": per_dev / peak if peak else None,
                     "plain_ddp": fpt * med["plain"] / topo.world_size / peak if peak else None,
                     "note": None if peak else "device not in PEAK_FLOPS",
@@ -170,8 +242,22 @@ def worker(a) -> None:
                 result["mfu"] = None  # no meaningful peak figure for a shared CPU
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-            print(json.dumps({k: result[k] for k in ("device", "world_size", "tokens_per_s",
-                                                     "ratio_distlm_over_plain", "ratio_paired_median", "mfu")}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        k: result[k]
+                        for k in (
+                            "device",
+                            "world_size",
+                            "tokens_per_s",
+                            "ratio_distlm_over_plain",
+                            "ratio_paired_median",
+                            "mfu",
+                        )
+                    },
+                    indent=2,
+                )
+            )
         trainer.close()
 
 
@@ -193,8 +279,15 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="distlm-bench-train-") as tmp:
         args = [a for a in sys.argv[1:]] + ([] if a.workdir else ["--workdir", tmp])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
-               __file__, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={a.nproc}",
+            __file__,
+            *args,
+        ]
         sys.exit(subprocess.call(cmd, timeout=3600))
 
 

@@ -173,9 +173,8 @@ def evaluate_stream(
     tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     vocab = model.config.vocab_size
     if len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
-        raise DistlmError(
-            f"{where}: token id {int(tokens.max())} is outside the model's vocabulary of {vocab}"
-        )
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
+        raise DistlmError(f"{where}: token id {bad} is outside the model's vocabulary of {vocab}")
     windows = sliding_windows(len(tokens), context, stride, where=where)
     mine = windows[topo.rank :: topo.world_size]
     topo.barrier()

@@ -115,7 +115,7 @@ class Fabric:
         return f"{self.tag}-h{host}"
 
     def address(self, host: int) -> str:
-        return f"10.77.0.{host + 1}"  # private to the fabric's namespaces: fabrics never collide
+        return f"10.213.57.{host + 1}"  # private to the fabric's namespaces: fabrics never collide
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """argv run inside host's namespace."""

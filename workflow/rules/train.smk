@@ -25,7 +25,7 @@ rule train:
         script=entry_point("train.py"),
         nproc=config["train"]["nproc_per_node"],
         max_restarts=config["train"]["max_restarts"],
-        out="results/train",
+        out=lambda wildcards, output: str(Path(output.metrics).parent),
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc}"
         " --max-restarts={params.max_restarts} {params.script}"

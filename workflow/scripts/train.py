@@ -21,15 +21,22 @@ from distlm.train import TrainPaths, run_training
 @record
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="resolved config JSON (results/config/train.json)")
+    p.add_argument(
+        "--config", required=True, help="resolved config JSON (results/config/train.json)"
+    )
     p.add_argument("--tokens", required=True, type=Path)
     p.add_argument("--tokenizer", required=True, type=Path)
-    p.add_argument("--model", required=True, type=Path, help="model folder with the initial weights")
+    p.add_argument(
+        "--model", required=True, type=Path, help="model folder with the initial weights"
+    )
     p.add_argument("--out", required=True, type=Path, help="stage output folder (results/train)")
     p.add_argument("--rank-log", default=None, help="per-rank log file; {rank} is filled in")
     a = p.parse_args()
     setup_logging(a.rank_log)
-    run_training(read_resolved(a.config), TrainPaths(tokens=a.tokens, model=a.model, tokenizer=a.tokenizer, out=a.out))
+    run_training(
+        read_resolved(a.config),
+        TrainPaths(tokens=a.tokens, model=a.model, tokenizer=a.tokenizer, out=a.out),
+    )
 
 
 if __name__ == "__main__":

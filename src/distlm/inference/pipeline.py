@@ -27,9 +27,9 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -193,8 +193,8 @@ class Sequence:
     id: int
     prompt_ids: list[int]
     params: SamplingParams
-    on_token: Callable[["Sequence", int], None] | None = None
-    on_done: Callable[["Sequence"], None] | None = None
+    on_token: Callable[[Sequence, int], None] | None = None
+    on_done: Callable[[Sequence], None] | None = None
     lane: int = -1
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -279,6 +279,7 @@ class Scheduler:
         self.active: dict[int, Sequence] = {}
         self.free = list(range(lanes - 1, -1, -1))
         self.inflight = 0
+        self.launching = True  # False: only collect what is in the ring (shutting down)
         self.progress_at = time.monotonic()
         self.last_send = time.monotonic()
         self._next_id = 0
@@ -303,7 +304,7 @@ class Scheduler:
         while self.ring is not None and self.inflight and self.ring.ready():
             self._reply(self.ring.take())
             did = True
-        while self.waiting and self.free:
+        while self.launching and self.waiting and self.free:
             seq = self.waiting.popleft()
             if seq.cancelled:
                 self._finish(seq, "cancelled")
@@ -312,7 +313,7 @@ class Scheduler:
             seq.t_admit = time.perf_counter()
             self.active[seq.id] = seq
             self.ready.append(seq)
-        if self.ready and self.inflight < self.topo.stages:
+        if self.launching and self.ready and self.inflight < self.topo.stages:
             batch = [self.ready.popleft() for _ in range(min(self.cap, len(self.ready)))]
             self._launch(batch)
             return True
@@ -489,11 +490,19 @@ class Pipeline:
     infos: list[dict] = field(default_factory=list)
 
 
-def set_threads(stages: int) -> None:
-    """Split the CPU cores between the ranks on this host unless OMP_NUM_THREADS says otherwise."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("MPI_LOCALNRANKS", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", stages)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+def set_threads(comm) -> None:
+    """Share the thread budget between the ranks on this host.
+
+    The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's `threads`, a total for
+    the job), else the host's cores; each rank on the host gets an equal part, at least one thread.
+    """
+    from mpi4py import MPI
+
+    budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_size()
+    node.Free()
+    torch.set_num_threads(max(1, budget // local))
 
 
 @contextlib.contextmanager
@@ -504,7 +513,7 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path) -> Iterator[Pipeline]:
     comm = MPI.COMM_WORLD
     topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
     try:
-        set_threads(topo.stages)
+        set_threads(comm)
         stats = StageStats(stage=topo.rank)
         model = load_stage(model_dir, topo.rank, world=topo.stages)
         # Stage 0 gives up first (it owns the HTTP server and answers 503 before the job ends); the
@@ -530,7 +539,7 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path) -> Iterator[Pipeline]:
         log.warning("interrupted")
         sys.stderr.flush()
         os._exit(130)
-    except BaseException as e:  # noqa: BLE001 - any failure must take the whole job down
+    except BaseException as e:  # any failure must take the whole job down
         if isinstance(e, DistlmError):
             log.error("stage %d failed: %s", topo.rank, e)
         else:
@@ -628,10 +637,8 @@ def run_batch(icfg: dict, *, model_dir, prompts_path, generations_path, timing_p
         timing["per_stage"] = pipe.scheduler.stop()
         timing["hosts"] = pipe.infos
         timing["model"] = str(model_dir)
-        with atomic_path(generations_path) as tmp:
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in records:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        with atomic_path(generations_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         write_json(timing_path, timing)
         log.info(
             "%d prompts, %d tokens in %.2f s: %.1f tokens/s over %d stages",

@@ -93,6 +93,8 @@ class CompletionServer:
         self.pending: dict[int, _Pending] = {}  # sequence id -> its request (main thread only)
         self._ids = iter(range(1 << 62))
         self._ids_lock = threading.Lock()
+        # A fast tokenizer's Rust state must not be borrowed by two threads at once ("Already borrowed")
+        self._tok_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"app": self})
         self.httpd = ThreadingHTTPServer((host or self.scfg["host"], port or self.scfg["port"]), handler)
         self.httpd.daemon_threads = True
@@ -122,10 +124,13 @@ class CompletionServer:
                     t0 = time.perf_counter()
                     backoff.pause()
                     self.sched.stats.recv_wait_s += time.perf_counter() - t0
-            log.info("stopping: finishing %d sequences in flight", len(self.sched.active))
-            while self.sched.inflight:
+            log.info("stopping: %d sequences still active get 503", len(self.sched.active) + len(self.sched.waiting))
+            self.failed = "the server is shutting down"
+            self.sched.launching = False
+            while self.sched.inflight:  # let the micro-batches in the ring come home
                 if not self.sched.step():
                     backoff.pause()
+            self._reject_all(self.failed)
         except PipelineError as e:
             self.fail(str(e))
             raise
@@ -140,15 +145,17 @@ class CompletionServer:
             return False
         for s in seqs:
             self.pending[s.id] = pending
+            s.on_done = self._finished
             self.sched.submit(s)
         return True
 
-    def fail(self, reason: str) -> None:
-        """The pipeline is gone: every waiting handler (and every later request) gets a 503."""
-        self.failed = reason
-        log.error("pipeline failed, answering 503: %s", reason)
+    def _finished(self, seq: Sequence) -> None:
+        self.pending.pop(seq.id).on_done(seq)
+
+    def _reject_all(self, reason: str) -> None:
+        """503 for every sequence not yet finished and every request still in the inbox."""
         for seq in self.sched.fail_all(reason):
-            p = self.pending.get(seq.id)
+            p = self.pending.pop(seq.id, None)
             if p is not None:
                 p.events.put(("error", 503, reason))
         while True:
@@ -157,6 +164,12 @@ class CompletionServer:
             except queue.Empty:
                 break
             pending.events.put(("error", 503, reason))
+
+    def fail(self, reason: str) -> None:
+        """The pipeline is gone: every waiting handler (and every later request) gets a 503."""
+        self.failed = reason
+        log.error("pipeline failed, answering 503: %s", reason)
+        self._reject_all(reason)
         time.sleep(1.0)  # let the handler threads write their 503s before the job ends
 
     # ---------------------------------------------------------------- handler threads
@@ -210,17 +223,22 @@ class CompletionServer:
         pending, infos = _Pending(), []
         for i, text in enumerate(prompts):
             try:
-                ids, cut = encode_prompt(
-                    self.tok, text, context=self.pipe.context, max_new_tokens=params.max_new_tokens,
-                    overflow=cfg["prompt_overflow"],
-                )
+                with self._tok_lock:
+                    ids, cut = encode_prompt(
+                        self.tok, text, context=self.pipe.context, max_new_tokens=params.max_new_tokens,
+                        overflow=cfg["prompt_overflow"],
+                    )
             except RequestError as e:
                 where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 raise RequestError(str(e).replace("prompt:", f"{where}:", 1), param="prompt") from None
-            seq = Sequence(self.new_seq_id(), ids, params, on_token=pending.on_token, on_done=pending.on_done)
+            seq = Sequence(self.new_seq_id(), ids, params, on_token=pending.on_token)
             pending.seqs.append(seq)
             infos.append({"index": i, "prompt_tokens": len(ids), "prompt_truncated_tokens": cut})
         return pending, infos, stream, opts
+
+    def decode(self, tokens: list[int]) -> str:
+        with self._tok_lock:
+            return self.tok.decode(tokens, skip_special_tokens=True)
 
     def submit(self, pending: _Pending) -> None:
         if self.failed:
@@ -282,7 +300,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -------------------------------------------------------------- routes
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/health":
             self._json(*self.app.health())
@@ -296,7 +314,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._error(404, f"no route {path}")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         if path != "/v1/completions":
             self._error(404 if path not in ("/health", "/v1/models") else 405, f"no POST route {path}")
@@ -371,11 +389,10 @@ class _Handler(BaseHTTPRequestHandler):
             if ev[0] == "error":
                 self._error(ev[1], f"the pipeline is unavailable: {ev[2]}")
                 return
-        tok = self.app.tok
         choices = []
         for seq, info in zip(pending.seqs, infos):
             choices.append({
-                "text": tok.decode(seq.tokens, skip_special_tokens=True),
+                "text": self.app.decode(seq.tokens),
                 "index": info["index"],
                 "logprobs": None,
                 "finish_reason": seq.finish_reason,
@@ -390,7 +407,6 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, out)
 
     def _stream(self, pending: _Pending, infos: list[dict], opts: dict) -> None:
-        tok = self.app.tok
         cid = f"cmpl-{uuid.uuid4().hex}"
         index = {seq.id: info["index"] for seq, info in zip(pending.seqs, infos)}
         sent = {seq.id: "" for seq in pending.seqs}
@@ -415,7 +431,7 @@ class _Handler(BaseHTTPRequestHandler):
                                     "type": _ERROR_TYPES[503], "param": None, "code": None}})
                     return
                 seq = ev[1]
-                text = tok.decode(seq.tokens, skip_special_tokens=True)
+                text = self.app.decode(seq.tokens)
                 done = ev[0] == "done"
                 if not done and text.endswith("\ufffd"):
                     continue  # a multi-byte character is not complete yet

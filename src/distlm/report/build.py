@@ -6,6 +6,7 @@ import base64
 import datetime as _dt
 import html
 import io
+import math
 import os
 from pathlib import Path
 
@@ -13,15 +14,15 @@ import pandas as pd
 
 from distlm.io import atomic_path, write_text
 from distlm.log import get_logger
-from distlm.report import FIGURES, ITEMS, SECTIONS, SUMMARY, Item, category
+from distlm.report import FIGURES, ITEMS, SECTIONS, SUMMARY, category
 from distlm.report.figures import not_collected
 from distlm.report.inputs import Inputs, collect
 
 log = get_logger(__name__)
 
 _CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;max-width:1200px;
-  padding:1.5rem 2rem;color:#222;line-height:1.45}
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0 auto;
+  max-width:1200px;padding:1.5rem 2rem;color:#222;line-height:1.45}
 h1{margin-bottom:.2rem} h2{border-bottom:2px solid #ddd;padding-bottom:.2rem;margin-top:2.2rem}
 h3{margin:1.4rem 0 .4rem;font-size:1.05rem}
 .meta{color:#666;font-size:.9rem} nav ol{columns:2;font-size:.95rem}
@@ -30,7 +31,8 @@ figcaption{color:#555;font-size:.9rem}
 table.data{border-collapse:collapse;font-size:.88rem;margin:.4rem 0 1rem}
 table.data th,table.data td{border:1px solid #ccc;padding:.25rem .55rem;text-align:right;
   vertical-align:top}
-table.data th{background:#f3f3f3} table.data td:first-child,table.data th:first-child{text-align:left}
+table.data th{background:#f3f3f3}
+table.data td:first-child,table.data th:first-child{text-align:left}
 table.data td.text{text-align:left;white-space:pre-wrap;max-width:38rem}
 table.data caption{caption-side:bottom;text-align:left;color:#666;font-size:.85rem}
 .not-collected{background:#fff4f4;border-left:4px solid #c33;padding:.5rem .8rem;margin:.6rem 0;
@@ -57,7 +59,7 @@ def _save(fig, path: Path, fmt: str, png: bytes | None = None) -> None:
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        if v != v:  # NaN
+        if math.isnan(v):
             return ""
         if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
             return f"{v:.3e}"
@@ -70,17 +72,20 @@ def _fmt(v) -> str:
 def table_html(df: pd.DataFrame) -> str:
     """An HTML table; text columns keep their line breaks, numbers are right-aligned."""
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    text_cols = {c for c in df.columns if df[c].dtype == object}
+    text_cols = {c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])}
     rows = []
     for rec in df.itertuples(index=False):
         cells = []
         for c, v in zip(df.columns, rec):
             cls = ' class="text"' if c in text_cols else ""
-            cells.append(f"<td{cls}>{html.escape(_fmt(v.item() if hasattr(v, 'item') else v))}</td>")
+            cells.append(
+                f"<td{cls}>{html.escape(_fmt(v.item() if hasattr(v, 'item') else v))}</td>"
+            )
         rows.append("<tr>" + "".join(cells) + "</tr>")
     caption = df.attrs.get("caption")
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-    return f'<table class="data">{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    body = "".join(rows)
+    return f'<table class="data">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _page(title: str, body: str) -> str:
@@ -171,15 +176,20 @@ def build_report(
 
     parts = [
         "<h1>distlm run report</h1>",
-        f'<p class="meta">Results folder: {html.escape(str(results.resolve()))} &middot; '
-        f"generated {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC} &middot; "
-        f"{sum(1 for i in FIGURES)} figures, {len(ITEMS) - len(FIGURES)} tables</p>",
-        "<nav><ol>" + "".join(
+        (
+            f'<p class="meta">Results folder: {html.escape(str(results.resolve()))} &middot; '
+            f"generated {_dt.datetime.now(_dt.UTC):%Y-%m-%d %H:%M UTC} &middot; "
+            f"{len(FIGURES)} figures, {len(ITEMS) - len(FIGURES)} tables</p>"
+        ),
+        "<nav><ol>"
+        + "".join(
             f'<li><a href="#sec-{s}">{html.escape(t)}</a>'
-            f"{' (not collected)' if not blocks[s] else ''}</li>" for s, t in SECTIONS.items()
-        ) + "</ol></nav>",
+            f"{' (not collected)' if not blocks[s] else ''}</li>"
+            for s, t in SECTIONS.items()
+        )
+        + "</ol></nav>",
     ]
-    for s, title in SECTIONS.items():
+    for s in SECTIONS:
         parts.append(f'<section id="sec-{s}"><h2>{html.escape(category(s))}</h2>')
         parts.append(_facts(_section_facts(inp, s)))
         for reason, titles in notes[s].items():
@@ -189,6 +199,11 @@ def build_report(
     summary = out_dir / SUMMARY
     write_text(summary, _page("distlm run report", "\n".join(parts)))
     written.insert(0, summary)
-    log.info("wrote %s (%d figures, %d tables, %d inputs not collected)", summary,
-             len(FIGURES), len(ITEMS) - len(FIGURES), len(inp.missing))
+    log.info(
+        "wrote %s (%d figures, %d tables, %d inputs not collected)",
+        summary,
+        len(FIGURES),
+        len(ITEMS) - len(FIGURES),
+        len(inp.missing),
+    )
     return written

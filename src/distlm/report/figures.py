@@ -30,8 +30,17 @@ def _figure(nrows: int, ncols: int, title: str) -> tuple[Figure, list]:
 
 
 def _note(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=11, color="#a33",
-            transform=ax.transAxes)
+    ax.text(
+        0.5,
+        0.5,
+        text,
+        ha="center",
+        va="center",
+        wrap=True,
+        fontsize=11,
+        color="#a33",
+        transform=ax.transAxes,
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -41,10 +50,27 @@ def not_collected(title: str, reason: str) -> Figure:
     fig = Figure(figsize=(8, 2.6), layout="constrained")
     ax = fig.subplots()
     ax.axis("off")
-    ax.text(0.5, 0.68, f"{title}: not collected", ha="center", va="center", fontsize=15,
-            fontweight="bold", color="#a33", transform=ax.transAxes)
-    ax.text(0.5, 0.32, reason.removeprefix("not collected: "), ha="center", va="center",
-            fontsize=10, wrap=True, transform=ax.transAxes)
+    ax.text(
+        0.5,
+        0.68,
+        f"{title}: not collected",
+        ha="center",
+        va="center",
+        fontsize=15,
+        fontweight="bold",
+        color="#a33",
+        transform=ax.transAxes,
+    )
+    ax.text(
+        0.5,
+        0.32,
+        reason.removeprefix("not collected: "),
+        ha="center",
+        va="center",
+        fontsize=10,
+        wrap=True,
+        transform=ax.transAxes,
+    )
     return fig
 
 
@@ -84,9 +110,11 @@ def train_schedule(inp: Inputs) -> Figure | None:
     if m is None:
         return None
     fig, axes = _figure(1, 3, "Learning rate, gradient norm and throughput")
-    for ax, col, label in ((axes[0], "lr", "learning rate"),
-                           (axes[1], "grad_norm", "gradient L2 norm (before clipping)"),
-                           (axes[2], "tokens_per_s", "training tokens/s (all ranks)")):
+    for ax, col, label in (
+        (axes[0], "lr", "learning rate"),
+        (axes[1], "grad_norm", "gradient L2 norm (before clipping)"),
+        (axes[2], "tokens_per_s", "training tokens/s (all ranks)"),
+    ):
         if col not in m:
             _note(ax, f"not collected: metrics.csv has no {col} column")
             continue
@@ -103,12 +131,20 @@ def val_loss(inp: Inputs) -> Figure | None:
     if v is None:
         return None
     fig, axes = _figure(1, 2, "Validation during training")
-    for ax, col, label in ((axes[0], "val_loss", "loss (nats/token)"),
-                           (axes[1], "val_ppl", "perplexity")):
+    for ax, col, label in (
+        (axes[0], "val_loss", "loss (nats/token)"),
+        (axes[1], "val_ppl", "perplexity"),
+    ):
         ax.plot(v["step"], v[col], "o-", color=_VAL, lw=1.6, label="validation")
         if inp.metrics is not None:
-            ax.plot(inp.metrics["step"], inp.metrics[col.removeprefix("val_")], color=_TRAIN,
-                    lw=1, alpha=0.6, label="train")
+            ax.plot(
+                inp.metrics["step"],
+                inp.metrics[col.removeprefix("val_")],
+                color=_TRAIN,
+                lw=1,
+                alpha=0.6,
+                label="train",
+            )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(label)
         ax.legend(fontsize=9)
@@ -133,8 +169,11 @@ def profile_ops(inp: Inputs, top: int = 15) -> Figure | None:
     w = p.attrs.get("window") or {}
     active = f", {w['active']} profiled step(s)" if "active" in w else ""
     ax.set_xlabel(f"{p.attrs.get('sort_by', 'self time')} (ms{active})")
-    ax.set_title(f"Top {len(ops)} operators by {p.attrs.get('sort_by', 'self time')}",
-                 fontsize=14, fontweight="bold")
+    ax.set_title(
+        f"Top {len(ops)} operators by {p.attrs.get('sort_by', 'self time')}",
+        fontsize=14,
+        fontweight="bold",
+    )
     ax.grid(True, axis="x", alpha=0.3)
     ax.tick_params(labelsize=9)
     ax.legend(fontsize=9)
@@ -151,18 +190,26 @@ def broadcast(inp: Inputs) -> Figure | None:
     fig, axes = _figure(1, 2, "Weight broadcast throughput")
     labels = [f"{t}\nrank {k}" for t, k in zip(r["transport"], r["receiver"])]
     transports = list(dict.fromkeys(r["transport"]))
-    colors = {t: c for t, c in zip(transports, ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"])}
+    colors = {t: f"C{i % 10}" for i, t in enumerate(transports)}
     axes[0].bar(labels, r["gbps"], color=[colors[t] for t in r["transport"]])
     axes[0].set_ylabel("GB/s")
     axes[0].set_title("per receiver", fontsize=11)
     per = r.groupby("transport", sort=False)["gbps"].agg(["mean", "min", "max"])
-    axes[1].bar(per.index, per["mean"], color=[colors[t] for t in per.index],
-                yerr=[per["mean"] - per["min"], per["max"] - per["mean"]], capsize=6)
+    axes[1].bar(
+        per.index,
+        per["mean"],
+        color=[colors[t] for t in per.index],
+        yerr=[per["mean"] - per["min"], per["max"] - per["mean"]],
+        capsize=6,
+    )
     if r["all_gbps"].notna().any():
         overall = r.groupby("transport", sort=False)["all_gbps"].first()
-        axes[1].plot(overall.index, overall.values, "kD", ms=9,
-                     label="all receivers done (sender's clock)")
-        axes[1].legend(fontsize=9, loc="lower center")
+        axes[1].plot(
+            overall.index, overall.values, "kD", ms=9, label="all receivers done (sender's clock)"
+        )
+        axes[1].legend(fontsize=9, loc="upper center")
+    for ax in axes:
+        ax.set_ylim(0, pd.concat([r["gbps"], r["all_gbps"]]).max() * 1.25)  # room for the legend
     axes[1].set_ylabel("GB/s (mean, min-max over receivers)")
     axes[1].set_title("per transport", fontsize=11)
     return fig
@@ -181,8 +228,9 @@ def perplexity(inp: Inputs) -> Figure | None:
     for i, model in enumerate(models):
         d = e[e["model"] == model].set_index("split").reindex(splits)
         xs = [j + (i - (len(models) - 1) / 2) * w for j in range(len(splits))]
-        bars = ax.bar(xs, d["perplexity"], w, label=model,
-                      color=_BASE if model == "base" else _TRAINED)
+        bars = ax.bar(
+            xs, d["perplexity"], w, label=model, color=_BASE if model == "base" else _TRAINED
+        )
         ax.bar_label(bars, fmt="%.1f", fontsize=9)
     ax.set_xticks(range(len(splits)), splits)
     ax.set_ylabel("perplexity (lower is better)")
@@ -199,12 +247,22 @@ def inference(inp: Inputs) -> Figure | None:
     if t is None:
         return None
     fig, axes = _figure(2, 2, "Pipeline inference")
-    for ax, col, label in ((axes[0], "tokens_per_s", "generated tokens/s (all prompts)"),
-                           (axes[1], "ttft_mean_s", "time to first token (s), mean and max")):
+    for ax, col, label in (
+        (axes[0], "tokens_per_s", "generated tokens/s (all prompts)"),
+        (axes[1], "ttft_mean_s", "time to first token (s), mean and max"),
+    ):
         for lanes, d in t.sort_values("stages").groupby("lanes"):
-            yerr = [[0] * len(d), d["ttft_max_s"] - d["ttft_mean_s"]] if col == "ttft_mean_s" else None
-            ax.errorbar(d["stages"], d[col], yerr=yerr, fmt="o-", capsize=5,
-                        label=f"{lanes} prompt(s) in flight")
+            yerr = (
+                [[0] * len(d), d["ttft_max_s"] - d["ttft_mean_s"]] if col == "ttft_mean_s" else None
+            )
+            ax.errorbar(
+                d["stages"],
+                d[col],
+                yerr=yerr,
+                fmt="o-",
+                capsize=5,
+                label=f"{lanes} prompt(s) in flight",
+            )
         ax.set_xlabel("pipeline stages (MPI ranks)")
         ax.set_xticks(sorted(t["stages"].unique()))
         ax.set_ylabel(label)
@@ -218,6 +276,7 @@ def inference(inp: Inputs) -> Figure | None:
         ax.bar(p["index"], p["ttft_s"], color=_TRAIN, label="time to first token")
         if "queue_s" in p:
             ax.bar(p["index"], p["queue_s"], color="#ff7f0e", label="of which queued for a lane")
+        ax.set_ylim(0, p["ttft_s"].max() * 1.3)
         ax.set_xlabel(f"prompt (submitted together; {lanes} in flight at a time)")
         ax.set_ylabel("seconds")
         ax.set_xticks(list(p["index"]))
@@ -228,11 +287,15 @@ def inference(inp: Inputs) -> Figure | None:
         _note(ax, "not collected: timing.json has no per_stage timing")
     else:
         bottom = pd.Series(0.0, index=st.index)
-        for col, label, color in (("compute_s", "forward", _TRAIN), ("send_s", "send", "#ff7f0e"),
-                                  ("recv_wait_s", "wait for previous stage", "#9467bd")):
+        for col, label, color in (
+            ("compute_s", "forward", _TRAIN),
+            ("send_s", "send", "#ff7f0e"),
+            ("recv_wait_s", "waiting to receive", "#9467bd"),
+        ):
             if col in st:
                 ax.bar(st["stage"], st[col], bottom=bottom, color=color, label=label)
                 bottom = bottom + st[col]
+        ax.set_ylim(0, bottom.max() * 1.3)  # room for the legend
         ax.set_xlabel("pipeline stage (last run)")
         ax.set_xticks(list(st["stage"]))
         ax.set_ylabel("seconds")
@@ -247,8 +310,9 @@ def rule_resources(inp: Inputs) -> Figure | None:
     d = b.iloc[::-1]
     fig = Figure(figsize=(11, 0.42 * len(d) + 1.8), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
-    fig.suptitle("Wall time and peak memory per rule (Snakemake benchmark)", fontsize=14,
-                 fontweight="bold")
+    fig.suptitle(
+        "Wall time and peak memory per rule (Snakemake benchmark)", fontsize=14, fontweight="bold"
+    )
     axes[0].barh(d["rule"], d["wall_s"], color=_TRAIN)
     axes[0].set_xlabel("wall time (s)")
     axes[1].barh(d["rule"], d["max_rss_mb"].fillna(0), color="#ff7f0e")
@@ -288,17 +352,36 @@ def table_train(inp: Inputs) -> pd.DataFrame | None:
     if m is None:
         return None
     rows = []
-    for col in [c for c in ("loss", "ppl", "lr", "grad_norm", "tokens", "tokens_per_s",
-                            "step_time_s") if c in m]:
-        rows.append({"metric": col, "first": m[col].iloc[0], "last": m[col].iloc[-1],
-                     "min": m[col].min(), "max": m[col].max()})
+    for col in [
+        c
+        for c in ("loss", "ppl", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s")
+        if c in m
+    ]:
+        rows.append(
+            {
+                "metric": col,
+                "first": m[col].iloc[0],
+                "last": m[col].iloc[-1],
+                "min": m[col].min(),
+                "max": m[col].max(),
+            }
+        )
     if inp.val is not None:
         for col in ("val_loss", "val_ppl"):
             v = inp.val[col]
-            rows.append({"metric": col, "first": v.iloc[0], "last": v.iloc[-1],
-                         "min": v.min(), "max": v.max()})
+            rows.append(
+                {
+                    "metric": col,
+                    "first": v.iloc[0],
+                    "last": v.iloc[-1],
+                    "min": v.min(),
+                    "max": v.max(),
+                }
+            )
     out = pd.DataFrame(rows)
-    out.attrs["caption"] = f"{len(m)} logged steps, steps {int(m['step'].iloc[0])}-{int(m['step'].iloc[-1])}"
+    out.attrs["caption"] = (
+        f"{len(m)} logged steps, steps {int(m['step'].iloc[0])}-{int(m['step'].iloc[-1])}"
+    )
     return out
 
 
@@ -306,7 +389,11 @@ def table_profile(inp: Inputs, top: int = 25) -> pd.DataFrame | None:
     if inp.profile is None:
         return None
     p = inp.profile
-    return p[p["rank"] == p["rank"].min()].head(top).reset_index(drop=True)
+    rank = p["rank"].min()
+    out = p[p["rank"] == rank].drop(columns=["rank"]).head(top).reset_index(drop=True)
+    order = p.attrs.get("sort_by", "self time")
+    out.attrs["caption"] = f"rank {rank}; times in ms over the profiled steps, sorted by {order}"
+    return out
 
 
 def table_eval(inp: Inputs) -> pd.DataFrame | None:
@@ -316,8 +403,10 @@ def table_eval(inp: Inputs) -> pd.DataFrame | None:
     out = e.copy()
     if set(e["model"]) >= {"base", "trained"}:
         base = e[e["model"] == "base"].set_index("split")["perplexity"]
-        out["vs base"] = [f"{p / base[s]:.3f}x" if s in base else "" for s, p in
-                          zip(out["split"], out["perplexity"])]
+        out["vs base"] = [
+            f"{p / base[s]:.3f}x" if s in base else ""
+            for s, p in zip(out["split"], out["perplexity"])
+        ]
     return out
 
 

@@ -130,8 +130,10 @@ def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
 def read_benchmarks(folder: Path, exclude: set[str] = frozenset()) -> pd.DataFrame | None:
     """Snakemake `benchmark:` TSVs -> one row per rule: wall seconds, peak RSS (MB), CPU seconds."""
     # In the order the jobs finished (a benchmark is written when its job ends).
-    files = sorted((p for p in folder.glob("*.tsv") if p.stem not in exclude),
-                   key=lambda p: (p.stat().st_mtime, p.name))
+    files = sorted(
+        (p for p in folder.glob("*.tsv") if p.stem not in exclude),
+        key=lambda p: (p.stat().st_mtime, p.name),
+    )
     if not files:
         return None
     rows = []
@@ -140,7 +142,11 @@ def read_benchmarks(folder: Path, exclude: set[str] = frozenset()) -> pd.DataFra
         if df.empty:
             raise _fail(p, "Snakemake benchmark", "no measurement row")
         row = {"rule": p.stem, "runs": len(df), "wall_s": df["s"].mean()}
-        for col, out in (("max_rss", "max_rss_mb"), ("cpu_time", "cpu_s"), ("mean_load", "mean_load")):
+        for col, out in (
+            ("max_rss", "max_rss_mb"),
+            ("cpu_time", "cpu_s"),
+            ("mean_load", "mean_load"),
+        ):
             row[out] = pd.to_numeric(df[col], errors="coerce").mean() if col in df else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
@@ -193,15 +199,23 @@ def read_profile(folder: Path) -> tuple[pd.DataFrame | None, str]:
         for i, op in enumerate(ops):
             if not isinstance(op, dict) or "name" not in op:
                 raise _fail(path, what, f"ops[{i}]: expected an object with a name")
-            rows.append({
-                "rank": int(rep.get("rank", path.stem.rsplit("rank", 1)[-1])),
-                "operator": str(op["name"]),
-                "calls": int(_number(op, "calls", path, what, f"ops[{i}].")),
-                "self_ms": _number(op, key, path, what, f"ops[{i}].") / 1000.0,
-                "total_ms": _number(op, key.replace("self_", "").replace("_us", "_total_us"), path,
-                                    what, f"ops[{i}].") / 1000.0,
-                "self_pct": op.get("self_pct"),
-            })
+            rows.append(
+                {
+                    "rank": int(rep.get("rank", path.stem.rsplit("rank", 1)[-1])),
+                    "operator": str(op["name"]),
+                    "calls": int(_number(op, "calls", path, what, f"ops[{i}].")),
+                    "self_ms": _number(op, key, path, what, f"ops[{i}].") / 1000.0,
+                    "total_ms": _number(
+                        op,
+                        key.replace("self_", "").replace("_us", "_total_us"),
+                        path,
+                        what,
+                        f"ops[{i}].",
+                    )
+                    / 1000.0,
+                    "self_pct": op.get("self_pct"),
+                }
+            )
     df = pd.DataFrame(rows)
     df.attrs["sort_by"] = "self device time" if "device" in key else "self CPU time"
     df.attrs["window"] = info.get("window") or rep.get("window")
@@ -227,8 +241,21 @@ def read_eval(path: Path, model: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-_BROADCAST_FACTS = ("transport", "backend", "device", "world_size", "bytes", "tensors", "buckets",
-                    "bucket_bytes", "chunk_bytes", "seconds", "gbps", "all_verified", "model")
+_BROADCAST_FACTS = (
+    "transport",
+    "backend",
+    "device",
+    "world_size",
+    "bytes",
+    "tensors",
+    "buckets",
+    "bucket_bytes",
+    "chunk_bytes",
+    "seconds",
+    "gbps",
+    "all_verified",
+    "model",
+)
 
 
 def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
@@ -253,16 +280,18 @@ def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
         overall = run.get("gbps")
         for j, r in enumerate(recv):
             where = f"{pre}receivers[{j}]."
-            rows.append({
-                "transport": str(run.get("transport", "?")),
-                "receiver": r.get("rank", j + 1) if isinstance(r, dict) else j + 1,
-                "bytes": size,
-                "seconds": _number(r, "seconds", path, what, where),
-                "gbps": _number(r, "gbps", path, what, where),
-                "verified": r.get("verified"),
-                **{k: r[k] for k in ("checksum_seconds", "unpack_seconds") if k in r},
-                "all_gbps": overall,
-            })
+            rows.append(
+                {
+                    "transport": str(run.get("transport", "?")),
+                    "receiver": r.get("rank", j + 1) if isinstance(r, dict) else j + 1,
+                    "bytes": size,
+                    "seconds": _number(r, "seconds", path, what, where),
+                    "gbps": _number(r, "gbps", path, what, where),
+                    "verified": r.get("verified"),
+                    **{k: r[k] for k in ("checksum_seconds", "unpack_seconds") if k in r},
+                    "all_gbps": overall,
+                }
+            )
     facts = {k: runs[-1][k] for k in _BROADCAST_FACTS if k in runs[-1]}
     return facts, pd.DataFrame(rows)
 
@@ -270,8 +299,10 @@ def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
 def _ttft(r: dict, path: Path, what: str, where: str) -> tuple[float, float]:
     t = r.get("ttft_s")
     if isinstance(t, dict):
-        return (_number(t, "mean", path, what, f"{where}ttft_s."),
-                _number(t, "max", path, what, f"{where}ttft_s."))
+        return (
+            _number(t, "mean", path, what, f"{where}ttft_s."),
+            _number(t, "max", path, what, f"{where}ttft_s."),
+        )
     v = _number(r, "ttft_s", path, what, where)
     return v, v
 
@@ -291,16 +322,18 @@ def read_timing(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame | None, pd
     for i, r in enumerate(runs):
         where = f"runs[{i}]." if sweep else ""
         mean, worst = _ttft(r, path, what, where)
-        rows.append({
-            "stages": int(_number(r, "stages", path, what, where)),
-            "lanes": int(_number(r, "lanes", path, what, where)),
-            "prompts": r.get("prompts"),
-            "tokens": r.get("tokens"),
-            "wall_s": r.get("wall_s"),
-            "tokens_per_s": _number(r, "tokens_per_s", path, what, where),
-            "ttft_mean_s": mean,
-            "ttft_max_s": worst,
-        })
+        rows.append(
+            {
+                "stages": int(_number(r, "stages", path, what, where)),
+                "lanes": int(_number(r, "lanes", path, what, where)),
+                "prompts": r.get("prompts"),
+                "tokens": r.get("tokens"),
+                "wall_s": r.get("wall_s"),
+                "tokens_per_s": _number(r, "tokens_per_s", path, what, where),
+                "ttft_mean_s": mean,
+                "ttft_max_s": worst,
+            }
+        )
     last = runs[-1]
     prompts = pd.DataFrame(last.get("per_prompt") or []) if isinstance(last, dict) else None
     if prompts is not None and not prompts.empty:
@@ -352,7 +385,9 @@ def collect(results: str | os.PathLike, *, exclude_rules=("report",)) -> Inputs:
 
     def absent(key: str, why: str) -> None:
         p = inp.path(key)
-        inp.missing[key] = f"not collected: {p}{'/' if key in ('profile', 'benchmarks') else ''} is absent ({why})"
+        inp.missing[key] = (
+            f"not collected: {p}{'/' if key in ('profile', 'benchmarks') else ''} is absent ({why})"
+        )
 
     if inp.path("stats").is_file():
         inp.stats, inp.splits = read_stats(inp.path("stats"))

@@ -96,7 +96,9 @@ def save_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / checkpoint_name(step)
     with atomic_dir(final) as tmp:
-        save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
+        save_safetensors(
+            weights, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)}
+        )
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
         write_json(tmp / "state.json", {**state, "step": step})
@@ -202,7 +204,9 @@ def identity_diff(saved: dict, current: dict) -> list[str]:
     lines = []
     for k in sorted(set(a) | set(b)):
         if a.get(k, "<absent>") != b.get(k, "<absent>"):
-            lines.append(f"{k}: checkpoint {a.get(k, '<absent>')!r}, this run {b.get(k, '<absent>')!r}")
+            lines.append(
+                f"{k}: checkpoint {a.get(k, '<absent>')!r}, this run {b.get(k, '<absent>')!r}"
+            )
     return lines
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import shutil
 from pathlib import Path
 
 from distlm.io import write_text
@@ -16,7 +17,16 @@ from distlm.log import get_logger
 
 log = get_logger(__name__)
 
-TRAIN_COLUMNS = ("step", "loss", "perplexity", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s")
+TRAIN_COLUMNS = (
+    "step",
+    "loss",
+    "perplexity",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "tokens_per_s",
+    "step_time_s",
+)
 VAL_COLUMNS = ("step", "val_loss", "val_perplexity", "tokens")
 
 
@@ -37,33 +47,54 @@ class Metrics:
     """Collects rows; `enabled` (rank 0) also writes TensorBoard events and the CSV files."""
 
     def __init__(
-        self, *, enabled: bool, metrics_csv: Path, val_csv: Path, tb_dir: Path | None,
-        history: dict | None = None, start_step: int = 0,
+        self,
+        *,
+        enabled: bool,
+        metrics_csv: Path,
+        val_csv: Path,
+        tb_dir: Path | None,
+        history: dict | None = None,
+        start_step: int = 0,
     ) -> None:
         self.enabled = enabled
         self.metrics_csv = Path(metrics_csv)
         self.val_csv = Path(val_csv)
-        self.train_rows: list[dict] = [r for r in (history or {}).get("train", []) if r["step"] <= start_step]
-        self.val_rows: list[dict] = [r for r in (history or {}).get("val", []) if r["step"] <= start_step]
+        self.train_rows: list[dict] = [
+            r for r in (history or {}).get("train", []) if r["step"] <= start_step
+        ]
+        self.val_rows: list[dict] = [
+            r for r in (history or {}).get("val", []) if r["step"] <= start_step
+        ]
         self._tb = None
         if enabled and tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops events a killed attempt wrote after the checkpoint we resume from
-            self._tb = SummaryWriter(str(tb_dir), purge_step=start_step + 1 if start_step else None)
+            # TensorBoard is rebuilt from the history: events of a killed attempt past the
+            # checkpoint go, and a rerun that resumes (Snakemake cleared tb/) gets them all back.
+            shutil.rmtree(tb_dir, ignore_errors=True)
+            self._tb = SummaryWriter(str(tb_dir))
+            for r in self.train_rows:
+                self._tb_step(r)
+            for r in self.val_rows:
+                self._tb_val(r)
+
+    def _tb_step(self, row: dict) -> None:
+        for k in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
+            self._tb.add_scalar(f"train/{k}", row[k], row["step"])
+
+    def _tb_val(self, row: dict) -> None:
+        self._tb.add_scalar("val/loss", row["val_loss"], row["step"])
+        self._tb.add_scalar("val/perplexity", row["val_perplexity"], row["step"])
 
     def log_step(self, row: dict) -> None:
         self.train_rows.append(row)
         if self._tb is not None:
-            s = row["step"]
-            for k in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
-                self._tb.add_scalar(f"train/{k}", row[k], s)
+            self._tb_step(row)
 
     def log_val(self, row: dict) -> None:
         self.val_rows.append(row)
         if self._tb is not None:
-            self._tb.add_scalar("val/loss", row["val_loss"], row["step"])
-            self._tb.add_scalar("val/perplexity", row["val_perplexity"], row["step"])
+            self._tb_val(row)
 
     def history(self) -> dict:
         return {"train": list(self.train_rows), "val": list(self.val_rows)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -24,14 +25,16 @@ def top_ops(prof, *, device: torch.device, limit: int) -> list[dict]:
     rows = []
     for e in prof.key_averages():
         self_dev = getattr(e, "self_device_time_total", 0.0) if on_gpu else 0.0
-        rows.append({
-            "name": e.key,
-            "calls": int(e.count),
-            "self_cpu_us": float(e.self_cpu_time_total),
-            "cpu_total_us": float(e.cpu_time_total),
-            "self_device_us": float(self_dev),
-            "device_total_us": float(getattr(e, "device_time_total", 0.0)) if on_gpu else 0.0,
-        })
+        rows.append(
+            {
+                "name": e.key,
+                "calls": int(e.count),
+                "self_cpu_us": float(e.self_cpu_time_total),
+                "cpu_total_us": float(e.cpu_time_total),
+                "self_device_us": float(self_dev),
+                "device_total_us": float(getattr(e, "device_time_total", 0.0)) if on_gpu else 0.0,
+            }
+        )
     key = "self_device_us" if on_gpu else "self_cpu_us"
     rows.sort(key=lambda r: r[key], reverse=True)
     total = sum(r[key] for r in rows) or 1.0
@@ -43,7 +46,9 @@ def top_ops(prof, *, device: torch.device, limit: int) -> list[dict]:
 class StepProfiler:
     """Context manager around the training loop; call `step()` after every optimizer step."""
 
-    def __init__(self, cfg: dict, *, out_dir: Path, rank: int, device: torch.device, start_step: int) -> None:
+    def __init__(
+        self, cfg: dict, *, out_dir: Path, rank: int, device: torch.device, start_step: int
+    ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.rank = rank
@@ -59,29 +64,52 @@ class StepProfiler:
             prof.export_chrome_trace(str(tmp))
         rows = top_ops(prof, device=self.device, limit=self.cfg["top_ops"])
         window = {k: self.cfg[k] for k in ("wait", "warmup", "active")}
-        write_json(self.out_dir / f"top-ops-rank{self.rank}.json", {
-            "rank": self.rank, "device": str(self.device), "first_step": self.start_step + 1,
-            "window": window, "sort_by": "self_device_us" if self.device.type == "cuda" else "self_cpu_us",
-            "ops": rows,
-        })
-        cols = ["name", "calls", "self_cpu_us", "cpu_total_us", "self_device_us", "device_total_us", "self_pct"]
+        write_json(
+            self.out_dir / f"top-ops-rank{self.rank}.json",
+            {
+                "rank": self.rank,
+                "device": str(self.device),
+                "first_step": self.start_step + 1,
+                "window": window,
+                "sort_by": "self_device_us" if self.device.type == "cuda" else "self_cpu_us",
+                "ops": rows,
+            },
+        )
+        cols = [
+            "name",
+            "calls",
+            "self_cpu_us",
+            "cpu_total_us",
+            "self_device_us",
+            "device_total_us",
+            "self_pct",
+        ]
         lines = [",".join(cols)] + [
-            ",".join('"' + str(r[c]).replace('"', '""') + '"' if c == "name" else str(r[c]) for c in cols)
+            ",".join(
+                '"' + str(r[c]).replace('"', '""') + '"' if c == "name" else str(r[c]) for c in cols
+            )
             for r in rows
         ]
         write_text(self.out_dir / f"top-ops-rank{self.rank}.csv", "\n".join(lines) + "\n")
         self.exported = True
         log.info("profiler: wrote %s and the top %d operators by self time", trace, len(rows))
 
-    def __enter__(self) -> "StepProfiler":
+    def __enter__(self) -> Self:
         if not self.cfg["enabled"]:
             return self
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        acts = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+        )
         self._prof = profile(
             activities=acts,
-            schedule=schedule(wait=self.cfg["wait"], warmup=self.cfg["warmup"], active=self.cfg["active"], repeat=1),
+            schedule=schedule(
+                wait=self.cfg["wait"],
+                warmup=self.cfg["warmup"],
+                active=self.cfg["active"],
+                repeat=1,
+            ),
             on_trace_ready=self._on_ready,
             record_shapes=False,
             with_stack=False,
@@ -102,10 +130,15 @@ class StepProfiler:
     def write_summary(self, steps_run: int) -> None:
         """Rank 0: record in profile.json whether a window was captured, and why not if not."""
         needed = self.cfg["wait"] + self.cfg["warmup"] + self.cfg["active"]
-        info = {"enabled": self.cfg["enabled"], "window": {k: self.cfg[k] for k in ("wait", "warmup", "active")}}
+        info = {
+            "enabled": self.cfg["enabled"],
+            "window": {k: self.cfg[k] for k in ("wait", "warmup", "active")},
+        }
         if self.cfg["enabled"]:
             info["captured"] = self.exported
             info["first_step"] = self.start_step + 1
             if not self.exported:
-                info["reason"] = f"the run had {steps_run} steps after its start, the window needs {needed}"
+                info["reason"] = (
+                    f"the run had {steps_run} steps after its start, the window needs {needed}"
+                )
         write_json(self.out_dir / "profile.json", info)

@@ -48,22 +48,48 @@ def make_inputs(
         "validation": synthetic_stream(val_blocks * block_size, vocab, seed=seed + 1),
         "test": synthetic_stream(val_blocks * block_size, vocab, seed=seed + 2),
     }
-    data_cfg = {"synthetic": True, "vocab": vocab, "block_size": block_size, "train_blocks": train_blocks,
-                "val_blocks": val_blocks, "seed": seed}
-    meta = {"source": {"kind": "synthetic"}, "config_digest": digest(data_cfg), "tokenizer": "none",
-            "vocab_size": vocab, "eos_token_id": 0, "block_size": block_size}
+    data_cfg = {
+        "synthetic": True,
+        "vocab": vocab,
+        "block_size": block_size,
+        "train_blocks": train_blocks,
+        "val_blocks": val_blocks,
+        "seed": seed,
+    }
+    meta = {
+        "source": {"kind": "synthetic"},
+        "config_digest": digest(data_cfg),
+        "tokenizer": "none",
+        "vocab_size": vocab,
+        "eos_token_id": 0,
+        "block_size": block_size,
+    }
     tokens = root / "tokens.h5"
     write_tokens(tokens, streams, block_size, vocab, meta)
     tokenizer = root / "tokenizer"
     tokenizer.mkdir(exist_ok=True)
-    init = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "n_positions": n_positions or block_size,
-            "dropout": 0.0, "seed": seed}
+    init = {
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "n_embd": n_embd,
+        "n_positions": n_positions or block_size,
+        "dropout": 0.0,
+        "seed": seed,
+    }
     config = init_config(init, vocab, 0)
     model = build_model(config, seed=seed)
     write_model_dir(
-        root / "model", state_dict=state_dict_for_save(model), config=config, tokenizer_dir=tokenizer,
+        root / "model",
+        state_dict=state_dict_for_save(model),
+        config=config,
+        tokenizer_dir=tokenizer,
         stages=stages,
-        meta={"created_by": "synthetic", "source": {"kind": "init", "seed": seed},
-              "config_digest": digest(init), "data_config_digest": meta["config_digest"], "dtype": "float32"},
+        meta={
+            "created_by": "synthetic",
+            "source": {"kind": "init", "seed": seed},
+            "config_digest": digest(init),
+            "data_config_digest": meta["config_digest"],
+            "dtype": "float32",
+        },
     )
     return {"tokens": tokens, "tokenizer": tokenizer, "model": root / "model"}

@@ -115,7 +115,9 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "bf16" if bf16_ok else "fp16"
     if requested == "bf16" and not bf16_ok:
-        raise DistlmError(f"train.precision: bf16 but {torch.cuda.get_device_name(device)} lacks it; use fp16")
+        raise DistlmError(
+            f"train.precision: bf16 but {torch.cuda.get_device_name(device)} lacks it; use fp16"
+        )
     return requested
 
 
@@ -125,7 +127,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def fused_adamw_available(device: torch.device) -> bool:
@@ -147,7 +152,11 @@ def _no_buffer_sync() -> dict:
     import inspect
 
     params = inspect.signature(DDP.__init__).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in params
+        else {"broadcast_buffers": False}
+    )
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -168,15 +177,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def setup(self) -> "Trainer":
+    def setup(self) -> Trainer:
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
         self._resume_or_start()
         self._wrap_ddp()
         self.metrics = Metrics(
-            enabled=self.topo.is_main, metrics_csv=self.paths.metrics_csv, val_csv=self.paths.val_csv,
-            tb_dir=self.paths.tb, history=self._history, start_step=self.step,
+            enabled=self.topo.is_main,
+            metrics_csv=self.paths.metrics_csv,
+            val_csv=self.paths.val_csv,
+            tb_dir=self.paths.tb,
+            history=self._history,
+            start_step=self.step,
         )
         return self
 
@@ -186,18 +199,38 @@ class Trainer:
         self.val_blocks = TokenBlocks(self.paths.tokens, "validation")
         self.data_meta = read_data_meta(self.paths.tokens)
         if len(self.train_blocks) == 0:
-            raise DistlmError(f"{self.paths.tokens}: the train split has no blocks: nothing to train on")
+            raise DistlmError(
+                f"{self.paths.tokens}: the train split has no blocks: nothing to train on"
+            )
         self.plan = plan_batch(t, self.topo.world_size)
-        self.sampler = StepSampler(len(self.train_blocks), self.plan, self.topo.rank, self.cfg["runtime"]["seed"])
+        if self.topo.world_size != t["nodes"] * t["nproc_per_node"]:
+            log.warning(
+                "world size %d differs from train.nodes x train.nproc_per_node = %d x %d (the launcher "
+                "decides; the global batch is %d)",
+                self.topo.world_size,
+                t["nodes"],
+                t["nproc_per_node"],
+                self.plan.global_batch,
+            )
+        self.sampler = StepSampler(
+            len(self.train_blocks), self.plan, self.topo.rank, self.cfg["runtime"]["seed"]
+        )
         self.loader = StepLoader(self.train_blocks, self.sampler, self.device)
         self.block_size = self.train_blocks.block_size
         self.tokens_per_step = self.plan.global_batch * self.block_size
         log.info(
             "data: %d train blocks of %d tokens, global batch %d blocks (%d per rank = %d micro x %d accum "
             "x %d ranks), %d tokens per step, %.2f epochs in %d steps",
-            len(self.train_blocks), self.block_size, self.plan.global_batch, self.plan.per_rank,
-            self.plan.micro_batch, self.plan.grad_accum, self.topo.world_size, self.tokens_per_step,
-            self.sampler.epoch_of(t["max_steps"]), t["max_steps"],
+            len(self.train_blocks),
+            self.block_size,
+            self.plan.global_batch,
+            self.plan.per_rank,
+            self.plan.micro_batch,
+            self.plan.grad_accum,
+            self.topo.world_size,
+            self.tokens_per_step,
+            self.sampler.epoch_of(t["max_steps"]),
+            t["max_steps"],
         )
 
     def _setup_model(self) -> None:
@@ -222,7 +255,9 @@ class Trainer:
         model.train()
         model.loss_type = "ForCausalLM"  # the shifted cross-entropy, named (silences a warning)
         self.model = model
-        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+        self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            self.precision
+        ]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.nan_at = self.tcfg["fault"]["nan_at_step"]
         self.kill_after = self.tcfg["fault"]["kill_after_step"]
@@ -231,31 +266,56 @@ class Trainer:
         t = self.tcfg
         fused = fused_adamw_available(self.device)
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, t["weight_decay"]), lr=t["lr"], betas=(t["beta1"], t["beta2"]),
-            eps=1e-8, fused=fused,
+            param_groups(self.model, t["weight_decay"]),
+            lr=t["lr"],
+            betas=(t["beta1"], t["beta2"]),
+            eps=1e-8,
+            fused=fused,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_at(s, t) / t["lr"]
         )
-        log.info("optimizer: AdamW (fused=%s), precision %s, peak lr %g for the global batch", fused,
-                 self.precision, t["lr"])
+        log.info(
+            "optimizer: AdamW (fused=%s), precision %s, peak lr %g for the global batch",
+            fused,
+            self.precision,
+            t["lr"],
+        )
 
     def identity(self) -> dict:
         """What a checkpoint must share with this run to be resumed (checked key by key)."""
         t = self.tcfg
         return {
-            "model": {"arch_digest": self.base_meta["arch_digest"], "base_model_sha256": self.base_meta["model_sha256"]},
+            "model": {
+                "arch_digest": self.base_meta["arch_digest"],
+                "base_model_sha256": self.base_meta["model_sha256"],
+            },
             "data": {
-                "config_digest": self.data_meta["config_digest"], "block_size": self.block_size,
-                "train_blocks": len(self.train_blocks), "seed": self.cfg["runtime"]["seed"],
+                "config_digest": self.data_meta["config_digest"],
+                "block_size": self.block_size,
+                "train_blocks": len(self.train_blocks),
+                "seed": self.cfg["runtime"]["seed"],
             },
             "topology": {
-                "world_size": self.topo.world_size, "micro_batch": self.plan.micro_batch,
-                "grad_accum": self.plan.grad_accum, "global_batch": self.plan.global_batch,
+                "world_size": self.topo.world_size,
+                "micro_batch": self.plan.micro_batch,
+                "grad_accum": self.plan.grad_accum,
+                "global_batch": self.plan.global_batch,
             },
             "optim": {
-                **{k: t[k] for k in ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "beta1",
-                                     "beta2", "grad_clip")},
+                **{
+                    k: t[k]
+                    for k in (
+                        "lr",
+                        "min_lr",
+                        "warmup_steps",
+                        "max_steps",
+                        "weight_decay",
+                        "beta1",
+                        "beta2",
+                        "grad_clip",
+                    )
+                },
                 "precision": self.precision,
             },
         }
@@ -317,8 +377,11 @@ class Trainer:
                 if t is not tensors[k] and t.data_ptr() != tensors[k].data_ptr():
                     tensors[k].copy_(t)
         self.transfer_stats = getattr(result, "stats", None)
-        log.info("initial weights from rank 0 via the %s transport in %.2f s", b["transport"],
-                 time.perf_counter() - t0)
+        log.info(
+            "initial weights from rank 0 via the %s transport in %.2f s",
+            b["transport"],
+            time.perf_counter() - t0,
+        )
         self._check_replicas_agree()
 
     def _check_replicas_agree(self) -> None:
@@ -327,7 +390,9 @@ class Trainer:
             fp = torch.stack([p.detach().double().sum() for p in self.model.parameters()]).sum()
             fp = torch.stack([fp, -fp]).to(self.device)
             dist.all_reduce(fp, op=dist.ReduceOp.MAX)
-        mine = torch.stack([p.detach().double().sum() for p in self.model.parameters()]).sum().item()
+        mine = (
+            torch.stack([p.detach().double().sum() for p in self.model.parameters()]).sum().item()
+        )
         if fp[0].item() != mine or -fp[1].item() != mine:
             raise DistlmError(
                 f"rank {self.topo.rank}: weights differ from the other ranks after the initial broadcast"
@@ -380,7 +445,9 @@ class Trainer:
         dist.all_reduce(stats[:1])  # mean loss over ranks (the norm is already global)
         loss_v = stats[0].item() / self.topo.world_size
         gnorm_v = stats[1].item()
-        if not math.isfinite(loss_v) or (not self.scaler.is_enabled() and not math.isfinite(gnorm_v)):
+        if not math.isfinite(loss_v) or (
+            not self.scaler.is_enabled() and not math.isfinite(gnorm_v)
+        ):
             raise TrainingDiverged(
                 f"step {step + 1}: loss {loss_v}, gradient norm {gnorm_v}: training diverged; "
                 f"the last good checkpoint is kept in {self.paths.checkpoints}"
@@ -390,36 +457,54 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step = step + 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # No device synchronize: the .item() above already waited for forward and backward, and
+        # the optimizer kernels overlap the next step's launches (counted in the next step time).
         dt = time.perf_counter() - t0
         return {
-            "step": self.step, "loss": loss_v, "perplexity": perplexity(loss_v), "grad_norm": gnorm_v,
-            "lr": lr, "tokens": self.step * self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+            "step": self.step,
+            "loss": loss_v,
+            "perplexity": perplexity(loss_v),
+            "grad_norm": gnorm_v,
+            "lr": lr,
+            "tokens": self.step * self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt,
         }
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean validation loss over the first eval_batches x micro x world blocks, all ranks."""
         t = self.tcfg
-        n = min(len(self.val_blocks), t["eval_batches"] * t["micro_batch_size"] * self.topo.world_size)
+        n = min(
+            len(self.val_blocks), t["eval_batches"] * t["micro_batch_size"] * self.topo.world_size
+        )
         mine = list(range(self.topo.rank, n, self.topo.world_size))
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.model.eval()
         try:
             for i in range(0, len(mine), t["micro_batch_size"]):
-                x = torch.from_numpy(self.val_blocks[mine[i : i + t["micro_batch_size"]]]).to(self.device)
+                x = torch.from_numpy(self.val_blocks[mine[i : i + t["micro_batch_size"]]]).to(
+                    self.device
+                )
                 with self._autocast():
                     loss = self.fwd(input_ids=x, labels=x).loss
                 count = x.shape[0] * (x.shape[1] - 1)  # predicted tokens (labels shifted by one)
-                acc += torch.stack([loss.double() * count, torch.tensor(count, dtype=torch.float64, device=self.device)])
+                acc += torch.stack(
+                    [
+                        loss.double() * count,
+                        torch.tensor(count, dtype=torch.float64, device=self.device),
+                    ]
+                )
         finally:
             self.model.train()
         dist.all_reduce(acc)
         val = (acc[0] / acc[1]).item()
-        return {"step": self.step, "val_loss": val, "val_perplexity": perplexity(val),
-                "tokens": self.step * self.tokens_per_step}
+        return {
+            "step": self.step,
+            "val_loss": val,
+            "val_perplexity": perplexity(val),
+            "tokens": self.step * self.tokens_per_step,
+        }
 
     # ------------------------------------------------------------------ checkpoints / outputs
 
@@ -432,17 +517,23 @@ class Trainer:
             t0 = time.perf_counter()
             state = {
                 "identity": self.identity(),
-                "data": {"samples_consumed": self.step * self.plan.global_batch,
-                         "epoch": self.sampler.epoch_of(self.step), "sampler": self.sampler.state()},
+                "data": {
+                    "samples_consumed": self.step * self.plan.global_batch,
+                    "epoch": self.sampler.epoch_of(self.step),
+                    "sampler": self.sampler.state(),
+                },
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
                 "metrics": self.metrics.history(),
                 "distlm_version": __version__,
             }
             path = ckpt_mod.save_checkpoint(
-                self.paths.checkpoints, self.step,
+                self.paths.checkpoints,
+                self.step,
                 weights={k: v.detach().cpu() for k, v in weights_of(self.model).items()},
-                optimizer_state=self.optimizer.state_dict(), rng_states=gathered, state=state,
+                optimizer_state=self.optimizer.state_dict(),
+                rng_states=gathered,
+                state=state,
                 keep_last=self.tcfg["keep_last"],
             )
             self.metrics.flush()
@@ -454,7 +545,10 @@ class Trainer:
         meta = None
         if self.topo.is_main:
             dtype_name = self.base_meta.get("dtype", "float32")
-            sd = {k: v.detach().to("cpu", DTYPES[dtype_name]).contiguous() for k, v in weights_of(self.model).items()}
+            sd = {
+                k: v.detach().to("cpu", DTYPES[dtype_name]).contiguous()
+                for k, v in weights_of(self.model).items()
+            }
             last = self.metrics.train_rows[-1] if self.metrics.train_rows else {}
             lastval = self.metrics.val_rows[-1] if self.metrics.val_rows else {}
             training = {
@@ -484,8 +578,11 @@ class Trainer:
                 stages=read_manifest(self.paths.model)["stages"],
                 meta={
                     "created_by": "train",
-                    "source": {"kind": "train", "base_model": str(self.paths.model),
-                               "base_model_sha256": self.base_meta["model_sha256"]},
+                    "source": {
+                        "kind": "train",
+                        "base_model": str(self.paths.model),
+                        "base_model_sha256": self.base_meta["model_sha256"],
+                    },
                     "config_digest": self.cfg.get("_digest") or digest(self.cfg),
                     "data_config_digest": self.data_meta["config_digest"],
                     "dtype": dtype_name,
@@ -498,8 +595,14 @@ class Trainer:
     def _fault_kill(self) -> None:
         """Test hook (train.fault.kill_after_step): the last rank dies hard, on the first attempt only."""
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
-        if self.kill_after == self.step and first_attempt and self.topo.rank == self.topo.world_size - 1:
-            log.warning("train.fault.kill_after_step=%d: killing rank %d", self.step, self.topo.rank)
+        if (
+            self.kill_after == self.step
+            and first_attempt
+            and self.topo.rank == self.topo.world_size - 1
+        ):
+            log.warning(
+                "train.fault.kill_after_step=%d: killing rank %d", self.step, self.topo.rank
+            )
             for h in logging.getLogger("distlm").handlers:
                 h.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -510,9 +613,20 @@ class Trainer:
         t = self.tcfg
         t_start = time.perf_counter()
         start = self.step
-        profiler = StepProfiler(t["profile"], out_dir=self.paths.profile, rank=self.topo.rank,
-                                device=self.device, start_step=start)
-        bar = progress(total=t["max_steps"], initial=start, enabled=self.topo.is_main, desc="train", unit="step")
+        profiler = StepProfiler(
+            t["profile"],
+            out_dir=self.paths.profile,
+            rank=self.topo.rank,
+            device=self.device,
+            start_step=start,
+        )
+        bar = progress(
+            total=t["max_steps"],
+            initial=start,
+            enabled=self.topo.is_main,
+            desc="train",
+            unit="step",
+        )
         last_ckpt = start if self.resumed_from else -1
         try:
             with profiler:
@@ -549,15 +663,26 @@ class Trainer:
         if self.step % t["log_every"] == 0 or self.step == t["max_steps"]:
             log.info(
                 "step %d/%d loss %.4f ppl %.2f grad_norm %.3f lr %.3g %.0f tok/s %.1f ms",
-                self.step, t["max_steps"], row["loss"], row["perplexity"], row["grad_norm"],
-                row["lr"], row["tokens_per_s"], 1000 * row["step_time_s"],
+                self.step,
+                t["max_steps"],
+                row["loss"],
+                row["perplexity"],
+                row["grad_norm"],
+                row["lr"],
+                row["tokens_per_s"],
+                1000 * row["step_time_s"],
             )
         return row
 
     def _validate(self) -> None:
         row = self.evaluate()
         self.metrics.log_val(row)
-        log.info("step %d validation loss %.4f perplexity %.2f", row["step"], row["val_loss"], row["val_perplexity"])
+        log.info(
+            "step %d validation loss %.4f perplexity %.2f",
+            row["step"],
+            row["val_loss"],
+            row["val_perplexity"],
+        )
 
     def close(self) -> None:
         if self._closed:
