@@ -219,13 +219,17 @@ def test_long_prompt_truncated_and_said_so_then_still_serving(server):
     assert status == 200 and h["active"] == 0 and h["waiting"] == 0
 
 
-def test_long_prompt_rejected_when_configured(tiny_models, tmp_path):
-    s = start_server(tiny_models[1], 1, tmp_path, prompt_overflow="reject", timeout_s=30)
+def test_long_prompt_rejected_when_configured_and_clean_shutdown(tiny_models, tmp_path):
+    s = start_server(tiny_models[2], 2, tmp_path, prompt_overflow="reject", timeout_s=30)
     try:
         status, err = s.request("POST", "/v1/completions", {"prompt": "word " * 120, "max_tokens": 10})
         assert status == 400 and "exceed the model's context of 64" in err["error"]["message"]
         assert err["error"]["param"] == "prompt"
         assert s.request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 3})[0] == 200
+        # Ctrl-C on stage 0: it stops the other stages through the ring and the job ends cleanly
+        os.kill(s.request("GET", "/health")[1]["pipeline"][0]["pid"], signal.SIGINT)
+        assert s.proc.wait(timeout=60) == 0, s.log.read_text()[-3000:]
+        assert "server stopped; per-stage time" in s.log.read_text()
     finally:
         stop_server(s)
 

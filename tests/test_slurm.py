@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,12 +18,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY, run_snakemake
 
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import slurm_cluster as sc  # noqa: E402
-from harness.profile import write_test_profile  # noqa: E402
+from harness import slurm_cluster as sc
+from harness.profile import write_test_profile
 
 pytestmark = pytest.mark.slurm
 HARNESS = ROOT / "tests" / "harness"

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlm import DistlmError
-from distlm import launch
+from distlm import DistlmError, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import profile as test_profile  # noqa: E402
+from harness import profile as test_profile
 
 SCONTROL_JOB = (
     "JobId=42 JobName=ab12 UserId=root(0) GroupId=root(0) JobState=RUNNING Reason=None "
@@ -99,6 +98,14 @@ def test_spread_procs_divides_the_total_over_nodes():
         launch.srun_command(alloc, ["--nproc-per-node=2", "t.py"], port=1, spread_procs=True)
     with pytest.raises(DistlmError, match="no --nproc-per-node"):
         launch.srun_command(alloc, ["t.py"], port=1, spread_procs=True)
+
+
+def test_node_env_gives_each_rank_its_share_of_the_task_cpus():
+    cmd = ["py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "t.py"]
+    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8"}) == {"OMP_NUM_THREADS": "4"}
+    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "1"}) == {"OMP_NUM_THREADS": "1"}
+    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", "OMP_NUM_THREADS": "3"}) == {}
+    assert launch.node_env(cmd, {}) == {}
 
 
 @pytest.mark.parametrize("arg", ["--standalone", "--nnodes=2", "--rdzv-endpoint=x:1",

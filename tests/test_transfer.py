@@ -43,6 +43,40 @@ def test_plan_covers_every_byte_once_and_splits_tensors_across_buckets():
     assert "emb.weight" in plan.tensors_in(0)
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_messages_cover_each_bucket_and_send_large_segments_unpacked(zero_copy):
+    plan = make_plan(mixed_state_dict(), bucket_mb=0.0625, chunk_mb=0.015625)
+    direct = 0
+    for b in range(plan.buckets):
+        covered = []
+        for lo, hi, segs in plan.messages(b, zero_copy):
+            if len(segs) == 1 and len(segs[0]) == 2:  # straight from / into one tensor
+                e, off = segs[0]
+                assert 0 <= off and off + hi - lo <= e.nbytes
+                covered.append((e.name, off, hi - lo))
+                direct += hi - lo
+            else:
+                for e, off, n, at in segs:
+                    assert 0 <= at and at + n <= hi - lo
+                    covered.append((e.name, off, n))
+        expect = [(e.name, off, n) for e, off, n, _ in plan.pieces(b)]
+        assert sorted(covered) == sorted(_split_like(expect, covered))
+    assert (direct > plan.payload_bytes // 2) == zero_copy
+
+
+def _split_like(expect, covered):
+    """The pieces cut at the same points as the messages (messages never cross chunk ends)."""
+    cuts = {}
+    for name, off, n in covered:
+        cuts.setdefault(name, set()).update({off, off + n})
+    out = []
+    for name, off, n in expect:
+        points = sorted(p for p in cuts.get(name, ()) if off < p < off + n)
+        edges = [off, *points, off + n]
+        out += [(name, a, z - a) for a, z in zip(edges, edges[1:])]
+    return out
+
+
 def test_plan_json_round_trip_and_protocol_check():
     plan = make_plan(mixed_state_dict(), bucket_mb=1, chunk_mb=0.25)
     assert Plan.from_json(plan.to_json()) == plan

@@ -40,6 +40,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of hf_generate and of every pipeline rank (a shared machine "
+                        "punishes oversubscribed thread pools; the same count keeps rows comparable)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -96,11 +99,13 @@ def prompts(path: str, m: int) -> list[str]:
 # ----------------------------------------------------------------------------- measurements
 
 
-def hf_generate(model_dir: Path, texts: list[str], n: int, repeats: int) -> dict:
+def hf_generate(model_dir: Path, texts: list[str], n: int, repeats: int, threads: int) -> dict:
     import torch
     from transformers import AutoTokenizer
 
     from distlm.model import load_model_dir
+
+    torch.set_num_threads(threads)
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_model_dir(model_dir)
@@ -149,7 +154,8 @@ def worker(spec_path: str, out_path: str) -> None:
         Path(out_path).write_text(json.dumps(results))
 
 
-def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: int, work: Path, timeout: float) -> dict:
+def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: int, work: Path, timeout: float,
+               threads: int) -> dict:
     from distlm.config import validate_config
 
     icfg = validate_config({"inference": {"stages": stages, "max_new_tokens": n, "greedy": True,
@@ -158,7 +164,8 @@ def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: 
     out = work / f"out-{stages}.json"
     spec.write_text(json.dumps({"inference": icfg, "model": str(model_dir), "prompts": texts, "repeats": repeats}))
     cmd = ["mpiexec", "-n", str(stages), sys.executable, __file__, "--worker", str(spec), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads * stages)}  # the ranks share it out: `threads` each
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"distlm S={stages} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -184,11 +191,12 @@ def main() -> None:
         if args.m < max(stages):
             raise SystemExit(f"--m {args.m}: need at least as many prompts as stages ({max(stages)})")
         n = args.max_new_tokens
-        hf = hf_generate(model, texts, n, args.repeats)
+        hf = hf_generate(model, texts, n, args.repeats, args.threads)
         print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
         rows = {}
         for s in stages:
-            rows[str(s)] = distlm_run(sharded(model, s, work), s, texts, n, args.repeats, work, args.timeout)
+            rows[str(s)] = distlm_run(sharded(model, s, work), s, texts, n, args.repeats, work, args.timeout,
+                                   args.threads)
             r = rows[str(s)]
             print(f"distlm S={s}: one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
                   f"{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} tokens/s", flush=True)
@@ -206,7 +214,7 @@ def main() -> None:
                         "load_avg_1m": os.getloadavg()[0]},
             "model": {"folder": str(args.model or "seeded init"), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                       "n_head": cfg.n_head, "vocab_size": cfg.vocab_size},
-            "prompts": len(texts), "max_new_tokens": n, "repeats": args.repeats,
+            "prompts": len(texts), "max_new_tokens": n, "repeats": args.repeats, "threads": args.threads,
             "hf_generate": hf, "distlm": rows, "ratios": ratios, "targets_met": targets,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -161,6 +161,21 @@ def node_command(argv: list[str], env: dict[str, str], *,
             "--rdzv-backend=c10d", *own, *args]
 
 
+def node_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS for the node's ranks: their share of the CPUs SLURM gave this task.
+
+    torchrun sets 1 only when it starts several ranks; a lone rank would otherwise use every core
+    of the machine, not its allocation (and a different thread count changes float results)."""
+    if "OMP_NUM_THREADS" in env:
+        return {}
+    cpus = env.get("SLURM_CPUS_PER_TASK", "")
+    try:
+        nproc = _nproc_at(cmd[3:])[1]
+    except DistlmError:  # "auto"/"gpu" or absent: leave it to torchrun
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, int(cpus) // nproc))} if cpus.isdigit() else {}
+
+
 def srun_torchrun(args: list[str]) -> int:
     spread_procs = bool(args) and args[0] == "--spread-procs"
     args = args[1:] if spread_procs else args
@@ -189,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             return srun_torchrun(argv[1:])
         if argv[0] == "torchrun-node":
             cmd = node_command(argv[1:], dict(os.environ))
+            os.environ.update(node_env(cmd, dict(os.environ)))
             os.execv(cmd[0], cmd)
         raise DistlmError(f"distlm-launch: unknown command {argv[0]!r}\n{usage}")
     except DistlmError as e:

@@ -49,6 +49,7 @@ log = get_logger(__name__)
 
 TRANSPORTS = ("torch", "uccl")
 ALIGN = 64  # byte alignment of every tensor in the stream: any dtype view is legal
+DIRECT_MIN = 64 * 1024  # a tensor segment this large travels from/into the tensor itself, unpacked
 _HEARTBEAT_S = 1.0
 _PROTOCOL = "distlm-transfer/1"
 _CALLS = itertools.count()  # every rank calls broadcast_state_dict in the same order
@@ -154,13 +155,46 @@ class Plan:
         return out
 
     def segments(self, b: int, lo: int, hi: int) -> list[tuple[Entry, int, int, int]]:
-        """(entry, byte offset in tensor, length, byte offset in chunk) for bytes [lo, hi) of bucket b."""
+        """(entry, byte offset in tensor, length, byte offset in bucket) for bytes [lo, hi) of bucket b."""
         out = []
         for e, off, n, at in self.pieces(b):
             a, z = max(lo, at), min(hi, at + n)
             if a < z:
-                out.append((e, off + a - at, z - a, a - lo))
+                out.append((e, off + a - at, z - a, a))
         return out
+
+    @functools.lru_cache(maxsize=None)
+    def messages(self, b: int, zero_copy: bool) -> tuple[tuple[int, int, tuple], ...]:
+        """The messages bucket b travels in: (lo, hi, segments), byte range relative to the bucket.
+
+        Without zero copy a message is one chunk of the packed bucket. With it, a segment of at
+        least DIRECT_MIN bytes (or a whole chunk) inside one tensor is its own message, sent from
+        and received into the tensor's memory (segments == ((entry, tensor offset),)); the small
+        segments between are packed in runs (segments == ((entry, tensor offset, length, offset in
+        message), ...)). Messages never cross a chunk boundary, so forwarding stays chunk-grained.
+        """
+        direct_min = min(DIRECT_MIN, self.chunk_bytes // 4)
+        out = []
+        for lo, hi in self.chunks(b):
+            if not zero_copy:
+                out.append((lo, hi, tuple((e, off, n, at - lo) for e, off, n, at in self.segments(b, lo, hi))))
+                continue
+            run: list = []
+
+            def flush() -> None:
+                if run:
+                    a = run[0][3]
+                    out.append((a, run[-1][3] + run[-1][2], tuple((e, off, n, at - a) for e, off, n, at in run)))
+                    run.clear()
+
+            for e, off, n, at in self.segments(b, lo, hi):
+                if n >= direct_min or n == hi - lo:
+                    flush()
+                    out.append((at, at + n, ((e, off),)))
+                else:
+                    run.append((e, off, n, at))
+            flush()
+        return tuple(out)
 
     def tensors_in(self, b: int, lo: int = 0, hi: int | None = None) -> list[str]:
         """Names of the tensors with bytes in [lo, hi) of bucket b."""
@@ -279,16 +313,19 @@ class _Checksum:
         self.rows, self.cols, self.tail = odd(64), odd(max(1, chunk_bytes // 8 // 64)), odd(64)
 
     def __call__(self, data: torch.Tensor, out: torch.Tensor) -> None:
-        if data.storage_offset() % 8 or data.numel() % 8:  # rare: a view into a tensor at an odd offset
-            padded = torch.zeros(-(-data.numel() // 8) * 8, dtype=torch.uint8, device=data.device)
-            padded[: data.numel()] = data
-            data = padded
-        words = data.view(torch.int64)
+        if data.storage_offset() % 8:  # rare: a view into a tensor at an odd offset
+            data = data.clone()
+        n8 = data.numel() // 8 * 8
+        words = data[:n8].view(torch.int64)
         n = words.numel() // 64
         m = words[: 64 * n].view(64, n)
         rest = words[64 * n :]
         out[0] = (m.sum(1) * self.rows).sum() + (rest * self.tail[: rest.numel()]).sum()
         out[1] = (m.sum(0) * self.cols[:n]).sum()
+        if n8 < data.numel():  # the last < 8 bytes, as one zero-padded word
+            last = torch.zeros(8, dtype=torch.uint8, device=data.device)
+            last[: data.numel() - n8] = data[n8:]
+            out[1] += last.view(torch.int64)[0] * self.rows[0]
 
 
 # ----------------------------------------------------------------------------- links and liveness
@@ -638,20 +675,15 @@ def _destination(plan: Plan, template, device):
     return dest, staged
 
 
-def _chunk_views(plan: Plan, b: int, flats: dict[str, torch.Tensor], buf: torch.Tensor, zero_copy: bool):
-    """For each chunk of bucket b: (the tensor the bytes travel in, segments to pack/unpack).
-
-    A chunk that lies inside one tensor travels straight from (or into) that tensor's memory;
-    only chunks that straddle tensors go through the bucket buffer and need packing.
-    """
+def _message_views(plan: Plan, b: int, flats: dict[str, torch.Tensor], buf: torch.Tensor, zero_copy: bool):
+    """(the tensor a message travels in, segments to pack/unpack, byte range in the bucket)."""
     out = []
-    for lo, hi in plan.chunks(b):
-        segs = plan.segments(b, lo, hi)
-        if zero_copy and len(segs) == 1 and segs[0][2] == hi - lo:
-            e, off, n, _ = segs[0]
-            out.append((flats[e.name][off : off + n], []))
+    for lo, hi, segs in plan.messages(b, zero_copy):
+        if len(segs) == 1 and len(segs[0]) == 2:
+            e, off = segs[0]
+            out.append((flats[e.name][off : off + hi - lo], (), (lo, hi)))
         else:
-            out.append((buf[lo:hi], segs))
+            out.append((buf[lo:hi], segs, (lo, hi)))
     return out
 
 
@@ -669,20 +701,20 @@ def _send(plan: Plan, tensors, buffers, plane, link: _Link, checksum: _Checksum,
             wait(h)
         pending[slot] = []
         buf = buffers[slot]
-        views = _chunk_views(plan, b, flats, buf, plane.zero_copy)
+        views = _message_views(plan, b, flats, buf, plane.zero_copy)
         t = time.perf_counter()
-        for view, segs in views:
+        for view, segs, _ in views:
             for e, off, n, at in segs:
                 view[at : at + n].copy_(flats[e.name][off : off + n])
                 timing["packed_bytes"] += n
         timing["pack_seconds"] += time.perf_counter() - t
         if nxt is None:
             continue
-        for c, (view, _) in enumerate(views):
+        for c, (view, _, _) in enumerate(views):
             pending[slot].append((plane.wait, plane.isend(view, nxt, f"bucket {b} chunk {c}")))
         t = time.perf_counter()  # checksums while the chunks are on the wire
         sums = torch.empty(len(views), 2, dtype=torch.int64, device=buf.device)
-        for c, (view, _) in enumerate(views):
+        for c, (view, _, _) in enumerate(views):
             checksum(view, sums[c])
         timing["checksum_seconds"] += time.perf_counter() - t
         sums = sums.to(link.device)
@@ -708,8 +740,8 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
         for wait, h in forwards[slot]:  # the slot's previous bucket must have left before reuse
             wait(h)
         forwards[slot] = []
-        views = _chunk_views(plan, b, flats, buffers[slot], plane.zero_copy)
-        hs = [plane.irecv(view, prev, f"bucket {b} chunk {c}") for c, (view, _) in enumerate(views)]
+        views = _message_views(plan, b, flats, buffers[slot], plane.zero_copy)
+        hs = [plane.irecv(view, prev, f"bucket {b} chunk {c}") for c, (view, _, _) in enumerate(views)]
         theirs = torch.empty(len(views), 2, dtype=torch.int64, device=link.device)
         recvs[b] = (views, hs, link.irecv(theirs, prev, f"checksums of bucket {b}"), theirs)
 
@@ -721,7 +753,7 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
             post(b + 1)
         views, hs, h_sums, theirs = recvs.pop(b)
         ours = torch.empty(len(views), 2, dtype=torch.int64, device=buffers[slot].device)
-        for c, ((view, _), h) in enumerate(zip(views, hs)):
+        for c, ((view, _, _), h) in enumerate(zip(views, hs)):
             plane.wait(h)
             if hook is not None:
                 hook(rank, b, c, view)
@@ -734,16 +766,15 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
         if nxt is not None:
             forwards[slot].append((link.wait, link.isend(theirs, nxt, f"checksums of bucket {b}")))
         bad = (ours.to(theirs.device) != theirs).any(dim=1).nonzero().flatten().tolist()
-        chunks = plan.chunks(b)
         for c in bad:
-            lo, hi = chunks[c]
+            lo, hi = views[c][2]
             base = b * plan.bucket_bytes
             mismatches.append({
                 "bucket": b, "chunk": c, "bytes": [base + lo, base + hi],
                 "tensors": plan.tensors_in(b, lo, hi),
             })
         t = time.perf_counter()
-        for view, segs in views:
+        for view, segs, _ in views:
             for e, off, n, at in segs:
                 flats[e.name][off : off + n].copy_(view[at : at + n])
                 timing["packed_bytes"] += n

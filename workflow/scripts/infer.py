@@ -20,8 +20,10 @@ parser.add_argument("--timing", required=True, help="output timing JSON")
 args = parser.parse_args()
 
 setup_logging()
+cfg = read_resolved(args.config)
 run_batch(
-    read_resolved(args.config)["inference"],
+    cfg["inference"],
+    device=cfg["runtime"]["device"],
     model_dir=args.model,
     prompts_path=args.prompts,
     generations_path=args.generations,

@@ -20,4 +20,5 @@ parser.add_argument("--port", type=int, help="port (default: inference.serve.por
 args = parser.parse_args()
 
 setup_logging()
-run_server(read_resolved(args.config)["inference"], model_dir=args.model, host=args.host, port=args.port)
+cfg = read_resolved(args.config)
+run_server(cfg["inference"], device=cfg["runtime"]["device"], model_dir=args.model, host=args.host, port=args.port)

@@ -170,8 +170,8 @@ class Ring:
 
 
 def to_wire(x: torch.Tensor) -> tuple[str, np.ndarray]:
-    """A tensor as (dtype name, numpy array); bfloat16 travels as its int16 bit pattern."""
-    x = x.detach().contiguous()
+    """A tensor as (dtype name, numpy array) in host memory; bfloat16 travels as its int16 bit pattern."""
+    x = x.detach().cpu().contiguous()
     if x.dtype == torch.bfloat16:
         return "bfloat16", x.view(torch.int16).numpy()
     return str(x.dtype).removeprefix("torch."), x.numpy()
@@ -240,6 +240,7 @@ def _header(items: list[Item], seqs: list[Sequence]) -> list[tuple]:
 
 
 def _sample(sampler: Sampler, header: list[tuple], logits: torch.Tensor) -> list[tuple[int, int]]:
+    logits = logits.float().cpu()  # (B, V); the generators live on the CPU
     out = []
     for i, (seq, lane, pos, _n, params) in enumerate(header):
         if pos == 0:
@@ -469,6 +470,7 @@ def stage_info(model: StageModel) -> dict:
         "pid": os.getpid(),
         "layers": [model.start, model.end],
         "threads": torch.get_num_threads(),
+        "device": str(model.device),
     }
 
 
@@ -490,32 +492,44 @@ class Pipeline:
     infos: list[dict] = field(default_factory=list)
 
 
-def set_threads(comm) -> None:
+def host_ranks(comm) -> tuple[int, int]:
+    """(this rank's index among the ranks on its host, how many ranks share the host)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def set_threads(local_size: int) -> None:
     """Share the thread budget between the ranks on this host.
 
     The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's `threads`, a total for
     the job), else the host's cores; each rank on the host gets an equal part, at least one thread.
     """
-    from mpi4py import MPI
-
     budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local = node.Get_size()
-    node.Free()
-    torch.set_num_threads(max(1, budget // local))
+    torch.set_num_threads(max(1, budget // local_size))
 
 
 @contextlib.contextmanager
-def mpi_pipeline(icfg: dict, model_dir: str | Path) -> Iterator[Pipeline]:
-    """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever."""
+def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> Iterator[Pipeline]:
+    """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever.
+
+    `device` is runtime.device: cpu, cuda (one GPU per rank on a host) or auto; never a fallback.
+    """
     from mpi4py import MPI
+
+    from distlm.dist import resolve_device
 
     comm = MPI.COMM_WORLD
     topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
     try:
-        set_threads(comm)
+        local_rank, local_size = host_ranks(comm)
+        set_threads(local_size)
         stats = StageStats(stage=topo.rank)
-        model = load_stage(model_dir, topo.rank, world=topo.stages)
+        model = load_stage(model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank))
         # Stage 0 gives up first (it owns the HTTP server and answers 503 before the job ends); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
         wait_s = icfg["timeout_s"] * (1 if topo.is_first else 2)
@@ -627,9 +641,9 @@ def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: st
     return records, timing
 
 
-def run_batch(icfg: dict, *, model_dir, prompts_path, generations_path, timing_path) -> None:
+def run_batch(icfg: dict, *, model_dir, prompts_path, generations_path, timing_path, device: str = "cpu") -> None:
     """The inference stage: every rank calls this; stage 0 writes the generations and the timing."""
-    with mpi_pipeline(icfg, model_dir) as pipe:
+    with mpi_pipeline(icfg, model_dir, device=device) as pipe:
         if not run_workers(pipe):
             return
         prompts = read_prompts(prompts_path)

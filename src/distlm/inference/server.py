@@ -470,9 +470,11 @@ def _warnings(infos: list[dict]) -> list[str]:
     ]
 
 
-def run_server(icfg: dict, *, model_dir, host: str | None = None, port: int | None = None) -> None:
+def run_server(
+    icfg: dict, *, model_dir, host: str | None = None, port: int | None = None, device: str = "cpu"
+) -> None:
     """Serve mode: every rank calls this; stage 0 serves HTTP until SIGTERM/SIGINT, then stops the rest."""
-    with mpi_pipeline(icfg, model_dir) as pipe:
+    with mpi_pipeline(icfg, model_dir, device=device) as pipe:
         if not pipe.topo.is_first:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others through the ring.
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -87,6 +87,10 @@ class StageModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
     # ------------------------------------------------------------------ forward
 
     def release(self, lane: int) -> None:
@@ -98,11 +102,12 @@ class StageModel(nn.Module):
 
         Returns hidden states (N, C), or on the last stage the logits of each item's last token (B, V).
         """
+        dev = self.device
         if self.first:
-            positions = torch.cat([torch.arange(it.pos, it.pos + it.n) for it in items])
-            x = self.wte(x.unsqueeze(0)) + self.wpe(positions.unsqueeze(0))  # (1, N, C)
+            positions = torch.cat([torch.arange(it.pos, it.pos + it.n) for it in items]).to(dev)
+            x = self.wte(x.to(dev).unsqueeze(0)) + self.wpe(positions.unsqueeze(0))  # (1, N, C)
         else:
-            x = x.to(self.dtype).unsqueeze(0)  # (1, N, C)
+            x = x.to(dev, self.dtype).unsqueeze(0)  # (1, N, C)
         for it in items:
             if it.pos == 0:
                 self.cache[it.lane] = [[None, None] for _ in self.h]
@@ -114,7 +119,7 @@ class StageModel(nn.Module):
         if not self.last:
             return x
         x = self.ln_f(x)
-        ends = torch.tensor([0] + [it.n for it in items]).cumsum(0)[1:] - 1
+        ends = (torch.tensor([0] + [it.n for it in items]).cumsum(0)[1:] - 1).to(dev)
         return self.lm_head(x[ends])  # (B, V)
 
     def _block(self, j: int, block, items: list[Item], x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +149,7 @@ class StageModel(nn.Module):
         return x + block.mlp(block.ln_2(x))
 
 
-def load_stage(folder: str | Path, stage: int, *, world: int) -> StageModel:
+def load_stage(folder: str | Path, stage: int, *, world: int, device: str | torch.device = "cpu") -> StageModel:
     """This rank's stage from a model folder's shards (sha256 checked against the manifest)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -157,8 +162,9 @@ def load_stage(folder: str | Path, stage: int, *, world: int) -> StageModel:
     config = load_config_json(folder)
     model = StageModel(config, entry)
     model.load_shard(tensors, f"{folder}/shards/{entry['file']}")
+    model.to(device)
     log.info(
-        "stage %d: layers %d-%d%s%s, %.1f MB", stage, model.start, model.end - 1,
+        "stage %d on %s: layers %d-%d%s%s, %.1f MB", stage, device, model.start, model.end - 1,
         ", embeddings" if model.first else "", ", head" if model.last else "",
         sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
     )

@@ -1,8 +1,9 @@
 """Readers for every metrics file the stages write, into pandas tables.
 
-Each reader takes the file's path and returns tables, or `None` when the file is absent (a stage
-that was not run, profiling off): the report then shows a "not collected" note. A file that is
-present but malformed raises ReportError naming the file and what is wrong with it.
+`collect` looks for each file at its place under `results/` (LAYOUT); an absent one (a stage that
+was not run, profiling off) is recorded in `Inputs.missing` with the reason, and the report shows
+a "not collected" note for it. A file that is present but malformed raises ReportError naming the
+file and the field or column at fault.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def _number(obj: dict, key: str, path: Path, what: str, where: str = "") -> floa
     return float(v)
 
 
+def _exp(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def _first(columns, *names: str) -> str | None:
     return next((n for n in names if n in columns), None)
 
@@ -153,14 +158,14 @@ def read_benchmarks(folder: Path, exclude: set[str] = frozenset()) -> pd.DataFra
 
 
 def read_metrics(path: Path) -> pd.DataFrame:
-    """Training metrics CSV: one row per logged step; adds `ppl` and `tokens` when derivable."""
+    """Training metrics CSV: one row per logged step; `ppl` from its perplexity (or exp(loss))."""
     df = _csv(path, "training metrics", required=("step", "loss"))
     if df.empty:
         raise _fail(path, "training metrics", "no rows")
     if "perplexity" in df:
         df["ppl"] = pd.to_numeric(df["perplexity"], errors="coerce")
     else:
-        df["ppl"] = df["loss"].clip(upper=50).map(math.exp)
+        df["ppl"] = df["loss"].map(_exp)
     return df.sort_values("step").reset_index(drop=True)
 
 
@@ -170,7 +175,7 @@ def read_val(path: Path) -> pd.DataFrame:
     if "val_perplexity" in df:
         df["val_ppl"] = pd.to_numeric(df["val_perplexity"], errors="coerce")
     else:
-        df["val_ppl"] = df["val_loss"].clip(upper=50).map(math.exp)
+        df["val_ppl"] = df["val_loss"].map(_exp)
     return df.sort_values("step").reset_index(drop=True)
 
 
@@ -182,6 +187,8 @@ def read_profile(folder: Path) -> tuple[pd.DataFrame | None, str]:
     """
     summary = folder / "profile.json"
     info = _json(summary, "profiler summary") if summary.is_file() else {}
+    if not isinstance(info, dict):
+        raise _fail(summary, "profiler summary", "expected a JSON object")
     if info.get("enabled") is False:
         return None, f"profiling is off: train.profile.enabled is false ({summary})"
     files = sorted(folder.glob("top-ops-rank*.json"), key=lambda p: p.name)

@@ -112,7 +112,8 @@ class StepLoader:
 
     def __call__(self, step: int) -> list[torch.Tensor]:
         idx = self.sampler.indices(step)
-        rows = torch.from_numpy(self.blocks[idx.reshape(-1)])  # (accum * micro, T) int64
+        # Row by row: a few contiguous reads beat one HDF5 point selection by ~5x.
+        rows = torch.from_numpy(np.stack([self.blocks[int(i)] for i in idx.reshape(-1)]))
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         return list(rows.view(*idx.shape, -1).unbind(0))  # grad_accum x (micro, T)

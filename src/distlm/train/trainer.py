@@ -441,21 +441,23 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         clip = self.tcfg["grad_clip"] if self.tcfg["grad_clip"] > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
-        stats = torch.stack([loss_sum.float(), gnorm.float()])
-        dist.all_reduce(stats[:1])  # mean loss over ranks (the norm is already global)
-        loss_v = stats[0].item() / self.topo.world_size
-        gnorm_v = stats[1].item()
-        if not math.isfinite(loss_v) or (
-            not self.scaler.is_enabled() and not math.isfinite(gnorm_v)
-        ):
-            raise TrainingDiverged(
-                f"step {step + 1}: loss {loss_v}, gradient norm {gnorm_v}: training diverged; "
-                f"the last good checkpoint is kept in {self.paths.checkpoints}"
-            )
+        # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any rank
+        # makes the all-reduced gradients, hence the (global) norm, non-finite on every rank: all
+        # ranks stop together, before the step (with fp16 the scaler skips such steps instead).
+        loss_red = loss_sum.float().reshape(1)
+        work = dist.all_reduce(loss_red, async_op=True)
+        gnorm_v = gnorm.item()
+        if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
+            work.wait()
+            self._diverged(step, loss_red.item() / self.topo.world_size, gnorm_v)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        work.wait()
+        loss_v = loss_red.item() / self.topo.world_size
+        if not math.isfinite(loss_v):
+            self._diverged(step, loss_v, gnorm_v)
         self.step = step + 1
         # No device synchronize: the .item() above already waited for forward and backward, and
         # the optimizer kernels overlap the next step's launches (counted in the next step time).
@@ -470,6 +472,12 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / dt,
             "step_time_s": dt,
         }
+
+    def _diverged(self, step: int, loss: float, gnorm: float) -> None:
+        raise TrainingDiverged(
+            f"step {step + 1}: loss {loss}, gradient norm {gnorm}: training diverged; "
+            f"the last good checkpoint is kept in {self.paths.checkpoints}"
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict:
