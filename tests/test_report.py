@@ -378,6 +378,11 @@ def test_profile_window_not_captured(tmp_path):
             "splits.test.mean_loss",
         ),
         (LAYOUT["broadcast"], json.dumps({"transport": "torch"}), "field receivers"),
+        (
+            LAYOUT["broadcast"],
+            json.dumps({"bytes": 1, "receivers": [{"rank": 1, "seconds": 1, "gbps": 1}]}),
+            "field transport",
+        ),
         (LAYOUT["timing"], "[]", "expected a JSON object"),
         (
             LAYOUT["timing"],

@@ -188,16 +188,27 @@ def test_same_results_as_the_local_profile(slurm_run, workflow_run):
     # data and base model: same config sections, byte-identical weights
     assert (json.loads((local / "model/base/distlm.json").read_text())["model_sha256"]
             == json.loads((remote / "model/base/distlm.json").read_text())["model_sha256"])
-    # training: world size 2 both ways (2 ranks on one node / 1 rank on each of 2 nodes)
-    a, b = _tensors(local / "train/final/model.safetensors"), _tensors(remote / "train/final/model.safetensors")
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), "trained weights differ"
+    # broadcast: 3 ranks both ways (one node / spread 2 + 1 over two), every bucket verified
+    ba, bb = (json.loads((r / "broadcast/report.json").read_text()) for r in (local, remote))
+    assert ba["world_size"] == bb["world_size"] and bb["all_verified"] and ba["all_verified"]
+    assert ba["model_sha256"] == bb["model_sha256"]
+    # training: world size 2 both ways (2 ranks on one node / 1 rank on each of 2 nodes). Losses
+    # agree to float32 rounding (measured: bit-equal at most steps, <1e-7 relative at the others),
+    # the weights after AdamW to ~1e-6 absolute.
+    a, b = (_tensors(r / "train/final/model.safetensors") for r in (local, remote))
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-4, f"trained weights differ by up to {worst}"
     rows = [list(csv.DictReader((r / "train/metrics.csv").open())) for r in (local, remote)]
-    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
+    assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]]
+    for ra, rb in zip(*rows):
+        assert abs(float(ra["loss"]) - float(rb["loss"])) <= 1e-6 * abs(float(ra["loss"])), (ra, rb)
     for name in ("base", "trained"):
         ea, eb = (json.loads((r / f"eval/{name}.json").read_text()) for r in (local, remote))
+        assert ea["world_size"] == eb["world_size"] == 2
         for split in ea["splits"]:
             pa, pb = ea["splits"][split]["perplexity"], eb["splits"][split]["perplexity"]
-            assert abs(pa - pb) <= 1e-9 * pa, (name, split, pa, pb)
+            assert abs(pa - pb) <= 1e-6 * pa, (name, split, pa, pb)
     ga, gb = ((r / "inference/generations.jsonl").read_text().splitlines() for r in (local, remote))
     assert [json.loads(x)["text"] for x in ga] == [json.loads(x)["text"] for x in gb]
     assert (remote / "report/summary.html").exists()
@@ -209,7 +220,7 @@ def test_forcerun_resubmits_only_the_stage_and_its_dependents(cluster, profile, 
     args = ["--configfile", str(TINY), str(SLURM_CONFIG)]
     planned = run_snakemake(wd, *args, "--forcerun", "inference", "--dry-run", configfile=None,
                             profile=profile, env=env).stdout
-    planned_rules = set(re.findall(r"^rule (\w+):", planned, re.M))
+    planned_rules = set(re.findall(r"^rule (\w+):", planned, re.M)) - {"all"}
     assert planned_rules == {"inference", "report"}, planned_rules
     before = {p: p.stat().st_mtime_ns for p in (wd / "results").rglob("*") if p.is_file()
               and not p.is_relative_to(wd / "results/inference")

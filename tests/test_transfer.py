@@ -97,12 +97,11 @@ def test_check_template_names_the_tensor():
     assert any("'b'" in p for p in probs) and any("'c'" in p for p in probs)
 
 
-def test_checksum_detects_a_flipped_bit_and_a_swap():
+def test_checksum_detects_flipped_bits_moved_rows_and_odd_tails():
     cs = _Checksum(4096, torch.device("cpu"))
     data = torch.randint(0, 255, (4096,), dtype=torch.uint8)
-    ref = torch.empty(2, dtype=torch.int64)
+    ref, out = torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
     cs(data, ref)
-    out = torch.empty(2, dtype=torch.int64)
     cs(data.clone(), out)
     assert torch.equal(ref, out)
     for pos in (0, 1, 2047, 4095):
@@ -110,11 +109,23 @@ def test_checksum_detects_a_flipped_bit_and_a_swap():
         bad[pos] ^= 1
         cs(bad, out)
         assert not torch.equal(ref, out), pos
-    swapped = data.clone().view(torch.int64)
-    swapped[[3, 9]] = swapped[[9, 3]]
-    if swapped[3] != swapped[9]:
-        cs(swapped.view(torch.uint8), out)
+    words = data.clone().view(torch.int64)
+    words[[3, 200]] = words[[200, 3]]  # words of different 1 KiB rows swapped
+    if words[3] != words[200]:
+        cs(words.view(torch.uint8), out)
         assert not torch.equal(ref, out)
+    rows = data.clone().view(4, 1024)[[1, 0, 2, 3]].reshape(-1)  # two rows swapped
+    cs(rows, out)
+    assert not torch.equal(ref, out)
+    odd = data[:4093]  # a tail that is not a whole word, and a view at an odd offset
+    cs(odd, ref)
+    bad = odd.clone()
+    bad[-1] ^= 0x80
+    cs(bad, out)
+    assert not torch.equal(ref, out)
+    cs(data[3:1003].clone(), ref)
+    cs(data[3:1003], out)
+    assert torch.equal(ref, out)
 
 
 def test_options_are_validated():

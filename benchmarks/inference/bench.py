@@ -5,7 +5,8 @@
     python benchmarks/inference/bench.py --out benchmarks/inference/results.json
 
 Same model weights, prompts and greedy settings for every row:
-  * hf_generate: single-process GPT2LMHeadModel.generate (KV cache), one prompt at a time;
+  * hf_generate: single-process GPT2LMHeadModel.generate (KV cache), one prompt at a time, timed
+    in turn with the one-stage pipeline in the same process (same threads);
   * distlm S = 1, 2, 3 (mpiexec -n S): one prompt at a time (lanes = 1), then all M >= S prompts in
     flight together (lanes = M), in the same pipeline launch.
 Each figure is the best of --repeats timed runs after one warm-up run (the machine may be shared).
@@ -99,35 +100,37 @@ def prompts(path: str, m: int) -> list[str]:
 # ----------------------------------------------------------------------------- measurements
 
 
-def hf_generate(model_dir: Path, texts: list[str], n: int, repeats: int, threads: int) -> dict:
+def hf_runner(model_dir: Path, texts: list[str], n: int):
+    """A callable timing GPT2LMHeadModel.generate (KV cache) over the prompts, one at a time."""
     import torch
     from transformers import AutoTokenizer
 
     from distlm.model import load_model_dir
 
-    torch.set_num_threads(threads)
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_model_dir(model_dir)
     ids = [torch.tensor([tok(t, add_special_tokens=False)["input_ids"]]) for t in texts]
-    # no EOS stop: every prompt makes exactly n tokens, as in the pipeline runs below
-    kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "use_cache": True, "pad_token_id": tok.eos_token_id}
+    # no EOS stop: every prompt makes exactly n tokens, as in the pipeline runs
+    kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "use_cache": True,
+          "pad_token_id": tok.eos_token_id}
 
-    def run() -> tuple[float, int]:
+    def run() -> dict:
         t0, total = time.perf_counter(), 0
         with torch.inference_mode():
             for x in ids:
                 total += model.generate(x, **kw).shape[1] - x.shape[1]
-        return time.perf_counter() - t0, total
+        wall = time.perf_counter() - t0
+        return {"tokens": total, "wall_s": wall, "tokens_per_s": total / wall, "threads": torch.get_num_threads()}
 
-    run()
-    best = min((run() for _ in range(repeats)), key=lambda r: r[0])
-    return {"tokens": best[1], "wall_s": best[0], "tokens_per_s": best[1] / best[0],
-            "threads": torch.get_num_threads()}
+    return run
 
 
 def worker(spec_path: str, out_path: str) -> None:
-    """Under mpiexec: one pipeline, timed one prompt at a time and with all prompts in flight."""
+    """Under mpiexec: one pipeline, timed one prompt at a time and with all prompts in flight.
+
+    The modes (and, in the one-stage run, Hugging Face generate in the same process) take turns
+    within each repeat, so a change in the machine's load hits them alike.
+    """
     from distlm.inference.pipeline import Scheduler, generate_batch, mpi_pipeline, run_workers
 
     spec = json.loads(Path(spec_path).read_text())
@@ -135,34 +138,45 @@ def worker(spec_path: str, out_path: str) -> None:
     with mpi_pipeline(icfg, spec["model"]) as pipe:
         if not run_workers(pipe):
             return
-        results = {}
-        for name, lanes in (("one_at_a_time", 1), ("in_flight", len(spec["prompts"]))):
-            cfg = {**icfg, "lanes": lanes}
-            runs = []
-            for _ in range(spec["repeats"] + 1):  # the first is a warm-up
+
+        def pipeline(lanes: int):
+            def run() -> dict:
                 pipe.scheduler = Scheduler(
                     pipe.model, pipe.ring, pipe.topo, lanes=lanes, eos_token_id=None,  # no EOS stop
                     context=pipe.context, timeout_s=icfg["timeout_s"], stats=pipe.stats,
                 )
                 pipe.stats.reset()
-                _, timing = generate_batch(pipe, spec["prompts"], cfg)
-                runs.append(timing)
-            best = max(runs[1:], key=lambda t: t["tokens_per_s"])
-            results[name] = {k: best[k] for k in ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")}
-            results[name]["ttft_mean_s"] = best["ttft_s"]["mean"]
+                _, t = generate_batch(pipe, spec["prompts"], {**icfg, "lanes": lanes})
+                keep = ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")
+                return {**{k: t[k] for k in keep}, "ttft_mean_s": t["ttft_s"]["mean"]}
+            return run
+
+        modes = {"one_at_a_time": pipeline(1), "in_flight": pipeline(len(spec["prompts"]))}
+        if spec["hf"]:
+            modes["hf_generate"] = hf_runner(spec["hf_model"], spec["prompts"], icfg["max_new_tokens"])
+        runs = {name: [] for name in modes}
+        for r in range(spec["repeats"] + 1):  # the first round is a warm-up
+            for name, run in modes.items():
+                res = run()
+                if r:
+                    runs[name].append(res)
+        results = {name: max(rs, key=lambda x: x["tokens_per_s"]) for name, rs in runs.items()}
+        for name, rs in runs.items():
+            results[name]["all_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
         results["per_stage"] = pipe.scheduler.stop()
         Path(out_path).write_text(json.dumps(results))
 
 
 def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: int, work: Path, timeout: float,
-               threads: int) -> dict:
+               threads: int, hf_model: Path | None) -> dict:
     from distlm.config import validate_config
 
     icfg = validate_config({"inference": {"stages": stages, "max_new_tokens": n, "greedy": True,
                                           "timeout_s": 120}})["inference"]
     spec = work / f"spec-{stages}.json"
     out = work / f"out-{stages}.json"
-    spec.write_text(json.dumps({"inference": icfg, "model": str(model_dir), "prompts": texts, "repeats": repeats}))
+    spec.write_text(json.dumps({"inference": icfg, "model": str(model_dir), "prompts": texts, "repeats": repeats,
+                                "hf": hf_model is not None, "hf_model": str(hf_model)}))
     cmd = ["mpiexec", "-n", str(stages), sys.executable, __file__, "--worker", str(spec), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads * stages)}  # the ranks share it out: `threads` each
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env)
@@ -191,17 +205,19 @@ def main() -> None:
         if args.m < max(stages):
             raise SystemExit(f"--m {args.m}: need at least as many prompts as stages ({max(stages)})")
         n = args.max_new_tokens
-        hf = hf_generate(model, texts, n, args.repeats, args.threads)
-        print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
+        if 1 not in stages:
+            raise SystemExit("--stages must include 1: Hugging Face generate runs beside the one-stage pipeline")
         rows = {}
         for s in stages:
             rows[str(s)] = distlm_run(sharded(model, s, work), s, texts, n, args.repeats, work, args.timeout,
-                                   args.threads)
+                                      args.threads, model if s == 1 else None)
             r = rows[str(s)]
             print(f"distlm S={s}: one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
                   f"{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} tokens/s", flush=True)
+        hf = rows["1"].pop("hf_generate")
+        print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
         cfg = load_config_json(model)
-        ratios = {"s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]} if "1" in rows else {}
+        ratios = {"s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]}
         for s, r in rows.items():
             ratios[f"s{s}_in_flight_vs_one_at_a_time"] = r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
         targets = {}

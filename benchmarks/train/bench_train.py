@@ -172,24 +172,32 @@ def worker(a) -> None:
                 torch.cuda.synchronize(topo.device)
             dist.barrier()
 
-        def timed(fn, n) -> float:
+        def timed(fn, n) -> tuple[float, float]:
+            """(wall seconds, CPU seconds summed over ranks) of n calls."""
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n):
                 fn()
             sync()
-            return time.perf_counter() - t0
+            cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(
+                cpu
+            )  # gloo: CPU tensor; nccl runs on GPUs, where wall time is what counts
+            return time.perf_counter() - t0, cpu.item()
 
         tokens_per_step = trainer.tokens_per_step
         for fn in (trainer.step_and_log, plain_step):
             timed(fn, a.warmup)
         rounds = {"distlm": [], "plain": []}
+        cpu_rounds = {"distlm": [], "plain": []}
         for r in range(a.rounds):
             order = [("distlm", trainer.step_and_log), ("plain", plain_step)]
             if r % 2:
                 order.reverse()  # alternate who goes first
             for name, fn in order:
-                rounds[name].append(a.steps * tokens_per_step / timed(fn, a.steps))
+                wall, cpu = timed(fn, a.steps)
+                rounds[name].append(a.steps * tokens_per_step / wall)
+                cpu_rounds[name].append(a.steps * tokens_per_step / cpu)
 
         if topo.is_main:
             med = {k: statistics.median(v) for k, v in rounds.items()}
@@ -221,6 +229,11 @@ def worker(a) -> None:
                 "rounds": a.rounds,
                 "tokens_per_s": {"distlm": med["distlm"], "plain_ddp": med["plain"]},
                 "tokens_per_s_rounds": rounds,
+                # tokens per CPU-second of all ranks: the work each loop does, far less sensitive
+                # than wall time to other load on a shared machine
+                "tokens_per_cpu_s": {k: statistics.median(v) for k, v in cpu_rounds.items()},
+                "ratio_cpu_time": statistics.median(cpu_rounds["distlm"])
+                / statistics.median(cpu_rounds["plain"]),
                 "ratio_distlm_over_plain": med["distlm"] / med["plain"],
                 # each round's pair ran back to back: the median of their ratios is robust to load drift
                 "ratio_paired_median": statistics.median(
@@ -252,6 +265,7 @@ def worker(a) -> None:
                             "tokens_per_s",
                             "ratio_distlm_over_plain",
                             "ratio_paired_median",
+                            "ratio_cpu_time",
                             "mfu",
                         )
                     },
@@ -268,8 +282,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--steps", type=int, default=10, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4, help="steps per round")
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results-cpu.json")))
     ap.add_argument("--workdir", default=None)

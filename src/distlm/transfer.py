@@ -295,37 +295,38 @@ def check_template(plan: Plan, template: Mapping[str, torch.Tensor], where: str)
 
 
 class _Checksum:
-    """128-bit linear checksum of a chunk's 64-bit words, mod 2^64, on the chunk's device.
+    """128-bit linear checksum of a message, mod 2^64, computed in one pass on its device.
 
-    The words are viewed as 64 rows: d0 = sum_r wr[r] * (row r's sum), d1 = sum_j wc[j] *
-    (column j's sum), with odd weights (plus odd weights for a tail of < 64 words). A changed word
-    changes d0 (its row weight is odd, hence invertible mod 2^64); two swapped words change d0 or d1
-    unless they share both row and column. Two streaming reductions: memory speed on CPU and GPU.
-    Integrity of the transport, not a cryptographic digest.
+    The message's 64-bit words are cut into rows of ROW words (1 KiB); with s_r the sum of row r,
+    d0 = sum_r a_r s_r and d1 = sum_r b_r s_r, with random odd weights a, b. Any changed word,
+    dropped, duplicated, zeroed or misplaced row changes both (odd weights are invertible mod 2^64);
+    what it cannot see is a change that keeps every row's sum (two words of one row swapped). That is
+    the price of one streaming reduction at memory speed, next to the transfer it guards: an
+    integrity check of the transport, not a cryptographic digest.
     """
 
-    def __init__(self, chunk_bytes: int, device: torch.device) -> None:
+    ROW = 128  # words per row
+
+    def __init__(self, max_bytes: int, device: torch.device) -> None:
         g = torch.Generator().manual_seed(0x5EED)
-
-        def odd(n: int) -> torch.Tensor:
-            return (torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, generator=g) | 1).to(device)
-
-        self.rows, self.cols, self.tail = odd(64), odd(max(1, chunk_bytes // 8 // 64)), odd(64)
+        rows = max_bytes // (8 * self.ROW) + 2
+        w = torch.randint(-(2**62), 2**62, (2, rows), dtype=torch.int64, generator=g) | 1
+        self.weights = w.to(device)
 
     def __call__(self, data: torch.Tensor, out: torch.Tensor) -> None:
         if data.storage_offset() % 8:  # rare: a view into a tensor at an odd offset
             data = data.clone()
         n8 = data.numel() // 8 * 8
         words = data[:n8].view(torch.int64)
-        n = words.numel() // 64
-        m = words[: 64 * n].view(64, n)
-        rest = words[64 * n :]
-        out[0] = (m.sum(1) * self.rows).sum() + (rest * self.tail[: rest.numel()]).sum()
-        out[1] = (m.sum(0) * self.cols[:n]).sum()
-        if n8 < data.numel():  # the last < 8 bytes, as one zero-padded word
+        full = words.numel() // self.ROW
+        sums = words[: full * self.ROW].view(full, self.ROW).sum(1)  # (rows,)
+        tail = words[full * self.ROW :].sum().reshape(1)  # < ROW words: one more row
+        if n8 < data.numel():  # the last < 8 bytes, as one zero-padded word in that row
             last = torch.zeros(8, dtype=torch.uint8, device=data.device)
             last[: data.numel() - n8] = data[n8:]
-            out[1] += last.view(torch.int64)[0] * self.rows[0]
+            tail = tail + last.view(torch.int64)
+        sums = torch.cat([sums, tail])
+        out.copy_((self.weights[:, : sums.numel()] * sums).sum(1))
 
 
 # ----------------------------------------------------------------------------- links and liveness

@@ -35,14 +35,8 @@ import numpy as np
 import torch
 
 from distlm import DistlmError
-from distlm.inference.prompts import encode_prompt, read_prompts
-from distlm.inference.sampling import (
-    RequestError,
-    SamplingParams,
-    new_generator,
-    params_from_config,
-    pick_token,
-)
+from distlm.inference.prompts import RequestError, encode_prompt, read_prompts
+from distlm.inference.sampling import SamplingParams, new_generator, params_from_config, pick_token
 from distlm.inference.stage import Item, StageModel, load_stage
 from distlm.io import atomic_path, write_json
 from distlm.log import get_logger
@@ -451,11 +445,13 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
                 items = [Item(*h[:4]) for h in header]
                 t0 = time.perf_counter()
                 out = model(items, from_wire(payload))
+                if last:
+                    out = _sample(sampler, header, out)  # [(sequence id, token)]
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
                 stats.items += len(items)
             if last:
-                ring.send(("tokens", _sample(sampler, header, out) if header else []))
+                ring.send(("tokens", out or []))
             else:
                 wire = to_wire(out) if out is not None else None
                 ring.send(("work", header, wire), wire[1].nbytes if wire else 0)

@@ -285,15 +285,23 @@ def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
             raise _fail(path, what, f"field {pre}receivers: expected a non-empty list")
         size = int(_number(run, "bytes", path, what, pre))
         overall = run.get("gbps")
+        transport = run.get("transport")
+        if not isinstance(transport, str):
+            raise _fail(path, what, f"field {pre}transport: expected a name, got {transport!r}")
         for j, r in enumerate(recv):
             where = f"{pre}receivers[{j}]."
+            if not isinstance(r, dict):
+                raise _fail(path, what, f"{where[:-1]}: expected a JSON object")
             rows.append(
                 {
-                    "transport": str(run.get("transport", "?")),
-                    "receiver": r.get("rank", j + 1) if isinstance(r, dict) else j + 1,
+                    "transport": transport,
+                    "receiver": int(_number(r, "rank", path, what, where)),
                     "bytes": size,
                     "seconds": _number(r, "seconds", path, what, where),
-                    "gbps": _number(r, "gbps", path, what, where),
+                    # None when the transfer took no measurable time (distlm.transfer)
+                    "gbps": math.nan
+                    if r.get("gbps") is None
+                    else _number(r, "gbps", path, what, where),
                     "verified": r.get("verified"),
                     **{k: r[k] for k in ("checksum_seconds", "unpack_seconds") if k in r},
                     "all_gbps": overall,
@@ -328,6 +336,8 @@ def read_timing(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame | None, pd
     rows = []
     for i, r in enumerate(runs):
         where = f"runs[{i}]." if sweep else ""
+        if not isinstance(r, dict):
+            raise _fail(path, what, f"{where or 'top level'}: expected a JSON object")
         mean, worst = _ttft(r, path, what, where)
         rows.append(
             {
@@ -336,7 +346,10 @@ def read_timing(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame | None, pd
                 "prompts": r.get("prompts"),
                 "tokens": r.get("tokens"),
                 "wall_s": r.get("wall_s"),
-                "tokens_per_s": _number(r, "tokens_per_s", path, what, where),
+                # None when the run took no measurable time (as distlm.inference writes it)
+                "tokens_per_s": math.nan
+                if r.get("tokens_per_s") is None
+                else _number(r, "tokens_per_s", path, what, where),
                 "ttft_mean_s": mean,
                 "ttft_max_s": worst,
             }
