@@ -342,3 +342,22 @@ def test_inference_stage_in_workflow(workflow_run):
     assert t["tokens"] == sum(r["tokens"] for r in recs) and t["tokens_per_s"] > 0
     log = (workflow_run / "logs" / "inference" / "infer.log").read_text()
     assert f"[rank {cfg['stages'] - 1}]" in log
+
+
+def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_reference):
+    from distlm.inference.pipeline import Pipeline, generate_batch
+
+    model = load_stage(tiny_models[1], 0, world=1)
+    topo, stats = PipelineTopology(0, 1), StageStats(0)
+    tok = hf_reference.tokenizer
+    pipe = Pipeline(topo, model, None, stats, tokenizer=tok, context=64, eos_token_id=None)
+    pipe.scheduler = Scheduler(model, None, topo, lanes=2, eos_token_id=None, context=64, timeout_s=10, stats=stats)
+    long = "word " * 80
+    recs, timing = generate_batch(pipe, ["A class", long], icfg(max_new_tokens=6))
+    assert recs[0]["token_ids"] == hf_reference("A class", 6) and recs[0]["prompt_truncated_tokens"] == 0
+    assert recs[1]["prompt_tokens"] == 58 and recs[1]["prompt_truncated_tokens"] > 0
+    assert timing["tokens"] == 12 and timing["micro_batch_size"] == 2 and len(timing["per_prompt"]) == 2
+    with pytest.raises(DistlmError, match="prompts: prompt 2: prompt: .* exceed the model's context of 64"):
+        generate_batch(pipe, ["A class", long], icfg(max_new_tokens=6, prompt_overflow="reject"))
+    with pytest.raises(DistlmError, match="config inference.max_new_tokens: 64 is beyond the model's context"):
+        generate_batch(pipe, ["A class"], icfg(max_new_tokens=64))

@@ -253,3 +253,13 @@ def test_hung_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
         except ProcessLookupError:
             pass
         stop_server(s)
+
+
+def test_killed_stage_ends_the_job(tiny_models, tmp_path):
+    s = start_server(tiny_models[3], 3, tmp_path, timeout_s=3)
+    pid = s.request("GET", "/health")[1]["pipeline"][2]["pid"]
+    try:
+        os.kill(pid, signal.SIGKILL)  # the launcher sees the death and ends the other ranks
+        assert s.proc.wait(timeout=30) != 0
+    finally:
+        stop_server(s)

@@ -240,11 +240,11 @@ def test_mismatches_and_corruption_fail_every_rank_and_name_the_culprit():
 
 @pytest.mark.parametrize("mode", ["exit", "freeze"])
 def test_a_dead_receiver_fails_the_others_naming_it(mode):
-    out = launch(dies, 4, mode, lost=(2,), timeout=90)
+    out = launch(dies, 4, mode, lost=(2,), timeout=240)
     assert out[2][0] == "died"
     for rank in (0, 1, 3):
         kind, rep = out[rank]
         assert kind == "ok", (rank, rep)
         assert rep["error"] is not None, rank
         assert "rank 2 stopped" in rep["error"], (rank, rep["error"])
-        assert rep["seconds"] < 60, rank
+        assert rep["seconds"] < 90, rank  # timeout_s is 6: a few timeouts and probes, never a hang

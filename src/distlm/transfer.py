@@ -34,6 +34,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -429,7 +430,7 @@ class _Watch:
         return out
 
     def diagnose(self) -> str:
-        """Which ranks stopped beating or reported a failure (a few seconds of probing)."""
+        """Which ranks stopped beating, else which reported a failure (a few seconds of probing)."""
         if self.store is None:
             return ""
         try:
@@ -440,30 +441,34 @@ class _Watch:
         except Exception as e:
             return f"the torch.distributed store is unreachable ({type(e).__name__}), so rank 0's host may be gone"
         dead = [r for r in before if after[r] == before[r] and r not in done]
-        parts = []
         if dead:
-            parts.append("rank " + ", ".join(map(str, dead)) + f" stopped (no heartbeat for {self.probe_s:.1f} s)")
-        for r, why in self._reported().items():
-            if r != self.rank:
-                parts.append(f"rank {r} failed: {why}")
-        return "; ".join(parts)
+            return "rank " + ", ".join(map(str, dead)) + f" stopped (no heartbeat for {self.probe_s:.1f} s)"
+        reported = {r: why for r, why in self._reported().items() if r != self.rank}
+        return "; ".join(f"rank {r} failed: {why}" for r, why in reported.items())
 
     def fail(self, peer: int, what: str, err: BaseException) -> None:
-        kind = "timed out" if "timeout" in str(err).lower() or "timed out" in str(err).lower() else "failed"
+        text = _short(err)
+        kind = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() else "failed"
+        here = f"{what} with rank {peer} {kind} ({type(err).__name__}: {text})"
         cause = self.diagnose()
-        msg = f"rank {self.rank}: {what} with rank {peer} {kind} ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-        if cause:
-            msg += f"; {cause}"
-        self.report(msg)
+        self.report(here)  # others see what happened here, not this rank's guess about the cause
+        msg = f"rank {self.rank}: {cause}. Here: {here}" if cause else f"rank {self.rank}: {here}"
         raise TransferError(msg) from None
 
     def report(self, msg: str) -> None:
         if self.store is not None:
             try:
-                self.store.set(self._key("failed", self.rank), msg[:500])
+                self.store.set(self._key("failed", self.rank), msg[:300])
             except Exception:
                 pass
         self.close(done=False)
+
+
+def _short(err: BaseException) -> str:
+    """The gist of a backend error: without gloo's source path and boilerplate advice."""
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0][:160]
 
 
 def _default_store():

@@ -588,7 +588,10 @@ def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: st
     sched, tok = pipe.scheduler, pipe.tokenizer
     seqs, dropped = [], []
     for i, text in enumerate(prompts):
-        params = params_from_config(icfg, context=pipe.context, seed_offset=i)
+        try:
+            params = params_from_config(icfg, context=pipe.context, seed_offset=i)
+        except RequestError as e:  # named as the request field; say which config key it is
+            raise DistlmError(f"config inference.{str(e).replace('max_tokens', 'max_new_tokens')}") from None
         try:
             ids, cut = encode_prompt(
                 tok, text, context=pipe.context, max_new_tokens=params.max_new_tokens,
