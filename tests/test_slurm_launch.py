@@ -169,3 +169,27 @@ def test_test_profile_layers_overrides_on_the_real_profile(tmp_path):
     # per-rule keys the overrides do not name come from the real profile unchanged
     assert out["set-resources"]["train"]["torchrun"] == base["set-resources"]["train"]["torchrun"]
     assert out["set-resources"]["train"]["mem_mb"] != base["set-resources"]["train"]["mem_mb"]
+
+
+def test_harness_says_why_it_cannot_run(monkeypatch):
+    from harness import slurm_cluster as sc
+
+    monkeypatch.setattr(sc.os, "geteuid", lambda: 1000)
+    assert "needs root" in sc.missing_requirements()
+    monkeypatch.setattr(sc.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sc, "_sbin", lambda name: f"/nonexistent/{name}")
+    monkeypatch.setattr(sc, "Path", lambda *a: Path("/nonexistent", *a[1:]))
+    why = sc.missing_requirements()
+    assert "slurmctld" in why and "sbatch" in why and ".ci/slurm-setup" in why
+
+
+def test_harness_slurm_conf_has_one_line_per_node_and_no_accounting():
+    from harness import slurm_cluster as sc
+
+    c = sc.Cluster(state=Path("/s"), nodes=3, subnet="10.9.0")
+    conf = sc.slurm_conf(c)
+    assert "NodeName=node3 NodeAddr=10.9.0.13 NodeHostname=node3" in conf
+    assert "AccountingStorageType=accounting_storage/none" in conf and "MinJobAge=3600" in conf
+    assert "SlurmctldHost=ctl(10.9.0.1)" in conf
+    assert sc.hosts_file(c).splitlines()[-1] == "10.9.0.13 node3"
