@@ -24,10 +24,10 @@ include: "workflow/rules/config.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/train.smk"
-include: "workflow/rules/eval.smk"
-include: "workflow/rules/report.smk"
 include: "workflow/rules/broadcast.smk"
+include: "workflow/rules/eval.smk"
 include: "workflow/rules/inference.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

@@ -7,12 +7,12 @@ import re
 import shutil
 
 import pytest
+from conftest import TINY
 
 from distlm.config import load_config
 from distlm.dist import distributed
 from distlm.model import WEIGHTS, load_safetensors, read_meta
 from distlm.transfer import TransferError, run_broadcast_stage
-from conftest import TINY
 
 
 def test_stage_report_in_the_tiny_workflow(workflow_run):

@@ -13,7 +13,14 @@ import sys
 import pytest
 
 from distlm.dist import free_port
-from distlm.fabric import Fabric, FabricError, PREFIX, _namespaces, cleanup_stale, unavailable_reason
+from distlm.fabric import (
+    PREFIX,
+    Fabric,
+    FabricError,
+    _namespaces,
+    cleanup_stale,
+    unavailable_reason,
+)
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no netns fabric here: {REASON}")]

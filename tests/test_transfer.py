@@ -6,14 +6,27 @@ import sys
 
 import pytest
 import torch
+from test_transfer_workers import (
+    dies,
+    faults,
+    launch,
+    mixed_state_dict,
+    round_trips,
+    uccl_round_trip,
+)
 
 from distlm.dist import distributed
 from distlm.transfer import (
-    ALIGN, Plan, TransferError, TransferOptions, _Checksum, broadcast_state_dict, check_template, make_plan,
+    ALIGN,
+    Plan,
+    TransferError,
+    TransferOptions,
+    _Checksum,
+    broadcast_state_dict,
+    check_template,
+    make_plan,
 )
 from distlm.transfer_uccl import check_uccl, uccl_problems
-from test_transfer_workers import dies, faults, launch, mixed_state_dict, round_trips, uccl_round_trip
-
 
 # ----------------------------------------------------------------------------- units
 

@@ -164,7 +164,6 @@ class Plan:
                 out.append((e, off + a - at, z - a, a))
         return out
 
-    @functools.lru_cache(maxsize=None)
     def messages(self, b: int, zero_copy: bool) -> tuple[tuple[int, int, tuple], ...]:
         """The messages bucket b travels in: (lo, hi, segments), byte range relative to the bucket.
 
@@ -174,27 +173,38 @@ class Plan:
         segments between are packed in runs (segments == ((entry, tensor offset, length, offset in
         message), ...)). Messages never cross a chunk boundary, so forwarding stays chunk-grained.
         """
+        key = (b, zero_copy)
+        if key not in self._messages:
+            self._messages[key] = self._layout(b, zero_copy)
+        return self._messages[key]
+
+    @functools.cached_property
+    def _messages(self) -> dict:
+        return {}
+
+    def _layout(self, b: int, zero_copy: bool) -> tuple[tuple[int, int, tuple], ...]:
         direct_min = min(DIRECT_MIN, self.chunk_bytes // 4)
-        out = []
+        out: list = []
+
+        def packed(run: list) -> None:
+            if run:
+                a = run[0][3]
+                out.append((a, run[-1][3] + run[-1][2], tuple((e, off, n, at - a) for e, off, n, at in run)))
+
         for lo, hi in self.chunks(b):
+            segs = self.segments(b, lo, hi)
             if not zero_copy:
-                out.append((lo, hi, tuple((e, off, n, at - lo) for e, off, n, at in self.segments(b, lo, hi))))
+                out.append((lo, hi, tuple((e, off, n, at - lo) for e, off, n, at in segs)))
                 continue
             run: list = []
-
-            def flush() -> None:
-                if run:
-                    a = run[0][3]
-                    out.append((a, run[-1][3] + run[-1][2], tuple((e, off, n, at - a) for e, off, n, at in run)))
-                    run.clear()
-
-            for e, off, n, at in self.segments(b, lo, hi):
+            for e, off, n, at in segs:
                 if n >= direct_min or n == hi - lo:
-                    flush()
+                    packed(run)
+                    run = []
                     out.append((at, at + n, ((e, off),)))
                 else:
                     run.append((e, off, n, at))
-            flush()
+            packed(run)
         return tuple(out)
 
     def tensors_in(self, b: int, lo: int = 0, hi: int | None = None) -> list[str]:

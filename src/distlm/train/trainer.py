@@ -330,6 +330,16 @@ class Trainer:
                 log.warning("train.resume is never: removing earlier checkpoints in %s", ckpt_dir)
                 ckpt_mod.prune(ckpt_dir, 0)
             found = ckpt_mod.latest_good(ckpt_dir)
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if found is not None and found.step >= self.tcfg["max_steps"] and restart == 0:
+                # A finished run's checkpoint on a first attempt: the stage was rerun on purpose
+                # (--forcerun), so train again rather than resume into zero steps.
+                log.warning(
+                    "%s ends a finished run (step %d of %d): the stage was rerun, training afresh",
+                    found.path, found.step, self.tcfg["max_steps"],
+                )
+                ckpt_mod.prune(ckpt_dir, 0)
+                found = None
             choice = [None if found is None else (str(found.path), found.step)]
         if self.topo.is_distributed:
             dist.broadcast_object_list(choice, src=0)
