@@ -287,3 +287,14 @@ def test_train_stage_in_tiny_workflow(workflow_run):
         assert top["ops"] and top["ops"][0]["self_cpu_us"] >= top["ops"][-1]["self_cpu_us"]
         assert f"[rank {r}]" in (workflow_run / "logs" / "train" / f"rank{r}.log").read_text()
     assert [c.step for c in ck.list_checkpoints(res / "checkpoints")] == [4, 8]
+
+
+def test_rerun_of_a_finished_stage_trains_again(inputs, tmp_path):
+    """--forcerun train after a finished run: not a resume into zero steps, a fresh run."""
+    out = tmp_path / "train"
+    run_training(train_cfg(max_steps=2), paths(inputs, out))
+    first = (out / "final" / "model.safetensors").read_bytes()
+    run_training(train_cfg(max_steps=2), paths(inputs, out))
+    meta = read_meta(out / "final")["training"]
+    assert meta["resumed_from"] is None
+    assert (out / "final" / "model.safetensors").read_bytes() == first  # and reproducible

@@ -210,10 +210,15 @@ def identity_diff(saved: dict, current: dict) -> list[str]:
     return lines
 
 
+def hard_diffs(saved: dict, current: dict) -> list[str]:
+    """The identity differences that forbid a resume (all but the TOLERATED keys)."""
+    return [d for d in identity_diff(saved, current) if d.split(":", 1)[0] not in TOLERATED]
+
+
 def check_identity(ckpt: Checkpoint, saved: dict, current: dict) -> None:
     """Refuse a checkpoint made by a different run; tolerate (and log) only TOLERATED keys."""
     diffs = identity_diff(saved, current)
-    hard = [d for d in diffs if d.split(":", 1)[0] not in TOLERATED]
+    hard = hard_diffs(saved, current)
     if hard:
         raise CheckpointMismatch(
             f"checkpoint {ckpt.path} was made by a different run and cannot be resumed:\n  "

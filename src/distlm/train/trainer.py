@@ -331,9 +331,14 @@ class Trainer:
                 ckpt_mod.prune(ckpt_dir, 0)
             found = ckpt_mod.latest_good(ckpt_dir)
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if found is not None and found.step >= self.tcfg["max_steps"] and restart == 0:
-                # A finished run's checkpoint on a first attempt: the stage was rerun on purpose
-                # (--forcerun), so train again rather than resume into zero steps.
+            if (
+                found is not None
+                and found.step >= self.tcfg["max_steps"]
+                and restart == 0
+                and not ckpt_mod.hard_diffs(ckpt_mod.read_state(found)["identity"], self.identity())
+            ):
+                # This run's own finished checkpoint on a first attempt: the stage was rerun on
+                # purpose (--forcerun), so train again rather than resume into zero steps.
                 log.warning(
                     "%s ends a finished run (step %d of %d): the stage was rerun, training afresh",
                     found.path, found.step, self.tcfg["max_steps"],
