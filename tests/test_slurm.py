@@ -49,18 +49,27 @@ def profile(cluster, tmp_path_factory):
 
 
 def sh(cluster, cmd: list[str], *, cwd=None, timeout=120) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cluster.env(), cwd=cwd,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        cwd=cwd,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc
 
 
 def slurm_jobs(output: str) -> list[dict]:
     """Snakemake's output -> one dict per submitted job: rule, its log, SLURM job id and log."""
     blocks = {}
-    for m in re.finditer(r"^(?:local)?rule (\w+):\n(.*?)(?=^\S)", output, re.S | re.M):
-        jobid = re.search(r"^\s+jobid: (\d+)$", m.group(2), re.M)
-        log = re.search(r"^\s+log: (\S+)$", m.group(2), re.M)
+    for m in re.finditer(r"^(?:local)?rule (\w+):\n(.*?)(?=^\S)", output, re.DOTALL | re.MULTILINE):
+        jobid = re.search(r"^\s+jobid: (\d+)$", m.group(2), re.MULTILINE)
+        log = re.search(r"^\s+log: (\S+)$", m.group(2), re.MULTILINE)
         if jobid:
             blocks[jobid.group(1)] = (m.group(1), log.group(1) if log else None)
     jobs = []
@@ -85,38 +94,60 @@ def job_fields(cluster, job_id: str) -> dict[str, str]:
 
 # --- the cluster itself --------------------------------------------------------------------------
 
+
 def test_nodes_are_hosts_with_their_own_names_and_addresses(cluster):
-    out = sh(cluster, ["srun", "-N2", "-n2", "-l", "sh", "-c",
-                       "echo $(hostname) $(hostname -I) $SLURM_NODEID"]).stdout
+    out = sh(
+        cluster,
+        ["srun", "-N2", "-n2", "-l", "sh", "-c", "echo $(hostname) $(hostname -I) $SLURM_NODEID"],
+    ).stdout
     rows = sorted(line.split(": ", 1)[1].split() for line in out.splitlines())
     assert rows == [["node1", cluster.node_addr(1), "0"], ["node2", cluster.node_addr(2), "1"]]
 
 
 def test_mpi_through_srun_pmi2_crosses_nodes(cluster):
-    out = sh(cluster, ["srun", "--mpi=pmi2", "-N2", "-n3", sys.executable,
-                       str(HARNESS / "mpi_check.py")]).stdout
+    out = sh(
+        cluster, ["srun", "--mpi=pmi2", "-N2", "-n3", sys.executable, str(HARNESS / "mpi_check.py")]
+    ).stdout
     got = json.loads(out)
     assert got["size"] == 3 and got["sum"] == 6
     assert sorted(set(got["hosts"])) == ["node1", "node2"] and got["from_last"] == got["hosts"][2]
     # Without a PMI plugin every mpich rank is a world of its own: why the profile says pmi2.
-    alone = sh(cluster, ["srun", "--mpi=none", "-N2", "-n2", sys.executable,
-                         str(HARNESS / "mpi_check.py")]).stdout
+    alone = sh(
+        cluster, ["srun", "--mpi=none", "-N2", "-n2", sys.executable, str(HARNESS / "mpi_check.py")]
+    ).stdout
     assert [json.loads(line)["size"] for line in alone.splitlines()] == [1, 1]
 
 
 def _sbatch_launch(cluster, tmp_path: Path, name: str, launch: str, extra: str) -> subprocess.Popen:
     """distlm-launch in a 2-node batch job whose SLURM_* are cleared as Snakemake's jobstep does."""
     script = tmp_path / f"{name}.sh"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         for v in $(env | grep -o '^SLURM_[A-Z_]*'); do [ $v = SLURM_JOB_ID ] || unset $v; done
         exec {sys.executable} -m distlm.launch srun-torchrun {launch} \\
-            {HARNESS / 'ddp_check.py'} {tmp_path / name}.json {extra}
-        """))
+            {HARNESS / "ddp_check.py"} {tmp_path / name}.json {extra}
+        """)
+    )
     return subprocess.Popen(
-        ["sbatch", "-W", "-N2", "-n2", "-c1", "--mem=1500", "-t", "5", f"--output={tmp_path / name}.log",
-         f"-D{tmp_path}", str(script)], env=cluster.env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        [
+            "sbatch",
+            "-W",
+            "-N2",
+            "-n2",
+            "-c1",
+            "--mem=1500",
+            "-t",
+            "5",
+            f"--output={tmp_path / name}.log",
+            f"-D{tmp_path}",
+            str(script),
+        ],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_distlm_launch_torchrun_across_nodes_and_a_dead_rank_ends_the_job(cluster, tmp_path):
@@ -127,7 +158,9 @@ def test_distlm_launch_torchrun_across_nodes_and_a_dead_rank_ends_the_job(cluste
     ok_rc, bad_rc = ok.wait(timeout=240), bad.wait(timeout=240)
     log = (tmp_path / "ok.log").read_text()
     assert ok_rc == 0, log
-    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in log and "--rdzv-endpoint=node1:" in log
+    assert (
+        "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in log and "--rdzv-endpoint=node1:" in log
+    )
     got = json.loads((tmp_path / "ok.json").read_text())
     assert got["world_size"] == 3 and got["sum"] == 6.0
     assert sorted(h for h, _ in got["hosts"]) == ["node1", "node1", "node2"]
@@ -139,11 +172,19 @@ def test_distlm_launch_torchrun_across_nodes_and_a_dead_rank_ends_the_job(cluste
 
 # --- the workflow through the profile ------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def slurm_run(cluster, profile, tmp_path_factory):
     wd = tmp_path_factory.mktemp("slurm-workflow")
-    proc = run_snakemake(wd, "--configfile", str(TINY), str(SLURM_CONFIG), configfile=None,
-                         profile=profile, env={"SLURM_CONF": str(cluster.conf)})
+    proc = run_snakemake(
+        wd,
+        "--configfile",
+        str(TINY),
+        str(SLURM_CONFIG),
+        configfile=None,
+        profile=profile,
+        env={"SLURM_CONF": str(cluster.conf)},
+    )
     return wd, proc.stdout + proc.stderr
 
 
@@ -151,9 +192,11 @@ def _multi_process_rules() -> dict[str, str]:
     """Rules whose shell starts several processes: rule -> launcher resource."""
     found = {}
     for smk in (ROOT / "workflow" / "rules").glob("*.smk"):
-        for m in re.finditer(r"^rule (\w+):(.*?)(?=^rule |\Z)", smk.read_text(), re.S | re.M):
+        for m in re.finditer(
+            r"^rule (\w+):(.*?)(?=^rule |\Z)", smk.read_text(), re.DOTALL | re.MULTILINE
+        ):
             for res in ("torchrun", "mpi"):
-                if "{resources.%s}" % res in m.group(2):
+                if f"{{resources.{res}}}" in m.group(2):
                     found[m.group(1)] = res
     found.pop("serve", None)  # not in rule all
     return found
@@ -162,7 +205,7 @@ def _multi_process_rules() -> dict[str, str]:
 def test_every_job_is_a_slurm_job_and_multi_process_ones_span_nodes(cluster, slurm_run):
     wd, log = slurm_run
     jobs = slurm_jobs(log)
-    local = set(re.findall(r"^localrule (\w+):", log, re.M))
+    local = set(re.findall(r"^localrule (\w+):", log, re.MULTILINE))
     assert local == {"all"}, f"jobs that ran outside SLURM: {local - {'all'}}"
     multi = _multi_process_rules()
     assert {"train", "evaluate", "inference"} <= set(multi)
@@ -179,6 +222,7 @@ def test_every_job_is_a_slurm_job_and_multi_process_ones_span_nodes(cluster, slu
 
 def _tensors(path: Path):
     from safetensors.torch import load_file
+
     return load_file(str(path))
 
 
@@ -186,8 +230,10 @@ def test_same_results_as_the_local_profile(slurm_run, workflow_run):
     wd, _ = slurm_run
     local, remote = workflow_run / "results", wd / "results"
     # data and base model: same config sections, byte-identical weights
-    assert (json.loads((local / "model/base/distlm.json").read_text())["model_sha256"]
-            == json.loads((remote / "model/base/distlm.json").read_text())["model_sha256"])
+    assert (
+        json.loads((local / "model/base/distlm.json").read_text())["model_sha256"]
+        == json.loads((remote / "model/base/distlm.json").read_text())["model_sha256"]
+    )
     # broadcast: 3 ranks both ways (one node / spread 2 + 1 over two), every bucket verified
     ba, bb = (json.loads((r / "broadcast/report.json").read_text()) for r in (local, remote))
     assert ba["world_size"] == bb["world_size"] and bb["all_verified"] and ba["all_verified"]
@@ -218,16 +264,22 @@ def test_forcerun_resubmits_only_the_stage_and_its_dependents(cluster, profile, 
     wd, _ = slurm_run
     env = {"SLURM_CONF": str(cluster.conf)}
     args = ["--configfile", str(TINY), str(SLURM_CONFIG)]
-    planned = run_snakemake(wd, *args, "--forcerun", "inference", "--dry-run", configfile=None,
-                            profile=profile, env=env).stdout
-    planned_rules = set(re.findall(r"^rule (\w+):", planned, re.M)) - {"all"}
+    planned = run_snakemake(
+        wd, *args, "--forcerun", "inference", "--dry-run", configfile=None, profile=profile, env=env
+    ).stdout
+    planned_rules = set(re.findall(r"^rule (\w+):", planned, re.MULTILINE)) - {"all"}
     assert planned_rules == {"inference", "report"}, planned_rules
-    before = {p: p.stat().st_mtime_ns for p in (wd / "results").rglob("*") if p.is_file()
-              and not p.is_relative_to(wd / "results/inference")
-              and not p.is_relative_to(wd / "results/report")
-              and "benchmarks" not in p.parts}
-    proc = run_snakemake(wd, *args, "--forcerun", "inference", configfile=None, profile=profile,
-                         env=env)
+    before = {
+        p: p.stat().st_mtime_ns
+        for p in (wd / "results").rglob("*")
+        if p.is_file()
+        and not p.is_relative_to(wd / "results/inference")
+        and not p.is_relative_to(wd / "results/report")
+        and "benchmarks" not in p.parts
+    }
+    proc = run_snakemake(
+        wd, *args, "--forcerun", "inference", configfile=None, profile=profile, env=env
+    )
     subs = submissions(proc.stdout + proc.stderr)
     assert set(subs) == planned_rules and all(len(v) == 1 for v in subs.values()), subs
     changed = [str(p) for p, t in before.items() if p.stat().st_mtime_ns != t]
@@ -235,9 +287,20 @@ def test_forcerun_resubmits_only_the_stage_and_its_dependents(cluster, profile, 
 
 
 def test_a_failing_job_is_reported_with_its_slurm_log(cluster, profile, tmp_path):
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(HARNESS / "failing" / "Snakefile"),
-           "--directory", str(tmp_path), "--profile", str(profile)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=cluster.env())
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(HARNESS / "failing" / "Snakefile"),
+        "--directory",
+        str(tmp_path),
+        "--profile",
+        str(profile),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env=cluster.env(), check=False
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     jobs = {j["rule"]: j for j in slurm_jobs(out)}

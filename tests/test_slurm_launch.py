@@ -61,13 +61,20 @@ def test_read_allocation_errors_name_the_command():
 
 def test_srun_command_one_task_per_node_with_c10d_on_head():
     alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
-    cmd = launch.srun_command(alloc, ["--nproc-per-node=4", "train.py", "--x", "1"], port=29400,
-                              python="py")
-    assert cmd[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
-                       "--cpus-per-task=2", "--kill-on-bad-exit=1"]
+    cmd = launch.srun_command(
+        alloc, ["--nproc-per-node=4", "train.py", "--x", "1"], port=29400, python="py"
+    )
+    assert cmd[:6] == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=2",
+        "--kill-on-bad-exit=1",
+    ]
     assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
     assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in cmd
-    assert cmd[cmd.index("--") + 1:] == ["--nproc-per-node=4", "train.py", "--x", "1"]
+    assert cmd[cmd.index("--") + 1 :] == ["--nproc-per-node=4", "train.py", "--x", "1"]
     given = launch.srun_command(alloc, ["--rdzv-conf=join_timeout=5", "t.py"], port=1, python="py")
     assert not any(a.startswith("--rdzv-conf=join_timeout=300") for a in given)
 
@@ -75,8 +82,17 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
 def test_node_command_takes_nodes_from_srun_task_env():
     argv = ["--rdzv-endpoint=node1:1", "--rdzv-id=42", "--", "--nproc-per-node=2", "t.py"]
     cmd = launch.node_command(argv, {"SLURM_NNODES": "3", "SLURM_NODEID": "1"}, python="py")
-    assert cmd == ["py", "-m", "torch.distributed.run", "--nnodes=3", "--rdzv-backend=c10d",
-                   "--rdzv-endpoint=node1:1", "--rdzv-id=42", "--nproc-per-node=2", "t.py"]
+    assert cmd == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=3",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node1:1",
+        "--rdzv-id=42",
+        "--nproc-per-node=2",
+        "t.py",
+    ]
     with pytest.raises(DistlmError, match="SLURM_NNODES not set"):
         launch.node_command(argv, {}, python="py")
 
@@ -89,11 +105,19 @@ def test_spread_procs_divides_the_total_over_nodes():
     argv = ["--spread-procs", "--rdzv-id=1", "--", "--nproc-per-node", "3", "t.py", "--n", "9"]
     env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1"}
     cmd = launch.node_command(argv, env, python="py")
-    assert cmd[3:] == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-id=1", "--nproc-per-node=1",
-                       "t.py", "--n", "9"]
+    assert cmd[3:] == [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-id=1",
+        "--nproc-per-node=1",
+        "t.py",
+        "--n",
+        "9",
+    ]
     alloc = launch.Allocation(job_id="7", hosts=("a", "b", "c"), cpus_per_task=1)
-    assert "--spread-procs" in launch.srun_command(alloc, ["--nproc-per-node=3", "t.py"], port=1,
-                                                   spread_procs=True)
+    assert "--spread-procs" in launch.srun_command(
+        alloc, ["--nproc-per-node=3", "t.py"], port=1, spread_procs=True
+    )
     with pytest.raises(DistlmError, match="2 processes cannot cover 3 nodes"):
         launch.srun_command(alloc, ["--nproc-per-node=2", "t.py"], port=1, spread_procs=True)
     with pytest.raises(DistlmError, match="no --nproc-per-node"):
@@ -108,8 +132,9 @@ def test_node_env_gives_each_rank_its_share_of_the_task_cpus():
     assert launch.node_env(cmd, {}) == {}
 
 
-@pytest.mark.parametrize("arg", ["--standalone", "--nnodes=2", "--rdzv-endpoint=x:1",
-                                 "--master-port=5"])
+@pytest.mark.parametrize(
+    "arg", ["--standalone", "--nnodes=2", "--rdzv-endpoint=x:1", "--master-port=5"]
+)
 def test_launcher_owned_torchrun_options_are_refused(arg):
     with pytest.raises(DistlmError, match=f"torchrun option {arg.split('=')[0]} is set by"):
         launch.check_torchrun_args([arg, "--nproc-per-node=2", "t.py"])
@@ -143,8 +168,9 @@ def _profile():
 def test_slurm_profile_multi_process_rules_carry_mpi_and_launchers():
     prof = _profile()
     assert prof["executor"] == "slurm"
-    assert not any(e.startswith("mpi=") for e in prof["default-resources"]), \
+    assert not any(e.startswith("mpi=") for e in prof["default-resources"]), (
         "mpi in default-resources would take every job out of its srun wrapper"
+    )
     rules = prof["set-resources"]
     for rule in ("broadcast", "train", "evaluate"):
         assert rules[rule]["torchrun"].startswith("'distlm-launch srun-torchrun"), rule

@@ -249,6 +249,7 @@ def test_mismatches_and_corruption_fail_every_rank_and_name_the_culprit():
         assert "c.big" in rep["corrupt"]  # the tensor whose bytes sit there
         assert "rank 1:" not in rep["corrupt"].split("corrupted data")[1]
         assert rep["after"] is True
+        assert rep["empty"] is True
 
 
 @pytest.mark.parametrize("mode", ["exit", "freeze"])

@@ -167,6 +167,13 @@ def faults(topo) -> dict:
     # 4. and after all of that the group still works
     res = broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
     out["after"] = all(same_bits(res.tensors[k], sd[k]) for k in sd)
+    # 5. nothing to send, or only zero-size tensors: no buckets, still a clean round trip
+    zero = {"z": torch.empty(0), "y": torch.empty(3, 0, dtype=torch.int8)}
+    empty = broadcast_state_dict({} if topo.is_main else None, src=0, options=opts)
+    zeros = broadcast_state_dict(zero if topo.is_main else None, src=0, options=opts)
+    out["empty"] = (empty.tensors == {} and empty.stats["buckets"] == 0 and zeros.stats["buckets"] == 0
+                    and {k: (tuple(v.shape), v.dtype) for k, v in zeros.tensors.items()}
+                    == {k: (tuple(v.shape), v.dtype) for k, v in zero.items()})
     return out
 
 

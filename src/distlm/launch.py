@@ -13,7 +13,9 @@ With `srun-torchrun --spread-procs`, --nproc-per-node is the job's TOTAL process
 the nodes as evenly as possible (3 on 2 nodes: 2 + 1): for stages whose world size is fixed by the
 config (the weight broadcast: 1 sender + receivers), not by the hardware.
 
-Each task execs `python -m torch.distributed.run --nnodes=$SLURM_NNODES --rdzv-backend=c10d --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID ...`: world size N x nproc-per-node.
+Each task execs `python -m torch.distributed.run --nnodes=$SLURM_NNODES --rdzv-backend=c10d
+--rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID ...`: world size N x nproc-per-node (OMP_NUM_THREADS
+set to the ranks' share of the task's CPUs unless already set).
 
 The rule carries the `mpi` resource so the Snakemake plugin runs its shell in the batch script
 itself (not inside `srun -n1`, where this inner step would wait for ever). Snakemake's jobstep
@@ -35,9 +37,22 @@ from dataclasses import dataclass
 from distlm import DistlmError
 
 # torchrun options this launcher decides: given by the caller they would contradict the allocation.
-_OWNED = ("--standalone", "--nnodes", "--node-rank", "--node_rank", "--rdzv-backend",
-          "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id",
-          "--master-addr", "--master_addr", "--master-port", "--master_port")
+_OWNED = (
+    "--standalone",
+    "--nnodes",
+    "--node-rank",
+    "--node_rank",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+)
 DEFAULT_JOIN_TIMEOUT_S = 300
 
 
@@ -55,7 +70,7 @@ class Allocation:
 
 
 def parse_job(text: str) -> dict[str, str]:
-    """`scontrol show job -o` output -> {field: value} (values with spaces are cut; we need none)."""
+    """`scontrol show job -o` output -> {field: value} (spaced values are cut; none needed)."""
     return dict(re.findall(r"(?:^|\s)([A-Za-z/:]+)=(\S*)", text))
 
 
@@ -76,22 +91,24 @@ def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
         raise DistlmError(f"distlm-launch: SLURM job {job_id} has no NodeList (is it running?)")
     hosts = tuple(scontrol("show", "hostnames", nodelist).split())
     cpus = fields.get("CPUs/Task", "1")
-    return Allocation(job_id=job_id, hosts=hosts,
-                      cpus_per_task=int(cpus) if cpus.isdigit() else 1)
+    return Allocation(job_id=job_id, hosts=hosts, cpus_per_task=int(cpus) if cpus.isdigit() else 1)
 
 
 def check_torchrun_args(args: list[str]) -> None:
     """Refuse a missing script and the torchrun options the launcher owns (before the script)."""
     script_at = next((i for i, a in enumerate(args) if a.endswith(".py") or a == "-m"), None)
     if script_at is None:
-        raise DistlmError("distlm-launch srun-torchrun: no script.py given (usage: distlm-launch "
-                          "srun-torchrun [torchrun options] script.py [script args])")
+        raise DistlmError(
+            "distlm-launch srun-torchrun: no script.py given (usage: distlm-launch "
+            "srun-torchrun [torchrun options] script.py [script args])"
+        )
     for a in args[:script_at]:
         if a.split("=", 1)[0] in _OWNED:
             raise DistlmError(
                 f"distlm-launch srun-torchrun: torchrun option {a.split('=', 1)[0]} is set by the "
                 "launcher from the SLURM allocation (nodes, rendezvous); remove it from the "
-                "`torchrun` resource or the rule")
+                "`torchrun` resource or the rule"
+            )
 
 
 def rendezvous_port(alloc: Allocation, hostname: str) -> int:
@@ -120,45 +137,73 @@ def _nproc_at(args: list[str]) -> tuple[int, int]:
 def spread(total: int, nodes: int, node: int) -> int:
     """Processes on node `node` of `nodes` when `total` are spread evenly (the first get more)."""
     if total < nodes:
-        raise DistlmError(f"distlm-launch --spread-procs: {total} processes cannot cover "
-                          f"{nodes} nodes; ask for at most {total} nodes for this rule")
+        raise DistlmError(
+            f"distlm-launch --spread-procs: {total} processes cannot cover "
+            f"{nodes} nodes; ask for at most {total} nodes for this rule"
+        )
     return total // nodes + (1 if node < total % nodes else 0)
 
 
-def srun_command(alloc: Allocation, torchrun_args: list[str], *, port: int,
-                 python: str = sys.executable, spread_procs: bool = False) -> list[str]:
+def srun_command(
+    alloc: Allocation,
+    torchrun_args: list[str],
+    *,
+    port: int,
+    python: str = sys.executable,
+    spread_procs: bool = False,
+) -> list[str]:
     n = len(alloc.hosts)
     if spread_procs:
         spread(_nproc_at(torchrun_args)[1], n, 0)  # refuse too many nodes before starting any
     rdzv = [f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}"]
-    if not any(a.startswith("--rdzv-conf") or a.startswith("--rdzv_conf") for a in torchrun_args):
+    if not any(a.startswith(("--rdzv-conf", "--rdzv_conf")) for a in torchrun_args):
         rdzv.append(f"--rdzv-conf=join_timeout={DEFAULT_JOIN_TIMEOUT_S}")
-    return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-            f"--cpus-per-task={alloc.cpus_per_task}", "--kill-on-bad-exit=1",
-            python, "-m", "distlm.launch", "torchrun-node", *(["--spread-procs"] if spread_procs
-                                                               else []),
-            *rdzv, "--", *torchrun_args]
+    return [
+        "srun",
+        f"--nodes={n}",
+        f"--ntasks={n}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={alloc.cpus_per_task}",
+        "--kill-on-bad-exit=1",
+        python,
+        "-m",
+        "distlm.launch",
+        "torchrun-node",
+        *(["--spread-procs"] if spread_procs else []),
+        *rdzv,
+        "--",
+        *torchrun_args,
+    ]
 
 
-def node_command(argv: list[str], env: dict[str, str], *,
-                 python: str = sys.executable) -> list[str]:
+def node_command(
+    argv: list[str], env: dict[str, str], *, python: str = sys.executable
+) -> list[str]:
     """The torchrun line of one srun task: node count and rank from srun's task environment."""
     if "--" not in argv:
         raise DistlmError("distlm-launch torchrun-node: expected `-- <torchrun args>`")
     cut = argv.index("--")
-    own, args = argv[:cut], argv[cut + 1:]
+    own, args = argv[:cut], argv[cut + 1 :]
     need = ("SLURM_NNODES", "SLURM_NODEID") if "--spread-procs" in own else ("SLURM_NNODES",)
     missing = [v for v in need if v not in env]
     if missing:
-        raise DistlmError(f"distlm-launch torchrun-node runs as an srun task; {', '.join(missing)} "
-                          "not set")
+        raise DistlmError(
+            f"distlm-launch torchrun-node runs as an srun task; {', '.join(missing)} not set"
+        )
     if "--spread-procs" in own:
         own = [a for a in own if a != "--spread-procs"]
         i, total = _nproc_at(args)
         here = spread(total, int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"]))
-        args = args[:i] + [f"--nproc-per-node={here}"] + args[i + (1 if "=" in args[i] else 2):]
-    return [python, "-m", "torch.distributed.run", f"--nnodes={env['SLURM_NNODES']}",
-            "--rdzv-backend=c10d", *own, *args]
+        args = args[:i] + [f"--nproc-per-node={here}"] + args[i + (1 if "=" in args[i] else 2) :]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={env['SLURM_NNODES']}",
+        "--rdzv-backend=c10d",
+        *own,
+        *args,
+    ]
 
 
 def node_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
@@ -182,20 +227,25 @@ def srun_torchrun(args: list[str]) -> int:
     check_torchrun_args(args)
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
-        raise DistlmError("distlm-launch srun-torchrun runs inside a SLURM allocation but "
-                          "SLURM_JOB_ID is not set; on one machine use `torchrun --standalone`")
+        raise DistlmError(
+            "distlm-launch srun-torchrun runs inside a SLURM allocation but "
+            "SLURM_JOB_ID is not set; on one machine use `torchrun --standalone`"
+        )
     alloc = read_allocation(job_id)
-    cmd = srun_command(alloc, args, port=rendezvous_port(alloc, socket.gethostname()),
-                       spread_procs=spread_procs)
+    cmd = srun_command(
+        alloc, args, port=rendezvous_port(alloc, socket.gethostname()), spread_procs=spread_procs
+    )
     print(f"distlm-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.call(cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = ("usage: distlm-launch srun-torchrun [--spread-procs] [torchrun options] script.py "
-             "[script args]\n"
-             "       (inside a SLURM job: one srun task per node, c10d rendezvous on the first)")
+    usage = (
+        "usage: distlm-launch srun-torchrun [--spread-procs] [torchrun options] script.py "
+        "[script args]\n"
+        "       (inside a SLURM job: one srun task per node, c10d rendezvous on the first)"
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__ + "\n" + usage)
         return 0 if argv else 2

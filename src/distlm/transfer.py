@@ -402,6 +402,7 @@ class _Watch:
 
     def __init__(self, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> None:
         self.prefix, self.rank, self.ranks = prefix, rank, ranks
+        self.reported = False
         self.store = _default_store()
         self._stop = threading.Event()
         self._thread = None
@@ -466,6 +467,7 @@ class _Watch:
         raise TransferError(msg) from None
 
     def report(self, msg: str) -> None:
+        self.reported = True
         if self.store is not None:
             try:
                 self.store.set(self._key("failed", self.rank), msg[:300])
@@ -607,7 +609,8 @@ def broadcast_state_dict(
         stats = _stats(plan, opts, backend, device, rank, src, chain, seconds, t_meta, timing)
         stats = _finish(link, stats, chain, rank, src, t1)
     except TransferError as e:
-        watch.report(str(e))
+        if not watch.reported:  # a failed wait has already said what happened here
+            watch.report(str(e).splitlines()[0])
         raise
     finally:
         if plane is not None:

@@ -10,7 +10,7 @@ Needs root, Debian's slurm-wlm and munge, and iproute2 (.ci/slurm-setup installs
 
 Layout (addresses from DISTLM_SLURM_SUBNET, default 10.77.0):
     bridge distlm-br0   10.77.0.1   root namespace: slurmctld, munged, the submitting Snakemake
-    netns  distlm-node1 10.77.0.11  hostname node1: slurmd -N node1; batch scripts and steps run here
+    netns  distlm-node1 10.77.0.11  hostname node1: slurmd -N node1; jobs and steps run here
     netns  distlm-node2 10.77.0.12  hostname node2: slurmd -N node2
 No accounting database: the Snakemake plugin queries squeue, so MinJobAge is large. Every file lives
 under the state directory (DISTLM_SLURM_STATE, default /tmp/distlm-slurm); the nodes see the config
@@ -34,8 +34,19 @@ BRIDGE = "distlm-br0"
 PARTITION = "debug"
 CPUS_PER_NODE = 4  # virtual: SlurmdParameters=config_overrides lets nodes claim more than the host
 MEM_PER_NODE_MB = 8000
-REQUIRED = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "ip",
-            "nsenter", "unshare"]
+REQUIRED = [
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "squeue",
+    "sinfo",
+    "scontrol",
+    "ip",
+    "nsenter",
+    "unshare",
+]
 
 
 class HarnessError(RuntimeError):
@@ -76,12 +87,24 @@ class Cluster:
     def in_node(self, i: int, *cmd: str) -> list[str]:
         """A command line that runs `cmd` inside node i's namespace with its hostname."""
         etc = f"/etc/netns/{self.netns(i)}"
-        script = (f"hostname {self.node_names()[i - 1]} && mount --bind {etc}/hosts /etc/hosts"
-                  f" && mount --bind {etc}/resolv.conf /etc/resolv.conf"
-                  f' && mount --bind {etc}/slurm /etc/slurm && exec "$@"')
+        script = (
+            f"hostname {self.node_names()[i - 1]} && mount --bind {etc}/hosts /etc/hosts"
+            f" && mount --bind {etc}/resolv.conf /etc/resolv.conf"
+            f' && mount --bind {etc}/slurm /etc/slurm && exec "$@"'
+        )
         # nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs /sys/fs/cgroup.
-        return ["nsenter", f"--net=/run/netns/{self.netns(i)}", "unshare", "--uts", "--mount",
-                "sh", "-c", script, "sh", *cmd]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.netns(i)}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *cmd,
+        ]
 
 
 def default_cluster(nodes: int | None = None) -> Cluster:
@@ -89,7 +112,9 @@ def default_cluster(nodes: int | None = None) -> Cluster:
     if nodes is None:
         saved = state / "nodes"
         nodes = int(saved.read_text()) if saved.exists() else 2
-    return Cluster(state=state, nodes=nodes, subnet=os.environ.get("DISTLM_SLURM_SUBNET", "10.77.0"))
+    return Cluster(
+        state=state, nodes=nodes, subnet=os.environ.get("DISTLM_SLURM_SUBNET", "10.77.0")
+    )
 
 
 def missing_requirements() -> str | None:
@@ -98,14 +123,19 @@ def missing_requirements() -> str | None:
         return "the SLURM harness needs root (network namespaces, munged, slurmd)"
     missing = [c for c in REQUIRED if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
     if missing:
-        return (f"SLURM harness: {', '.join(missing)} not installed "
-                "(run .ci/slurm-setup: apt-get install slurm-wlm munge iproute2)")
+        return (
+            f"SLURM harness: {', '.join(missing)} not installed "
+            "(run .ci/slurm-setup: apt-get install slurm-wlm munge iproute2)"
+        )
     return None
 
 
-def _run(cmd: list[str], *, check: bool = True, env: dict | None = None,
-         timeout: float = 30) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+def _run(
+    cmd: list[str], *, check: bool = True, env: dict | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
     if check and proc.returncode != 0:
         raise HarnessError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -162,8 +192,10 @@ def slurm_conf(c: Cluster) -> str:
         "PlugStackConfig=/dev/null",
     ]
     for i, name in enumerate(c.node_names(), start=1):
-        lines.append(f"NodeName={name} NodeAddr={c.node_addr(i)} NodeHostname={name} "
-                     f"CPUs={CPUS_PER_NODE} RealMemory={MEM_PER_NODE_MB} State=UNKNOWN")
+        lines.append(
+            f"NodeName={name} NodeAddr={c.node_addr(i)} NodeHostname={name} "
+            f"CPUs={CPUS_PER_NODE} RealMemory={MEM_PER_NODE_MB} State=UNKNOWN"
+        )
     lines.append(f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 
@@ -194,7 +226,9 @@ def _network_up(c: Cluster) -> None:
         _run(["ip", "netns", "add", ns])
         _run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns])
         _run(["ip", "link", "set", host_if, "master", BRIDGE, "up"])
-        _run(["ip", "netns", "exec", ns, "ip", "addr", "add", f"{c.node_addr(i)}/24", "dev", "eth0"])
+        _run(
+            ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{c.node_addr(i)}/24", "dev", "eth0"]
+        )
         _run(["ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up"])
         _run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
         _run(["ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", c.ctl_addr])
@@ -210,8 +244,13 @@ def _network_down(c: Cluster) -> None:
 
 def _spawn(cmd: list[str], log: Path) -> None:
     with open(log, "ab") as out:
-        subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True)
+        subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _wait(what: str, ok, timeout: float, logs: list[Path]) -> None:
@@ -220,8 +259,9 @@ def _wait(what: str, ok, timeout: float, logs: list[Path]) -> None:
         if ok():
             return
         time.sleep(0.3)
-    tails = "".join(f"\n--- {p} ---\n" + "\n".join(p.read_text().splitlines()[-15:])
-                    for p in logs if p.exists())
+    tails = "".join(
+        f"\n--- {p} ---\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in logs if p.exists()
+    )
     raise HarnessError(f"SLURM harness: {what} not ready after {timeout:.0f} s{tails}")
 
 
@@ -236,8 +276,17 @@ def _munge_up(c: Cluster) -> None:
     if not key.exists():
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
-    _run([_sbin("munged"), "--force", f"--key-file={key}", f"--socket={c.munge_socket}",
-          f"--pid-file={pid}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}"])
+    _run(
+        [
+            _sbin("munged"),
+            "--force",
+            f"--key-file={key}",
+            f"--socket={c.munge_socket}",
+            f"--pid-file={pid}",
+            f"--log-file={d / 'munged.log'}",
+            f"--seed-file={d / 'munged.seed'}",
+        ]
+    )
     _wait("munged", lambda: c.munge_socket.exists(), 10, [d / "munged.log"])
 
 
@@ -272,15 +321,35 @@ def up(c: Cluster) -> Cluster:
     logs = [s / "log" / "slurmctld.log"]
     if not _alive(s / "run" / "slurmctld.pid"):
         # Its own UTS namespace: slurmctld finds itself as `ctl`, whatever this host is called.
-        _spawn(["unshare", "--uts", "sh", "-c", "hostname ctl && exec \"$@\"", "sh",
-                _sbin("slurmctld"), "-D", "-i", "-f", str(c.conf)], s / "log" / "slurmctld.out")
-        _wait("slurmctld", lambda: _run(["scontrol", "ping"], check=False,
-                                        env=c.env()).stdout.count("UP") > 0, 30, logs)
+        _spawn(
+            [
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                'hostname ctl && exec "$@"',
+                "sh",
+                _sbin("slurmctld"),
+                "-D",
+                "-i",
+                "-f",
+                str(c.conf),
+            ],
+            s / "log" / "slurmctld.out",
+        )
+        _wait(
+            "slurmctld",
+            lambda: _run(["scontrol", "ping"], check=False, env=c.env()).stdout.count("UP") > 0,
+            30,
+            logs,
+        )
     for i, name in enumerate(c.node_names(), start=1):
         logs.append(s / "log" / f"slurmd-{name}.log")
         if not _alive(s / "run" / f"slurmd-{name}.pid"):
-            _spawn(c.in_node(i, _sbin("slurmd"), "-D", "-N", name, "-f", "/etc/slurm/slurm.conf"),
-                   s / "log" / f"slurmd-{name}.out")
+            _spawn(
+                c.in_node(i, _sbin("slurmd"), "-D", "-N", name, "-f", "/etc/slurm/slurm.conf"),
+                s / "log" / f"slurmd-{name}.out",
+            )
     _wait(f"{c.nodes} idle nodes", lambda: _idle_nodes(c) == c.nodes, 60, logs)
     return c
 
@@ -290,8 +359,10 @@ def down(c: Cluster) -> None:
     s = c.state
     if shutil.which("scancel") and (s / "run" / "slurmctld.pid").exists():
         _run(["scancel", "--full", "--partition", PARTITION], check=False, env=c.env())
-    pidfiles = sorted((s / "run").glob("slurmd-*.pid")) + [s / "run" / "slurmctld.pid",
-                                                           s / "munge" / "munged.pid"]
+    pidfiles = sorted((s / "run").glob("slurmd-*.pid")) + [
+        s / "run" / "slurmctld.pid",
+        s / "munge" / "munged.pid",
+    ]
     for pf in pidfiles:
         if _alive(pf):
             pid = int(pf.read_text().strip())
