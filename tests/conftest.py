@@ -46,3 +46,15 @@ def workflow_run(tmp_path_factory) -> Path:
     wd = tmp_path_factory.mktemp("workflow")
     run_snakemake(wd)
     return wd
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """The Hugging Face hub switched off as HF_HUB_OFFLINE=1 does, also for modules already
+    imported (huggingface_hub reads the variable once, at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

@@ -174,8 +174,7 @@ def test_split_with_no_block_is_named(tmp_path):
     assert not (tmp_path / "data" / "tokenizer").exists()
 
 
-def test_unknown_model_id_offline_is_named(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_model_id_offline_is_named(tmp_path, hub_offline):
     c = cfg(model={"source": "hub", "name": "no-such-org/no-such-model-xyz"})
     with pytest.raises(DistlmError, match="no-such-model-xyz"):
         run(tmp_path, c)

@@ -129,8 +129,7 @@ def test_local_model_folder_source(tmp_path, data):
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
-def test_unknown_hub_model_offline_is_named(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_hub_model_offline_is_named(hub_offline):
     with pytest.raises(DistlmError, match="model.name 'no-such-org/no-such-model-xyz'"):
         load_source({"source": "hub", "name": "no-such-org/no-such-model-xyz", "revision": None})
     with pytest.raises(DistlmError, match="model folder not found"):

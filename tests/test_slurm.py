@@ -304,8 +304,7 @@ def test_a_failing_job_is_reported_with_its_slurm_log(cluster, profile, tmp_path
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     jobs = {j["rule"]: j for j in slurm_jobs(out)}
-    assert set(jobs) == {"ok", "fail"}, out[-3000:]
-    assert (tmp_path / "results/ok.txt").read_text().strip() in cluster.node_names()
+    assert set(jobs) == {"fail"}, out[-3000:]
     slurm_log = jobs["fail"]["slurm_log"]
     assert Path(slurm_log).exists() and slurm_log in out.split("Error in rule fail", 1)[1]
     # show-failed-logs prints the rule's log: the failing rank and its host are named

@@ -5,7 +5,9 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, run_snakemake
+import yaml
+
+from conftest import ROOT, TINY, run_snakemake
 
 
 def test_backbone_outputs(workflow_run):
@@ -35,7 +37,10 @@ def test_forcerun_plans_only_that_stage_and_what_follows(workflow_run):
 
 
 def test_bad_config_fails_before_any_job(tmp_path):
-    proc = run_snakemake(tmp_path, "--config", 'inference={"stages": 9}', check=False)
+    bad = yaml.safe_load(TINY.read_text())
+    bad["inference"]["stages"] = 9
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    proc = run_snakemake(tmp_path, configfile=tmp_path / "bad.yaml", check=False)
     assert proc.returncode != 0
     assert "inference.stages: 9 pipeline stages but the model has only 3 layers" in proc.stderr
     assert not (tmp_path / "results").exists()

@@ -153,6 +153,19 @@ def _alive(pidfile: Path) -> bool:
         return False
 
 
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped here when it is our child, or a zombie of another)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:
+        pass
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
 def slurm_conf(c: Cluster) -> str:
     s = c.state
     lines = [
@@ -363,19 +376,16 @@ def down(c: Cluster) -> None:
         s / "run" / "slurmctld.pid",
         s / "munge" / "munged.pid",
     ]
+    pids = [int(pf.read_text().strip()) for pf in pidfiles if _alive(pf)]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if not _gone(pid)]
+        time.sleep(0.1)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
     for pf in pidfiles:
-        if _alive(pf):
-            pid = int(pf.read_text().strip())
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(pid, signal.SIGKILL)
         pf.unlink(missing_ok=True)
     _network_down(c)
     for sub in ("ctld", "spool", "run", "nodes"):
