@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(iproute2 chromium fonts-liberation)
+DEBIAN_PACKAGES=(iproute2 util-linux slurm-wlm munge chromium fonts-liberation)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
   for pkg in "${DEBIAN_PACKAGES[@]}"; do

@@ -1,3 +1,8 @@
+# Tiny jobs that only write a file: run them where Snakemake runs, never as cluster jobs.
+localrules:
+    resolve_config,
+
+
 rule resolve_config:
     output:
         "results/config/{stage}.json",
