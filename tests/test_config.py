@@ -61,3 +61,15 @@ def test_local_model_folder_architecture_is_checked(tmp_path):
     raw["inference"] = {"stages": 3}
     with pytest.raises(ConfigError, match="inference.stages: 3 pipeline stages but the model has only 2"):
         validate_config(raw)
+
+
+def test_command_line_strings_are_coerced_to_the_schema_type():
+    """snakemake --config 'train={"max_steps": 100}' hands over '100' (a string)."""
+    cfg = validate_config({"train": {"max_steps": "100", "lr": "3e-4", "compile": "true"}, "eval": {"context": "null"}})
+    assert cfg["train"]["max_steps"] == 100 and cfg["train"]["lr"] == 3e-4
+    assert cfg["train"]["compile"] is True and cfg["eval"]["context"] is None
+    with pytest.raises(ConfigError, match="train.max_steps: 'many' is not of type 'integer'"):
+        validate_config({"train": {"max_steps": "many"}})
+    with pytest.raises(ConfigError, match="train.max_steps: True is not of type 'integer'"):
+        validate_config({"train": {"max_steps": True}})
+    assert validate_config({"model": {"name": "123"}, "data": {"source": "embedded"}})["model"]["name"] == "123"

@@ -46,6 +46,39 @@ def _with_defaults(cls):
 _Validator = _with_defaults(jsonschema.Draft202012Validator)
 
 
+_SCALARS = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
+
+
+def _coerce_strings(cfg: Any, schema: dict) -> None:
+    """Snakemake's `--config 'train={"max_steps": 100}'` passes nested values as strings: turn a
+    string into the number, boolean or null its schema asks for when it parses as one."""
+    if not isinstance(cfg, dict):
+        return
+    for name, sub in schema.get("properties", {}).items():
+        if name not in cfg:
+            continue
+        value = cfg[name]
+        if isinstance(value, dict):
+            _coerce_strings(value, sub)
+            continue
+        types = sub.get("type", [])
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(value, str) or "string" in types or not types:
+            continue
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue
+        if isinstance(parsed, str) and "number" in types:  # YAML 1.1 reads "3e-4" as a string
+            try:
+                parsed = float(parsed)
+            except ValueError:
+                continue
+        ok = [t for t in types if t in _SCALARS and isinstance(parsed, _SCALARS[t])]
+        if ok and not (isinstance(parsed, bool) and "boolean" not in ok):
+            cfg[name] = parsed
+
+
 def _key(path: Iterable[Any]) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
@@ -53,7 +86,9 @@ def _key(path: Iterable[Any]) -> str:
 def validate_config(config: Mapping, *, schema: dict | None = None, source: str = "config") -> dict:
     """Return a validated copy of `config` with defaults filled in, or raise ConfigError."""
     cfg = copy.deepcopy(dict(config or {}))
-    validator = _Validator(schema or load_schema())
+    schema = schema or load_schema()
+    _coerce_strings(cfg, schema)
+    validator = _Validator(schema)
     errors = sorted(validator.iter_errors(cfg), key=lambda e: list(e.absolute_path))
     if errors:
         lines = []
