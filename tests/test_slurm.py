@@ -206,7 +206,8 @@ def test_every_job_is_a_slurm_job_and_multi_process_ones_span_nodes(cluster, slu
     wd, log = slurm_run
     jobs = slurm_jobs(log)
     local = set(re.findall(r"^localrule (\w+):", log, re.MULTILINE))
-    assert local == {"all"}, f"jobs that ran outside SLURM: {local - {'all'}}"
+    allowed = {"all", "resolve_config"}  # workflow/rules/config.smk: localrules (a file writer)
+    assert local <= allowed, f"jobs that ran outside SLURM: {local - allowed}"
     multi = _multi_process_rules()
     assert {"train", "evaluate", "inference"} <= set(multi)
     for rule, launcher in multi.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -260,5 +261,7 @@ def test_a_dead_receiver_fails_the_others_naming_it(mode):
         kind, rep = out[rank]
         assert kind == "ok", (rank, rep)
         assert rep["error"] is not None, rank
-        assert "rank 2 stopped" in rep["error"], (rank, rep["error"])
+        # Named either by its missing heartbeat or, when rank 0 (the store's host) has already
+        # left after its own error, by the timed-out exchange with it.
+        assert re.search(r"rank 2 stopped|with rank 2 timed out", rep["error"]), (rank, rep["error"])
         assert rep["seconds"] < 90, rank  # timeout_s is 6: a few timeouts and probes, never a hang
