@@ -127,18 +127,22 @@ class Ring:
     def send(self, msg: tuple, nbytes: int = 0) -> None:
         t0 = time.perf_counter()
         req = self.comm.isend(msg, dest=self.topo.next, tag=TAG)
-        deadline = time.monotonic() + self.timeout_s
-        backoff = Backoff()
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise PipelineError(
-                    f"stage {self.topo.rank}: stage {self.topo.next} did not take a message within "
-                    f"{self.timeout_s:g} s (inference.timeout_s): it died or hangs"
-                )
-            backoff.pause()
+        self._poll(req.Test, f"stage {self.topo.next} did not take a message within")
         self.stats.send_s += time.perf_counter() - t0
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
+
+    def _poll(self, done, what: str) -> None:
+        """Wait until done() is true, at most timeout_s; then the peer is declared dead."""
+        deadline = time.monotonic() + self.timeout_s
+        backoff = Backoff()
+        while not done():
+            if time.monotonic() > deadline:
+                raise PipelineError(
+                    f"stage {self.topo.rank}: {what} {self.timeout_s:g} s "
+                    "(inference.timeout_s): it died or hangs"
+                )
+            backoff.pause()
 
     def ready(self) -> bool:
         return self.comm.Iprobe(source=self.topo.prev, tag=TAG)
@@ -149,15 +153,7 @@ class Ring:
     def recv(self):
         """The next message from the previous stage, waiting at most timeout_s."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        backoff = Backoff()
-        while not self.ready():
-            if time.monotonic() > deadline:
-                raise PipelineError(
-                    f"stage {self.topo.rank}: nothing from stage {self.topo.prev} for "
-                    f"{self.timeout_s:g} s (inference.timeout_s): it died or hangs"
-                )
-            backoff.pause()
+        self._poll(self.ready, f"nothing from stage {self.topo.prev} for")
         msg = self.take()
         self.stats.recv_wait_s += time.perf_counter() - t0
         return msg

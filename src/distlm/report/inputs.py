@@ -108,10 +108,6 @@ def _exp(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-def _first(columns, *names: str) -> str | None:
-    return next((n for n in names if n in columns), None)
-
-
 # ----------------------------------------------------------------------------- readers
 
 
@@ -387,8 +383,7 @@ def read_generations(path: Path, limit: int = 20) -> pd.DataFrame:
                 raise _fail(path, "generations", f"line {n} is not valid JSON ({e})") from None
             if not isinstance(rec, dict) or "prompt" not in rec:
                 raise _fail(path, "generations", f"line {n}: expected an object with a prompt")
-            text = _first(rec, "text", "completion", "generation")
-            row = {"prompt": rec["prompt"], "generated": rec.get(text, "") if text else ""}
+            row = {"prompt": rec["prompt"], "generated": rec.get("text", "")}
             row.update({k: rec[k] for k in ("tokens", "finish_reason", "ttft_s") if k in rec})
             rows.append(row)
             if len(rows) >= limit:
