@@ -60,7 +60,8 @@ def start_server(folder: Path, stages: int, tmp: Path, **over) -> Server:
     log = tmp / "serve.log"
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
-            ["mpiexec", "-n", str(stages), sys.executable, str(SERVE), "--config", str(cfg), "--model", str(folder)],
+            [sys.executable, str(SERVE), "--launcher", f"mpiexec -n {stages}", "--config", str(cfg),
+             "--model", str(folder)],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
             start_new_session=True,
         )
@@ -80,8 +81,13 @@ def start_server(folder: Path, stages: int, tmp: Path, **over) -> Server:
 
 
 def stop_server(server: Server) -> None:
+    """SIGTERM to the front (it stops the pipeline job), SIGKILL if that takes too long."""
     if server.proc.poll() is None:
-        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.terminate()
+        try:
+            server.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=30)
 
 
@@ -226,10 +232,11 @@ def test_long_prompt_rejected_when_configured_and_clean_shutdown(tiny_models, tm
         assert status == 400 and "exceed the model's context of 64" in err["error"]["message"]
         assert err["error"]["param"] == "prompt"
         assert s.request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 3})[0] == 200
-        # Ctrl-C on stage 0: it stops the other stages through the ring and the job ends cleanly
-        os.kill(s.request("GET", "/health")[1]["pipeline"][0]["pid"], signal.SIGINT)
+        # Ctrl-C on the front: stage 0 stops the other stages through the ring, the job ends cleanly
+        s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(timeout=60) == 0, s.log.read_text()[-3000:]
-        assert "server stopped; per-stage time" in s.log.read_text()
+        log = s.log.read_text()
+        assert "server stopped; per-stage time" in log and "pipeline stopped (exit code 0)" in log
     finally:
         stop_server(s)
 
@@ -244,9 +251,10 @@ def test_hung_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
         assert status == 503, err
         assert "no tokens back from the pipeline" in err["error"]["message"]
         assert time.monotonic() - t0 < 20
-        s.proc.wait(timeout=60)  # stage 0 aborts the job after answering
+        s.proc.wait(timeout=60)  # stage 0 aborts the job after answering, and the front exits with it
         assert s.proc.returncode != 0
-        assert "pipeline failed, answering 503" in s.log.read_text()
+        log = s.log.read_text()
+        assert "pipeline failed, answering 503" in log and "the pipeline job ended (exit code" in log
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -255,11 +263,53 @@ def test_hung_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
         stop_server(s)
 
 
-def test_killed_stage_ends_the_job(tiny_models, tmp_path):
-    s = start_server(tiny_models[3], 3, tmp_path, timeout_s=3)
+def test_killed_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
+    # The launcher kills every rank when one is killed, stage 0 included: the front answers. timeout_s
+    # is long, so the quick 503 does not come from stage 0's deadline.
+    s = start_server(tiny_models[3], 3, tmp_path, timeout_s=120)
     pid = s.request("GET", "/health")[1]["pipeline"][2]["pid"]
     try:
-        os.kill(pid, signal.SIGKILL)  # the launcher sees the death and ends the other ranks
-        assert s.proc.wait(timeout=30) != 0
+        os.kill(pid, signal.SIGSTOP)  # requests stay in flight until the stage dies
+        body = {"prompt": "A class", "max_tokens": 5}
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(s.request, "POST", "/v1/completions", body, timeout=60)
+            stream = pool.submit(s.request, "POST", "/v1/completions", {**body, "stream": True}, timeout=60)
+            deadline = time.monotonic() + 30
+            while s.request("GET", "/health")[1]["active"] < 2:
+                assert time.monotonic() < deadline, "the requests never reached the pipeline"
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            status, err = plain.result()
+            assert status == 503, err
+            assert "the pipeline job ended (exit code" in err["error"]["message"]
+            assert err["error"]["type"] == "service_unavailable"
+            status, text = stream.result()  # the 200 and its headers went out with the stream's start
+            assert status == 200 and '"type": "service_unavailable"' in text and "[DONE]" not in text
+            assert time.monotonic() - t0 < 20
+        assert s.proc.wait(timeout=60) != 0  # the front exits with the job's exit code
+        assert "a response was cut short" in s.log.read_text()
     finally:
         stop_server(s)
+
+
+def test_front_tells_a_complete_response_from_a_cut_one():
+    from distlm.inference.front import ResponseWatch
+
+    def watch(*chunks):
+        w = ResponseWatch()
+        for c in chunks:
+            w.feed(c)
+        return w
+
+    head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 10\r\n\r\n"
+    assert watch(head[:20], head[20:], b"0123456789").complete()
+    assert not watch(head, b"01234").complete()
+    assert not watch(b"HTTP/1.0 200 OK\r\nContent-").complete()
+    assert not watch().complete()
+    sse = b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    assert watch(sse, b'data: {"choices": []}\n\n', b"data: [DONE]\n\n").complete()
+    assert watch(sse, b'data: {"error": {"message": "x"}}\n\n').complete()
+    w = watch(sse, b'data: {"choices": []}\n\n')
+    assert not w.complete() and w.sse and w.sent > 0
+    assert not watch(sse, b"data: [DO").complete()

@@ -36,12 +36,13 @@ class _RankFilter(logging.Filter):
 def setup_logging(
     log_file: str | os.PathLike | None = None,
     *,
-    rank: int | None = None,
+    rank: int | str | None = None,
     level: int = logging.INFO,
 ) -> logging.Logger:
     """Configure the `distlm` logger: stderr plus, optionally, a per-rank file.
 
     `log_file` may contain `{rank}`, which is filled in so every rank writes its own file.
+    `rank` labels the lines (a number, or a role such as "front"); by default the launcher's rank.
     """
     rank_s = str(rank) if rank is not None else _env_rank()
     root = logging.getLogger("distlm")

@@ -49,5 +49,7 @@ rule serve:
         script=entry_point("serve.py"),
         stages=config["inference"]["stages"],
     shell:
-        "{resources.mpi} -n {params.stages} python {params.script} --config {input.cfg}"
-        " --model {input.model} 2>&1 | tee {log}"
+        # The front (this process) serves HTTP and starts the MPI job with the profile's launcher;
+        # it answers 503 when the job dies (src/distlm/inference/front.py).
+        "python {params.script} --launcher '{resources.mpi} -n {params.stages}'"
+        " --config {input.cfg} --model {input.model} 2>&1 | tee {log}"

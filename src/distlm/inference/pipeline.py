@@ -15,6 +15,10 @@ the stage they were waiting for (then MPI_Abort), never a hang. Stage 0 waits `i
 for tokens to come back, the other stages twice that for their next message, so stage 0 (and in
 serve mode its HTTP server, which answers 503) is the first to notice. While the
 pipeline is idle (serve mode) stage 0 sends an empty micro-batch round the ring as a heartbeat.
+
+MPI errors are returned, not fatal (MPI_ERRORS_RETURN), and become PipelineErrors naming both stages.
+A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the HTTP front
+outside the job (`distlm.inference.front`) then answers 503.
 """
 
 from __future__ import annotations
@@ -116,18 +120,32 @@ class Backoff:
 
 
 class Ring:
-    """Messages to the next stage and from the previous one; every wait has a deadline."""
+    """Messages to the next stage and from the previous one; every wait has a deadline.
+
+    An MPI error (returned, not fatal: see mpi_pipeline) becomes a PipelineError naming both stages.
+    """
 
     def __init__(self, comm, topo: PipelineTopology, *, timeout_s: float, stats: StageStats) -> None:
+        from mpi4py import MPI
+
         self.comm = comm
         self.topo = topo
         self.timeout_s = timeout_s
         self.stats = stats
+        self._mpi_error = MPI.Exception
+
+    def _failed(self, e, peer: int) -> PipelineError:
+        return PipelineError(
+            f"stage {self.topo.rank}: MPI error with stage {peer}: {e.Get_error_string()} (it died?)"
+        )
 
     def send(self, msg: tuple, nbytes: int = 0) -> None:
         t0 = time.perf_counter()
-        req = self.comm.isend(msg, dest=self.topo.next, tag=TAG)
-        self._poll(req.Test, f"stage {self.topo.next} did not take a message within")
+        try:
+            req = self.comm.isend(msg, dest=self.topo.next, tag=TAG)
+            self._poll(req.Test, f"stage {self.topo.next} did not take a message within")
+        except self._mpi_error as e:
+            raise self._failed(e, self.topo.next) from None
         self.stats.send_s += time.perf_counter() - t0
         self.stats.messages_sent += 1
         self.stats.bytes_sent += nbytes
@@ -145,10 +163,16 @@ class Ring:
             backoff.pause()
 
     def ready(self) -> bool:
-        return self.comm.Iprobe(source=self.topo.prev, tag=TAG)
+        try:
+            return self.comm.Iprobe(source=self.topo.prev, tag=TAG)
+        except self._mpi_error as e:
+            raise self._failed(e, self.topo.prev) from None
 
     def take(self):
-        return self.comm.recv(source=self.topo.prev, tag=TAG)
+        try:
+            return self.comm.recv(source=self.topo.prev, tag=TAG)
+        except self._mpi_error as e:
+            raise self._failed(e, self.topo.prev) from None
 
     def recv(self):
         """The next message from the previous stage, waiting at most timeout_s."""
@@ -516,6 +540,7 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> I
     from distlm.dist import resolve_device
 
     comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
     topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
     try:
         local_rank, local_size = host_ranks(comm)

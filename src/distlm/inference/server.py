@@ -5,20 +5,25 @@
     curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
         -d '{"model": "distlm", "prompt": "The for statement", "max_tokens": 16, "stream": true}'
 
+`rule serve` puts `distlm.inference.front` before it, outside the MPI job, so clients still get a 503
+when a killed rank takes the whole job down (stage 0 included).
+
 Endpoints: POST /v1/completions (OpenAI's completions API, `stream` as server-sent events),
 GET /v1/models, GET /health. HTTP handler threads validate a request, tokenize it and queue one
 sequence per prompt; the main thread (the only one that talks MPI) moves queued sequences into free
 pipeline lanes and hands tokens back to the handlers. Bad requests get a 4xx with an OpenAI-style
-JSON error; when the pipeline is gone (a stage died or hangs) every request gets 503 and the job
-ends with an error.
+JSON error; when the pipeline is gone (a stage died or hangs) every open request gets 503, and the
+job ends with an error once they are answered (at most `_ANSWER_503_S` later).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import os
 import queue
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -35,12 +40,14 @@ from distlm.inference.pipeline import (
 )
 from distlm.inference.prompts import RequestError, encode_prompt
 from distlm.inference.sampling import make_params
+from distlm.io import write_json
 from distlm.log import get_logger
 
 log = get_logger(__name__)
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 _DRAIN_LIMIT = 16 << 20  # an oversized body up to this size is read (and dropped) before the 413
+_ANSWER_503_S = 5.0  # after a failure, how long the open requests get to receive their 503
 _UNSUPPORTED = {  # field: the only accepted value(s)
     "n": (None, 1),
     "best_of": (None, 1),
@@ -95,25 +102,40 @@ class CompletionServer:
         self._ids_lock = threading.Lock()
         # A fast tokenizer's Rust state must not be borrowed by two threads at once ("Already borrowed")
         self._tok_lock = threading.Lock()
+        self._open = 0  # completion requests not yet answered (handler threads)
+        self._open_cv = threading.Condition()
         handler = type("Handler", (_Handler,), {"app": self})
-        self.httpd = ThreadingHTTPServer((host or self.scfg["host"], port or self.scfg["port"]), handler)
+        host = self.scfg["host"] if host is None else host
+        port = self.scfg["port"] if port is None else port
+        self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.address = self.httpd.server_address
 
     # ---------------------------------------------------------------- main thread
 
-    def serve(self) -> None:
-        """Answer requests until SIGTERM/SIGINT; raises PipelineError (after the 503s) if a stage fails."""
+    def serve(self, *, front_pid: int | None = None) -> None:
+        """Answer requests until SIGTERM/SIGINT; raises PipelineError (after the 503s) if a stage fails.
+
+        `front_pid`: the HTTP front's process; if it disappears, stop as if signalled.
+        """
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
         thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
         thread.start()
         host, port = self.address[:2]
-        log.info("serving %s on http://%s:%d (/v1/completions, /v1/models, /health)", self.model_id, host, port)
+        behind = f" behind the HTTP front (pid {front_pid})" if front_pid is not None else ""
+        log.info("serving %s on http://%s:%d%s (/v1/completions, /v1/models, /health)",
+                 self.model_id, host, port, behind)
         heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
         backoff = Backoff()
+        checked = time.monotonic()
         try:
             while not self.stopping.is_set():
+                if front_pid is not None and time.monotonic() - checked > 1.0:
+                    checked = time.monotonic()
+                    if not _alive(front_pid):
+                        log.error("the HTTP front (pid %d) is gone; stopping", front_pid)
+                        break
                 admitted = self._admit(block=False)
                 if self.sched.step() or admitted:
                     backoff.reset()
@@ -130,9 +152,12 @@ class CompletionServer:
             while self.sched.inflight:  # let the micro-batches in the ring come home
                 if not self.sched.step():
                     backoff.pause()
-            self._reject_all(self.failed)
+            self._wait_answered(self.failed)
         except PipelineError as e:
             self.fail(str(e))
+            raise
+        except Exception as e:  # a bug here must not leave clients waiting either
+            self.fail(f"stage 0 failed: {type(e).__name__}: {e}")
             raise
         finally:
             self.httpd.shutdown()
@@ -169,8 +194,28 @@ class CompletionServer:
         """The pipeline is gone: every waiting handler (and every later request) gets a 503."""
         self.failed = reason
         log.error("pipeline failed, answering 503: %s", reason)
-        self._reject_all(reason)
-        time.sleep(1.0)  # let the handler threads write their 503s before the job ends
+        self._wait_answered(reason)
+
+    def _wait_answered(self, reason: str) -> None:
+        """503 to every open request; the job ends after this returns, so wait until they are written."""
+        deadline = time.monotonic() + _ANSWER_503_S
+        with self._open_cv:
+            while True:
+                self._reject_all(reason)  # again: a request may have been queued since
+                if not self._open or time.monotonic() > deadline:
+                    break
+                self._open_cv.wait(timeout=0.05)
+            if self._open:
+                log.error("%d requests still open after %g s; ending the job", self._open, _ANSWER_503_S)
+
+    def opened(self) -> None:
+        with self._open_cv:
+            self._open += 1
+
+    def closed(self) -> None:
+        with self._open_cv:
+            self._open -= 1
+            self._open_cv.notify_all()
 
     # ---------------------------------------------------------------- handler threads
 
@@ -263,6 +308,16 @@ class _Unavailable(Exception):
     pass
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _Handler(BaseHTTPRequestHandler):
     app: CompletionServer
     server_version = "distlm"
@@ -321,6 +376,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized():
             return
+        self.app.opened()
+        try:
+            self._completions()
+        finally:
+            self.app.closed()
+
+    def _completions(self) -> None:
         body = self._read_body()
         if body is None:
             return
@@ -471,9 +533,15 @@ def _warnings(infos: list[dict]) -> list[str]:
 
 
 def run_server(
-    icfg: dict, *, model_dir, host: str | None = None, port: int | None = None, device: str = "cpu"
+    icfg: dict, *, model_dir, host: str | None = None, port: int | None = None, device: str = "cpu",
+    ready_file: str | Path | None = None, front_pid: int | None = None,
 ) -> None:
-    """Serve mode: every rank calls this; stage 0 serves HTTP until SIGTERM/SIGINT, then stops the rest."""
+    """Serve mode: every rank calls this; stage 0 serves HTTP until SIGTERM/SIGINT, then stops the rest.
+
+    `ready_file`: once stage 0 listens, it writes {"hostname", "host", "port", "pid"} there (the HTTP
+    front in `distlm.inference.front` waits for it, so port 0, any free port, works); `front_pid`: that
+    front, whose end stops the pipeline.
+    """
     with mpi_pipeline(icfg, model_dir, device=device) as pipe:
         if not pipe.topo.is_first:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others through the ring.
@@ -481,6 +549,11 @@ def run_server(
         if not run_workers(pipe):
             return
         server = CompletionServer(pipe, icfg, model_id=Path(model_dir).resolve().name, host=host, port=port)
-        server.serve()
+        if ready_file is not None:
+            bound_host, bound_port = server.address[:2]
+            write_json(ready_file, {
+                "hostname": socket.gethostname(), "host": bound_host, "port": bound_port, "pid": os.getpid(),
+            })
+        server.serve(front_pid=front_pid)
         stats = pipe.scheduler.stop()
         log.info("server stopped; per-stage time: %s", json.dumps(stats))
