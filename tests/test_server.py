@@ -313,3 +313,45 @@ def test_front_tells_a_complete_response_from_a_cut_one():
     w = watch(sse, b'data: {"choices": []}\n\n')
     assert not w.complete() and w.sse and w.sent > 0
     assert not watch(sse, b"data: [DO").complete()
+
+
+def _front(tmp_path, launcher: str) -> tuple[subprocess.Popen, int, Path]:
+    port = free_port()
+    cfg = write_config(tmp_path / "cfg.json", stages=2, serve={"port": port})
+    log = tmp_path / "front.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVE), "--launcher", launcher, "--config", str(cfg), "--model", str(tmp_path)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return proc, port, log
+
+
+def test_front_answers_503_while_the_pipeline_starts_and_stops_on_sigterm(tmp_path):
+    # a "launcher" that never starts a pipeline: the front stays in its starting state
+    proc, port, log = _front(tmp_path, f"{sys.executable} -c 'import time; time.sleep(120)'")
+    try:
+        s = Server(proc, port, log)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, h = s.request("GET", "/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.2)
+        assert status == 503 and h["status"] == "starting"
+        status, err = s.request("POST", "/v1/completions", {"prompt": "A class"})
+        assert status == 503 and err["error"]["type"] == "service_unavailable"
+        assert "the pipeline is starting" in err["error"]["message"]
+        proc.terminate()
+        assert proc.wait(timeout=30) != 0  # the job was killed before it was ready
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_front_exits_with_the_job_when_it_fails_to_start(tmp_path):
+    proc, _, log = _front(tmp_path, f"{sys.executable} -c 'import sys; sys.exit(3)'")
+    assert proc.wait(timeout=60) == 3
+    assert "the pipeline job exited with code 3 before it was ready" in log.read_text()

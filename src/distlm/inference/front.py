@@ -160,7 +160,7 @@ class Front:
                 if self.child.poll() is None:
                     self._kill_job()
         self.listener.close()
-        return rc
+        return rc if rc >= 0 else 128 - rc  # killed by signal N: 128 + N, as a shell says
 
     def _supervise(self, ready: Path) -> int:
         deadline = time.monotonic() + self.start_timeout_s
@@ -179,7 +179,7 @@ class Front:
                 time.sleep(0.05)
         while not self.stop.is_set():
             rc = self.child.poll()
-            if rc is not None:
+            if rc is not None and not self.stop.is_set():  # (a stop signal may have reached both)
                 return self._failed(rc, f"the pipeline job ended (exit code {rc})")
             time.sleep(0.05)
         return self._stop()
@@ -213,7 +213,7 @@ class Front:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.stage0_pid, signal.SIGINT)
         else:
-            self._kill_job(signal.SIGTERM)
+            self._kill_job()
         try:
             rc = self.child.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
@@ -224,9 +224,15 @@ class Front:
         log.info("pipeline stopped (exit code %d)", rc)
         return rc
 
-    def _kill_job(self, sig: int = signal.SIGKILL) -> None:
+    def _kill_job(self) -> None:
+        """End the job through its launcher (SIGTERM: mpiexec and srun then end every rank); SIGKILL late."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.child.pid, sig)
+            self.child.terminate()
+        try:
+            self.child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.child.pid, signal.SIGKILL)
 
     def _wait_answered(self) -> None:
         deadline = time.monotonic() + _ANSWER_S
