@@ -24,6 +24,7 @@ import subprocess
 from functools import lru_cache
 
 from distlm import DistlmError
+from distlm.io import pid_alive
 from distlm.log import get_logger
 
 log = get_logger(__name__)
@@ -70,22 +71,12 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> list[str]:
     """Delete fabric namespaces whose creating process is gone; returns their names."""
     removed = []
     for ns in _namespaces():
         parts = ns.split("-")
-        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not pid_alive(int(parts[1])):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
             removed.append(ns)
     if removed:

@@ -116,3 +116,14 @@ def digest(obj: Any) -> str:
     """A stable sha256 of a JSON-able object (sorted keys): the identity of a config section."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -40,7 +40,7 @@ from distlm.inference.pipeline import (
 )
 from distlm.inference.prompts import RequestError, encode_prompt
 from distlm.inference.sampling import make_params
-from distlm.io import write_json
+from distlm.io import pid_alive, write_json
 from distlm.log import get_logger
 
 log = get_logger(__name__)
@@ -133,7 +133,7 @@ class CompletionServer:
             while not self.stopping.is_set():
                 if front_pid is not None and time.monotonic() - checked > 1.0:
                     checked = time.monotonic()
-                    if not _alive(front_pid):
+                    if not pid_alive(front_pid):
                         log.error("the HTTP front (pid %d) is gone; stopping", front_pid)
                         break
                 admitted = self._admit(block=False)
@@ -306,16 +306,6 @@ class CompletionServer:
 
 class _Unavailable(Exception):
     pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Handler(BaseHTTPRequestHandler):
