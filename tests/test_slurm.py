@@ -18,16 +18,21 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import test_inference
 from conftest import ROOT, TINY, run_snakemake
+from test_inference import write_config
 
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import slurm_cluster as sc
 from harness.profile import write_test_profile
 
+from distlm.dist import free_port
+
 pytestmark = pytest.mark.slurm
 HARNESS = ROOT / "tests" / "harness"
 SLURM_CONFIG = HARNESS / "slurm-config.yaml"
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)")
+tiny_models = test_inference.tiny_models  # the session fixture: tiny model folders, one per stage count
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +173,28 @@ def test_distlm_launch_torchrun_across_nodes_and_a_dead_rank_ends_the_job(cluste
     bad_log = (tmp_path / "bad.log").read_text()
     assert bad_rc != 0, bad_log
     assert "rank 1 fails on purpose" in bad_log and not (tmp_path / "bad.json").exists()
+
+
+def test_serve_front_under_srun_answers_503_when_a_stage_is_killed(cluster, tiny_models, tmp_path):
+    # what `snakemake --profile profiles/slurm serve` runs: the front in the batch script, the
+    # pipeline's 3 ranks through srun over 2 nodes; stage 1 (on the batch host) is killed mid-request
+    port = free_port()
+    cfg = write_config(tmp_path / "cfg.json", stages=3, lanes=4, timeout_s=120, serve={"port": port})
+    log = tmp_path / "serve.log"
+    script = HARNESS / "serve_killed_stage.py"
+    sh(cluster, [
+        "sbatch", "-W", "-N2", "-n3", "-c1", "--mem=1500", "-t", "5", f"--output={log}", f"-D{tmp_path}",
+        f"--wrap=OMP_NUM_THREADS=1 {sys.executable} {script} {cfg} {tiny_models[3]} {port}",
+    ], timeout=300)
+    text = log.read_text()
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in text.splitlines()
+             if ln.split(" ", 1)[0] in ("HEALTH", "COMPLETION", "AFTER_KILL", "FRONT_RC")}
+    assert {h for _, h, _ in json.loads(lines["HEALTH"])} == {"node1", "node2"}, text[-3000:]
+    assert lines["COMPLETION"] == "200", text[-3000:]
+    seconds, status, body = json.loads(lines["AFTER_KILL"])
+    assert status == 503 and seconds < 30, text[-3000:]  # timeout_s is 120: not stage 0's deadline
+    assert "the pipeline job ended (exit code" in json.loads(body)["error"]["message"]
+    assert lines["FRONT_RC"] != "0", text[-3000:]
 
 
 # --- the workflow through the profile ------------------------------------------------------------

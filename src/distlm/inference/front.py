@@ -56,8 +56,8 @@ def _json_response(status: int, reason: str, obj: dict) -> bytes:
 
 def unavailable(message: str, status_doc: dict | None = None) -> bytes:
     """A complete 503 response: an OpenAI-style error, or `status_doc` (for /health)."""
-    obj = status_doc or {"error": {"message": message, "type": "service_unavailable", "param": None, "code": None}}
-    return _json_response(503, "Service Unavailable", obj)
+    err = {"message": message, "type": "service_unavailable", "param": None, "code": None}
+    return _json_response(503, "Service Unavailable", status_doc or {"error": err})
 
 
 def stream_error(message: str) -> bytes:
@@ -137,7 +137,9 @@ class Front:
         try:
             self.listener = socket.create_server((host, port), backlog=128)
         except OSError as e:
-            raise DistlmError(f"serve: cannot listen on {host}:{port} (inference.serve.host/port): {e}") from None
+            raise DistlmError(
+                f"serve: cannot listen on {host}:{port} (inference.serve.host/port): {e}"
+            ) from None
         self.address = self.listener.getsockname()[:2]
 
     # ------------------------------------------------------------------ the job
