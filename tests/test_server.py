@@ -355,3 +355,15 @@ def test_front_exits_with_the_job_when_it_fails_to_start(tmp_path):
     proc, _, log = _front(tmp_path, f"{sys.executable} -c 'import sys; sys.exit(3)'")
     assert proc.wait(timeout=60) == 3
     assert "the pipeline job exited with code 3 before it was ready" in log.read_text()
+
+
+def test_front_names_the_config_keys_when_its_port_is_taken():
+    import socket
+
+    from distlm import DistlmError
+    from distlm.inference.front import Front
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(DistlmError, match=rf"cannot listen on 127.0.0.1:{port} \(inference.serve.host/port\)"):
+            Front(["true"], [], host="127.0.0.1", port=port, start_timeout_s=1, stop_timeout_s=1)
