@@ -54,16 +54,52 @@ def _json_response(status: int, reason: str, obj: dict) -> bytes:
     return head.encode() + body
 
 
+def _error_doc(message: str) -> dict:
+    return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": None}}
+
+
 def unavailable(message: str, status_doc: dict | None = None) -> bytes:
     """A complete 503 response: an OpenAI-style error, or `status_doc` (for /health)."""
-    err = {"message": message, "type": "service_unavailable", "param": None, "code": None}
-    return _json_response(503, "Service Unavailable", status_doc or {"error": err})
+    return _json_response(503, "Service Unavailable", status_doc or _error_doc(message))
 
 
 def stream_error(message: str) -> bytes:
     """The server-sent event that ends a stream the pipeline could not finish (as stage 0 writes it)."""
-    err = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": None}}
-    return f"data: {json.dumps(err)}\n\n".encode()
+    return f"data: {json.dumps(_error_doc(message))}\n\n".encode()
+
+
+class OpenCount:
+    """Requests or connections not yet answered, so a process can wait for them before it ends."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._cv = threading.Condition()
+
+    def opened(self) -> None:
+        with self._cv:
+            self.n += 1
+
+    def closed(self) -> None:
+        with self._cv:
+            self.n -= 1
+            self._cv.notify_all()
+
+    def __enter__(self) -> None:
+        self.opened()
+
+    def __exit__(self, *exc) -> None:
+        self.closed()
+
+    def wait_answered(self, timeout_s: float, each=None) -> int:
+        """Wait until none is open, at most timeout_s (calling `each()` before every look); how many still are."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                if each is not None:
+                    each()
+                if not self.n or time.monotonic() > deadline:
+                    return self.n
+                self._cv.wait(timeout=0.05)
 
 
 class ResponseWatch:
@@ -132,8 +168,7 @@ class Front:
         self.stage0_pid: int | None = None
         self.child: subprocess.Popen | None = None
         self.stop = threading.Event()
-        self._open = 0
-        self._cv = threading.Condition()
+        self.open = OpenCount()  # client connections not yet closed
         try:
             self.listener = socket.create_server((host, port), backlog=128)
         except OSError as e:
@@ -237,12 +272,9 @@ class Front:
                 os.killpg(self.child.pid, signal.SIGKILL)
 
     def _wait_answered(self) -> None:
-        deadline = time.monotonic() + _ANSWER_S
-        with self._cv:
-            while self._open and time.monotonic() < deadline:
-                self._cv.wait(timeout=0.05)
-            if self._open:
-                log.error("%d connections still open after %g s; closing", self._open, _ANSWER_S)
+        left = self.open.wait_answered(_ANSWER_S)
+        if left:
+            log.error("%d connections still open after %g s; closing", left, _ANSWER_S)
 
     def _job_reason(self) -> str:
         """Why stage 0 went away, naming the job's exit code when it ends soon."""
@@ -259,8 +291,7 @@ class Front:
                 conn, _ = self.listener.accept()
             except OSError:
                 return  # closed
-            with self._cv:
-                self._open += 1
+            self.open.opened()
             threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
 
     def _connection(self, client: socket.socket) -> None:
@@ -275,9 +306,7 @@ class Front:
             with contextlib.suppress(OSError):
                 client.shutdown(socket.SHUT_RDWR)
             client.close()
-            with self._cv:
-                self._open -= 1
-                self._cv.notify_all()
+            self.open.closed()
 
     def _answer(self, client: socket.socket, reason: str) -> None:
         """Read the request (so the client is not reset) and answer 503 ourselves."""

@@ -30,6 +30,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from distlm.inference.front import OpenCount
 from distlm.inference.pipeline import (
     Backoff,
     Pipeline,
@@ -102,8 +103,7 @@ class CompletionServer:
         self._ids_lock = threading.Lock()
         # A fast tokenizer's Rust state must not be borrowed by two threads at once ("Already borrowed")
         self._tok_lock = threading.Lock()
-        self._open = 0  # completion requests not yet answered (handler threads)
-        self._open_cv = threading.Condition()
+        self.open = OpenCount()  # completion requests not yet answered (handler threads)
         handler = type("Handler", (_Handler,), {"app": self})
         host = self.scfg["host"] if host is None else host
         port = self.scfg["port"] if port is None else port
@@ -198,24 +198,10 @@ class CompletionServer:
 
     def _wait_answered(self, reason: str) -> None:
         """503 to every open request; the job ends after this returns, so wait until they are written."""
-        deadline = time.monotonic() + _ANSWER_503_S
-        with self._open_cv:
-            while True:
-                self._reject_all(reason)  # again: a request may have been queued since
-                if not self._open or time.monotonic() > deadline:
-                    break
-                self._open_cv.wait(timeout=0.05)
-            if self._open:
-                log.error("%d requests still open after %g s; ending the job", self._open, _ANSWER_503_S)
-
-    def opened(self) -> None:
-        with self._open_cv:
-            self._open += 1
-
-    def closed(self) -> None:
-        with self._open_cv:
-            self._open -= 1
-            self._open_cv.notify_all()
+        # _reject_all before every look: a request may have been queued since
+        left = self.open.wait_answered(_ANSWER_503_S, each=lambda: self._reject_all(reason))
+        if left:
+            log.error("%d requests still open after %g s; ending the job", left, _ANSWER_503_S)
 
     # ---------------------------------------------------------------- handler threads
 
@@ -366,11 +352,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized():
             return
-        self.app.opened()
-        try:
+        with self.app.open:
             self._completions()
-        finally:
-            self.app.closed()
 
     def _completions(self) -> None:
         body = self._read_body()
