@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,15 +30,38 @@ def run_snakemake(
     ]
     if configfile is not None:
         cmd[cmd.index("--profile"):cmd.index("--profile")] = ["--configfile", str(configfile)]
+    started = time.time()
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
     )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"snakemake failed ({proc.returncode}): {' '.join(cmd)}\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-10000:]}"
+            f"{recent_logs(workdir, since=started)}"
         )
     return proc
+
+
+def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 15000) -> str:
+    """The tails of the rule and rank logs written during a failed run, newest last, so a failure
+    on CI (whose scratch folders are gone afterwards) shows what every process said."""
+    logs = sorted(
+        (p for p in (Path(workdir) / "logs").rglob("*.log") if p.stat().st_mtime >= since - 1),
+        key=lambda p: p.stat().st_mtime,
+    )
+    parts = []
+    for p in logs:
+        text = p.read_text(errors="replace")
+        parts.append(f"\n--- {p.relative_to(workdir)} (last {min(each, len(text))} chars) ---\n"
+                     f"{text[-each:]}")
+    out = "".join(parts)
+    return out[-total:] if out else "\n(no rule logs written during the run)"
 
 
 @pytest.fixture(scope="session")

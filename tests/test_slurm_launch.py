@@ -5,6 +5,7 @@ The same code paths against a real cluster: tests/test_slurm.py.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -64,13 +65,14 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
     cmd = launch.srun_command(
         alloc, ["--nproc-per-node=4", "train.py", "--x", "1"], port=29400, python="py"
     )
-    assert cmd[:6] == [
+    assert cmd[:7] == [
         "srun",
         "--nodes=2",
         "--ntasks=2",
         "--ntasks-per-node=1",
         "--cpus-per-task=2",
         "--kill-on-bad-exit=1",
+        f"--wait={launch.STRAGGLER_WAIT_S}",
     ]
     assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
     assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in cmd
@@ -81,7 +83,8 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
 
 def test_node_command_takes_nodes_from_srun_task_env():
     argv = ["--rdzv-endpoint=node1:1", "--rdzv-id=42", "--", "--nproc-per-node=2", "t.py"]
-    cmd = launch.node_command(argv, {"SLURM_NNODES": "3", "SLURM_NODEID": "1"}, python="py")
+    env = {"SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURMD_NODENAME": "node2"}
+    cmd = launch.node_command(argv, env, python="py")
     assert cmd == [
         "py",
         "-m",
@@ -90,11 +93,37 @@ def test_node_command_takes_nodes_from_srun_task_env():
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=node1:1",
         "--rdzv-id=42",
+        "--rdzv-conf=is_host=false",
         "--nproc-per-node=2",
         "t.py",
     ]
     with pytest.raises(DistlmError, match="SLURM_NNODES not set"):
         launch.node_command(argv, {}, python="py")
+
+
+def test_only_the_rendezvous_head_hosts_the_store():
+    """is_host is told, never guessed: a head that cannot bind its port fails instead of joining
+    whatever listens there as a client (torchrun's fallback)."""
+    own = ["--rdzv-endpoint=node1:29400", "--rdzv-id=7", "--rdzv-conf=join_timeout=300", "--"]
+
+    def conf(argv, node):
+        cmd = launch.node_command(argv, {"SLURM_NNODES": "2", "SLURMD_NODENAME": node}, python="p")
+        cmd = cmd[: cmd.index("t.py")]  # torchrun's options, not the script's
+        return [a for a in cmd if "rdzv-conf" in a or "is_host" in a]
+
+    user = ["--nproc-per-node=1", "t.py", "--rdzv-conf", "is_host=true"]  # the script's own args
+    assert conf([*own, *user], "node1") == ["--rdzv-conf=join_timeout=300,is_host=true"]
+    assert conf([*own, *user], "node2") == ["--rdzv-conf=join_timeout=300,is_host=false"]
+    # the caller's --rdzv-conf (then the launcher adds no join_timeout of its own)
+    given = ["--rdzv-endpoint=node1:1", "--", "--rdzv-conf", "read_timeout=9", "t.py"]
+    assert conf(given, "node2") == ["--rdzv-conf", "read_timeout=9,is_host=false"]
+    with pytest.raises(DistlmError, match="sets is_host, which the launcher decides"):
+        launch.node_command(
+            ["--rdzv-endpoint=node1:1", "--", "--rdzv-conf=is_host=1", "t.py"],
+            {"SLURM_NNODES": "2", "SLURMD_NODENAME": "node2"},
+        )
+    with pytest.raises(DistlmError, match="--rdzv-conf needs a value"):
+        launch.node_command(["--rdzv-endpoint=node1:1", "--", "--rdzv-conf"], {"SLURM_NNODES": "2"})
 
 
 def test_spread_procs_divides_the_total_over_nodes():
@@ -126,10 +155,11 @@ def test_spread_procs_divides_the_total_over_nodes():
 
 def test_node_env_gives_each_rank_its_share_of_the_task_cpus():
     cmd = ["py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "t.py"]
-    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8"}) == {"OMP_NUM_THREADS": "4"}
-    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "1"}) == {"OMP_NUM_THREADS": "1"}
-    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", "OMP_NUM_THREADS": "3"}) == {}
-    assert launch.node_env(cmd, {}) == {}
+    quiet = {"LOGLEVEL": "WARNING"}  # the caller's choice of torchrun's agent log level stands
+    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", **quiet}) == {"OMP_NUM_THREADS": "4"}
+    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "1", **quiet}) == {"OMP_NUM_THREADS": "1"}
+    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", "OMP_NUM_THREADS": "3", **quiet}) == {}
+    assert launch.node_env(cmd, {}) == {"LOGLEVEL": "INFO"}
 
 
 @pytest.mark.parametrize(
@@ -148,8 +178,16 @@ def test_script_args_after_the_script_are_not_checked():
 
 def test_rendezvous_port_free_on_head_and_from_job_id_elsewhere():
     alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=1)
-    assert launch.rendezvous_port(alloc, "node2") == 20042
-    assert 0 < launch.rendezvous_port(alloc, "node1") < 65536
+    assert launch.rendezvous_port(alloc, "node2") == (20042, None)
+    port, holder = launch.rendezvous_port(alloc, "node1")
+    with holder:  # held: a plain bind cannot take it, the store's (SO_REUSEADDR) listen can
+        assert holder.getsockname()[1] == port
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("", port))
+        with socket.socket() as store:
+            store.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            store.bind(("", port))
+            store.listen()
 
 
 def test_cli_outside_slurm_is_a_clear_error(monkeypatch, capsys):

@@ -5,7 +5,7 @@ allocation's first node. The SLURM profile sets a rule's `torchrun` resource to 
 
 inside a job of N nodes runs
 
-    srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 \\
+    srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 --wait=60 \\
         python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
         --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
 
@@ -20,8 +20,10 @@ set to the ranks' share of the task's CPUs unless already set).
 The rule carries the `mpi` resource so the Snakemake plugin runs its shell in the batch script
 itself (not inside `srun -n1`, where this inner step would wait for ever). Snakemake's jobstep
 plugin clears SLURM_* except SLURM_JOB_ID, so the allocation (nodes, CPUs per task) is read back
-from `scontrol show job`. `--kill-on-bad-exit` ends every node's torchrun when one fails, and the
-rendezvous has a join timeout, so a lost node is an error, never a hang.
+from `scontrol show job`. `--kill-on-bad-exit` ends every node's torchrun when one fails, `--wait`
+ends a node still running a minute after another finished, the rendezvous has a join timeout, and
+only the head hosts its store (`is_host`, on a port held from the moment it is chosen), so a lost
+or stuck node is an error, never a hang.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ _OWNED = (
     "--master_port",
 )
 DEFAULT_JOIN_TIMEOUT_S = 300
+# srun --wait: once one node's torchrun has exited, the others get this long before srun ends them.
+# torchrun's agents leave together (their exit barrier waits up to 300 s for the slowest node), so
+# this only bounds a node that hangs after its peers are done; SLURM's default waits for ever.
+STRAGGLER_WAIT_S = 60
 
 
 @dataclass(frozen=True)
@@ -111,13 +117,19 @@ def check_torchrun_args(args: list[str]) -> None:
             )
 
 
-def rendezvous_port(alloc: Allocation, hostname: str) -> int:
-    """A free port on the head node when we run there (the batch host), else one from the job id."""
+def rendezvous_port(alloc: Allocation, hostname: str) -> tuple[int, socket.socket | None]:
+    """The c10d port, and on the head node (the batch host) a socket that holds it.
+
+    On the head: a free port, kept bound (SO_REUSEADDR, not listening) until the step ends, so no
+    other process's bind or ephemeral port can take it in the seconds before the head's torchrun
+    listens on it (TCPStore also binds with SO_REUSEADDR, which a non-listening holder allows).
+    Elsewhere: one derived from the job id (and nothing to hold: the head is another machine)."""
     if hostname in (alloc.head, alloc.head.split(".")[0]):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-    return 20000 + int(re.sub(r"\D", "", alloc.job_id) or 0) % 20000
+        holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("", 0))
+        return holder.getsockname()[1], holder
+    return 20000 + int(re.sub(r"\D", "", alloc.job_id) or 0) % 20000, None
 
 
 def _nproc_at(args: list[str]) -> tuple[int, int]:
@@ -165,6 +177,7 @@ def srun_command(
         "--ntasks-per-node=1",
         f"--cpus-per-task={alloc.cpus_per_task}",
         "--kill-on-bad-exit=1",
+        f"--wait={STRAGGLER_WAIT_S}",
         python,
         "-m",
         "distlm.launch",
@@ -195,6 +208,7 @@ def node_command(
         i, total = _nproc_at(args)
         here = spread(total, int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"]))
         args = args[:i] + [f"--nproc-per-node={here}"] + args[i + (1 if "=" in args[i] else 2) :]
+    own, args = _with_is_host(own, args, env)
     return [
         python,
         "-m",
@@ -206,19 +220,60 @@ def node_command(
     ]
 
 
-def node_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
-    """OMP_NUM_THREADS for the node's ranks: their share of the CPUs SLURM gave this task.
+def _with_is_host(
+    own: list[str], args: list[str], env: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """`is_host` in the rendezvous config: true on the endpoint's node, false elsewhere.
 
-    torchrun sets 1 only when it starts several ranks; a lone rank would otherwise use every core
-    of the machine, not its allocation (and a different thread count changes float results)."""
+    Left to itself, torchrun guesses from the hostname and, when the head cannot bind the port,
+    quietly joins as a client of whatever listens there. Told, the head fails at once instead."""
+    endpoint = next((a.split("=", 1)[1] for a in own if a.startswith("--rdzv-endpoint=")), None)
+    if endpoint is None:
+        return own, args
+    head = endpoint.rsplit(":", 1)[0]
+    here = env.get("SLURMD_NODENAME") or socket.gethostname()
+    flag = f"is_host={str(here in (head, head.split('.')[0])).lower()}"
+    lists = [list(own), list(args)]
+    for opts in lists:
+        for i, a in enumerate(opts):
+            if a.endswith(".py") or a == "-m":
+                break
+            name, eq, value = a.partition("=")
+            if name not in ("--rdzv-conf", "--rdzv_conf"):
+                continue
+            at = i if eq else i + 1
+            if at >= len(opts):
+                raise DistlmError(f"distlm-launch: {name} needs a value (key=value,...)")
+            value = value if eq else opts[at]
+            if "is_host" in value:
+                raise DistlmError(
+                    f"distlm-launch: {name} {value} sets is_host, which the launcher decides per "
+                    "node (true on the rendezvous head); remove it"
+                )
+            opts[at] = f"{name}={value},{flag}" if eq else f"{value},{flag}"
+            return lists[0], lists[1]
+    return [*own, f"--rdzv-conf={flag}"], args
+
+
+def node_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment the node's torchrun adds to srun's.
+
+    OMP_NUM_THREADS: the ranks' share of the CPUs SLURM gave this task. torchrun sets 1 only when
+    it starts several ranks; a lone rank would otherwise use every core of the machine, not its
+    allocation (and a different thread count changes float results).
+    LOGLEVEL=INFO: torchrun's agent then logs its rendezvous (who hosts the store, the world it
+    joined) and its exit barrier into the rule's log, so a stuck multi-node step says where."""
+    out = {} if "LOGLEVEL" in env else {"LOGLEVEL": "INFO"}
     if "OMP_NUM_THREADS" in env:
-        return {}
+        return out
     cpus = env.get("SLURM_CPUS_PER_TASK", "")
     try:
         nproc = _nproc_at(cmd[3:])[1]
     except DistlmError:  # "auto"/"gpu" or absent: leave it to torchrun
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, int(cpus) // nproc))} if cpus.isdigit() else {}
+        return out
+    if cpus.isdigit():
+        out["OMP_NUM_THREADS"] = str(max(1, int(cpus) // nproc))
+    return out
 
 
 def srun_torchrun(args: list[str]) -> int:
@@ -232,11 +287,14 @@ def srun_torchrun(args: list[str]) -> int:
             "SLURM_JOB_ID is not set; on one machine use `torchrun --standalone`"
         )
     alloc = read_allocation(job_id)
-    cmd = srun_command(
-        alloc, args, port=rendezvous_port(alloc, socket.gethostname()), spread_procs=spread_procs
-    )
-    print(f"distlm-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    port, holder = rendezvous_port(alloc, socket.gethostname())
+    try:
+        cmd = srun_command(alloc, args, port=port, spread_procs=spread_procs)
+        print(f"distlm-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        return subprocess.call(cmd)
+    finally:
+        if holder is not None:
+            holder.close()
 
 
 def main(argv: list[str] | None = None) -> int:
