@@ -79,6 +79,8 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
     assert cmd[cmd.index("--") + 1 :] == ["--nproc-per-node=4", "train.py", "--x", "1"]
     given = launch.srun_command(alloc, ["--rdzv-conf=join_timeout=5", "t.py"], port=1, python="py")
     assert not any(a.startswith("--rdzv-conf=join_timeout=300") for a in given)
+    script_arg = launch.srun_command(alloc, ["t.py", "--rdzv-conf=x"], port=1, python="py")
+    assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in script_arg
 
 
 def test_node_command_takes_nodes_from_srun_task_env():

@@ -132,18 +132,33 @@ def rendezvous_port(alloc: Allocation, hostname: str) -> tuple[int, socket.socke
     return 20000 + int(re.sub(r"\D", "", alloc.job_id) or 0) % 20000, None
 
 
-def _nproc_at(args: list[str]) -> tuple[int, int]:
-    """(index, value) of --nproc-per-node in torchrun's options (before the script)."""
+def _torchrun_option(args: list[str], names: tuple[str, ...]) -> tuple[int, int, str] | None:
+    """(index of the option, index of its value, value) of the first of `names` among torchrun's
+    options (before the script), as `--name=value` or `--name value`; None when absent."""
     for i, a in enumerate(args):
         if a.endswith(".py") or a == "-m":
-            break
-        name, _, val = a.partition("=")
-        if name in ("--nproc-per-node", "--nproc_per_node"):
-            val = val if _ else (args[i + 1] if i + 1 < len(args) else "")
-            if not val.isdigit() or int(val) < 1:
-                raise DistlmError(f"distlm-launch: {a} needs a positive process count")
-            return i, int(val)
-    raise DistlmError("distlm-launch --spread-procs: the torchrun options have no --nproc-per-node")
+            return None
+        name, eq, value = a.partition("=")
+        if name in names:
+            if eq:
+                return i, i, value
+            if i + 1 >= len(args):
+                raise DistlmError(f"distlm-launch: {name} needs a value")
+            return i, i + 1, args[i + 1]
+    return None
+
+
+def _nproc_at(args: list[str]) -> tuple[int, int]:
+    """(index, value) of --nproc-per-node in torchrun's options (before the script)."""
+    found = _torchrun_option(args, ("--nproc-per-node", "--nproc_per_node"))
+    if found is None:
+        raise DistlmError(
+            "distlm-launch --spread-procs: the torchrun options have no --nproc-per-node"
+        )
+    i, _, val = found
+    if not val.isdigit() or int(val) < 1:
+        raise DistlmError(f"distlm-launch: {args[i]} {val} needs a positive process count")
+    return i, int(val)
 
 
 def spread(total: int, nodes: int, node: int) -> int:
@@ -168,7 +183,7 @@ def srun_command(
     if spread_procs:
         spread(_nproc_at(torchrun_args)[1], n, 0)  # refuse too many nodes before starting any
     rdzv = [f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}"]
-    if not any(a.startswith(("--rdzv-conf", "--rdzv_conf")) for a in torchrun_args):
+    if _torchrun_option(torchrun_args, ("--rdzv-conf", "--rdzv_conf")) is None:
         rdzv.append(f"--rdzv-conf=join_timeout={DEFAULT_JOIN_TIMEOUT_S}")
     return [
         "srun",
@@ -233,25 +248,19 @@ def _with_is_host(
     head = endpoint.rsplit(":", 1)[0]
     here = env.get("SLURMD_NODENAME") or socket.gethostname()
     flag = f"is_host={str(here in (head, head.split('.')[0])).lower()}"
-    lists = [list(own), list(args)]
-    for opts in lists:
-        for i, a in enumerate(opts):
-            if a.endswith(".py") or a == "-m":
-                break
-            name, eq, value = a.partition("=")
-            if name not in ("--rdzv-conf", "--rdzv_conf"):
-                continue
-            at = i if eq else i + 1
-            if at >= len(opts):
-                raise DistlmError(f"distlm-launch: {name} needs a value (key=value,...)")
-            value = value if eq else opts[at]
-            if "is_host" in value:
-                raise DistlmError(
-                    f"distlm-launch: {name} {value} sets is_host, which the launcher decides per "
-                    "node (true on the rendezvous head); remove it"
-                )
-            opts[at] = f"{name}={value},{flag}" if eq else f"{value},{flag}"
-            return lists[0], lists[1]
+    for where in ("own", "args"):
+        opts = list(own if where == "own" else args)
+        found = _torchrun_option(opts, ("--rdzv-conf", "--rdzv_conf"))
+        if found is None:
+            continue
+        i, at, value = found
+        if "is_host" in value:
+            raise DistlmError(
+                f"distlm-launch: {opts[i].split('=')[0]} {value} sets is_host, which the launcher "
+                "decides per node (true on the rendezvous head); remove it"
+            )
+        opts[at] = f"{opts[at]},{flag}"
+        return (opts, args) if where == "own" else (own, opts)
     return [*own, f"--rdzv-conf={flag}"], args
 
 
