@@ -27,6 +27,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/broadcast.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/inference.smk"
+include: "workflow/rules/serve.smk"
 include: "workflow/rules/report.smk"
 
 

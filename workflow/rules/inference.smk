@@ -1,6 +1,6 @@
 # Pipeline-parallel inference (MPI, one rank per stage) on the trained checkpoint's stage shards:
 # prompts -> generations JSONL + timing JSON. `rule serve` (outside rule all) runs the same
-# pipeline behind an OpenAI-compatible HTTP server: `snakemake --profile profiles/local serve`.
+# pipeline behind an OpenAI-compatible HTTP server (workflow/rules/serve.smk).
 from distlm.inference.prompts import resolve_prompts_path
 
 
@@ -34,22 +34,3 @@ rule inference:
 
 TARGETS["inference"] = rules.inference.output
 
-
-# Not part of rule all: runs in the foreground until interrupted (Ctrl-C or SIGTERM).
-rule serve:
-    input:
-        cfg="results/config/inference.json",
-        model=rules.train.output.final,
-    log:
-        "logs/inference/serve.log",
-    conda:
-        "../envs/mpi.yaml"
-    threads: config["inference"]["stages"]
-    params:
-        script=entry_point("serve.py"),
-        stages=config["inference"]["stages"],
-    shell:
-        # The front (this process) serves HTTP and starts the MPI job with the profile's launcher;
-        # it answers 503 when the job dies (src/distlm/inference/front.py).
-        "python {params.script} --launcher '{resources.mpi} -n {params.stages}'"
-        " --config {input.cfg} --model {input.model} 2>&1 | tee {log}"
