@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 
@@ -12,12 +11,15 @@ from conftest import TINY
 from distlm.config import load_config
 from distlm.dist import distributed
 from distlm.model import WEIGHTS, load_safetensors, read_meta
-from distlm.transfer import TransferError, run_broadcast_stage
+from distlm.broadcast import run_broadcast_stage
+from distlm.documents import BroadcastReport, read_document
+from distlm.transfer import TransferError
 
 
 def test_stage_report_in_the_tiny_workflow(workflow_run):
     cfg = load_config(TINY)
-    report = json.loads((workflow_run / "results/broadcast/report.json").read_text())
+    doc = read_document(workflow_run / "results/broadcast/report.json", BroadcastReport)
+    report = {**doc.model_dump(), **doc.stats.model_dump()}
     model = workflow_run / "results/model/base"
     sd = load_safetensors(model / WEIGHTS)
     receivers = cfg["broadcast"]["receivers"]

@@ -9,7 +9,8 @@ import pytest
 
 from distlm import DistlmError
 from distlm.config import deep_merge, validate_config
-from distlm.data import TokenBlocks, load_embedded, prepare, read_meta
+from distlm.data import TokenBlocks, load_embedded, prepare, read_tokens_meta
+from distlm.documents import DataStats, read_document
 
 SMALL = {"data": {"block_size": 32, "tokenizer": {"vocab_size": 512}}, "model": {"init": {"n_positions": 64}}}
 
@@ -38,14 +39,14 @@ def embedded(tmp_path_factory):
 
 def test_embedded_corpus_is_real_text_and_deterministic(embedded, tmp_path):
     out, stats = embedded
-    assert stats["splits"]["train"]["documents"] > 50
-    assert all(stats["splits"][s]["blocks"] >= 1 for s in ("train", "validation", "test"))
-    assert stats["vocab_size"] <= 512 and stats["tokenizer"].startswith("byte-level BPE")
-    assert json.loads((out / "stats.json").read_text()) == stats
+    assert stats.splits["train"].documents > 50
+    assert all(stats.splits[s].blocks >= 1 for s in ("train", "validation", "test"))
+    assert stats.vocab_size <= 512 and stats.tokenizer.startswith("byte-level BPE")
+    assert read_document(out / "stats.json", DataStats) == stats
     # Same config -> same tokens (tokenizer training and splitting are deterministic).
     _, again = run(tmp_path, cfg())
-    assert {s: v["tokens_sha256"] for s, v in again["splits"].items()} == {
-        s: v["tokens_sha256"] for s, v in stats["splits"].items()
+    assert {s: v.tokens_sha256 for s, v in again.splits.items()} == {
+        s: v.tokens_sha256 for s, v in stats.splits.items()
     }
     # The text is English prose, and the tokenizer round-trips it.
     from distlm.data import load_tokenizer
@@ -62,13 +63,13 @@ def test_hdf5_contract(embedded):
         for split in ("train", "validation", "test"):
             blocks, tokens = f[split]["blocks"], f[split]["tokens"]
             assert blocks.chunks is not None and blocks.chunks[1] == 32  # streamable by rows
-            assert blocks.shape == (stats["splits"][split]["blocks"], 32)
+            assert blocks.shape == (stats.splits[split].blocks, 32)
             assert np.array_equal(blocks[:].reshape(-1), tokens[: blocks.shape[0] * 32])
     tb = TokenBlocks(out / "tokens.h5", "train")
     picked = tb[[5, 1, 3]]
     assert picked.dtype == np.int64 and picked.shape == (3, 32)
     assert np.array_equal(picked[0], tb[5]) and np.array_equal(picked[1], tb[1])
-    assert read_meta(out / "tokens.h5")["config_digest"] == stats["config_digest"]
+    assert read_tokens_meta(out / "tokens.h5")["config_digest"] == stats.config_digest
 
 
 def write_wikitext_copy(root, docs):
@@ -103,13 +104,13 @@ def test_hub_path_on_a_local_copy(tmp_path, monkeypatch):
     write_wikitext_copy(root, english(12))
     c = cfg(data={"source": "hub", "hub": {"path": str(root), "name": "wikitext-2-raw-v1"}})
     out, stats = run(tmp_path, c)
-    assert stats["source"]["kind"] == "hub"
+    assert stats.source["kind"] == "hub"
     # One record per line, blank lines included, as in WikiText.
     import datasets
 
     ds = datasets.load_dataset(str(root), "wikitext-2-raw-v1")
-    assert stats["splits"]["validation"]["documents"] == sum(1 for t in ds["validation"]["text"] if t.strip())
-    assert stats["splits"]["train"]["tokens"] > 1000
+    assert stats.splits["validation"].documents == sum(1 for t in ds["validation"]["text"] if t.strip())
+    assert stats.splits["train"].tokens > 1000
 
     bad = cfg(data={"source": "hub", "hub": {"path": str(root), "name": "wikitext-2-raw-v1", "splits": {"test": "tst"}}})
     with pytest.raises(DistlmError, match="no split 'tst'"):
@@ -132,9 +133,9 @@ def test_local_sources(tmp_path):
     pd.DataFrame({"text": docs[9:12]}).to_parquet(pq)
     c = cfg(data={"source": "local", "local": {"train": txt, "validation": [str(jl)], "test": [str(pq)]}})
     _, stats = run(tmp_path, c)
-    assert stats["splits"]["train"]["documents"] == 6
-    assert stats["splits"]["validation"]["documents"] == 3
-    assert stats["splits"]["test"]["documents"] == 3
+    assert stats.splits["train"].documents == 6
+    assert stats.splits["validation"].documents == 3
+    assert stats.splits["test"].documents == 3
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from distlm.evaluate import (
     evaluate_model,
     evaluate_stream,
     load_model,
-    resolve_precision,
+    autocast_dtype_for,
     resolve_window,
     sliding_windows,
 )
@@ -187,8 +187,8 @@ def test_config_rejects_stride_beyond_context():
 
 def test_precision():
     cpu = torch.device("cpu")
-    assert resolve_precision("auto", cpu) is None and resolve_precision("fp32", cpu) is None
-    assert resolve_precision("bf16", cpu) is torch.bfloat16
+    assert autocast_dtype_for("auto", cpu) is None and autocast_dtype_for("fp32", cpu) is None
+    assert autocast_dtype_for("bf16", cpu) is torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -253,8 +253,8 @@ def test_reduced_precision_close_to_fp32(tiny):
     bf16 = evaluate_stream(
         model, tokens, context=16, stride=5, batch_size=4, topo=topo, autocast_dtype=torch.bfloat16
     )
-    assert bf16["tokens_scored"] == fp32["tokens_scored"]
-    assert rel(bf16["mean_loss"], fp32["mean_loss"]) < 2e-2
+    assert bf16.tokens_scored == fp32.tokens_scored
+    assert rel(bf16.mean_loss, fp32.mean_loss) < 2e-2
 
 
 # ----------------------------------------------------------------------------- bad inputs

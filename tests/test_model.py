@@ -1,4 +1,4 @@
-"""Model serialize: sources, stage shards that round-trip exactly, corrupt files named."""
+"""Model serialize and pipeline shards: sources, shards that round-trip exactly, corrupt files named."""
 
 import json
 import shutil
@@ -13,6 +13,7 @@ from distlm.io import read_json
 from distlm.model import (
     build_model, init_config, load_model_dir, load_safetensors, load_shards, load_source,
     load_stage_shard, plan_stages, read_manifest, serialize, state_dict_for_save, write_model_dir,
+    write_pipeline_dir,
 )
 
 BASE = {"data": {"block_size": 32, "tokenizer": {"vocab_size": 400}}, "model": {"init": {"n_layer": 5, "n_head": 2, "n_embd": 32, "n_positions": 64}}}
@@ -27,16 +28,19 @@ def data(tmp_path_factory):
 
 
 def make(tmp_path, data, stages, **model):
-    c = validate_config(deep_merge(BASE, {"model": model, "inference": {"stages": stages}}))
-    out = tmp_path / f"model-{stages}"
-    meta = serialize(c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=out)
-    return out, meta
+    """A serialized model folder and its pipeline folder of `stages` shards."""
+    c = validate_config(deep_merge(BASE, {"model": model}))
+    folder = tmp_path / "model"
+    serialize(c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=folder)
+    out = tmp_path / f"pipeline-{stages}"
+    write_pipeline_dir(folder, out, stages=stages)
+    return out, read_json(out / "distlm.json")
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 5])
 def test_shards_round_trip_exactly(tmp_path, data, stages):
     out, meta = make(tmp_path, data, stages)
-    full = load_safetensors(out / "model.safetensors")
+    full = load_safetensors(tmp_path / "model" / "model.safetensors")
     back = load_shards(out)
     assert set(back) == set(full)
     assert all(torch.equal(back[k], full[k]) and back[k].dtype == full[k].dtype for k in full)
@@ -50,10 +54,33 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
     _, last = load_stage_shard(out, stages - 1)
     assert torch.equal(last["lm_head.weight"], full["transformer.wte.weight"])
     assert meta["stages"][0]["layers"] == man["shards"][0]["layers"]
+    assert meta["source_model"] == str(tmp_path / "model") and not (out / "model.safetensors").exists()
+
+
+def test_serialize_reads_only_the_model_keys(data, tmp_path):
+    """The model stage gets exactly its declared keys (distlm.stages): no inference, no data."""
+    from distlm.stages import stage_config
+
+    c = stage_config(validate_config(BASE), "model")
+    assert set(c) == {"model"}
+    meta = serialize(c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=tmp_path / "m")
+    assert meta["created_by"] == "model" and not (tmp_path / "m" / "shards").exists()
+
+
+def test_sharding_refuses_a_tampered_model_and_too_many_stages(tmp_path, data):
+    out, _ = make(tmp_path, data, 2)
+    with pytest.raises(DistlmError, match="stages for a model with 5 layers"):
+        write_pipeline_dir(tmp_path / "model", tmp_path / "p9", stages=9)
+    assert not (tmp_path / "p9").exists()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"junk")
+    with pytest.raises(DistlmError, match="does not match"):
+        write_pipeline_dir(tmp_path / "model", out, stages=3)
+    assert read_manifest(out)["stages"] == 2  # the earlier pipeline folder is intact
 
 
 def test_model_folder_loads_back_as_the_same_model(tmp_path, data):
-    out, _ = make(tmp_path, data, 2)
+    make(tmp_path, data, 2)
+    out = tmp_path / "model"
     m = load_model_dir(out)
     again = build_model(m.config, seed=0)  # model.init.seed = 0
     x = torch.randint(0, m.config.vocab_size, (2, 16))
@@ -79,7 +106,8 @@ def test_balance_by_bytes():
 
 
 def test_corrupt_and_truncated_weights_are_named(tmp_path, data):
-    out, _ = make(tmp_path, data, 2)
+    pipeline, _ = make(tmp_path, data, 2)
+    out = tmp_path / "model"
     w = out / "model.safetensors"
     good = w.read_bytes()
     w.write_bytes(good[: len(good) // 2])
@@ -91,16 +119,17 @@ def test_corrupt_and_truncated_weights_are_named(tmp_path, data):
     with pytest.raises(DistlmError, match="corrupt or truncated"):
         load_safetensors(w)
     w.write_bytes(good)
-    shard = out / "shards" / "stage-01.safetensors"
+    shard = pipeline / "shards" / "stage-01.safetensors"
     blob = bytearray(shard.read_bytes())
     blob[-3] ^= 0xFF
     shard.write_bytes(bytes(blob))
     with pytest.raises(DistlmError, match=r"stage-01.safetensors: sha256 .* manifest.* \(stage 1\)"):
-        load_stage_shard(out, 1)
+        load_stage_shard(pipeline, 1)
 
 
 def test_tensor_mismatch_is_named(tmp_path, data):
-    out, _ = make(tmp_path, data, 1)
+    make(tmp_path, data, 1)
+    out = tmp_path / "model"
     cfg = json.loads((out / "config.json").read_text())
     cfg["n_embd"] = 64
     (out / "config.json").write_text(json.dumps(cfg))
@@ -120,7 +149,7 @@ def test_local_model_folder_source(tmp_path, data):
     c = validate_config(deep_merge(BASE, {"model": {"source": "local", "name": str(src)}, "inference": {"stages": 3}}))
     d = tmp_path / "d"
     stats = prepare(c, tokens_path=d / "tokens.h5", tokenizer_dir=d / "tokenizer", stats_path=d / "stats.json")
-    assert stats["tokenizer"].startswith("the model's own")
+    assert stats.tokenizer.startswith("the model's own")
     out = tmp_path / "out"
     meta = serialize(c, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out)
     assert meta["source"]["source"] == "local"
@@ -137,14 +166,15 @@ def test_unknown_hub_model_offline_is_named(hub_offline):
 
 
 def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
-    out, _ = make(tmp_path, data, 2)
+    make(tmp_path, data, 2)
+    out = tmp_path / "model"
     before = (out / "model.safetensors").read_bytes()
     cfg = init_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0)
     sd = state_dict_for_save(build_model(cfg, seed=1))
     with pytest.raises(DistlmError):
-        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=tmp_path / "nope", stages=2, meta={})
-    with pytest.raises(DistlmError):  # 3 stages for 2 layers fails mid-way
-        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", stages=3, meta={})
+        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=tmp_path / "nope", meta={})
+    with pytest.raises(TypeError):  # fails mid-way: a meta that is not JSON
+        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", meta={"x": object()})
     assert (out / "model.safetensors").read_bytes() == before  # the old folder is intact
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp left behind
     assert read_json(out / "distlm.json")["created_by"] == "model"

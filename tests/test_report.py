@@ -25,6 +25,16 @@ from distlm.report import (
     category,
     outputs,
 )
+from distlm.documents import (
+    BroadcastReport,
+    DataStats,
+    EvalReport,
+    ReceiverStats,
+    SplitEval,
+    SplitStats,
+    TransferStats,
+    write_document,
+)
 from distlm.report.inputs import collect
 from distlm.train.metrics import Metrics
 from distlm.train.profiling import StepProfiler
@@ -92,47 +102,59 @@ def write_profile(results: Path, ranks=(0, 1), enabled: bool = True) -> None:
 
 
 def write_eval(results: Path, name: str, ppl: float) -> None:
+    """An EvalReport through the evaluation stage's writer."""
     import math
 
     splits = {
-        s: {
-            "mean_loss": math.log(ppl * f),
-            "perplexity": ppl * f,
-            "tokens_scored": 1000,
-            "tokens": 1064,
-            "windows": 10,
-            "seconds": 0.5,
-            "tokens_per_s": 2000.0,
-        }
+        s: SplitEval(
+            mean_loss=math.log(ppl * f),
+            perplexity=ppl * f,
+            tokens_scored=1000,
+            tokens=1064,
+            windows=10,
+            context=64,
+            stride=32,
+            seconds=0.5,
+            tokens_per_s=2000.0,
+            tokens_sha256="0" * 64,
+        )
         for s, f in (("validation", 1.0), ("test", 1.1))
     }
-    path = results / LAYOUT[f"eval_{name}"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": "distlm-eval/1", "name": name, "splits": splits}))
+    write_document(
+        results / LAYOUT[f"eval_{name}"],
+        EvalReport(
+            name=name, method="sliding window", model={}, data={}, context=64, stride=32,
+            batch_size=8, precision="fp32", device="cpu", world_size=2, config_digest="d",
+            splits=splits, seconds=1.0,
+        ),
+    )
 
 
 def write_broadcast(results: Path) -> None:
-    path = results / LAYOUT["broadcast"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {
-                "transport": "torch",
-                "backend": "gloo",
-                "bytes": 4_000_000,
-                "seconds": 0.02,
-                "gbps": 0.2,
-                "receivers": [
-                    {
-                        "rank": r,
-                        "seconds": 0.018 + r / 1000,
-                        "gbps": 0.21 - r / 100,
-                        "verified": True,
-                    }
-                    for r in (1, 2)
-                ],
-            }
+    """A BroadcastReport through the broadcast stage's writer."""
+    common = dict(
+        transport="torch", backend="gloo", device="cpu", src=0, chain=[0, 1, 2],
+        bytes=4_000_000, stream_bytes=4_000_000, tensors=10, tied_tensors=1, buckets=2,
+        bucket_bytes=2_000_000, chunk_bytes=500_000, metadata_seconds=0.001, mismatches=[],
+    )
+    receivers = [
+        ReceiverStats(
+            rank=r, seconds=0.018 + r / 1000, gbps=0.21 - r / 100, verified=True,
+            checksum_seconds=0.001, unpack_seconds=0.001, mismatches=[],
         )
+        for r in (1, 2)
+    ]
+    stats = TransferStats(
+        **common, rank=0, role="sender", seconds=0.02, gbps=0.2, verified=True,
+        all_verified=True, receivers=receivers,
+    )
+    write_document(
+        results / LAYOUT["broadcast"],
+        BroadcastReport(
+            model="results/model/base", model_sha256="0" * 64, world_size=3,
+            receivers_configured=2, bucket_mb=2, chunk_mb=0.5, timeout_s=60, config_digest="d",
+            stats=stats,
+        ),
     )
 
 
@@ -218,25 +240,27 @@ def write_benchmarks(results: Path, rules=("prepare_data", "train", "report")) -
 
 
 def write_all(results: Path) -> None:
-    (results / "data").mkdir(parents=True, exist_ok=True)
-    (results / LAYOUT["stats"]).write_text(
-        json.dumps(
-            {
-                "source": {"kind": "embedded"},
-                "tokenizer": "bpe",
-                "vocab_size": 1024,
-                "block_size": 64,
-                "splits": {
-                    s: {
-                        "documents": 3,
-                        "tokens": 6400 + i,
-                        "blocks": 100,
-                        "tail_tokens_not_in_blocks": i,
-                    }
-                    for i, s in enumerate(("train", "validation", "test"))
-                },
-            }
-        )
+    write_document(
+        results / LAYOUT["stats"],
+        DataStats(
+            source={"kind": "embedded"},
+            config_digest="d",
+            tokenizer="bpe",
+            vocab_size=1024,
+            eos_token_id=0,
+            block_size=64,
+            splits={
+                s: SplitStats(
+                    documents=3,
+                    tokens=6400 + i,
+                    blocks=100,
+                    tail_tokens_not_in_blocks=i,
+                    tokens_sha256="0" * 64,
+                )
+                for i, s in enumerate(("train", "validation", "test"))
+            },
+            seconds=1.0,
+        ),
     )
     write_broadcast(results)
     write_train(results)
@@ -367,22 +391,23 @@ def test_profile_window_not_captured(tmp_path):
         (LAYOUT["metrics"], "step,lr\n1,0.1\n", "missing column(s) loss"),
         (LAYOUT["val"], "step,loss\n1,2\n", "missing column(s) val_loss"),
         (LAYOUT["stats"], "{not json", "not valid JSON"),
+        (LAYOUT["stats"], json.dumps({"splits": {}}), "no format tag where 'distlm-data-stats/1'"),
         (
             LAYOUT["stats"],
-            json.dumps({"splits": {"train": {"tokens": "many"}}}),
-            "splits.train.documents",
+            json.dumps({"format": "distlm-data-stats/0", "splits": {}}),
+            "written by another version of distlm",
+        ),
+        (
+            LAYOUT["stats"],
+            json.dumps({"format": "distlm-data-stats/1", "splits": {"train": {"tokens": "many"}}}),
+            "malformed DataStats: field",
         ),
         (
             LAYOUT["eval_base"],
-            json.dumps({"splits": {"test": {"perplexity": 3}}}),
-            "splits.test.mean_loss",
+            json.dumps({"format": "distlm-eval/2", "splits": {"test": {"perplexity": 3}}}),
+            "malformed EvalReport: field",
         ),
-        (LAYOUT["broadcast"], json.dumps({"transport": "torch"}), "field receivers"),
-        (
-            LAYOUT["broadcast"],
-            json.dumps({"bytes": 1, "receivers": [{"rank": 1, "seconds": 1, "gbps": 1}]}),
-            "field transport",
-        ),
+        (LAYOUT["broadcast"], json.dumps({"transport": "torch"}), "'distlm-broadcast/2'"),
         (LAYOUT["timing"], "[]", "expected a JSON object"),
         (
             LAYOUT["timing"],

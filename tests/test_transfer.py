@@ -156,7 +156,7 @@ def test_single_rank_world_and_missing_process_group():
         broadcast_state_dict({"a": torch.ones(2)})
     with distributed(backend="gloo", timeout_s=30):
         res = broadcast_state_dict({"a": torch.ones(2)}, options=TransferOptions(timeout_s=10))
-        assert res.stats["receivers"] == [] and res.stats["verified"]
+        assert res.stats.receivers == [] and res.stats.verified
 
 
 # ----------------------------------------------------------------------------- uccl

@@ -120,7 +120,7 @@ def round_trips(topo, bucket_mb: float, chunk_mb: float) -> dict:
         tensors = _template(sd, noncontig=topo.rank == 3)
     before = {k: v for k, v in (tensors or {}).items()}
     res = broadcast_state_dict(tensors, src=0, options=opts)
-    report = {"stats": res.stats, "identical": [], "in_place": True, "tied": None}
+    report = {"stats": res.stats.model_dump(), "identical": [], "in_place": True, "tied": None}
     report["identical"] = sorted(k for k in sd if same_bits(res.tensors[k], sd[k]))
     if tensors is not None and not topo.is_main:
         report["in_place"] = all(res.tensors[k] is before[k] for k in before)
@@ -171,7 +171,7 @@ def faults(topo) -> dict:
     zero = {"z": torch.empty(0), "y": torch.empty(3, 0, dtype=torch.int8)}
     empty = broadcast_state_dict({} if topo.is_main else None, src=0, options=opts)
     zeros = broadcast_state_dict(zero if topo.is_main else None, src=0, options=opts)
-    out["empty"] = (empty.tensors == {} and empty.stats["buckets"] == 0 and zeros.stats["buckets"] == 0
+    out["empty"] = (empty.tensors == {} and empty.stats.buckets == 0 and zeros.stats.buckets == 0
                     and {k: (tuple(v.shape), v.dtype) for k, v in zeros.tensors.items()}
                     == {k: (tuple(v.shape), v.dtype) for k, v in zero.items()})
     return out
@@ -203,4 +203,4 @@ def uccl_round_trip(topo) -> dict:
     sd = {k: v.to(dev) for k, v in mixed_state_dict().items() if k != "head.weight"}
     opts = TransferOptions(transport="uccl", bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=60, device=dev)
     res = broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
-    return {"stats": res.stats, "identical": all(same_bits(res.tensors[k].cpu(), sd[k].cpu()) for k in sd)}
+    return {"stats": res.stats.model_dump(), "identical": all(same_bits(res.tensors[k].cpu(), sd[k].cpu()) for k in sd)}

@@ -15,7 +15,7 @@ def test_backbone_outputs(workflow_run):
     assert stats["splits"]["train"]["blocks"] > 0
     meta = json.loads((workflow_run / "results/model/base/distlm.json").read_text())
     assert meta["n_layer"] == 3 and meta["created_by"] == "model"
-    man = json.loads((workflow_run / "results/model/base/shards/manifest.json").read_text())
+    man = json.loads((workflow_run / "results/pipeline/trained/shards/manifest.json").read_text())
     assert man["stages"] == 3
     for rule in ("prepare_data", "serialize_model"):
         assert (workflow_run / f"results/benchmarks/{rule}.tsv").is_file()

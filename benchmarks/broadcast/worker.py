@@ -114,8 +114,8 @@ def main() -> None:
             elif method == "distlm":
                 opts = TransferOptions(bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb, timeout_s=args.timeout_s)
                 res = broadcast_state_dict(sd, src=0, options=opts)  # receivers: filled in place
-                extra = {k: res.stats[k] for k in ("buckets", "checksum_seconds", "verified") if k in res.stats}
-                extra["unpack_seconds"] = res.stats.get("unpack_seconds")
+                extra = {k: getattr(res.stats, k) for k in ("buckets", "checksum_seconds", "verified")}
+                extra["unpack_seconds"] = res.stats.unpack_seconds
             t1 = time.time()
             peak = peak_mb()
             del flat

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from distlm.dist import Topology
-from distlm.evaluate import evaluate_stream, resolve_precision, sliding_windows
+from distlm.evaluate import evaluate_stream, autocast_dtype_for, sliding_windows
 from distlm.io import write_json
 from distlm.model import build_model
 
@@ -70,7 +70,7 @@ def main() -> None:
     a = p.parse_args()
 
     device = torch.device(a.device)
-    amp = resolve_precision(a.precision, device)
+    amp = autocast_dtype_for(a.precision, device)
     config = GPT2Config(vocab_size=a.vocab, n_positions=a.n_positions, n_embd=a.n_embd,
                         n_layer=a.n_layer, n_head=a.n_head, bos_token_id=0, eos_token_id=0)
     model = build_model(config, seed=0).to(device).eval()

@@ -16,7 +16,7 @@ import jsonschema
 import yaml
 
 from distlm import DistlmError
-from distlm.io import digest, write_json
+from distlm.io import digest, read_json, write_json
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -197,20 +197,14 @@ def deep_merge(base: Mapping, over: Mapping) -> dict:
     return out
 
 
-def sections(cfg: Mapping, names: Iterable[str]) -> dict:
-    """The part of the config a stage depends on; its digest identifies the stage's inputs."""
-    return {n: copy.deepcopy(cfg[n]) for n in names}
-
-
-def write_resolved(cfg: Mapping, names: Iterable[str], path: str | os.PathLike) -> str:
-    """Write the resolved sections a multi-process stage needs; return their digest."""
-    part = sections(cfg, names)
+def write_resolved(part: Mapping, path: str | os.PathLike) -> str:
+    """Write the config keys a multi-process stage reads (distlm.stages.stage_config) with their
+    digest, for every rank to read; return the digest."""
+    part = copy.deepcopy(dict(part))
     part["_digest"] = digest(part)
     write_json(path, part)
     return part["_digest"]
 
 
 def read_resolved(path: str | os.PathLike) -> dict:
-    from distlm.io import read_json
-
     return read_json(path, what="resolved config")

@@ -25,7 +25,8 @@ import h5py
 import numpy as np
 
 from distlm import DistlmError
-from distlm.io import atomic_dir, atomic_path, digest, write_json
+from distlm.documents import DataStats, SplitStats, write_document
+from distlm.io import atomic_dir, atomic_path, digest
 from distlm.log import get_logger, progress
 
 log = get_logger(__name__)
@@ -356,7 +357,7 @@ def check_tokens_file(f: h5py.File, path: Path) -> None:
         raise DistlmError(f"{path}: not a distlm token file (format {f.attrs.get('format')!r})")
 
 
-def read_meta(path: str | Path) -> dict:
+def read_tokens_meta(path: str | Path) -> dict:
     try:
         with h5py.File(path, "r") as f:
             check_tokens_file(f, Path(path))
@@ -368,7 +369,7 @@ def read_meta(path: str | Path) -> dict:
 # ----------------------------------------------------------------------------- stage
 
 
-def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, stats_path: str | Path) -> dict:
+def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, stats_path: str | Path) -> DataStats:
     """Run the dataset-prep stage for the validated config `cfg`; returns the stats written."""
     t0 = time.perf_counter()
     dcfg, mcfg = cfg["data"], cfg["model"]
@@ -386,7 +387,7 @@ def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, st
     return stats
 
 
-def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, stats_path, t0) -> dict:
+def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, stats_path, t0) -> DataStats:
     dcfg, mcfg = cfg["data"], cfg["model"]
     tok = model_tokenizer(mcfg)
     if tok is None:
@@ -426,23 +427,23 @@ def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path
         "block_size": bs,
     }
     write_tokens(Path(tokens_path), streams, bs, vocab_size, meta)
-    stats = {
+    stats = DataStats(
         **meta,
-        "splits": {
-            s: {
-                "documents": splits[s].documents,
-                "tokens": int(len(ids)),
-                "blocks": int(len(ids) // bs),
-                "tail_tokens_not_in_blocks": int(len(ids) % bs),
-                "tokens_sha256": hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest(),
-            }
+        splits={
+            s: SplitStats(
+                documents=splits[s].documents,
+                tokens=int(len(ids)),
+                blocks=int(len(ids) // bs),
+                tail_tokens_not_in_blocks=int(len(ids) % bs),
+                tokens_sha256=hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest(),
+            )
             for s, ids in streams.items()
         },
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    write_json(stats_path, stats)
+        seconds=round(time.perf_counter() - t0, 3),
+    )
+    write_document(stats_path, stats)
     log.info(
         "wrote %s: %s", tokens_path,
-        ", ".join(f"{s} {v['blocks']} blocks/{v['tokens']} tokens" for s, v in stats["splits"].items()),
+        ", ".join(f"{s} {v.blocks} blocks/{v.tokens} tokens" for s, v in stats.splits.items()),
     )
     return stats

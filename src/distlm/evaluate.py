@@ -34,12 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlm import DistlmError
-from distlm.io import digest, sha256_file, write_json
+from distlm.documents import EvalReport, SplitEval, write_document
+from distlm.io import digest, sha256_file
 from distlm.log import get_logger, progress
 
 log = get_logger(__name__)
 
-FORMAT = "distlm-eval/1"
 METHOD = "sliding-window perplexity (Hugging Face guide 'Perplexity of fixed-length models')"
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,7 +88,7 @@ def resolve_window(ecfg: dict, n_positions: int, *, where: str = "model") -> tup
     return context, stride
 
 
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for eval.precision, or None for float32 (auto: bf16/fp16 on GPUs)."""
     if precision == "auto":
         if device.type != "cuda":
@@ -168,7 +168,7 @@ def evaluate_stream(
     topo,
     autocast_dtype: torch.dtype | None = None,
     where: str = "split",
-) -> dict:
+) -> SplitEval:
     """Sliding-window perplexity of one token stream, this rank's share of windows, reduced."""
     tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     vocab = model.config.vocab_size
@@ -197,18 +197,18 @@ def evaluate_stream(
             f"{where}: mean loss is {mean} (precision {precision_name(autocast_dtype)}); "
             "try eval.precision: fp32"
         )
-    return {
-        "mean_loss": mean,
-        "perplexity": math.exp(mean),
-        "tokens_scored": n_scored,
-        "tokens": int(len(tokens)),
-        "windows": len(windows),
-        "context": context,
-        "stride": stride,
-        "seconds": round(seconds, 4),
-        "tokens_per_s": round(n_scored / seconds, 1) if seconds > 0 else None,
-        "tokens_sha256": digest_tokens(tokens),
-    }
+    return SplitEval(
+        mean_loss=mean,
+        perplexity=math.exp(mean),
+        tokens_scored=n_scored,
+        tokens=int(len(tokens)),
+        windows=len(windows),
+        context=context,
+        stride=stride,
+        seconds=round(seconds, 4),
+        tokens_per_s=round(n_scored / seconds, 1) if seconds > 0 else None,
+        tokens_sha256=digest_tokens(tokens),
+    )
 
 
 def digest_tokens(tokens: np.ndarray | torch.Tensor) -> str:
@@ -249,10 +249,11 @@ def evaluate_model(
     tokens_path: str | Path,
     name: str,
     out_path: str | Path,
-) -> dict:
-    """The eval stage for one model: every split in eval.splits; rank 0 writes `out_path`."""
+) -> EvalReport | None:
+    """The eval stage for one model: every split in eval.splits; rank 0 writes `out_path` and
+    returns the report (None on the other ranks)."""
     from distlm.data import TokenBlocks
-    from distlm.data import read_meta as read_data_meta
+    from distlm.data import read_tokens_meta as read_data_meta
 
     model_dir, tokens_path, ecfg = Path(model_dir), Path(tokens_path), cfg["eval"]
     t0 = time.perf_counter()
@@ -260,7 +261,7 @@ def evaluate_model(
     data_meta = read_data_meta(tokens_path)
     check_data_matches(meta, data_meta, model_dir, tokens_path)
     context, stride = resolve_window(ecfg, model.config.n_positions, where=str(model_dir))
-    amp = resolve_precision(ecfg["precision"], topo.device)
+    amp = autocast_dtype_for(ecfg["precision"], topo.device)
     log.info(
         "%s (%s): context %d, stride %d, batch %d windows, %s on %s, %d rank(s)",
         name, model_dir, context, stride, ecfg["batch_size"], precision_name(amp), topo.device,
@@ -273,19 +274,18 @@ def evaluate_model(
             model, tokens, context=context, stride=stride, batch_size=ecfg["batch_size"],
             topo=topo, autocast_dtype=amp, where=f"{tokens_path} split {split!r}",
         )
-        res["model_sha256"] = meta.get("model_sha256")
+        res = res.model_copy(update={"model_sha256": meta.get("model_sha256")})
         splits[split] = res
         if topo.is_main:
             log.info(
                 "%s %s: loss %.4f, perplexity %.3f over %d tokens (%d windows) in %.2f s, "
-                "%s tokens/s", name, split, res["mean_loss"], res["perplexity"],
-                res["tokens_scored"], res["windows"], res["seconds"], res["tokens_per_s"],
+                "%s tokens/s", name, split, res.mean_loss, res.perplexity,
+                res.tokens_scored, res.windows, res.seconds, res.tokens_per_s,
             )
-    result = {
-        "format": FORMAT,
-        "name": name,
-        "method": METHOD,
-        "model": {
+    result = dict(
+        name=name,
+        method=METHOD,
+        model={
             "path": str(model_dir),
             "model_sha256": meta.get("model_sha256"),
             "arch_digest": meta.get("arch_digest"),
@@ -293,24 +293,25 @@ def evaluate_model(
             "parameters": meta.get("parameters"),
             "n_positions": model.config.n_positions,
         },
-        "data": {
+        data={
             "path": str(tokens_path),
             "config_digest": data_meta.get("config_digest"),
             "vocab_size": data_meta.get("vocab_size"),
         },
-        "context": context,
-        "stride": stride,
-        "batch_size": ecfg["batch_size"],
-        "precision": precision_name(amp),
-        "device": str(topo.device.type),
-        "world_size": topo.world_size,
-        "config_digest": cfg.get("_digest") or digest({k: v for k, v in cfg.items() if k != "_digest"}),
-        "splits": splits,
-    }
+        context=context,
+        stride=stride,
+        batch_size=ecfg["batch_size"],
+        precision=precision_name(amp),
+        device=str(topo.device.type),
+        world_size=topo.world_size,
+        config_digest=cfg.get("_digest") or digest({k: v for k, v in cfg.items() if k != "_digest"}),
+        splits=splits,
+    )
+    report = None
     if topo.is_main:
         result["data"]["sha256"] = sha256_file(tokens_path)
-        result["seconds"] = round(time.perf_counter() - t0, 3)
-        write_json(out_path, result)
+        report = EvalReport(**result, seconds=round(time.perf_counter() - t0, 3))
+        write_document(out_path, report)
         log.info("wrote %s", out_path)
     topo.barrier()
-    return result
+    return report

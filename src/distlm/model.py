@@ -5,9 +5,12 @@ A *model folder* (written by the model stage and by training's final checkpoint)
     config.json              the transformers GPT2Config
     tokenizer files          the tokenizer the token blocks were made with
     distlm.json              provenance: source, config digest, sha256 of model.safetensors
+It is a valid Hugging Face model folder, so `GPT2LMHeadModel.from_pretrained(folder)` reads it too.
+
+A *pipeline folder* (rule shard, `write_pipeline_dir`) is a model folder cut for S pipeline
+stages: config.json, the tokenizer, distlm.json (the source folder and its sha256) and
     shards/manifest.json     S pipeline stages: layer ranges, tensor names, bytes, sha256 per shard
     shards/stage-XX.safetensors
-It is a valid Hugging Face model folder, so `GPT2LMHeadModel.from_pretrained(folder)` reads it too.
 """
 
 from __future__ import annotations
@@ -287,7 +290,6 @@ def write_model_dir(
     state_dict: dict[str, torch.Tensor],
     config,
     tokenizer_dir: str | Path,
-    stages: int,
     meta: dict,
     extra_files: dict[str, Path] | None = None,
 ) -> dict:
@@ -296,13 +298,56 @@ def write_model_dir(
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
         raise DistlmError(f"tokenizer folder not found: {tokenizer_dir}")
-    plans = plan_stages(state_dict, config.n_layer, stages, tied=config.tie_word_embeddings)
     with atomic_dir(out_dir) as tmp:
         save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
         config.save_pretrained(tmp)
-        for f in tokenizer_dir.iterdir():
-            if f.is_file():
-                shutil.copy2(f, tmp / f.name)
+        _copy_files(tokenizer_dir, tmp)
+        for name, src in (extra_files or {}).items():
+            shutil.copy2(src, tmp / name)
+        full_meta = {
+            "format": "distlm-model/1",
+            **meta,
+            "model_sha256": sha256_file(tmp / WEIGHTS),
+            "n_layer": config.n_layer,
+            "n_positions": config.n_positions,
+            "vocab_size": config.vocab_size,
+            "parameters": sum(t.numel() for t in state_dict.values()),
+            "arch_digest": digest(arch_signature(config)),
+        }
+        write_json(tmp / META, full_meta)
+    log.info(
+        "wrote %s: %d tensors, %.1f MB", out_dir, len(state_dict),
+        sum(_nbytes(t) for t in state_dict.values()) / 1e6,
+    )
+    return full_meta
+
+
+def _copy_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip:
+            shutil.copy2(f, dst / f.name)
+
+
+def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: int) -> dict:
+    """Cut a model folder into `stages` pipeline shards (rule shard); return the manifest.
+
+    The pipeline folder holds what the pipeline's ranks need and nothing else: config.json, the
+    tokenizer, distlm.json (the source folder and its sha256) and shards/ with the manifest. It is
+    written atomically, so a killed job leaves no folder that looks complete."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    meta = read_meta(model_dir)
+    weights = model_dir / WEIGHTS
+    actual = sha256_file(weights) if weights.is_file() else None
+    if actual is None or actual != meta.get("model_sha256"):
+        raise DistlmError(
+            f"{weights}: sha256 {actual} does not match {model_dir / META} "
+            f"({meta.get('model_sha256')})"
+        )
+    config = load_config_json(model_dir)
+    state_dict = load_safetensors(weights)
+    plans = plan_stages(state_dict, config.n_layer, stages, tied=config.tie_word_embeddings)
+    with atomic_dir(out_dir) as tmp:
+        _copy_files(model_dir, tmp, skip=(WEIGHTS,))  # config, tokenizer; shards carry weights
         (tmp / SHARDS).mkdir()
         shards = []
         for p in plans:
@@ -318,36 +363,28 @@ def write_model_dir(
                 "bytes": p.nbytes,
                 "sha256": sha256_file(tmp / SHARDS / fname),
             })
-        model_sha = sha256_file(tmp / WEIGHTS)
         manifest = {
             "format": "distlm-shards/1",
             "stages": stages,
             "n_layer": config.n_layer,
-            "model_sha256": model_sha,
+            "model_sha256": actual,
             "tied": dict(TIED) if config.tie_word_embeddings else {},
             "shards": shards,
         }
         write_json(tmp / SHARDS / MANIFEST, manifest)
-        for name, src in (extra_files or {}).items():
-            shutil.copy2(src, tmp / name)
-        full_meta = {
-            "format": "distlm-model/1",
+        write_json(tmp / META, {
             **meta,
-            "model_sha256": model_sha,
-            "n_layer": config.n_layer,
-            "n_positions": config.n_positions,
-            "vocab_size": config.vocab_size,
-            "parameters": sum(t.numel() for t in state_dict.values()),
-            "arch_digest": digest(arch_signature(config)),
-            "stages": [{"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]} for s in shards],
-        }
-        write_json(tmp / META, full_meta)
+            "format": "distlm-pipeline/1",
+            "source_model": str(model_dir),
+            "stages": [
+                {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]} for s in shards
+            ],
+        })
     log.info(
-        "wrote %s: %d tensors, %.1f MB, %d stage shards (layers %s)",
-        out_dir, len(state_dict), sum(_nbytes(t) for t in state_dict.values()) / 1e6, stages,
+        "wrote %s: %d stage shards of %s (layers %s)", out_dir, stages, model_dir,
         ", ".join(f"{s['layers'][0]}-{s['layers'][1] - 1}" for s in shards),
     )
-    return full_meta
+    return manifest
 
 
 def arch_signature(config) -> dict:
@@ -397,8 +434,8 @@ def load_shards(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def serialize(cfg: dict, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Path) -> dict:
-    """The model stage: hub id / local folder / seeded init -> model folder with stage shards."""
-    from distlm.data import read_meta as read_data_meta
+    """The model stage: hub id / local folder / seeded init -> model folder."""
+    from distlm.data import read_tokens_meta as read_data_meta
 
     mcfg = cfg["model"]
     data_meta = read_data_meta(tokens_path)
@@ -416,28 +453,21 @@ def serialize(cfg: dict, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Pat
                 f"model.name {mcfg['name']!r} has vocab_size {config.vocab_size} but the tokenizer in "
                 f"{tokenizer_dir} has {vocab} tokens"
             )
-    if cfg["data"]["block_size"] > config.n_positions:
+    if data_meta["block_size"] > config.n_positions:
         raise DistlmError(
-            f"data.block_size: {cfg['data']['block_size']} is beyond model {mcfg['name'] or 'init'}'s "
-            f"context of {config.n_positions}"
-        )
-    if cfg["inference"]["stages"] > config.n_layer:
-        raise DistlmError(
-            f"inference.stages: {cfg['inference']['stages']} stages but the model has {config.n_layer} layers"
+            f"data.block_size: {data_meta['block_size']} ({tokens_path}) is beyond model "
+            f"{mcfg['name'] or 'init'}'s context of {config.n_positions}"
         )
     model = model.to(DTYPES[mcfg["dtype"]])
     sd = state_dict_for_save(model)
     meta = {
         "created_by": "model",
         "source": source,
-        "config_digest": digest({"model": mcfg, "stages": cfg["inference"]["stages"]}),
+        "config_digest": digest({"model": mcfg}),
         "data_config_digest": data_meta["config_digest"],
         "dtype": mcfg["dtype"],
     }
-    return write_model_dir(
-        out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir,
-        stages=cfg["inference"]["stages"], meta=meta,
-    )
+    return write_model_dir(out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir, meta=meta)
 
 
 def iter_tensor_names(folder: str | Path) -> Iterable[str]:

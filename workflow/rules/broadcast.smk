@@ -3,25 +3,22 @@
 # every receiver verifies each bucket's checksum; rank 0 writes the JSON report.
 rule broadcast:
     input:
-        cfg="results/config/broadcast.json",
+        cfg=resolved_config("broadcast"),
         model=rules.serialize_model.output.model,
     output:
-        report="results/broadcast/report.json",
+        **outputs_of("broadcast"),
     log:
         "logs/broadcast/torchrun.log",
     benchmark:
-        "results/benchmarks/broadcast.tsv"
+        benchmark_of("broadcast")
     conda:
         "../envs/torch.yaml"
     threads: 1 + config["broadcast"]["receivers"]
     params:
-        sections=stage_sections("broadcast"),
+        cfg=params_of("broadcast"),
         script=entry_point("broadcast.py"),
         nproc=1 + config["broadcast"]["receivers"],
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script}"
-        " --config {input.cfg} --model {input.model} --report {output.report}"
-        " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log} 2>&1"
-
-
-TARGETS["broadcast"] = rules.broadcast.output
+        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
+        " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
+        " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log:q} 2>&1"

@@ -1,4 +1,4 @@
-# Shared helpers: config validation, resolved per-stage configs, paths of every stage's outputs.
+# Shared helpers: config validation, each stage's declared keys and outputs (src/distlm/stages.py).
 import sys
 from pathlib import Path
 
@@ -7,7 +7,8 @@ from snakemake.exceptions import WorkflowError
 ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
 
-from distlm.config import ConfigError, sections, validate_config
+from distlm.config import ConfigError, validate_config
+from distlm.stages import BENCHMARKS, CONFIGS, EVAL_MODELS, STAGES, stage_config
 
 try:
     _validated = validate_config(config, source="config")
@@ -16,35 +17,40 @@ except ConfigError as e:
 config.clear()
 config.update(_validated)
 
-# The config sections each stage depends on: a change elsewhere does not rerun the stage.
-STAGE_SECTIONS = {
-    "data": ["data", "model"],
-    "model": ["data", "model", "inference"],
-    "broadcast": ["runtime", "broadcast"],
-    "train": ["runtime", "data", "model", "broadcast", "train"],
-    "eval": ["runtime", "data", "eval"],
-    "inference": ["runtime", "inference"],
-    "report": ["report"],
-}
-
 
 wildcard_constraints:
-    stage="|".join(STAGE_SECTIONS),
+    stage="|".join(STAGES),
+    model="|".join(EVAL_MODELS),
 
 
-def stage_sections(stage):
-    """The resolved config sections of a stage (a rule's params, so edits trigger a rerun)."""
-    return sections(config, STAGE_SECTIONS[stage])
+def params_of(stage):
+    """Exactly the config keys `stage` reads: a rule's params, so an edit of any other key
+    leaves the rule's outputs cached."""
+    return stage_config(config, stage)
+
+
+def outputs_of(stage, **wildcards):
+    """A stage's declared outputs, named, with directory() where the output is a folder."""
+    s = STAGES[stage]
+    return {
+        name: (
+            directory(s.path(name, **wildcards))
+            if out.directory
+            else s.path(name, **wildcards)
+        )
+        for name, out in s.outputs.items()
+    }
+
+
+def resolved_config(stage):
+    """The resolved config file a multi-process stage reads (rule resolve_config writes it)."""
+    return f"{CONFIGS}/{stage}.json"
+
+
+def benchmark_of(job):
+    return f"{BENCHMARKS}/{job}.tsv"
 
 
 def entry_point(name):
     """Absolute path of a stage entry point, for rules that start it through a launcher."""
     return str(ROOT / "workflow" / "scripts" / name)
-
-
-# Every stage adds its final outputs here; rule all asks for all of them.
-TARGETS = {}
-
-
-def all_targets():
-    return [t for targets in TARGETS.values() for t in targets]

@@ -3,14 +3,16 @@ localrules:
     resolve_config,
 
 
+# The keys a multi-process stage reads, written once for all its ranks; its params are the same
+# keys, so the file changes (and the stage reruns) only when one of them does.
 rule resolve_config:
     output:
-        "results/config/{stage}.json",
+        resolved_config("{stage}"),
     log:
         "logs/config/{stage}.log",
     conda:
         "../envs/data.yaml"
     params:
-        sections=lambda wc: stage_sections(wc.stage),
+        cfg=lambda wc: params_of(wc.stage),
     script:
         "../scripts/resolve_config.py"

@@ -1,19 +1,15 @@
+# Dataset prep: corpus -> tokenizer, HDF5 token blocks per split, stats JSON.
 rule prepare_data:
     output:
-        tokens="results/data/tokens.h5",
-        tokenizer=directory("results/data/tokenizer"),
-        stats="results/data/stats.json",
+        **outputs_of("data"),
     log:
         "logs/data/prepare.log",
     benchmark:
-        "results/benchmarks/prepare_data.tsv"
+        benchmark_of("prepare_data")
     conda:
         "../envs/data.yaml"
     threads: 2
     params:
-        sections=stage_sections("data"),
+        cfg=params_of("data"),
     script:
         "../scripts/prepare_data.py"
-
-
-TARGETS["data"] = rules.prepare_data.output

@@ -1,4 +1,4 @@
-# Pipeline-parallel inference (MPI, one rank per stage) on the trained checkpoint's stage shards:
+# Pipeline-parallel inference (MPI, one rank per stage) on the trained model's stage shards:
 # prompts -> generations JSONL + timing JSON. `rule serve` (outside rule all) runs the same
 # pipeline behind an OpenAI-compatible HTTP server (workflow/rules/serve.smk).
 from distlm.inference.prompts import resolve_prompts_path
@@ -6,31 +6,26 @@ from distlm.inference.prompts import resolve_prompts_path
 
 rule inference:
     input:
-        cfg="results/config/inference.json",
-        model=rules.train.output.final,
+        cfg=resolved_config("inference"),
+        model=STAGES["shard"].path("pipeline", model="trained"),
         # relative to the working directory first, then the repository root
         prompts=lambda wc: str(
             resolve_prompts_path(config["inference"]["prompts"], ROOT)
         ),
     output:
-        generations="results/inference/generations.jsonl",
-        timing="results/inference/timing.json",
+        **outputs_of("inference"),
     log:
         "logs/inference/infer.log",
     benchmark:
-        "results/benchmarks/inference.tsv"
+        benchmark_of("inference")
     conda:
         "../envs/mpi.yaml"
     threads: config["inference"]["stages"]
     params:
-        sections=stage_sections("inference"),
+        cfg=params_of("inference"),
         script=entry_point("infer.py"),
         stages=config["inference"]["stages"],
     shell:
-        "{resources.mpi} -n {params.stages} python {params.script} --config {input.cfg}"
-        " --model {input.model} --prompts {input.prompts}"
-        " --generations {output.generations} --timing {output.timing} > {log} 2>&1"
-
-
-TARGETS["inference"] = rules.inference.output
-
+        "{resources.mpi} -n {params.stages} python {params.script:q} --config {input.cfg:q}"
+        " --model {input.model:q} --prompts {input.prompts:q}"
+        " --generations {output.generations:q} --timing {output.timing:q} > {log:q} 2>&1"

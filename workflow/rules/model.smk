@@ -1,20 +1,45 @@
+# Model download/serialize: hub id, local folder or seeded init -> model folder (safetensors).
 rule serialize_model:
     input:
         tokens=rules.prepare_data.output.tokens,
         tokenizer=rules.prepare_data.output.tokenizer,
     output:
-        model=directory("results/model/base"),
+        **outputs_of("model"),
     log:
         "logs/model/serialize.log",
     benchmark:
-        "results/benchmarks/serialize_model.tsv"
+        benchmark_of("serialize_model")
     conda:
         "../envs/torch.yaml"
     threads: 2
     params:
-        sections=stage_sections("model"),
+        cfg=params_of("model"),
     script:
         "../scripts/serialize_model.py"
 
 
-TARGETS["model"] = rules.serialize_model.output
+# The folders the shard and evaluate rules read, by the {model} wildcard.
+MODEL_FOLDERS = {
+    "base": STAGES["model"].path("model"),
+    "trained": STAGES["train"].path("final"),
+}
+
+
+# Pipeline shards: a model folder cut into inference.stages shards (sha256 manifest), read only
+# by the pipeline-parallel stages; so a change of inference.stages re-cuts, never retrains.
+rule shard:
+    input:
+        model=lambda wc: MODEL_FOLDERS[wc.model],
+    output:
+        **outputs_of("shard", model="{model}"),
+    log:
+        "logs/shard/{model}.log",
+    benchmark:
+        benchmark_of("shard_{model}")
+    conda:
+        "../envs/torch.yaml"
+    threads: 1
+    params:
+        cfg=params_of("shard"),
+    script:
+        "../scripts/shard.py"

@@ -2,8 +2,8 @@
 # server, in the foreground until interrupted: `snakemake --profile profiles/local serve`.
 rule serve:
     input:
-        cfg="results/config/inference.json",
-        model=rules.train.output.final,
+        cfg=resolved_config("inference"),
+        model=STAGES["shard"].path("pipeline", model="trained"),
     log:
         "logs/inference/serve.log",
     conda:

@@ -3,35 +3,28 @@
 # restarted job resumes from them); train.resume: never starts afresh.
 rule train:
     input:
-        cfg="results/config/train.json",
+        cfg=resolved_config("train"),
         tokens=rules.prepare_data.output.tokens,
         tokenizer=rules.prepare_data.output.tokenizer,
         model=rules.serialize_model.output.model,
     output:
-        final=directory("results/train/final"),
-        metrics="results/train/metrics.csv",
-        val="results/train/val.csv",
-        tb=directory("results/train/tb"),
-        profile=directory("results/train/profile"),
+        **outputs_of("train"),
     log:
         "logs/train/train.log",
     benchmark:
-        "results/benchmarks/train.tsv"
+        benchmark_of("train")
     conda:
         "../envs/torch.yaml"
     threads: config["train"]["nproc_per_node"]
     params:
-        sections=stage_sections("train"),
+        cfg=params_of("train"),
         script=entry_point("train.py"),
         nproc=config["train"]["nproc_per_node"],
         max_restarts=config["train"]["max_restarts"],
         out=lambda wildcards, output: str(Path(output.metrics).parent),
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc}"
-        " --max-restarts={params.max_restarts} {params.script}"
-        " --config {input.cfg} --tokens {input.tokens} --tokenizer {input.tokenizer}"
-        " --model {input.model} --out {params.out}"
-        " --rank-log 'logs/train/rank{{rank}}.log' > {log} 2>&1"
-
-
-TARGETS["train"] = rules.train.output
+        " --max-restarts={params.max_restarts} {params.script:q}"
+        " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
+        " --model {input.model:q} --out {params.out:q}"
+        " --rank-log 'logs/train/rank{{rank}}.log' > {log:q} 2>&1"

@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from distlm.config import read_resolved
 from distlm.dist import distributed
 from distlm.log import setup_logging
-from distlm.transfer import run_broadcast_stage
+from distlm.broadcast import run_broadcast_stage
 
 
 @record

@@ -6,7 +6,7 @@ from distlm.log import setup_logging
 snakemake = snakemake  # noqa: F821  (injected by Snakemake)
 setup_logging(snakemake.log[0])
 prepare(
-    snakemake.config,
+    snakemake.params.cfg,
     tokens_path=snakemake.output.tokens,
     tokenizer_dir=snakemake.output.tokenizer,
     stats_path=snakemake.output.stats,

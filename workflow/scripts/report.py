@@ -4,14 +4,15 @@ from pathlib import Path
 
 from distlm.log import setup_logging
 from distlm.report import build_report
+from distlm.stages import RESULTS
 
 snakemake = snakemake  # noqa: F821  (injected by Snakemake)
 log = setup_logging(snakemake.log[0])
 try:
     written = build_report(
-        "results",
+        RESULTS,
         Path(snakemake.output.summary).parent,
-        formats=snakemake.config["report"]["formats"],
+        formats=snakemake.params.cfg["report"]["formats"],
         exclude_rules=[snakemake.rule],  # its own benchmark is written after it ends
     )
 except Exception:

@@ -1,4 +1,4 @@
-"""Model download/serialize: hub id, local folder or seeded init -> model folder + stage shards."""
+"""Model download/serialize: hub id, local folder or seeded init -> model folder (rule serialize_model)."""
 
 from pathlib import Path
 
@@ -8,8 +8,8 @@ from distlm.model import serialize
 snakemake = snakemake  # noqa: F821  (injected by Snakemake)
 setup_logging(snakemake.log[0])
 serialize(
-    snakemake.config,
-    tokens_path=Path(snakemake.input.tokens),
+    snakemake.params.cfg,
     tokenizer_dir=Path(snakemake.input.tokenizer),
+    tokens_path=Path(snakemake.input.tokens),
     out_dir=Path(snakemake.output.model),
 )

@@ -14,9 +14,9 @@ import pandas as pd
 
 from distlm.io import atomic_path, write_text
 from distlm.log import get_logger
-from distlm.report import FIGURES, ITEMS, SECTIONS, SUMMARY, category
-from distlm.report.figures import not_collected
+from distlm.report.figures import BUILDERS, not_collected
 from distlm.report.inputs import Inputs, collect
+from distlm.report.items import FIGURES, ITEMS, SECTIONS, SUMMARY, category
 
 log = get_logger(__name__)
 
@@ -145,7 +145,7 @@ def build_report(
     blocks: dict[str, list[str]] = {s: [] for s in SECTIONS}
     notes: dict[str, dict[str, list[str]]] = {s: {} for s in SECTIONS}
     for item in ITEMS:
-        obj = item.make(inp)
+        obj = BUILDERS[item.name](inp)
         reasons = [inp.missing[k] for k in item.needs if k in inp.missing]
         for why in reasons:  # also when only part of the item's inputs are absent
             notes[item.section].setdefault(why, []).append(item.title)

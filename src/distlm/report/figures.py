@@ -8,6 +8,7 @@ pyplot, so nothing depends on a display or on global state.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pandas as pd
 from matplotlib.figure import Figure
@@ -424,3 +425,25 @@ def table_generations(inp: Inputs) -> pd.DataFrame | None:
 
 def table_resources(inp: Inputs) -> pd.DataFrame | None:
     return inp.benchmarks
+
+
+# The builder of every report item (distlm.report.items.ITEMS), by item name.
+BUILDERS: dict[str, Callable[[Inputs], object]] = {
+    "data_splits": table_data,
+    "broadcast_gbps": broadcast,
+    "broadcast_receivers": table_broadcast,
+    "train_loss": train_loss,
+    "train_schedule": train_schedule,
+    "val_loss": val_loss,
+    "train_summary": table_train,
+    "profile_ops": profile_ops,
+    "profile_top_ops": table_profile,
+    "perplexity": perplexity,
+    "eval_perplexity": table_eval,
+    "inference": inference,
+    "inference_timing": table_inference,
+    "inference_stages": table_stages,
+    "generations": table_generations,
+    "rule_resources": rule_resources,
+    "rule_benchmarks": table_resources,
+}

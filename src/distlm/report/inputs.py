@@ -18,19 +18,28 @@ from typing import Any
 import pandas as pd
 
 from distlm import DistlmError
+from distlm.documents import (
+    BroadcastReport,
+    D,
+    DataStats,
+    DocumentError,
+    EvalReport,
+    read_document,
+)
+from distlm.stages import BENCHMARKS, RESULTS, STAGES
 
-# Where each stage leaves its metrics, relative to the results folder (the data contracts).
+# Where each stage leaves its metrics, relative to the results folder (distlm.stages declares them).
 LAYOUT = {
-    "stats": "data/stats.json",
-    "broadcast": "broadcast/report.json",
-    "metrics": "train/metrics.csv",
-    "val": "train/val.csv",
-    "profile": "train/profile",
-    "eval_base": "eval/base.json",
-    "eval_trained": "eval/trained.json",
-    "timing": "inference/timing.json",
-    "generations": "inference/generations.jsonl",
-    "benchmarks": "benchmarks",
+    "stats": STAGES["data"].relpath("stats"),
+    "broadcast": STAGES["broadcast"].relpath("report"),
+    "metrics": STAGES["train"].relpath("metrics"),
+    "val": STAGES["train"].relpath("val"),
+    "profile": STAGES["train"].relpath("profile"),
+    "eval_base": STAGES["eval"].relpath("json", model="base"),
+    "eval_trained": STAGES["eval"].relpath("json", model="trained"),
+    "timing": STAGES["inference"].relpath("timing"),
+    "generations": STAGES["inference"].relpath("generations"),
+    "benchmarks": BENCHMARKS[len(RESULTS) + 1 :],
 }
 
 
@@ -111,20 +120,21 @@ def _exp(loss: float) -> float:
 # ----------------------------------------------------------------------------- readers
 
 
+def _document(path: Path, cls: type[D]) -> D:
+    try:
+        return read_document(path, cls)
+    except DocumentError as e:
+        raise ReportError(str(e)) from None
+
+
 def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
-    """Dataset stats JSON -> (header facts, one row per split)."""
-    what = "dataset stats"
-    stats = _json(path, what)
-    splits = stats.get("splits") if isinstance(stats, dict) else None
-    if not isinstance(splits, dict) or not splits:
-        raise _fail(path, what, "field splits: expected a mapping of split -> counts")
-    rows = []
-    for name, s in splits.items():
-        row = {"split": name}
-        for k in ("documents", "tokens", "blocks", "tail_tokens_not_in_blocks"):
-            row[k] = int(_number(s, k, path, what, f"splits.{name}."))
-        rows.append(row)
-    facts = {k: stats[k] for k in ("source", "tokenizer", "vocab_size", "block_size") if k in stats}
+    """Dataset stats (DataStats) -> (header facts, one row per split)."""
+    stats = _document(path, DataStats)
+    rows = [
+        {"split": name, **s.model_dump(exclude={"tokens_sha256"})}
+        for name, s in stats.splits.items()
+    ]
+    facts = {k: getattr(stats, k) for k in ("source", "tokenizer", "vocab_size", "block_size")}
     return facts, pd.DataFrame(rows)
 
 
@@ -226,29 +236,27 @@ def read_profile(folder: Path) -> tuple[pd.DataFrame | None, str]:
 
 
 def read_eval(path: Path, model: str) -> pd.DataFrame:
-    """Evaluation JSON -> one row per split: loss, perplexity, tokens scored."""
-    what = "evaluation results"
-    ev = _json(path, what)
-    splits = ev.get("splits") if isinstance(ev, dict) else None
-    if not isinstance(splits, dict) or not splits:
-        raise _fail(path, what, "field splits: expected a mapping of split -> results")
-    rows = []
-    for split, r in splits.items():
-        row = {"model": model, "split": split}
-        where = f"splits.{split}."
-        row["loss"] = _number(r, "mean_loss", path, what, where)
-        row["perplexity"] = _number(r, "perplexity", path, what, where)
-        row["tokens_scored"] = int(_number(r, "tokens_scored", path, what, where))
-        row["tokens_per_s"] = r.get("tokens_per_s")
-        rows.append(row)
-    return pd.DataFrame(rows)
+    """Evaluation report (EvalReport) -> one row per split: loss, perplexity, tokens scored."""
+    ev = _document(path, EvalReport)
+    return pd.DataFrame(
+        [
+            {
+                "model": model,
+                "split": split,
+                "loss": r.mean_loss,
+                "perplexity": r.perplexity,
+                "tokens_scored": r.tokens_scored,
+                "tokens_per_s": r.tokens_per_s,
+            }
+            for split, r in ev.splits.items()
+        ]
+    )
 
 
 _BROADCAST_FACTS = (
     "transport",
     "backend",
     "device",
-    "world_size",
     "bytes",
     "tensors",
     "buckets",
@@ -257,53 +265,34 @@ _BROADCAST_FACTS = (
     "seconds",
     "gbps",
     "all_verified",
-    "model",
 )
 
 
 def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
-    """Broadcast report JSON -> (run facts, one row per receiver with seconds and GB/s).
-
-    One run per file (distlm.transfer.run_broadcast_stage), or {"runs": [...]} of several
-    (transports); the sender's overall GB/s (clock stopped when the last receiver reported)
-    is kept per row as `all_gbps`."""
-    what = "broadcast report"
-    rep = _json(path, what)
-    if not isinstance(rep, dict):
-        raise _fail(path, what, "expected a JSON object")
-    sweep = isinstance(rep.get("runs"), list)
-    runs = rep["runs"] if sweep else [rep]
-    rows = []
-    for i, run in enumerate(runs):
-        pre = f"runs[{i}]." if sweep else ""
-        recv = run.get("receivers") if isinstance(run, dict) else None
-        if not isinstance(recv, list) or not recv:
-            raise _fail(path, what, f"field {pre}receivers: expected a non-empty list")
-        size = int(_number(run, "bytes", path, what, pre))
-        overall = run.get("gbps")
-        transport = run.get("transport")
-        if not isinstance(transport, str):
-            raise _fail(path, what, f"field {pre}transport: expected a name, got {transport!r}")
-        for j, r in enumerate(recv):
-            where = f"{pre}receivers[{j}]."
-            if not isinstance(r, dict):
-                raise _fail(path, what, f"{where[:-1]}: expected a JSON object")
-            rows.append(
-                {
-                    "transport": transport,
-                    "receiver": int(_number(r, "rank", path, what, where)),
-                    "bytes": size,
-                    "seconds": _number(r, "seconds", path, what, where),
-                    # None when the transfer took no measurable time (distlm.transfer)
-                    "gbps": math.nan
-                    if r.get("gbps") is None
-                    else _number(r, "gbps", path, what, where),
-                    "verified": r.get("verified"),
-                    **{k: r[k] for k in ("checksum_seconds", "unpack_seconds") if k in r},
-                    "all_gbps": overall,
-                }
-            )
-    facts = {k: runs[-1][k] for k in _BROADCAST_FACTS if k in runs[-1]}
+    """Broadcast report (BroadcastReport) -> (run facts, one row per receiver with seconds and
+    GB/s); the sender's overall GB/s (its clock stopped when the last receiver reported) is kept
+    per row as `all_gbps`."""
+    rep = _document(path, BroadcastReport)
+    s = rep.stats
+    rows = [
+        {
+            "transport": s.transport,
+            "receiver": r.rank,
+            "bytes": s.bytes,
+            "seconds": r.seconds,
+            "gbps": math.nan if r.gbps is None else r.gbps,  # None: no measurable time
+            "verified": r.verified,
+            "checksum_seconds": r.checksum_seconds,
+            "unpack_seconds": r.unpack_seconds,
+            "all_gbps": s.gbps,
+        }
+        for r in s.receivers
+    ]
+    facts = {
+        **{k: getattr(s, k) for k in _BROADCAST_FACTS if hasattr(s, k)},
+        "world_size": rep.world_size,
+        "model": rep.model,
+    }
     return facts, pd.DataFrame(rows)
 
 

@@ -38,7 +38,6 @@ def make_inputs(
     n_embd: int = 32,
     n_positions: int | None = None,
     seed: int = 0,
-    stages: int = 1,
 ) -> dict[str, Path]:
     """Write root/tokens.h5, root/tokenizer/ (empty) and root/model/; return their paths."""
     root = Path(root)
@@ -83,7 +82,6 @@ def make_inputs(
         state_dict=state_dict_for_save(model),
         config=config,
         tokenizer_dir=tokenizer,
-        stages=stages,
         meta={
             "created_by": "synthetic",
             "source": {"kind": "init", "seed": seed},

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlm import DistlmError, __version__
 from distlm.data import TokenBlocks
-from distlm.data import read_meta as read_data_meta
+from distlm.data import read_tokens_meta as read_data_meta
 from distlm.dist import Topology
 from distlm.io import digest
 from distlm.log import get_logger, progress
@@ -41,10 +41,10 @@ from distlm.model import (
     check_state_dict,
     load_config_json,
     load_model_dir,
-    read_manifest,
     read_meta,
     write_model_dir,
 )
+from distlm.stages import STAGES
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train.metrics import Metrics, perplexity
 from distlm.train.profiling import StepProfiler
@@ -57,38 +57,41 @@ class TrainingDiverged(DistlmError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+_STAGE = STAGES["train"]
+
+
 @dataclass(frozen=True)
 class TrainPaths:
-    """Inputs and outputs of the training stage."""
+    """Inputs and outputs of the training stage; output names as distlm.stages declares them."""
 
     tokens: Path
     model: Path
     tokenizer: Path
-    out: Path  # results/train
+    out: Path  # the stage folder, results/train
 
     @property
     def final(self) -> Path:
-        return self.out / "final"
+        return self.out / _STAGE.file("final")
 
     @property
     def metrics_csv(self) -> Path:
-        return self.out / "metrics.csv"
+        return self.out / _STAGE.file("metrics")
 
     @property
     def val_csv(self) -> Path:
-        return self.out / "val.csv"
+        return self.out / _STAGE.file("val")
 
     @property
     def tb(self) -> Path:
-        return self.out / "tb"
+        return self.out / _STAGE.file("tb")
 
     @property
     def profile(self) -> Path:
-        return self.out / "profile"
+        return self.out / _STAGE.file("profile")
 
     @property
     def checkpoints(self) -> Path:
-        return self.out / "checkpoints"
+        return self.out / _STAGE.scratch["checkpoints"]
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -391,7 +394,6 @@ class Trainer:
             for k, t in result.tensors.items():
                 if t is not tensors[k] and t.data_ptr() != tensors[k].data_ptr():
                     tensors[k].copy_(t)
-        self.transfer_stats = getattr(result, "stats", None)
         log.info(
             "initial weights from rank 0 via the %s transport in %.2f s",
             b["transport"],
@@ -598,7 +600,6 @@ class Trainer:
                 state_dict=sd,
                 config=self.model_config,
                 tokenizer_dir=self.paths.tokenizer,
-                stages=read_manifest(self.paths.model)["stages"],
                 meta={
                     "created_by": "train",
                     "source": {

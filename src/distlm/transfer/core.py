@@ -1,31 +1,4 @@
-"""Send a state dict from one rank to every other rank: bucketed, pipelined, verified.
-
-    from distlm.transfer import broadcast_state_dict, TransferOptions
-    opts = TransferOptions(transport="torch", bucket_mb=64, chunk_mb=4, timeout_s=120)
-    result = broadcast_state_dict(sd if topo.is_main else template_or_None, src=0, options=opts)
-    result.tensors   # the received (or sent) dict; a template is filled in place
-    result.stats     # JSON-able figures: bytes, buckets, seconds, GB/s, verified, transport, ...
-
-How it moves the bytes (what NCCL's ring broadcast and RL weight-sync engines do):
-- Metadata first: names, shapes, dtypes and byte offsets of every tensor in one virtual byte
-  stream (tied tensors travel once). Every receiver checks it against its template and reports to
-  the source, which tells everyone to go or to stop, so a mismatch stops all ranks with one error.
-- The stream is cut into buckets (`bucket_mb`); a bucket is packed into one of two flat buffers
-  while the other is on the wire (double buffering), and may split a tensor.
-- Ranks form a chain src -> r1 -> r2 -> ... Each bucket travels in chunks (`chunk_mb`); a receiver
-  forwards chunk c to its successor as soon as it has it, while chunk c+1 is arriving. Every link
-  carries the model once, so N receivers take about as long as one.
-- Each chunk carries a 128-bit linear checksum (sum and position-weighted sum of its 64-bit words,
-  mod 2^64, computed with torch on the buffer's device); receivers compute it while later chunks
-  are in flight and compare it with the sender's before the weights are used. A mismatch names the
-  bucket, the byte range and the tensors in it.
-- Every wait has a timeout (`timeout_s`); ranks beat a heartbeat into the torch.distributed store,
-  so when a peer dies or hangs the error names the rank that stopped, not just the neighbour.
-
-Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, gloo for CPU) and
-"uccl" (UCCL's P2P engine for the bulk data, torch.distributed for the small control messages;
-see distlm.transfer_uccl). A transport that cannot run raises TransferError saying why.
-"""
+"""The engine of `distlm.transfer`: the plan, checksums, links, data planes and the broadcast."""
 
 from __future__ import annotations
 
@@ -33,22 +6,28 @@ import datetime as _dt
 import functools
 import itertools
 import json
-import math
 import re
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from distlm import DistlmError
+from distlm.documents import (
+    Document,
+    ReceiverStats,
+    TransferStats,
+    decode,
+    encode,
+)
 from distlm.log import get_logger
+from distlm.transfer.options import TRANSPORTS, TransferError, TransferOptions
+from distlm.transfer.uccl import UcclPlane, check_uccl
 
 log = get_logger(__name__)
 
-TRANSPORTS = ("torch", "uccl")
 ALIGN = 64  # byte alignment of every tensor in the stream: any dtype view is legal
 DIRECT_MIN = 64 * 1024  # a tensor segment this large travels from/into the tensor itself, unpacked
 _HEARTBEAT_S = 1.0
@@ -56,44 +35,35 @@ _PROTOCOL = "distlm-transfer/1"
 _CALLS = itertools.count()  # every rank calls broadcast_state_dict in the same order
 
 
-class TransferError(DistlmError):
-    """A transfer failed: the message names the rank, tensor or bucket at fault."""
-
-
-@dataclass(frozen=True)
-class TransferOptions:
-    """How to move the weights. Every rank of the group passes the same options."""
-
-    transport: str = "torch"  # "torch" (NCCL/gloo point-to-point) or "uccl" (UCCL P2P engine)
-    bucket_mb: float = 64  # flat bucket size; two buckets are allocated per rank
-    chunk_mb: float = 4  # relay granularity along the chain; smaller = earlier forwarding
-    timeout_s: float = 120  # longest wait for any single message before the peer is declared dead
-    device: str | torch.device | None = None  # receivers without a template: where to allocate
-    # Test hook, receivers only: called as hook(rank, bucket, chunk, data) after each chunk arrives
-    # and before it is forwarded or checked; tests corrupt `data` or kill the process here.
-    fault_hook: Callable[[int, int, int, torch.Tensor], None] | None = field(
-        default=None, compare=False, repr=False
-    )
-
-    def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise TransferError(f"broadcast.transport: unknown transport {self.transport!r} ({', '.join(TRANSPORTS)})")
-        for name in ("bucket_mb", "chunk_mb", "timeout_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise TransferError(f"broadcast.{name}: must be a positive number, got {v!r}")
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any], **kw) -> "TransferOptions":
-        """From the config's `broadcast:` section (transport, bucket_mb, chunk_mb, timeout_s)."""
-        keys = ("transport", "bucket_mb", "chunk_mb", "timeout_s")
-        return cls(**{k: section[k] for k in keys if k in section}, **kw)
-
-
 @dataclass
 class TransferResult:
     tensors: dict[str, torch.Tensor]
-    stats: dict[str, Any]
+    stats: TransferStats
+
+
+class MetadataCheck(Document):
+    """A receiver's answer to the plan: what does not match its template (empty: all does)."""
+
+    KIND: ClassVar[str] = "distlm-transfer-metadata-check"
+    VERSION: ClassVar[int] = 1
+    problems: list[str]
+
+
+class MetadataVerdict(Document):
+    """The source's word to every receiver after the checks: the problems by rank (none: go)."""
+
+    KIND: ClassVar[str] = "distlm-transfer-metadata-verdict"
+    VERSION: ClassVar[int] = 1
+    problems: dict[int, list[str]]
+
+
+class TransferVerdict(Document):
+    """The source's word to every receiver at the end: did every receiver verify."""
+
+    KIND: ClassVar[str] = "distlm-transfer-verdict"
+    VERSION: ClassVar[int] = 1
+    ok: bool
+    error: str
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -109,6 +79,25 @@ class Entry:
     start: int  # byte offset in the stream
     nbytes: int
     alias: str | None = None  # name of the tensor it shares storage with
+
+
+class Piece(NamedTuple):
+    """Bytes of one tensor inside a bucket or a message."""
+
+    entry: Entry
+    offset: int  # byte offset in the tensor
+    length: int
+    at: int  # byte offset in the bucket (in a message: in the message)
+
+
+class Message(NamedTuple):
+    """One message a bucket travels in: bytes [lo, hi) of the bucket. A `direct` message is sent
+    from and received into one tensor's memory (no packing); otherwise its `pieces` are packed."""
+
+    lo: int
+    hi: int
+    pieces: tuple[Piece, ...] = ()
+    direct: Piece | None = None
 
 
 @dataclass(frozen=True)
@@ -136,12 +125,12 @@ class Plan:
         n = hi - lo
         return [(c, min(c + self.chunk_bytes, n)) for c in range(0, n, self.chunk_bytes)]
 
-    def pieces(self, b: int) -> list[tuple[Entry, int, int, int]]:
-        """(entry, byte offset in tensor, length, byte offset in bucket) for bucket b."""
+    def pieces(self, b: int) -> list[Piece]:
+        """The tensor bytes in bucket b, in stream order (`at` relative to the bucket)."""
         return self._pieces[b] if b < len(self._pieces) else []
 
     @functools.cached_property
-    def _pieces(self) -> list[list[tuple[Entry, int, int, int]]]:
+    def _pieces(self) -> list[list[Piece]]:
         out: list[list] = [[] for _ in range(self.buckets)]
         for e in self.entries:  # entries are in stream order: one pass over tensors and buckets
             if e.alias is not None or e.nbytes == 0:
@@ -151,27 +140,27 @@ class Plan:
                 b = pos // self.bucket_bytes
                 lo, hi = self.bucket_range(b)
                 z = min(end, hi)
-                out[b].append((e, pos - e.start, z - pos, pos - lo))
+                out[b].append(Piece(e, pos - e.start, z - pos, pos - lo))
                 pos = z
         return out
 
-    def segments(self, b: int, lo: int, hi: int) -> list[tuple[Entry, int, int, int]]:
-        """(entry, byte offset in tensor, length, byte offset in bucket) for bytes [lo, hi) of bucket b."""
+    def segments(self, b: int, lo: int, hi: int) -> list[Piece]:
+        """The pieces of bytes [lo, hi) of bucket b (`at` relative to the bucket)."""
         out = []
         for e, off, n, at in self.pieces(b):
             a, z = max(lo, at), min(hi, at + n)
             if a < z:
-                out.append((e, off + a - at, z - a, a))
+                out.append(Piece(e, off + a - at, z - a, a))
         return out
 
-    def messages(self, b: int, zero_copy: bool) -> tuple[tuple[int, int, tuple], ...]:
-        """The messages bucket b travels in: (lo, hi, segments), byte range relative to the bucket.
+    def messages(self, b: int, zero_copy: bool) -> tuple[Message, ...]:
+        """The messages bucket b travels in, byte ranges relative to the bucket.
 
         Without zero copy a message is one chunk of the packed bucket. With it, a segment of at
-        least DIRECT_MIN bytes (or a whole chunk) inside one tensor is its own message, sent from
-        and received into the tensor's memory (segments == ((entry, tensor offset),)); the small
-        segments between are packed in runs (segments == ((entry, tensor offset, length, offset in
-        message), ...)). Messages never cross a chunk boundary, so forwarding stays chunk-grained.
+        least DIRECT_MIN bytes (or a whole chunk) inside one tensor is its own `direct` message,
+        sent from and received into the tensor's memory; the small segments between are packed
+        in runs (`pieces`, `at` relative to the message). Messages never cross a chunk boundary,
+        so forwarding stays chunk-grained.
         """
         key = (b, zero_copy)
         if key not in self._messages:
@@ -182,29 +171,30 @@ class Plan:
     def _messages(self) -> dict:
         return {}
 
-    def _layout(self, b: int, zero_copy: bool) -> tuple[tuple[int, int, tuple], ...]:
+    def _layout(self, b: int, zero_copy: bool) -> tuple[Message, ...]:
         direct_min = min(DIRECT_MIN, self.chunk_bytes // 4)
-        out: list = []
+        out: list[Message] = []
 
-        def packed(run: list) -> None:
+        def packed(run: list[Piece], lo: int, hi: int) -> None:
             if run:
-                a = run[0][3]
-                out.append((a, run[-1][3] + run[-1][2], tuple((e, off, n, at - a) for e, off, n, at in run)))
+                out.append(Message(lo, hi, tuple(p._replace(at=p.at - lo) for p in run)))
 
         for lo, hi in self.chunks(b):
             segs = self.segments(b, lo, hi)
-            if not zero_copy:
-                out.append((lo, hi, tuple((e, off, n, at - lo) for e, off, n, at in segs)))
+            if not zero_copy:  # every chunk, padding included, is one packed message
+                out.append(Message(lo, hi, tuple(p._replace(at=p.at - lo) for p in segs)))
                 continue
-            run: list = []
-            for e, off, n, at in segs:
-                if n >= direct_min or n == hi - lo:
-                    packed(run)
+            run: list[Piece] = []
+            for p in segs:
+                if p.length >= direct_min or p.length == hi - lo:
+                    if run:
+                        packed(run, run[0].at, run[-1].at + run[-1].length)
                     run = []
-                    out.append((at, at + n, ((e, off),)))
+                    out.append(Message(p.at, p.at + p.length, direct=p._replace(at=0)))
                 else:
-                    run.append((e, off, n, at))
-            packed(run)
+                    run.append(p)
+            if run:
+                packed(run, run[0].at, run[-1].at + run[-1].length)
         return tuple(out)
 
     def tensors_in(self, b: int, lo: int = 0, hi: int | None = None) -> list[str]:
@@ -343,6 +333,14 @@ class _Checksum:
 # ----------------------------------------------------------------------------- links and liveness
 
 
+class Pending(NamedTuple):
+    """A posted send or receive: what to wait on, and what to name when it fails."""
+
+    work: Any
+    peer: int
+    what: str
+
+
 class _Link:
     """Point-to-point messages over a torch.distributed group, each wait bounded by timeout_s."""
 
@@ -363,16 +361,16 @@ class _Link:
             work = dist.isend(t, peer, group=self.group, tag=self._tag("out", peer))
         except Exception as e:
             self.watch.fail(peer, f"sending {what}", e)
-        return (work, peer, f"sending {what}")
+        return Pending(work, peer, f"sending {what}")
 
     def irecv(self, t: torch.Tensor, peer: int, what: str):
         try:
             work = dist.irecv(t, peer, group=self.group, tag=self._tag("in", peer))
         except Exception as e:
             self.watch.fail(peer, f"receiving {what}", e)
-        return (work, peer, f"receiving {what}")
+        return Pending(work, peer, f"receiving {what}")
 
-    def wait(self, handle) -> None:
+    def wait(self, handle: Pending) -> None:
         work, peer, what = handle
         try:
             work.wait(self.timeout)
@@ -529,8 +527,6 @@ def check_transport(transport: str, device: torch.device, backend: str) -> None:
             raise TransferError(f"transport torch with backend gloo moves CPU tensors; these are on {device} (use nccl)")
         return
     if transport == "uccl":
-        from distlm.transfer_uccl import check_uccl
-
         check_uccl(device)
         return
     raise TransferError(f"unknown transport {transport!r} ({', '.join(TRANSPORTS)})")
@@ -539,8 +535,6 @@ def check_transport(transport: str, device: torch.device, backend: str) -> None:
 def _make_plane(transport: str, link: _Link, **kw):
     if transport == "torch":
         return TorchPlane(link)
-    from distlm.transfer_uccl import UcclPlane
-
     return UcclPlane(link, **kw)
 
 
@@ -642,10 +636,10 @@ def _exchange_metadata(link: _Link, plan, tensors, chain, rank, device):
             link.send_bytes(blob, chain[1], "metadata")
         problems = {}
         for r in chain[1:]:
-            status = json.loads(link.recv_bytes(r, "metadata check"))
-            if status["problems"]:
-                problems[r] = status["problems"]
-        verdict = json.dumps({"problems": {str(k): v for k, v in problems.items()}}).encode()
+            status = decode(link.recv_bytes(r, "metadata check"), MetadataCheck, f"rank {r}")
+            if status.problems:
+                problems[r] = status.problems
+        verdict = encode(MetadataVerdict(problems=problems))
         for r in chain[1:]:
             link.send_bytes(verdict, r, "metadata verdict")
         _raise_problems(problems, "metadata")
@@ -661,9 +655,9 @@ def _exchange_metadata(link: _Link, plan, tensors, chain, rank, device):
             problems = check_template(plan, tensors, f"rank {rank}")
     except (TransferError, ValueError, KeyError, TypeError) as e:
         problems = [f"rank {rank}: unreadable metadata from rank {src}: {e}"]
-    link.send_bytes(json.dumps({"problems": problems}).encode(), src, "metadata check")
-    verdict = json.loads(link.recv_bytes(src, "metadata verdict"))
-    _raise_problems({int(k): v for k, v in verdict["problems"].items()}, "metadata")
+    link.send_bytes(encode(MetadataCheck(problems=problems)), src, "metadata check")
+    verdict = decode(link.recv_bytes(src, "metadata verdict"), MetadataVerdict, f"rank {src}")
+    _raise_problems(verdict.problems, "metadata")
     dest, staged = _destination(plan, tensors, device)
     return plan, dest, staged
 
@@ -694,15 +688,23 @@ def _destination(plan: Plan, template, device):
     return dest, staged
 
 
-def _message_views(plan: Plan, b: int, flats: dict[str, torch.Tensor], buf: torch.Tensor, zero_copy: bool):
-    """(the tensor a message travels in, segments to pack/unpack, byte range in the bucket)."""
+class MessageView(NamedTuple):
+    """The tensor a message travels in (a slice of a tensor, or of the bucket buffer)."""
+
+    view: torch.Tensor
+    message: Message
+
+
+def _message_views(
+    plan: Plan, b: int, flats: dict[str, torch.Tensor], buf: torch.Tensor, zero_copy: bool
+) -> list[MessageView]:
     out = []
-    for lo, hi, segs in plan.messages(b, zero_copy):
-        if len(segs) == 1 and len(segs[0]) == 2:
-            e, off = segs[0]
-            out.append((flats[e.name][off : off + hi - lo], (), (lo, hi)))
+    for m in plan.messages(b, zero_copy):
+        if m.direct is not None:
+            d = m.direct
+            out.append(MessageView(flats[d.entry.name][d.offset : d.offset + d.length], m))
         else:
-            out.append((buf[lo:hi], segs, (lo, hi)))
+            out.append(MessageView(buf[m.lo : m.hi], m))
     return out
 
 
@@ -722,18 +724,18 @@ def _send(plan: Plan, tensors, buffers, plane, link: _Link, checksum: _Checksum,
         buf = buffers[slot]
         views = _message_views(plan, b, flats, buf, plane.zero_copy)
         t = time.perf_counter()
-        for view, segs, _ in views:
-            for e, off, n, at in segs:
+        for view, m in views:
+            for e, off, n, at in m.pieces:
                 view[at : at + n].copy_(flats[e.name][off : off + n])
                 timing["packed_bytes"] += n
         timing["pack_seconds"] += time.perf_counter() - t
         if nxt is None:
             continue
-        for c, (view, _, _) in enumerate(views):
+        for c, (view, _) in enumerate(views):
             pending[slot].append((plane.wait, plane.isend(view, nxt, f"bucket {b} chunk {c}")))
         t = time.perf_counter()  # checksums while the chunks are on the wire
         sums = torch.empty(len(views), 2, dtype=torch.int64, device=buf.device)
-        for c, (view, _, _) in enumerate(views):
+        for c, (view, _) in enumerate(views):
             checksum(view, sums[c])
         timing["checksum_seconds"] += time.perf_counter() - t
         sums = sums.to(link.device)
@@ -745,12 +747,21 @@ def _send(plan: Plan, tensors, buffers, plane, link: _Link, checksum: _Checksum,
     return timing
 
 
+class _Posted(NamedTuple):
+    """A bucket's receives, posted ahead: its messages, their handles, and its checksums'."""
+
+    views: list[MessageView]
+    handles: list
+    checksums_handle: Pending
+    checksums: torch.Tensor
+
+
 def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, hook) -> dict:
     """Receive each bucket from prev chunk by chunk, forward every chunk to nxt at once, check, unpack."""
     timing = {"checksum_seconds": 0.0, "unpack_seconds": 0.0, "packed_bytes": 0}
     flats = {name: _flat_bytes(t) for name, t in staged.items() if t.numel()}
     nb = plan.buckets
-    recvs: dict[int, tuple] = {}
+    recvs: dict[int, _Posted] = {}
     forwards: list[list] = [[] for _ in buffers]
     mismatches = []
 
@@ -760,9 +771,9 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
             wait(h)
         forwards[slot] = []
         views = _message_views(plan, b, flats, buffers[slot], plane.zero_copy)
-        hs = [plane.irecv(view, prev, f"bucket {b} chunk {c}") for c, (view, _, _) in enumerate(views)]
+        hs = [plane.irecv(view, prev, f"bucket {b} chunk {c}") for c, (view, _) in enumerate(views)]
         theirs = torch.empty(len(views), 2, dtype=torch.int64, device=link.device)
-        recvs[b] = (views, hs, link.irecv(theirs, prev, f"checksums of bucket {b}"), theirs)
+        recvs[b] = _Posted(views, hs, link.irecv(theirs, prev, f"checksums of bucket {b}"), theirs)
 
     if nb:
         post(0)
@@ -772,7 +783,7 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
             post(b + 1)
         views, hs, h_sums, theirs = recvs.pop(b)
         ours = torch.empty(len(views), 2, dtype=torch.int64, device=buffers[slot].device)
-        for c, ((view, _, _), h) in enumerate(zip(views, hs)):
+        for c, ((view, _), h) in enumerate(zip(views, hs)):
             plane.wait(h)
             if hook is not None:
                 hook(rank, b, c, view)
@@ -786,15 +797,15 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
             forwards[slot].append((link.wait, link.isend(theirs, nxt, f"checksums of bucket {b}")))
         bad = (ours.to(theirs.device) != theirs).any(dim=1).nonzero().flatten().tolist()
         for c in bad:
-            lo, hi = views[c][2]
+            lo, hi = views[c].message.lo, views[c].message.hi
             base = b * plan.bucket_bytes
             mismatches.append({
                 "bucket": b, "chunk": c, "bytes": [base + lo, base + hi],
                 "tensors": plan.tensors_in(b, lo, hi),
             })
         t = time.perf_counter()
-        for view, segs, _ in views:
-            for e, off, n, at in segs:
+        for view, m in views:
+            for e, off, n, at in m.pieces:
                 flats[e.name][off : off + n].copy_(view[at : at + n])
                 timing["packed_bytes"] += n
         timing["unpack_seconds"] += time.perf_counter() - t
@@ -808,121 +819,73 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
     return timing
 
 
-def _stats(plan, opts, backend, device, rank, src, chain, seconds, t_meta, timing) -> dict:
+def _stats(plan, opts, backend, device, rank, src, chain, seconds, t_meta, timing) -> TransferStats:
     mism = timing.pop("mismatches", [])
     payload = plan.payload_bytes
-    return {
-        "rank": rank,
-        "role": "sender" if rank == src else "receiver",
-        "transport": opts.transport,
-        "backend": backend,
-        "device": str(device),
-        "src": src,
-        "chain": chain,
-        "bytes": payload,
-        "stream_bytes": plan.stream_bytes,
-        "tensors": len(plan.entries),
-        "tied_tensors": sum(e.alias is not None for e in plan.entries),
-        "buckets": plan.buckets,
-        "bucket_bytes": plan.bucket_bytes,
-        "chunk_bytes": plan.chunk_bytes,
-        "metadata_seconds": round(t_meta, 6),
-        "seconds": round(seconds, 6),
-        "gbps": round(payload / seconds / 1e9, 4) if seconds > 0 else None,
+    return TransferStats(
+        rank=rank,
+        role="sender" if rank == src else "receiver",
+        transport=opts.transport,
+        backend=backend,
+        device=str(device),
+        src=src,
+        chain=chain,
+        bytes=payload,
+        stream_bytes=plan.stream_bytes,
+        tensors=len(plan.entries),
+        tied_tensors=sum(e.alias is not None for e in plan.entries),
+        buckets=plan.buckets,
+        bucket_bytes=plan.bucket_bytes,
+        chunk_bytes=plan.chunk_bytes,
+        metadata_seconds=round(t_meta, 6),
+        seconds=round(seconds, 6),
+        gbps=round(payload / seconds / 1e9, 4) if seconds > 0 else None,
         **{k: round(v, 6) for k, v in timing.items()},
-        "verified": not mism if rank != src else None,
-        "mismatches": [
+        verified=not mism if rank != src else None,
+        mismatches=[
             f"bucket {m['bucket']} chunk {m['chunk']} (stream bytes {m['bytes'][0]}-{m['bytes'][1]}): "
             f"checksum differs from rank {src}'s; tensors {', '.join(m['tensors'])}"
             for m in mism
         ],
-    }
+    )
 
 
-def _finish(link: _Link, stats: dict, chain: list[int], rank: int, src: int, t1: float) -> dict:
+def _finish(
+    link: _Link, stats: TransferStats, chain: list[int], rank: int, src: int, t1: float
+) -> TransferStats:
     """Receivers report to the source; it tells all whether everyone verified. Raises if not."""
     if rank != src:
-        link.send_bytes(json.dumps(stats).encode(), src, "transfer report")
-        verdict = json.loads(link.recv_bytes(src, "transfer verdict"))
-        stats["all_verified"] = verdict["ok"]
-        if not verdict["ok"]:
-            raise TransferError(verdict["error"])
-        return stats
-    receivers = [json.loads(link.recv_bytes(r, "transfer report")) for r in chain[1:]]
+        link.send_bytes(encode(stats), src, "transfer report")
+        verdict = decode(link.recv_bytes(src, "transfer verdict"), TransferVerdict, f"rank {src}")
+        if not verdict.ok:
+            raise TransferError(verdict.error)
+        return stats.model_copy(update={"all_verified": True})
+    receivers = [
+        decode(link.recv_bytes(r, "transfer report"), TransferStats, f"rank {r}") for r in chain[1:]
+    ]
     # The sender's clock stops when the last receiver has reported: that is the broadcast time.
     seconds = time.perf_counter() - t1
-    stats["seconds"] = round(seconds, 6)
-    stats["gbps"] = round(stats["bytes"] / seconds / 1e9, 4) if seconds > 0 else None
-    bad = [r for r in receivers if not r["verified"]]
+    bad = [r for r in receivers if not r.verified]
     error = ""
     if bad:
-        error = "corrupted data: " + "; ".join(f"rank {r['rank']}: {m}" for r in bad for m in r["mismatches"][:3])
+        error = "corrupted data: " + "; ".join(
+            f"rank {r.rank}: {m}" for r in bad for m in r.mismatches[:3]
+        )
     for r in chain[1:]:
-        link.send_bytes(json.dumps({"ok": not bad, "error": error}).encode(), r, "transfer verdict")
-    stats["receivers"] = [
-        {k: r[k] for k in ("rank", "seconds", "gbps", "verified", "checksum_seconds", "unpack_seconds", "mismatches")}
-        for r in receivers
-    ]
-    stats["verified"] = not bad
-    stats["all_verified"] = not bad
+        link.send_bytes(encode(TransferVerdict(ok=not bad, error=error)), r, "transfer verdict")
     if bad:
         raise TransferError(error)
-    return stats
-
-
-# ----------------------------------------------------------------------------- the stage
-
-
-def run_broadcast_stage(cfg: Mapping[str, Any], *, topo, model_dir, report_path) -> dict | None:
-    """The broadcast stage: rank 0 loads the serialized model and sends it to every other rank.
-
-    World = 1 sender + `broadcast.receivers`. Rank 0 writes the JSON report (atomically) after
-    every receiver has verified its buckets; returns the report on rank 0, None elsewhere.
-    """
-    from pathlib import Path
-
-    from distlm.io import sha256_file, write_json
-    from distlm.model import META, WEIGHTS, load_safetensors, read_meta
-
-    bcfg = cfg["broadcast"]
-    opts = TransferOptions.from_config(bcfg, device=topo.device)
-    model_dir = Path(model_dir)
-    tensors, meta = None, {}
-    if topo.is_main:
-        weights = model_dir / WEIGHTS
-        meta = read_meta(model_dir)
-        actual = sha256_file(weights) if weights.is_file() else None
-        if meta.get("model_sha256") and actual != meta["model_sha256"]:
-            raise TransferError(f"{weights}: sha256 {actual} does not match {model_dir / META} ({meta['model_sha256']})")
-        tensors = load_safetensors(weights, device=str(topo.device))
-    expected = 1 + bcfg["receivers"]
-    if topo.world_size != expected:
-        raise TransferError(
-            f"broadcast.receivers is {bcfg['receivers']}, so the stage needs {expected} ranks; "
-            f"it was launched with {topo.world_size}"
-        )
-    if topo.is_main:
-        log.info("sending %s: %d tensors, %.1f MB to %d receivers over %s (buckets %s MB, chunks %s MB)",
-                 model_dir / WEIGHTS, len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
-                 bcfg["receivers"], opts.transport, opts.bucket_mb, opts.chunk_mb)
-    result = broadcast_state_dict(tensors, src=0, options=opts)
-    s = result.stats
-    log.info("%s %.1f MB in %.3f s (%.3f GB/s), %d buckets, verified: %s",
-             "sent" if topo.is_main else "received", s["bytes"] / 1e6, s["seconds"], s["gbps"] or 0.0,
-             s["buckets"], s["all_verified"])
-    if not topo.is_main:
-        return None
-    report = {
-        "format": "distlm-broadcast/1",
-        "model": str(model_dir),
-        "model_sha256": meta.get("model_sha256"),
-        "world_size": topo.world_size,
-        "receivers_configured": bcfg["receivers"],
-        "bucket_mb": opts.bucket_mb,
-        "chunk_mb": opts.chunk_mb,
-        "timeout_s": opts.timeout_s,
-        "config_digest": cfg.get("_digest"),
-        **s,
-    }
-    write_json(report_path, report)
-    return report
+    return stats.model_copy(update={
+        "seconds": round(seconds, 6),
+        "gbps": round(stats.bytes / seconds / 1e9, 4) if seconds > 0 else None,
+        "receivers": [
+            ReceiverStats(
+                rank=r.rank, seconds=r.seconds, gbps=r.gbps, verified=bool(r.verified),
+                checksum_seconds=r.checksum_seconds, unpack_seconds=r.unpack_seconds,
+                mismatches=r.mismatches,
+            )
+            for r in receivers
+        ],
+        "verified": True,
+        "all_verified": True,
+    })

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from distlm.log import get_logger
+from distlm.transfer.options import TransferError
 
 log = get_logger(__name__)
 
@@ -73,8 +74,6 @@ def uccl_problems(device: torch.device) -> list[str]:
 
 
 def check_uccl(device: torch.device) -> None:
-    from distlm.transfer import TransferError
-
     problems = uccl_problems(device)
     if problems:
         raise TransferError("broadcast.transport 'uccl' cannot run here:\n  " + "\n  ".join(problems))
@@ -87,8 +86,6 @@ class UcclPlane:
     zero_copy = False  # only the registered bucket buffers travel: every chunk is packed
 
     def __init__(self, link, *, store, prefix: str, rank: int, device: torch.device, timeout_s: float) -> None:
-        from distlm.transfer import TransferError
-
         if store is None:
             raise TransferError("the uccl transport needs the torch.distributed store to exchange endpoints")
         _, self.p2p = _import_p2p()
@@ -100,8 +97,6 @@ class UcclPlane:
         self.conn: dict[int, int] = {}
 
     def _fail(self, what: str, peer: int | None = None) -> None:
-        from distlm.transfer import TransferError
-
         where = f" with rank {peer}" if peer is not None else ""
         raise TransferError(f"rank {self.rank}: uccl {what}{where} failed")
 

@@ -1,0 +1,75 @@
+"""The weight-broadcast stage (rule broadcast): rank 0 sends the serialized model to every other
+rank through distlm.transfer, every receiver verifies, rank 0 writes the BroadcastReport.
+
+    torchrun --standalone --nproc-per-node=3 workflow/scripts/broadcast.py \\
+        --config results/config/broadcast.json --model results/model/base \\
+        --report results/broadcast/report.json --rank-log 'logs/broadcast/rank{rank}.log'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from distlm.documents import BroadcastReport, write_document
+from distlm.io import sha256_file
+from distlm.log import get_logger
+from distlm.model import META, WEIGHTS, load_safetensors, read_meta
+from distlm.transfer import TransferError, TransferOptions, broadcast_state_dict
+
+log = get_logger(__name__)
+
+
+def run_broadcast_stage(
+    cfg: Mapping[str, Any], *, topo, model_dir: str | Path, report_path: str | Path
+) -> BroadcastReport | None:
+    """World = 1 sender + `broadcast.receivers`. Rank 0 writes the report (atomically) after
+    every receiver has verified its buckets; returns it on rank 0, None elsewhere."""
+    bcfg = cfg["broadcast"]
+    opts = TransferOptions.from_config(bcfg, device=topo.device)
+    model_dir = Path(model_dir)
+    tensors, meta = None, {}
+    if topo.is_main:
+        weights = model_dir / WEIGHTS
+        meta = read_meta(model_dir)
+        actual = sha256_file(weights) if weights.is_file() else None
+        if meta.get("model_sha256") and actual != meta["model_sha256"]:
+            raise TransferError(
+                f"{weights}: sha256 {actual} does not match {model_dir / META} "
+                f"({meta['model_sha256']})"
+            )
+        tensors = load_safetensors(weights, device=str(topo.device))
+    expected = 1 + bcfg["receivers"]
+    if topo.world_size != expected:
+        raise TransferError(
+            f"broadcast.receivers is {bcfg['receivers']}, so the stage needs {expected} ranks; "
+            f"it was launched with {topo.world_size}"
+        )
+    if topo.is_main:
+        log.info(
+            "sending %s: %d tensors, %.1f MB to %d receivers over %s (buckets %s MB, chunks %s MB)",
+            weights, len(tensors),
+            sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
+            bcfg["receivers"], opts.transport, opts.bucket_mb, opts.chunk_mb,
+        )
+    s = broadcast_state_dict(tensors, src=0, options=opts).stats
+    log.info(
+        "%s %.1f MB in %.3f s (%.3f GB/s), %d buckets, verified: %s",
+        "sent" if topo.is_main else "received", s.bytes / 1e6, s.seconds, s.gbps or 0.0,
+        s.buckets, s.all_verified,
+    )
+    if not topo.is_main:
+        return None
+    report = BroadcastReport(
+        model=str(model_dir),
+        model_sha256=meta.get("model_sha256"),
+        world_size=topo.world_size,
+        receivers_configured=bcfg["receivers"],
+        bucket_mb=opts.bucket_mb,
+        chunk_mb=opts.chunk_mb,
+        timeout_s=opts.timeout_s,
+        config_digest=cfg.get("_digest"),
+        stats=s,
+    )
+    write_document(report_path, report)
+    return report

@@ -1,0 +1,229 @@
+"""Documents between stages and messages between ranks: named, versioned types (pydantic).
+
+    write_document(path, doc)                  # atomically, with its "format" tag first
+    doc = read_document(path, EvalReport)      # refuses another kind or version, naming the file
+    blob = encode(msg); msg = decode(blob, TransferStats)   # the same, for messages between ranks
+
+Each type carries `KIND` and `VERSION`; the JSON holds `"format": "<kind>/<version>"`. A reader
+refuses a document of another kind or version, and a malformed one, with an error that names the
+file and the field. Unknown fields are refused too: a writer that adds a field bumps the version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from distlm import DistlmError
+from distlm.io import write_json
+
+D = TypeVar("D", bound="Document")
+
+
+class DocumentError(DistlmError):
+    """A document or message is missing, of another kind or version, or malformed."""
+
+
+class Document(BaseModel):
+    """Base of every document and message: strict fields, a kind and a version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    KIND: ClassVar[str]
+    VERSION: ClassVar[int]
+
+    @classmethod
+    def tag(cls) -> str:
+        return f"{cls.KIND}/{cls.VERSION}"
+
+    def to_json(self) -> dict:
+        return {"format": self.tag(), **self.model_dump(mode="json")}
+
+    @classmethod
+    def from_json(cls: type[D], obj: object, where: str) -> D:
+        """Check the format tag, then every field; errors name `where` and the field."""
+        if not isinstance(obj, dict):
+            raise DocumentError(f"{where}: expected a {cls.tag()} object, got {type(obj).__name__}")
+        found = obj.get("format")
+        if found != cls.tag():
+            what = "no format tag" if found is None else f"a {found!r} document"
+            raise DocumentError(
+                f"{where}: {what} where {cls.tag()!r} ({cls.__name__}) was expected"
+                + ("; it was written by another version of distlm: rerun the stage that wrote it"
+                   if isinstance(found, str) and found.split("/")[0] == cls.KIND else "")
+            )
+        body = {k: v for k, v in obj.items() if k != "format"}
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "<top level>"
+            more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+            raise DocumentError(
+                f"{where}: malformed {cls.__name__}: field {field}: {err['msg']}{more}"
+            ) from None
+
+
+def write_document(path: str | os.PathLike, doc: Document) -> None:
+    """Write `doc` atomically (distlm.io) with its format tag."""
+    write_json(path, doc.to_json())
+
+
+def read_document(path: str | os.PathLike, cls: type[D]) -> D:
+    """Read a `cls` document, refusing another kind or version and malformed fields."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DocumentError(f"{cls.__name__} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DocumentError(f"{path}: malformed {cls.__name__}: not valid JSON ({e})") from None
+    return cls.from_json(obj, str(path))
+
+
+def encode(msg: Document) -> bytes:
+    """A message between ranks, as bytes."""
+    return json.dumps(msg.to_json(), separators=(",", ":")).encode()
+
+
+def decode(blob: bytes, cls: type[D], where: str) -> D:
+    """A message from bytes; `where` names the sender in errors."""
+    try:
+        obj = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DocumentError(f"{where}: not a {cls.tag()} message ({e})") from None
+    return cls.from_json(obj, where)
+
+
+# ----------------------------------------------------------------------------- dataset prep
+
+
+class SplitStats(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    documents: int
+    tokens: int
+    blocks: int
+    tail_tokens_not_in_blocks: int
+    tokens_sha256: str
+
+
+class DataStats(Document):
+    """results/data/stats.json: what the dataset-prep stage made of the corpus."""
+
+    KIND: ClassVar[str] = "distlm-data-stats"
+    VERSION: ClassVar[int] = 1
+    source: dict
+    config_digest: str
+    tokenizer: str
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    splits: dict[str, SplitStats]
+    seconds: float
+
+
+# ----------------------------------------------------------------------------- weight broadcast
+
+
+class ReceiverStats(BaseModel):
+    """One receiver's figures, as the sender reports them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rank: int
+    seconds: float
+    gbps: float | None
+    verified: bool
+    checksum_seconds: float
+    unpack_seconds: float
+    mismatches: list[str]
+
+
+class TransferStats(Document):
+    """One rank's figures of a `distlm.transfer` broadcast (also each receiver's report to the
+    sender); on the sender `receivers` lists every receiver and `seconds` runs until the last
+    one has verified."""
+
+    KIND: ClassVar[str] = "distlm-transfer-stats"
+    VERSION: ClassVar[int] = 1
+    rank: int
+    role: Literal["sender", "receiver"]
+    transport: str
+    backend: str
+    device: str
+    src: int
+    chain: list[int]
+    bytes: int
+    stream_bytes: int
+    tensors: int
+    tied_tensors: int
+    buckets: int
+    bucket_bytes: int
+    chunk_bytes: int
+    metadata_seconds: float
+    seconds: float
+    gbps: float | None
+    pack_seconds: float = 0.0
+    checksum_seconds: float = 0.0
+    unpack_seconds: float = 0.0
+    packed_bytes: int = 0
+    verified: bool | None
+    mismatches: list[str]
+    all_verified: bool | None = None
+    receivers: list[ReceiverStats] = []
+
+
+class BroadcastReport(Document):
+    """results/broadcast/report.json: the broadcast stage's run, the sender's view."""
+
+    KIND: ClassVar[str] = "distlm-broadcast"
+    VERSION: ClassVar[int] = 2
+    model: str
+    model_sha256: str | None
+    world_size: int
+    receivers_configured: int
+    bucket_mb: float
+    chunk_mb: float
+    timeout_s: float
+    config_digest: str | None
+    stats: TransferStats
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+class SplitEval(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    mean_loss: float
+    perplexity: float
+    tokens_scored: int
+    tokens: int
+    windows: int
+    context: int
+    stride: int
+    seconds: float
+    tokens_per_s: float | None
+    tokens_sha256: str
+    model_sha256: str | None = None
+
+
+class EvalReport(Document):
+    """results/eval/<model>.json: sliding-window perplexity of one model, per split."""
+
+    KIND: ClassVar[str] = "distlm-eval"
+    VERSION: ClassVar[int] = 2
+    name: str
+    method: str
+    model: dict
+    data: dict
+    context: int
+    stride: int
+    batch_size: int
+    precision: str
+    device: str
+    world_size: int
+    config_digest: str
+    splits: dict[str, SplitEval]
+    seconds: float

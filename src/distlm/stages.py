@@ -1,0 +1,344 @@
+"""Stage contracts: each stage of the DAG declared once, with the config keys it reads, the files
+it writes and the document it reports.
+
+    from distlm.stages import STAGES, stage_config
+    STAGES["train"].keys                   # ("runtime", "train", "broadcast.transport", ...)
+    STAGES["train"].path("final")          # "results/train/final"
+    stage_config(cfg, "train")             # the validated config cut down to exactly those keys
+
+The rules take their params (exactly a stage's keys) and output paths from here, the scripts get
+only those keys (a stage that reads another key fails with a KeyError in the tests, never silently
+depends on it), the trainer and the report's readers take the same paths, and config/README.md's
+table "what reruns when you change a key" is generated from these declarations
+(`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
+inference and the report, and never training.
+
+This module imports nothing heavy: the workflow reads it while it builds the DAG.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+RESULTS = "results"
+BENCHMARKS = f"{RESULTS}/benchmarks"  # Snakemake `benchmark:` TSVs, one per job, {job}.tsv
+CONFIGS = f"{RESULTS}/config"  # resolved per-stage configs of multi-process stages, {stage}.json
+EVAL_MODELS = ("base", "trained")  # the model folders the evaluate and shard rules read
+
+
+@dataclass(frozen=True)
+class Output:
+    """One declared output of a stage: a path relative to the stage's folder under results/."""
+
+    name: str  # relative to the stage folder; may hold {wildcards}
+    directory: bool = False
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage of the DAG: the config keys it reads and the files it writes."""
+
+    name: str
+    rule: str
+    folder: str  # under results/
+    keys: tuple[str, ...]  # dotted config keys it reads; a key covers everything under it
+    outputs: Mapping[str, Output]
+    document: str | None = None  # the output holding its report document (distlm.documents)
+    consumes: tuple[str, ...] = ()  # jobs whose outputs it reads (see JOBS)
+    summary: str = ""
+    scratch: Mapping[str, str] = field(default_factory=dict)  # undeclared working folders
+
+    @property
+    def dir(self) -> str:
+        """The stage's folder relative to the working directory (results/<folder>)."""
+        return f"{RESULTS}/{self.folder}"
+
+    def path(self, output: str, **wildcards: str) -> str:
+        """Path of a declared output relative to the working directory (results/...)."""
+        name = self.outputs[output].name
+        return f"{self.dir}/{name.format(**wildcards) if wildcards else name}"
+
+    def relpath(self, output: str, **wildcards: str) -> str:
+        """Path of a declared output relative to results/ (what the report's readers take)."""
+        return self.path(output, **wildcards)[len(RESULTS) + 1 :]
+
+    def file(self, output: str) -> str:
+        """File name of an output inside the stage folder (what code given that folder joins)."""
+        return self.outputs[output].name
+
+    def covers(self, key: str) -> bool:
+        """Whether this stage reads dotted config key `key` (or a key under it)."""
+        return any(key == k or key.startswith(k + ".") for k in self.keys)
+
+
+def _outputs(**outs: str | tuple[str, bool]) -> dict[str, Output]:
+    return {
+        k: Output(*v) if isinstance(v, tuple) else Output(v) for k, v in outs.items()
+    }
+
+
+_DEVICE = ("runtime.device", "runtime.backend", "runtime.timeout_s")
+_TRANSFER = ("broadcast.transport", "broadcast.bucket_mb", "broadcast.chunk_mb", "broadcast.timeout_s")
+_SAMPLING = (
+    "inference.greedy",
+    "inference.temperature",
+    "inference.top_k",
+    "inference.top_p",
+    "inference.seed",
+    "inference.lanes",
+    "inference.prompt_overflow",
+    "inference.timeout_s",
+)
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage(
+            "data",
+            "prepare_data",
+            "data",
+            # A hub or local model brings its own tokenizer: the model's identity is read here.
+            keys=("data", "model.source", "model.name", "model.revision"),
+            outputs=_outputs(tokens="tokens.h5", tokenizer=("tokenizer", True), stats="stats.json"),
+            document="stats",
+            summary="corpus -> tokenizer, HDF5 token blocks per split, stats",
+        ),
+        Stage(
+            "model",
+            "serialize_model",
+            "model",
+            keys=("model",),
+            outputs=_outputs(model=("base", True)),
+            consumes=("prepare_data",),
+            summary="hub id, local folder or seeded init -> model folder (safetensors)",
+        ),
+        Stage(
+            "shard",
+            "shard",
+            "pipeline",
+            keys=("inference.stages",),
+            outputs=_outputs(pipeline=("{model}", True)),
+            document="pipeline",
+            summary="a model folder -> one shard per pipeline stage, with a sha256 manifest",
+        ),
+        Stage(
+            "broadcast",
+            "broadcast",
+            "broadcast",
+            keys=(*_DEVICE, "broadcast"),
+            outputs=_outputs(report="report.json"),
+            document="report",
+            consumes=("serialize_model",),
+            summary="rank 0 sends the base model to every receiver, verified",
+        ),
+        Stage(
+            "train",
+            "train",
+            "train",
+            keys=("runtime", "train", *_TRANSFER),
+            outputs=_outputs(
+                final=("final", True),
+                metrics="metrics.csv",
+                val="val.csv",
+                tb=("tb", True),
+                profile=("profile", True),
+            ),
+            consumes=("prepare_data", "serialize_model"),
+            summary="DDP training -> final model folder, metrics, TensorBoard, profile",
+            scratch={"checkpoints": "checkpoints"},
+        ),
+        Stage(
+            "eval",
+            "evaluate",
+            "eval",
+            keys=(*_DEVICE, "eval"),
+            outputs=_outputs(json="{model}.json"),
+            document="json",
+            summary="sliding-window perplexity of the base and the trained model",
+        ),
+        Stage(
+            "inference",
+            "inference",
+            "inference",
+            keys=(
+                "runtime.device",
+                "inference.stages",
+                "inference.prompts",
+                "inference.max_new_tokens",
+                *_SAMPLING,
+            ),
+            outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
+            document="timing",
+            consumes=("shard[trained]",),
+            summary="prompts through the pipeline-parallel trained model -> generations, timing",
+        ),
+        Stage(
+            "report",
+            "report",
+            "report",
+            keys=("report",),
+            outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
+            document="summary",
+            consumes=(
+                "prepare_data",
+                "broadcast",
+                "train",
+                "evaluate[base]",
+                "evaluate[trained]",
+                "inference",
+            ),
+            summary="every stage's metrics -> figures, tables, one HTML summary",
+        ),
+    )
+}
+
+# Jobs of `rule all` and what each reads: the graph the rerun table follows. A job is a rule, or
+# rule[wildcard] for the evaluate and shard instances.
+JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "prepare_data": ("data", ()),
+    "serialize_model": ("model", ("prepare_data",)),
+    "broadcast": ("broadcast", ("serialize_model",)),
+    "train": ("train", ("prepare_data", "serialize_model")),
+    "evaluate[base]": ("eval", ("prepare_data", "serialize_model")),
+    "evaluate[trained]": ("eval", ("prepare_data", "train")),
+    "shard[trained]": ("shard", ("train",)),
+    "inference": ("inference", ("shard[trained]",)),
+    "report": ("report", STAGES["report"].consumes),
+}
+
+
+def select(cfg: Mapping[str, Any], keys: Iterable[str]) -> dict:
+    """`cfg` cut down to the dotted `keys` (each with everything under it), nesting kept."""
+    out: dict = {}
+    for key in keys:
+        node: Any = cfg
+        parts = key.split(".")
+        for p in parts:
+            if not isinstance(node, Mapping) or p not in node:
+                raise KeyError(f"config key {key!r} does not exist (at {p!r})")
+            node = node[p]
+        dst = out
+        for p in parts[:-1]:
+            dst = dst.setdefault(p, {})
+        dst[parts[-1]] = copy.deepcopy(node)
+    return out
+
+
+def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
+    """The part of the validated config stage `stage` reads: its rule's params and resolved file."""
+    return select(cfg, STAGES[stage].keys)
+
+
+# ----------------------------------------------------------------------------- rerun table
+
+
+def schema_keys(schema: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Every leaf key of the config schema, dotted, in schema order."""
+    keys = []
+    for name, sub in schema.get("properties", {}).items():
+        key = f"{prefix}{name}"
+        if sub.get("type") == "object" and "properties" in sub:
+            keys.extend(schema_keys(sub, key + "."))
+        else:
+            keys.append(key)
+    return keys
+
+
+def reruns(key: str) -> list[str]:
+    """The jobs of `rule all` a change of `key` reruns: its readers and all that consume them."""
+    hit = {job for job, (stage, _) in JOBS.items() if STAGES[stage].covers(key)}
+    changed = True
+    while changed:
+        changed = False
+        for job, (_, consumes) in JOBS.items():
+            if job not in hit and hit.intersection(consumes):
+                hit.add(job)
+                changed = True
+    return [job for job in JOBS if job in hit]
+
+
+def _compact(keys: list[str], universe: list[str]) -> list[str]:
+    """Collapse keys that make up a whole subtree of `universe` into `prefix.*`."""
+    chosen = set(keys)
+    out: list[str] = []
+    done: set[str] = set()
+    for k in keys:
+        if k in done:
+            continue
+        parts = k.split(".")
+        best = k
+        for n in range(1, len(parts)):
+            prefix = ".".join(parts[:n]) + "."
+            subtree = [u for u in universe if u.startswith(prefix)]
+            if len(subtree) > 1 and all(u in chosen for u in subtree):
+                best = prefix + "*"
+                done.update(subtree)
+                break
+        if best == k:
+            done.add(k)
+        out.append(best)
+    return out
+
+
+def rerun_table(schema: Mapping[str, Any]) -> str:
+    """Markdown: for every config key, the jobs of `rule all` a change reruns."""
+    universe = schema_keys(schema)
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for key in universe:
+        groups.setdefault((key.split(".")[0], tuple(reruns(key))), []).append(key)
+    lines = [
+        "| key | reruns |",
+        "| --- | --- |",
+    ]
+    for (_, jobs), keys in groups.items():
+        shown = ", ".join(f"`{k}`" for k in _compact(keys, universe))
+        lines.append(f"| {shown} | {', '.join(jobs) if jobs else 'nothing in `rule all`'} |")
+    return "\n".join(lines) + "\n"
+
+
+TABLE_BEGIN = "<!-- rerun-table: generated by `python -m distlm.stages --write`; do not edit -->"
+TABLE_END = "<!-- /rerun-table -->"
+
+
+def with_table(readme: str, table: str) -> str:
+    """`readme` with the text between the table markers replaced by `table`."""
+    pattern = re.compile(re.escape(TABLE_BEGIN) + r".*?" + re.escape(TABLE_END), re.S)
+    if not pattern.search(readme):
+        raise ValueError(f"config/README.md has no {TABLE_BEGIN!r} ... {TABLE_END!r} block")
+    return pattern.sub(lambda _: f"{TABLE_BEGIN}\n{table}{TABLE_END}", readme)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m distlm.stages --check|--write`: config/README.md's rerun table in sync."""
+    import argparse
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--write", action="store_true", help="rewrite the table in config/README.md")
+    p.add_argument("--check", action="store_true", help="exit 1 when the table is out of date")
+    args = p.parse_args(argv)
+    schema = yaml.safe_load((root / "workflow/schemas/config.schema.yaml").read_text())
+    readme_path = root / "config/README.md"
+    readme = readme_path.read_text(encoding="utf-8")
+    new = with_table(readme, rerun_table(schema))
+    if args.write:
+        if new != readme:
+            readme_path.write_text(new, encoding="utf-8")
+        return 0
+    if args.check and new != readme:
+        print(f"{readme_path}: the rerun table is out of date; run "
+              "`python -m distlm.stages --write`", file=sys.stderr)
+        return 1
+    print(rerun_table(schema), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Send a state dict from one rank to every other rank: bucketed, pipelined, verified.
+
+    from distlm.transfer import broadcast_state_dict, TransferOptions
+    opts = TransferOptions(transport="torch", bucket_mb=64, chunk_mb=4, timeout_s=120)
+    result = broadcast_state_dict(sd if topo.is_main else template_or_None, src=0, options=opts)
+    result.tensors   # the received (or sent) dict; a template is filled in place
+    result.stats     # JSON-able figures: bytes, buckets, seconds, GB/s, verified, transport, ...
+
+How it moves the bytes (what NCCL's ring broadcast and RL weight-sync engines do):
+- Metadata first: names, shapes, dtypes and byte offsets of every tensor in one virtual byte
+  stream (tied tensors travel once). Every receiver checks it against its template and reports to
+  the source, which tells everyone to go or to stop, so a mismatch stops all ranks with one error.
+- The stream is cut into buckets (`bucket_mb`); a bucket is packed into one of two flat buffers
+  while the other is on the wire (double buffering), and may split a tensor.
+- Ranks form a chain src -> r1 -> r2 -> ... Each bucket travels in chunks (`chunk_mb`); a receiver
+  forwards chunk c to its successor as soon as it has it, while chunk c+1 is arriving. Every link
+  carries the model once, so N receivers take about as long as one.
+- Each chunk carries a 128-bit linear checksum (sum and position-weighted sum of its 64-bit words,
+  mod 2^64, computed with torch on the buffer's device); receivers compute it while later chunks
+  are in flight and compare it with the sender's before the weights are used. A mismatch names the
+  bucket, the byte range and the tensors in it.
+- Every wait has a timeout (`timeout_s`); ranks beat a heartbeat into the torch.distributed store,
+  so when a peer dies or hangs the error names the rank that stopped, not just the neighbour.
+
+Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, gloo for CPU) and
+"uccl" (UCCL's P2P engine for the bulk data, torch.distributed for the small control messages;
+see distlm.transfer_uccl). A transport that cannot run raises TransferError saying why.
+"""
+
+from distlm.transfer.core import (
+    ALIGN,
+    DIRECT_MIN,
+    Entry,
+    Plan,
+    TorchPlane,
+    TransferResult,
+    _Checksum,
+    broadcast_state_dict,
+    check_template,
+    check_transport,
+    make_plan,
+)
+from distlm.transfer.options import TRANSPORTS, TransferError, TransferOptions
+from distlm.transfer.uccl import UcclPlane, check_uccl, uccl_problems
+
+__all__ = [
+    "ALIGN",
+    "DIRECT_MIN",
+    "TRANSPORTS",
+    "Entry",
+    "Plan",
+    "TorchPlane",
+    "TransferError",
+    "TransferOptions",
+    "TransferResult",
+    "UcclPlane",
+    "broadcast_state_dict",
+    "check_template",
+    "check_transport",
+    "check_uccl",
+    "make_plan",
+    "uccl_problems",
+]

@@ -1,0 +1,12 @@
+"""Pipeline shards: a model folder -> one safetensors shard per pipeline stage (rule shard)."""
+
+from distlm.log import setup_logging
+from distlm.model import write_pipeline_dir
+
+snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+setup_logging(snakemake.log[0])
+write_pipeline_dir(
+    snakemake.input.model,
+    snakemake.output.pipeline,
+    stages=snakemake.params.cfg["inference"]["stages"],
+)
