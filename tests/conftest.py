@@ -64,6 +64,19 @@ def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 1
     return out[-total:] if out else "\n(no rule logs written during the run)"
 
 
+# Fixtures that run the whole workflow or a cluster: a test that uses one is slow by definition.
+_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`-m "not slow"` is the development loop: whole-workflow, SLURM and network-namespace tests
+    carry the slow marker without each test repeating it."""
+    for item in items:
+        slow = _SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if slow or item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory) -> Path:
     """The whole tiny workflow, run once per test session; returns its working directory."""

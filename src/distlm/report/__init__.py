@@ -14,9 +14,26 @@ figure or table that says so; a malformed metrics file raises ReportError naming
 
 from __future__ import annotations
 
-from distlm.report.build import build_report
-from distlm.report.inputs import LAYOUT, Inputs, ReportError, collect
 from distlm.report.items import FIGURES, ITEMS, SECTIONS, SUMMARY, TABLES, Item, category, outputs
+
+# pandas and matplotlib load with the readers and the builder, on first use: the workflow imports
+# distlm.report.items while it builds the DAG and needs neither.
+_LAZY = {
+    "build_report": "distlm.report.build",
+    "LAYOUT": "distlm.report.inputs",
+    "Inputs": "distlm.report.inputs",
+    "ReportError": "distlm.report.inputs",
+    "collect": "distlm.report.inputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'distlm.report' has no attribute {name!r}")
+
 
 __all__ = [
     "FIGURES",

@@ -13,6 +13,7 @@ import numpy as np
 from distlm.data import write_tokens
 from distlm.io import digest
 from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+from distlm.stages import STAGES
 
 
 def synthetic_stream(n_tokens: int, vocab: int, *, seed: int, noise: float = 0.05) -> np.ndarray:
@@ -63,7 +64,7 @@ def make_inputs(
         "eos_token_id": 0,
         "block_size": block_size,
     }
-    tokens = root / "tokens.h5"
+    tokens = root / STAGES["data"].file("tokens")
     write_tokens(tokens, streams, block_size, vocab, meta)
     tokenizer = root / "tokenizer"
     tokenizer.mkdir(exist_ok=True)

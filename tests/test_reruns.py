@@ -1,0 +1,219 @@
+"""The rerun matrix: for every key of the config schema, what a dry run plans after editing it on
+one finished tiny workflow must be exactly the jobs the table says; caching is the product.
+
+The table is written here by hand, not derived from distlm.stages, so that it checks the
+declarations; a schema key with no row fails the test. One finished run, many dry runs (two at a
+time), so it stays within a couple of minutes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, TINY
+
+from distlm.stages import rerun_table, reruns, schema_keys
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+
+DATA = {"prepare_data"}
+MODEL = {"serialize_model"}
+BROADCAST = {"broadcast"}
+TRAIN = {"train", "evaluate[trained]", "shard[trained]", "inference"}
+EVAL = {"evaluate[base]", "evaluate[trained]"}
+INFER = {"inference"}
+REPORT = {"report"}
+ALL_FROM_MODEL = MODEL | BROADCAST | TRAIN | EVAL | REPORT
+ALL = DATA | ALL_FROM_MODEL
+TORCH = BROADCAST | TRAIN | EVAL | REPORT  # every torch.distributed stage and what follows
+NOTHING: set[str] = set()
+
+# key -> (the edit, as a config overlay; the jobs it reruns). Values differ from tiny.yaml's.
+MATRIX: dict[str, tuple[dict, set[str]]] = {
+    "runtime.device": ({"runtime": {"device": "auto"}}, TORCH | INFER),
+    "runtime.backend": ({"runtime": {"backend": "nccl", "device": "auto"}}, TORCH | INFER),
+    "runtime.timeout_s": ({"runtime": {"timeout_s": 99}}, TORCH),
+    "runtime.seed": ({"runtime": {"seed": 7}}, TRAIN | REPORT),
+    "data.source": ({"data": {"source": "hub"}}, ALL),
+    "data.hub.path": ({"data": {"hub": {"path": "other"}}}, ALL),
+    "data.hub.name": ({"data": {"hub": {"name": "other"}}}, ALL),
+    "data.hub.revision": ({"data": {"hub": {"revision": "main"}}}, ALL),
+    "data.hub.splits.train": ({"data": {"hub": {"splits": {"train": "tr"}}}}, ALL),
+    "data.hub.splits.validation": ({"data": {"hub": {"splits": {"validation": "va"}}}}, ALL),
+    "data.hub.splits.test": ({"data": {"hub": {"splits": {"test": "te"}}}}, ALL),
+    "data.local.train": ({"data": {"local": {"train": ["a.txt"]}}}, ALL),
+    "data.local.validation": ({"data": {"local": {"validation": ["b.txt"]}}}, ALL),
+    "data.local.test": ({"data": {"local": {"test": ["c.txt"]}}}, ALL),
+    "data.text_field": ({"data": {"text_field": "body"}}, ALL),
+    "data.separator": ({"data": {"separator": "\n"}}, ALL),
+    "data.validation_fraction": ({"data": {"validation_fraction": 0.1}}, ALL),
+    "data.test_fraction": ({"data": {"test_fraction": 0.1}}, ALL),
+    "data.block_size": ({"data": {"block_size": 32}}, ALL),
+    "data.tokenizer.vocab_size": ({"data": {"tokenizer": {"vocab_size": 512}}}, ALL),
+    "data.tokenizer.min_frequency": ({"data": {"tokenizer": {"min_frequency": 3}}}, ALL),
+    "model.source": ({"model": {"source": "hub", "name": "gpt2"}}, ALL),
+    "model.name": ({"model": {"name": "gpt2"}}, ALL),
+    "model.revision": ({"model": {"revision": "main"}}, ALL),
+    "model.dtype": ({"model": {"dtype": "bfloat16"}}, ALL_FROM_MODEL),
+    "model.init.n_layer": ({"model": {"init": {"n_layer": 4}}}, ALL_FROM_MODEL),
+    "model.init.n_head": ({"model": {"init": {"n_head": 4}}}, ALL_FROM_MODEL),
+    "model.init.n_embd": ({"model": {"init": {"n_embd": 32}}}, ALL_FROM_MODEL),
+    "model.init.n_positions": ({"model": {"init": {"n_positions": 96}}}, ALL_FROM_MODEL),
+    "model.init.dropout": ({"model": {"init": {"dropout": 0.1}}}, ALL_FROM_MODEL),
+    "model.init.seed": ({"model": {"init": {"seed": 1}}}, ALL_FROM_MODEL),
+    "broadcast.transport": ({"broadcast": {"transport": "uccl"}}, BROADCAST | TRAIN | REPORT),
+    "broadcast.receivers": ({"broadcast": {"receivers": 1}}, BROADCAST | REPORT),
+    "broadcast.bucket_mb": ({"broadcast": {"bucket_mb": 0.5}}, BROADCAST | TRAIN | REPORT),
+    "broadcast.chunk_mb": ({"broadcast": {"chunk_mb": 0.125}}, BROADCAST | TRAIN | REPORT),
+    "broadcast.timeout_s": ({"broadcast": {"timeout_s": 30}}, BROADCAST | TRAIN | REPORT),
+    **{
+        f"train.{k}": ({"train": {k: v}}, TRAIN | REPORT)
+        for k, v in {
+            "nodes": 2,
+            "nproc_per_node": 1,
+            "max_steps": 9,
+            "micro_batch_size": 2,
+            "grad_accum_steps": 2,
+            "lr": 0.002,
+            "min_lr": 0.00002,
+            "warmup_steps": 3,
+            "weight_decay": 0.2,
+            "beta1": 0.8,
+            "beta2": 0.99,
+            "grad_clip": 0.5,
+            "precision": "bf16",
+            "compile": True,
+            "ckpt_every": 2,
+            "keep_last": 3,
+            "eval_every": 2,
+            "eval_batches": 1,
+            "log_every": 2,
+            "max_restarts": 1,
+            "global_batch_size": 16,
+            "resume": "never",
+        }.items()
+    },
+    "train.ddp.bucket_cap_mb": ({"train": {"ddp": {"bucket_cap_mb": 5}}}, TRAIN | REPORT),
+    "train.ddp.static_graph": ({"train": {"ddp": {"static_graph": True}}}, TRAIN | REPORT),
+    "train.fault.nan_at_step": ({"train": {"fault": {"nan_at_step": 5}}}, TRAIN | REPORT),
+    "train.fault.kill_after_step": ({"train": {"fault": {"kill_after_step": 5}}}, TRAIN | REPORT),
+    "train.profile.enabled": ({"train": {"profile": {"enabled": False}}}, TRAIN | REPORT),
+    "train.profile.wait": ({"train": {"profile": {"wait": 2}}}, TRAIN | REPORT),
+    "train.profile.warmup": ({"train": {"profile": {"warmup": 2}}}, TRAIN | REPORT),
+    "train.profile.active": ({"train": {"profile": {"active": 1}}}, TRAIN | REPORT),
+    "train.profile.top_ops": ({"train": {"profile": {"top_ops": 5}}}, TRAIN | REPORT),
+    "eval.nproc_per_node": ({"eval": {"nproc_per_node": 1}}, EVAL | REPORT),
+    "eval.context": ({"eval": {"context": 48}}, EVAL | REPORT),
+    "eval.stride": ({"eval": {"stride": 16}}, EVAL | REPORT),
+    "eval.batch_size": ({"eval": {"batch_size": 4}}, EVAL | REPORT),
+    "eval.precision": ({"eval": {"precision": "bf16"}}, EVAL | REPORT),
+    "eval.splits": ({"eval": {"splits": ["test"]}}, EVAL | REPORT),
+    "inference.stages": ({"inference": {"stages": 2}}, {"shard[trained]"} | INFER | REPORT),
+    "inference.prompts": ({"inference": {"prompts": "tests/configs/tiny.yaml"}}, INFER | REPORT),
+    "inference.max_new_tokens": ({"inference": {"max_new_tokens": 4}}, INFER | REPORT),
+    "inference.greedy": ({"inference": {"greedy": False}}, INFER | REPORT),
+    "inference.temperature": ({"inference": {"temperature": 0.31}}, INFER | REPORT),
+    "inference.top_k": ({"inference": {"top_k": 5}}, INFER | REPORT),
+    "inference.top_p": ({"inference": {"top_p": 0.5}}, INFER | REPORT),
+    "inference.seed": ({"inference": {"seed": 3}}, INFER | REPORT),
+    "inference.lanes": ({"inference": {"lanes": 2}}, INFER | REPORT),
+    "inference.prompt_overflow": ({"inference": {"prompt_overflow": "reject"}}, INFER | REPORT),
+    "inference.timeout_s": ({"inference": {"timeout_s": 33}}, INFER | REPORT),
+    "report.formats": ({"report": {"formats": ["png", "svg"]}}, REPORT),
+}
+for _k, _v in {
+    "host": "0.0.0.0",
+    "port": 8123,
+    "max_tokens": 64,
+    "max_request_bytes": 4096,
+}.items():
+    MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)
+
+_RULE = re.compile(r"^(?:local)?rule (\w+):$")
+_WILDCARD = re.compile(r"^\s+wildcards: .*\bmodel=(\w+)")
+
+
+def planned(workdir: Path, overlay: dict, tmp: Path, name: str, *args: str) -> set[str]:
+    """The jobs a dry run plans with `overlay` merged over tiny.yaml, as rule or rule[model]
+    (rule all and the resolved-config files left out)."""
+    edit = tmp / f"{name}.yaml"
+    edit.write_text(yaml.safe_dump(overlay))
+    cmd = [
+        sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory",
+        str(workdir), "--profile", str(ROOT / "profiles/local"), "--configfile", str(TINY),
+        str(edit), "-n", "--nolock", *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name}: {out[-3000:]}"
+    jobs, rule = [], None
+    for line in out.splitlines():
+        if m := _RULE.match(line.strip()):
+            rule = m.group(1)
+            jobs.append(rule)
+        elif rule and (m := _WILDCARD.match(line)):
+            jobs[-1] = f"{rule}[{m.group(1)}]"
+    return set(jobs) - {"all", "resolve_config"}
+
+
+def test_every_schema_key_has_a_row():
+    keys = schema_keys(SCHEMA)
+    missing = [k for k in keys if k not in MATRIX]
+    extra = [k for k in MATRIX if k not in keys]
+    assert not missing, f"schema keys without a row in the rerun matrix: {missing}"
+    assert not extra, f"rows for keys the schema lacks: {extra}"
+
+
+def test_declarations_agree_with_the_matrix():
+    """distlm.stages (what config/README.md's table is made from) says the same as the matrix."""
+    wrong = {
+        k: (sorted(reruns(k)), sorted(want))
+        for k, (_, want) in MATRIX.items()
+        if set(reruns(k)) != want
+    }
+    assert not wrong, wrong
+
+
+def test_config_readme_table_is_in_sync():
+    assert rerun_table(SCHEMA) in (ROOT / "config/README.md").read_text()
+    proc = subprocess.run(
+        [sys.executable, "-m", "distlm.stages", "--check"], capture_output=True, text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, tmp_path):
+    keys = list(MATRIX)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        got = dict(
+            zip(
+                keys,
+                pool.map(
+                    lambda k: planned(workflow_run, MATRIX[k][0], tmp_path, k.replace(".", "-")),
+                    keys,
+                ),
+            )
+        )
+    wrong = {k: (sorted(got[k]), sorted(MATRIX[k][1])) for k in keys if got[k] != MATRIX[k][1]}
+    assert not wrong, "\n".join(f"{k}: plans {g}, expected {w}" for k, (g, w) in wrong.items())
+
+
+def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, tmp_path):
+    assert planned(workflow_run, {}, tmp_path, "nothing") == NOTHING
+    for rule, want in (
+        ("train", TRAIN | REPORT),
+        ("broadcast", BROADCAST | REPORT),
+        ("shard", {"shard[trained]"} | INFER | REPORT),
+        ("report", REPORT),
+    ):
+        got = planned(workflow_run, {}, tmp_path, f"forcerun-{rule}", "--forcerun", rule)
+        assert got == want, (rule, sorted(got))
