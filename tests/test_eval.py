@@ -63,7 +63,7 @@ def tiny(tmp_path_factory) -> dict:
     (root / "tok").mkdir()
     write_model_dir(
         root / "model", state_dict=state_dict_for_save(model), config=config,
-        tokenizer_dir=root / "tok", stages=1,
+        tokenizer_dir=root / "tok",
         meta={"created_by": "test", "data_config_digest": data_meta["config_digest"]},
     )
     return {"root": root, "model": root / "model", "tokens": root / "tokens.h5", "streams": streams}
@@ -229,7 +229,7 @@ def test_result_independent_of_world_size_and_method_sensitive(runs):
 def test_output_json(tiny, runs):
     res = runs[2][1]
     meta = read_json(tiny["model"] / "distlm.json")
-    assert res["format"] == "distlm-eval/1" and res["name"] == "case1"
+    assert res["format"] == "distlm-eval/2" and res["name"] == "case1"
     assert res["model"]["model_sha256"] == meta["model_sha256"]
     assert res["data"]["sha256"] == sha256_file(tiny["tokens"])
     assert res["precision"] == "fp32" and res["device"] == "cpu"

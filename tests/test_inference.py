@@ -36,7 +36,7 @@ PROMPTS = [
 
 
 def build_tiny_models(root: Path) -> dict[int, Path]:
-    """A 5-layer GPT-2 written as model folders with 1, 2 and 3 stage shards.
+    """A 5-layer GPT-2 written as a model folder and pipeline folders of 1, 2 and 3 stage shards.
 
     Weights are drawn wider than GPT-2's init so that greedy decoding does not settle on one
     repeated token and the equality tests compare varied sequences.
@@ -44,7 +44,13 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
     from transformers import AutoTokenizer
 
     from distlm.data import load_embedded, train_tokenizer
-    from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+    from distlm.model import (
+        build_model,
+        init_config,
+        state_dict_for_save,
+        write_model_dir,
+        write_pipeline_dir,
+    )
 
     done = {s: root / f"s{s}" for s in (1, 2, 3)}
     if all((p / "shards" / "manifest.json").is_file() for p in done.values()):
@@ -62,8 +68,9 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
             base = 1.0 if ".ln" in name and name.endswith("weight") else 0.0
             p.copy_(base + torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
     sd = state_dict_for_save(model)
+    write_model_dir(root / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir, meta={"source": "test"})
     for s, path in done.items():
-        write_model_dir(path, state_dict=sd, config=cfg, tokenizer_dir=tokdir, stages=s, meta={"source": "test"})
+        write_pipeline_dir(root / "model", path, stages=s)
     return done
 
 
@@ -79,7 +86,7 @@ def hf_reference(tiny_models):
 
     from distlm.model import load_model_dir
 
-    folder = tiny_models[1]
+    folder = tiny_models[1].parent / "model"  # the model folder the pipeline folders were cut from
     tok = AutoTokenizer.from_pretrained(folder)
     model = load_model_dir(folder)
     cache = {}

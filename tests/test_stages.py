@@ -82,6 +82,15 @@ def test_output_file_names_are_written_once():
         assert not found, (path, found)
 
 
+def test_declared_documents_are_document_types():
+    import distlm.documents as docs
+
+    for stage in STAGES.values():
+        if stage.document is not None:
+            output, kind = stage.document
+            assert output in stage.outputs and issubclass(getattr(docs, kind), docs.Document)
+
+
 def test_documents_refuse_other_kinds_versions_and_fields(tmp_path):
     doc = EvalReport(
         name="base", method="m", model={}, data={}, context=8, stride=4, batch_size=1,

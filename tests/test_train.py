@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from distlm import DistlmError
-from distlm.config import sections, validate_config
+from distlm.config import validate_config
 from distlm.model import load_model_dir, read_meta
+from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
@@ -26,7 +27,6 @@ from distlm.train.trainer import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "workflow" / "scripts" / "train.py"
-STAGE = ["runtime", "data", "model", "broadcast", "train"]
 
 
 def train_cfg(**train) -> dict:
@@ -54,7 +54,7 @@ def train_cfg(**train) -> dict:
             "train": base,
         }
     )
-    return sections(cfg, STAGE)
+    return stage_config(cfg, "train")
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,10 @@ from distlm.transfer import (
     _Checksum,
     broadcast_state_dict,
     check_template,
+    check_uccl,
     make_plan,
+    uccl_problems,
 )
-from distlm.transfer_uccl import check_uccl, uccl_problems
 
 # ----------------------------------------------------------------------------- units
 
@@ -63,15 +64,15 @@ def test_messages_cover_each_bucket_and_send_large_segments_unpacked(zero_copy):
     direct = 0
     for b in range(plan.buckets):
         covered = []
-        for lo, hi, segs in plan.messages(b, zero_copy):
-            if len(segs) == 1 and len(segs[0]) == 2:  # straight from / into one tensor
-                e, off = segs[0]
-                assert 0 <= off and off + hi - lo <= e.nbytes
-                covered.append((e.name, off, hi - lo))
-                direct += hi - lo
+        for m in plan.messages(b, zero_copy):
+            if m.direct is not None:  # straight from / into one tensor
+                e, off, n = m.direct.entry, m.direct.offset, m.direct.length
+                assert 0 <= off and off + n <= e.nbytes and n == m.hi - m.lo and not m.pieces
+                covered.append((e.name, off, n))
+                direct += n
             else:
-                for e, off, n, at in segs:
-                    assert 0 <= at and at + n <= hi - lo
+                for e, off, n, at in m.pieces:
+                    assert 0 <= at and at + n <= m.hi - m.lo
                     covered.append((e.name, off, n))
         expect = [(e.name, off, n) for e, off, n, _ in plan.pieces(b)]
         assert sorted(covered) == sorted(_split_like(expect, covered))

@@ -65,28 +65,18 @@ def seeded_model(folder: Path, args) -> Path:
         len(tok), tok.eos_token_id,
     )
     sd = state_dict_for_save(build_model(cfg, seed=0))
-    write_model_dir(folder / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir, stages=1,
+    write_model_dir(folder / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir,
                     meta={"source": {"kind": "init", "seed": 0}})
     return folder / "model"
 
 
 def sharded(model: Path, stages: int, work: Path) -> Path:
-    """The same weights as a model folder with `stages` shards."""
-    from distlm.model import (
-        load_config_json,
-        load_model_dir,
-        read_manifest,
-        state_dict_for_save,
-        write_model_dir,
-    )
+    """The model folder cut into a pipeline folder of `stages` shards (what rule shard does)."""
+    from distlm.model import write_pipeline_dir
 
-    if read_manifest(model)["stages"] == stages:
-        return model
     out = work / f"s{stages}"
     if not out.exists():
-        sd = state_dict_for_save(load_model_dir(model))
-        write_model_dir(out, state_dict=sd, config=load_config_json(model), tokenizer_dir=model,
-                        stages=stages, meta={"source": str(model)})
+        write_pipeline_dir(model, out, stages=stages)
     return out
 
 

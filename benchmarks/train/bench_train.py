@@ -89,7 +89,8 @@ def worker(a) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from distlm.config import sections, validate_config
+    from distlm.config import validate_config
+    from distlm.stages import stage_config
     from distlm.dist import distributed
     from distlm.log import setup_logging
     from distlm.model import load_model_dir
@@ -120,7 +121,7 @@ def worker(a) -> None:
             },
         }
     )
-    cfg = sections(cfg, ["runtime", "data", "model", "broadcast", "train"])
+    cfg = stage_config(cfg, "train")
     with distributed(backend=cfg["runtime"]["backend"], device=a.device, timeout_s=600) as topo:
         root = Path(a.workdir)
         with topo.main_first():

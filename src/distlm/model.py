@@ -468,10 +468,3 @@ def serialize(cfg: dict, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Pat
         "dtype": mcfg["dtype"],
     }
     return write_model_dir(out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir, meta=meta)
-
-
-def iter_tensor_names(folder: str | Path) -> Iterable[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(Path(folder) / WEIGHTS), framework="pt") as f:
-        yield from f.keys()

@@ -47,7 +47,8 @@ class Stage:
     folder: str  # under results/
     keys: tuple[str, ...]  # dotted config keys it reads; a key covers everything under it
     outputs: Mapping[str, Output]
-    document: str | None = None  # the output holding its report document (distlm.documents)
+    # (output, type): the output holding the stage's report document and its distlm.documents type
+    document: tuple[str, str] | None = None
     consumes: tuple[str, ...] = ()  # jobs whose outputs it reads (see JOBS)
     summary: str = ""
     scratch: Mapping[str, str] = field(default_factory=dict)  # undeclared working folders
@@ -104,7 +105,7 @@ STAGES: dict[str, Stage] = {
             # A hub or local model brings its own tokenizer: the model's identity is read here.
             keys=("data", "model.source", "model.name", "model.revision"),
             outputs=_outputs(tokens="tokens.h5", tokenizer=("tokenizer", True), stats="stats.json"),
-            document="stats",
+            document=("stats", "DataStats"),
             summary="corpus -> tokenizer, HDF5 token blocks per split, stats",
         ),
         Stage(
@@ -122,8 +123,7 @@ STAGES: dict[str, Stage] = {
             "pipeline",
             keys=("inference.stages",),
             outputs=_outputs(pipeline=("{model}", True)),
-            document="pipeline",
-            summary="a model folder -> one shard per pipeline stage, with a sha256 manifest",
+                        summary="a model folder -> one shard per pipeline stage, with a sha256 manifest",
         ),
         Stage(
             "broadcast",
@@ -131,7 +131,7 @@ STAGES: dict[str, Stage] = {
             "broadcast",
             keys=(*_DEVICE, "broadcast"),
             outputs=_outputs(report="report.json"),
-            document="report",
+            document=("report", "BroadcastReport"),
             consumes=("serialize_model",),
             summary="rank 0 sends the base model to every receiver, verified",
         ),
@@ -157,7 +157,7 @@ STAGES: dict[str, Stage] = {
             "eval",
             keys=(*_DEVICE, "eval"),
             outputs=_outputs(json="{model}.json"),
-            document="json",
+            document=("json", "EvalReport"),
             summary="sliding-window perplexity of the base and the trained model",
         ),
         Stage(
@@ -172,8 +172,7 @@ STAGES: dict[str, Stage] = {
                 *_SAMPLING,
             ),
             outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
-            document="timing",
-            consumes=("shard[trained]",),
+                        consumes=("shard[trained]",),
             summary="prompts through the pipeline-parallel trained model -> generations, timing",
         ),
         Stage(
@@ -182,8 +181,7 @@ STAGES: dict[str, Stage] = {
             "report",
             keys=("report",),
             outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
-            document="summary",
-            consumes=(
+                        consumes=(
                 "prepare_data",
                 "broadcast",
                 "train",

@@ -24,7 +24,7 @@ How it moves the bytes (what NCCL's ring broadcast and RL weight-sync engines do
 
 Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, gloo for CPU) and
 "uccl" (UCCL's P2P engine for the bulk data, torch.distributed for the small control messages;
-see distlm.transfer_uccl). A transport that cannot run raises TransferError saying why.
+see distlm.transfer.uccl). A transport that cannot run raises TransferError saying why.
 """
 
 from distlm.transfer.core import (
