@@ -176,8 +176,25 @@ def load_model_dir(folder: str | Path, *, device: str | torch.device = "cpu", dt
     return model.to(device).eval()
 
 
+MODEL_FORMAT = "distlm-model/1"
+PIPELINE_FORMAT = "distlm-pipeline/1"
+SHARDS_FORMAT = "distlm-shards/1"
+
+
+def _checked(path: Path, what: str, fmt: str) -> dict:
+    """A JSON document of this format and version, or an error naming the file."""
+    doc = read_json(path, what=what)
+    found = doc.get("format") if isinstance(doc, dict) else None
+    if found != fmt:
+        raise DistlmError(
+            f"{path}: {what} of format {found!r}, expected {fmt!r}; rerun the stage that wrote it"
+        )
+    return doc
+
+
 def read_meta(folder: str | Path) -> dict:
-    return read_json(Path(folder) / META, what="model metadata")
+    """distlm.json of a model folder (the model stage's or training's final)."""
+    return _checked(Path(folder) / META, "model metadata", MODEL_FORMAT)
 
 
 # ----------------------------------------------------------------------------- stage shards
@@ -305,7 +322,7 @@ def write_model_dir(
         for name, src in (extra_files or {}).items():
             shutil.copy2(src, tmp / name)
         full_meta = {
-            "format": "distlm-model/1",
+            "format": MODEL_FORMAT,
             **meta,
             "model_sha256": sha256_file(tmp / WEIGHTS),
             "n_layer": config.n_layer,
@@ -364,7 +381,7 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
                 "sha256": sha256_file(tmp / SHARDS / fname),
             })
         manifest = {
-            "format": "distlm-shards/1",
+            "format": SHARDS_FORMAT,
             "stages": stages,
             "n_layer": config.n_layer,
             "model_sha256": actual,
@@ -374,7 +391,7 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
         write_json(tmp / SHARDS / MANIFEST, manifest)
         write_json(tmp / META, {
             **meta,
-            "format": "distlm-pipeline/1",
+            "format": PIPELINE_FORMAT,
             "source_model": str(model_dir),
             "stages": [
                 {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]} for s in shards
@@ -393,7 +410,8 @@ def arch_signature(config) -> dict:
 
 
 def read_manifest(folder: str | Path) -> dict:
-    return read_json(Path(folder) / SHARDS / MANIFEST, what="shard manifest")
+    """shards/manifest.json of a pipeline folder (rule shard)."""
+    return _checked(Path(folder) / SHARDS / MANIFEST, "shard manifest", SHARDS_FORMAT)
 
 
 def load_stage_shard(folder: str | Path, stage: int, *, device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
