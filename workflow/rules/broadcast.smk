@@ -19,9 +19,9 @@ rule broadcast:
         script=entry_point("broadcast.py"),
         nproc=1 + config["broadcast"]["receivers"],
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script}"
-        " --config {input.cfg} --model {input.model} --report {output.report}"
-        " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log} 2>&1"
+        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
+        " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
+        " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log:q} 2>&1"
 
 
 TARGETS["broadcast"] = rules.broadcast.output

@@ -27,10 +27,10 @@ rule evaluate:
         script=entry_point("evaluate.py"),
         nproc=config["eval"]["nproc_per_node"],
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script}"
-        " --config {input.cfg} --model {input.model} --tokens {input.tokens}"
-        " --name {wildcards.model} --out {output.json}"
-        " --rank-log 'logs/eval/{wildcards.model}.rank{{rank}}.log' > {log} 2>&1"
+        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
+        " --config {input.cfg:q} --model {input.model:q} --tokens {input.tokens:q}"
+        " --name {wildcards.model} --out {output.json:q}"
+        " --rank-log 'logs/eval/{wildcards.model}.rank{{rank}}.log' > {log:q} 2>&1"
 
 
 TARGETS["eval"] = expand(rules.evaluate.output.json, model=EVAL_MODELS)

@@ -27,9 +27,9 @@ rule inference:
         script=entry_point("infer.py"),
         stages=config["inference"]["stages"],
     shell:
-        "{resources.mpi} -n {params.stages} python {params.script} --config {input.cfg}"
-        " --model {input.model} --prompts {input.prompts}"
-        " --generations {output.generations} --timing {output.timing} > {log} 2>&1"
+        "{resources.mpi} -n {params.stages} python {params.script:q} --config {input.cfg:q}"
+        " --model {input.model:q} --prompts {input.prompts:q}"
+        " --generations {output.generations:q} --timing {output.timing:q} > {log:q} 2>&1"
 
 
 TARGETS["inference"] = rules.inference.output
