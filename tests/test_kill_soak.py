@@ -156,15 +156,20 @@ def test_kill_anywhere_soak(tmp_path):
     newest = 0
     final_killed = False
     for _attempt in range(3 * KILLS):
-        if newest >= MAX_STEPS - 1 and not final_killed:
-            trigger = ("final", None)  # this attempt trains to the end (or reuses it): final write
-        elif len(kills) >= KILLS:
+        left = MAX_STEPS - newest  # checkpoint writes this attempt will make
+        if len(kills) >= KILLS:
             trigger = ("none", None)  # the rerun that finishes
-        elif newest == MAX_STEPS:  # finished work: only the start and the final write are left
+        elif len(kills) == KILLS - 1 and not final_killed:
+            trigger = ("final", None)  # trains to the end from wherever it is, dies writing
+        elif left <= 1:  # the last step (or none: finished work), then the final write
             trigger = rng.choice([("start", rng.uniform(0.3, 4.0)), ("final", None)])
-        else:
-            trigger = rng.choice([("start", rng.uniform(0.3, 4.0)), ("ckpt", rng.randint(1, 3)),
-                                  ("after", rng.uniform(0.0, 1.5))])
+            if not final_killed:
+                trigger = ("final", None)
+        else:  # each trigger fires before the attempt could finish: every attempt is killed
+            choices = [("start", rng.uniform(0.3, 4.0)), ("ckpt", rng.randint(1, min(3, left)))]
+            if left >= 5:  # steps take >= the 0.3 s write window each: 1.5 s < 5 steps
+                choices.append(("after", rng.uniform(0.0, 1.5)))
+            trigger = rng.choice(choices)
         job = Job(inputs, cfg_path, out, events)
         if not _run_until(job, trigger):
             break
