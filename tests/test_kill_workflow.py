@@ -1,5 +1,5 @@
-"""The workflow from a checkout, a working directory and a prompt file whose paths hold spaces (every
-config-derived path in the rules is quoted); then finished training is reused when its final
+"""The workflow from a checkout, a working directory and a prompt file whose paths hold spaces
+(every config-derived path in the rules is quoted); then finished training is reused when its final
 folder is gone (no step runs, bit-identical weights) and `--forcerun train` trains afresh."""
 
 from __future__ import annotations

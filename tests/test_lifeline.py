@@ -182,7 +182,8 @@ def test_mpi_ranks_die_when_mpiexec_and_its_proxy_are_killed(tmp_path):
     """hydra's proxy ends its ranks when mpiexec goes; when the proxy dies too (a node agent
     killed), only the lifeline ends them."""
     launcher = subprocess.Popen(
-        ["mpiexec", "-n", "2", sys.executable, str(ROOT / "tests" / "harness" / "lifeline_rank.py")],
+        ["mpiexec", "-n", "2", sys.executable,
+         str(ROOT / "tests" / "harness" / "lifeline_rank.py")],
         env=_env(), start_new_session=True, stdout=subprocess.PIPE, text=True,
     )
     ranks: list[int] = []

@@ -65,7 +65,8 @@ def unavailable_reason() -> str | None:
                   "rate", "100mbit", "burst", "64kb", "latency", "50ms"], "shaping a veth with tc tbf")
         finally:
             # also when `add` timed out or failed halfway: deleting an absent namespace is harmless
-            subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True,
+                           timeout=30)
     except (FabricError, OSError, subprocess.TimeoutExpired) as e:
         return f"`ip netns` is unavailable: {e}"
     return None

@@ -42,7 +42,8 @@ def request_fresh_training():
     """A forced train job (--forcerun train, --forceall, -f on its outputs) is a request for a
     fresh run: leave one for the stage, which then discards its checkpoints. A plain rerun (after
     a kill, or a deleted output) leaves none and reuses them. Runs in the main Snakemake process
-    only (onstart; never in a cluster job's inner Snakemake, which is forced by design)."""
+    only (onstart; never in a cluster job's inner Snakemake, which is forced by design).
+    """
     from distlm.train.checkpoint import request_fresh_run
 
     if workflow.touch:
@@ -50,7 +51,9 @@ def request_fresh_training():
     for job in workflow.dag.needrun_jobs():
         if job.rule.name == "train" and workflow.dag.reason(job).forced:
             out = Path(job.output.metrics).parent / "checkpoints"
-            request_fresh_run(out, "Snakemake forced the train job (--forcerun, --forceall)")
+            request_fresh_run(
+                out, "Snakemake forced the train job (--forcerun, --forceall)"
+            )
 
 
 onstart:
