@@ -75,6 +75,35 @@ def test_a_killed_owner_leaves_nothing_after_the_next_cleanup():
     assert not any(ns.startswith(tag) for ns in _namespaces())
 
 
+def test_a_probe_killed_halfway_leaves_nothing_after_the_next_cleanup():
+    # the availability probe's process dies right after creating its namespace
+    code = ("import os, distlm.fabric as f\n"
+            "real = f._run\n"
+            "def run(cmd, what):\n"
+            "    out = real(cmd, what)\n"
+            "    if cmd[:3] == ['ip', 'netns', 'add']:\n"
+            "        print(cmd[3], flush=True); os._exit(0)\n"
+            "    return out\n"
+            "f._run = run\n"
+            "f.unavailable_reason()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    probe = out.stdout.strip()
+    assert probe.startswith(f"{PREFIX}-") and probe.endswith("-probe") and probe in _namespaces()
+    assert probe in cleanup_stale()
+    assert probe not in _namespaces()
+
+
+def test_probes_of_the_earlier_naming_are_cleaned_too():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    name = f"{PREFIX}-probe-{int(dead.stdout)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in cleanup_stale()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
 def test_bad_arguments():
     with pytest.raises(FabricError, match="at least one host"):
         Fabric(0)

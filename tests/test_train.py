@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -289,12 +290,115 @@ def test_train_stage_in_tiny_workflow(workflow_run):
     assert [c.step for c in ck.list_checkpoints(res / "checkpoints")] == [4, 8]
 
 
-def test_rerun_of_a_finished_stage_trains_again(inputs, tmp_path):
-    """--forcerun train after a finished run: not a resume into zero steps, a fresh run."""
+def test_finished_work_is_reused_and_a_fresh_run_is_asked_for(inputs, tmp_path, caplog):
+    """A job killed after its last checkpoint (final/ missing): the rerun writes final/ from that
+    checkpoint, no step runs. --forcerun's request (and resume: never) train afresh."""
     out = tmp_path / "train"
     run_training(train_cfg(max_steps=2), paths(inputs, out))
     first = (out / "final" / "model.safetensors").read_bytes()
+    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    import shutil
+
+    shutil.rmtree(out / "final")
+    (out / "metrics.csv").unlink()  # Snakemake removes the declared outputs before the job
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        run_training(train_cfg(max_steps=2), paths(inputs, out))
+    meta = read_meta(out / "final")["training"]
+    assert meta["steps_this_run"] == 0 and meta["resumed_from"].endswith("step-00000002")
+    assert "is this run's finished work" in caplog.text
+    assert not [r for r in caplog.records if " loss " in r.getMessage()]  # no step, no eval
+    assert (out / "final" / "model.safetensors").read_bytes() == first
+    assert len((out / "metrics.csv").read_text().splitlines()) == 3  # history kept: 2 steps
+    # the workflow's request for a fresh run (--forcerun train): checkpoints go, training runs
+    ck.request_fresh_run(out / "checkpoints", "test")
     run_training(train_cfg(max_steps=2), paths(inputs, out))
     meta = read_meta(out / "final")["training"]
-    assert meta["resumed_from"] is None
+    assert meta["steps_this_run"] == 2 and meta["resumed_from"] is None
+    assert not (out / "checkpoints" / ck.FRESH_REQUEST).exists()  # taken once
     assert (out / "final" / "model.safetensors").read_bytes() == first  # and reproducible
+    run_training(train_cfg(max_steps=2, resume="never"), paths(inputs, out))
+    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    # a checkpoint beyond max_steps is refused, naming it and the way out
+    with pytest.raises(ck.CheckpointMismatch, match=r"step 2, beyond train.max_steps 1"):
+        run_training(train_cfg(max_steps=1), paths(inputs, out))
+
+
+def test_prune_counts_only_verified_checkpoints(tmp_path):
+    for s in (2, 4, 6):
+        _save(tmp_path, s)
+    w = tmp_path / "step-00000006" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:20])  # the newest is corrupt
+    _save(tmp_path, 8, keep=2)
+    # good ones: 8 and 4 are kept; 6 (corrupt, newer than 4) stays until it is older; 2 goes
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [4, 6, 8]
+    _save(tmp_path, 10, keep=2)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [8, 10]
+
+
+def test_a_checkpoint_that_fails_its_read_back_prunes_nothing(tmp_path, monkeypatch):
+    for s in (2, 4):
+        _save(tmp_path, s, keep=2)
+    real = ck._verify
+
+    def bad_disk(c):  # step 6's bytes on disk differ from what was written
+        if c.step == 6:
+            raise DistlmError(f"{c.path / 'model.safetensors'}: sha256 differs (simulated)")
+        real(c)
+
+    monkeypatch.setattr(ck, "_verify", bad_disk)
+    with pytest.raises(DistlmError, match="simulated"):
+        _save(tmp_path, 6, keep=2)
+    assert [c.step for c in ck.list_checkpoints(tmp_path)] == [2, 4, 6]  # nothing pruned
+
+
+def test_leftovers_of_dead_writers_go_at_the_next_start(tmp_path):
+    from distlm import io
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    me = f"{io._HOST}-{os.getpid()}"
+    gone = f"{io._HOST}-{int(dead.stdout)}"
+    (tmp_path / f".step-00000012.{gone}.abc.tmp").mkdir()  # a killed checkpoint write
+    (tmp_path / f".final.old-{gone}").mkdir()  # killed between the two renames
+    (tmp_path / f".metrics.csv.{gone}.xyz.tmp").write_text("partial")
+    (tmp_path / f".step-00000014.{me}.abc.tmp").mkdir()  # a live writer (this process)
+    (tmp_path / f".step-00000016.otherhost-{os.getpid()}.abc.tmp").mkdir()  # cannot be asked
+    (tmp_path / ".hidden").write_text("not ours")
+    removed = sorted(p.name for p in io.remove_leftovers(tmp_path))
+    assert removed == sorted([f".step-00000012.{gone}.abc.tmp", f".final.old-{gone}",
+                              f".metrics.csv.{gone}.xyz.tmp"])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([".hidden", f".step-00000014.{me}.abc.tmp",
+                           f".step-00000016.otherhost-{os.getpid()}.abc.tmp"])
+    # another host's leftover goes once nothing in it changed for STALE_AFTER_S
+    old = time.time() - io.STALE_AFTER_S - 60
+    os.utime(tmp_path / f".step-00000016.otherhost-{os.getpid()}.abc.tmp", (old, old))
+    assert [p.name for p in io.remove_leftovers(tmp_path)] == [
+        f".step-00000016.otherhost-{os.getpid()}.abc.tmp"
+    ]
+
+
+def test_every_file_of_an_atomic_folder_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    from distlm import io
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("rename", str(a)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(io.os, "fsync", fsync)
+    monkeypatch.setattr(io.os, "replace", replace)
+    with io.atomic_dir(tmp_path / "ck") as tmp:
+        (tmp / "sub").mkdir()
+        torch.save({"a": 1}, tmp / "optimizer.pt")  # written outside distlm.io
+        (tmp / "sub" / "x.bin").write_bytes(b"x")
+    rename_at = events.index(("rename", str(tmp)))
+    synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
+    assert {str(tmp / "optimizer.pt"), str(tmp / "sub" / "x.bin"), str(tmp / "sub"),
+            str(tmp)} <= synced

@@ -381,13 +381,15 @@ def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, st
     for s in SPLITS:
         log.info("split %s: %d documents from %s", s, splits[s].documents, splits[s].origin)
 
-    # The tokenizer folder is renamed into place last: a failure anywhere leaves no output behind.
+    # Each output is renamed into place when complete, in the order tokens, tokenizer, stats: a
+    # kill anywhere leaves no partial file, and stats.json (last) exists only beside the others.
     with atomic_dir(tokenizer_dir) as tok_tmp:
-        stats = _tokenize_and_write(cfg, splits, tok_tmp, cfg_digest, Path(tokens_path), stats_path, t0)
+        stats = _tokenize_and_write(cfg, splits, tok_tmp, cfg_digest, Path(tokens_path), t0)
+    write_document(stats_path, stats)
     return stats
 
 
-def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, stats_path, t0) -> DataStats:
+def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, t0) -> DataStats:
     dcfg, mcfg = cfg["data"], cfg["model"]
     tok = model_tokenizer(mcfg)
     if tok is None:
@@ -441,7 +443,6 @@ def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path
         },
         seconds=round(time.perf_counter() - t0, 3),
     )
-    write_document(stats_path, stats)
     log.info(
         "wrote %s: %s", tokens_path,
         ", ".join(f"{s} {v.blocks} blocks/{v.tokens} tokens" for s, v in stats.splits.items()),

@@ -15,13 +15,14 @@ import contextlib
 import datetime as _dt
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
+from distlm.lifeline import bind_to_launcher
 from distlm.log import get_logger
 
 log = get_logger(__name__)
@@ -105,7 +106,9 @@ def distributed(
     """Initialise the default process group from the torchrun environment; always tear it down.
 
     Outside torchrun (no RANK in the environment) this is a world of one on a private port.
+    A rank started by a launcher is bound to it first (distlm.lifeline): it dies with it.
     """
+    bind_to_launcher()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

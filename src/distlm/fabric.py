@@ -12,7 +12,8 @@ namespaces are used; nothing is added to the machine's own network namespace.
 
 Every exit path removes the namespaces (deleting a namespace deletes its veths): `__exit__`, an
 atexit hook for an interpreter that exits without leaving the `with` block, and `cleanup_stale`
-for namespaces left by a process that was killed (their names carry its pid).
+for namespaces left by a process that was killed (their names carry its pid, the availability
+probe's `dlmfab-PID-probe` too; the probe and every fabric run it first).
 """
 
 from __future__ import annotations
@@ -52,15 +53,20 @@ def unavailable_reason() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
-    probe = f"{PREFIX}-probe-{os.getpid()}"
+    cleanup_stale()  # a probe or a fabric of a killed process
+    # The probe's name carries this pid like a fabric's, so cleanup_stale removes it if this
+    # process is killed before the `finally` below runs.
+    probe = f"{PREFIX}-{os.getpid()}-probe"
     try:
-        _run(["ip", "netns", "add", probe], "creating a network namespace")
         try:
+            _run(["ip", "netns", "add", probe], "creating a network namespace")
             _run(["ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"], "creating a veth pair")
             _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "pa", "root", "tbf",
                   "rate", "100mbit", "burst", "64kb", "latency", "50ms"], "shaping a veth with tc tbf")
         finally:
-            subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+            # also when `add` timed out or failed halfway: deleting an absent namespace is harmless
+            subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True,
+                           timeout=30)
     except (FabricError, OSError, subprocess.TimeoutExpired) as e:
         return f"`ip netns` is unavailable: {e}"
     return None
@@ -76,7 +82,9 @@ def cleanup_stale() -> list[str]:
     removed = []
     for ns in _namespaces():
         parts = ns.split("-")
-        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not pid_alive(int(parts[1])):
+        # dlmfab-PID-...; dlmfab-probe-PID is the probe's name before the pid came first
+        pid = parts[1] if len(parts) >= 3 and parts[1] != "probe" else parts[-1]
+        if len(parts) >= 3 and parts[0] == PREFIX and pid.isdigit() and not pid_alive(int(pid)):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
             removed.append(ns)
     if removed:

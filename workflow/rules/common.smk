@@ -54,3 +54,21 @@ def benchmark_of(job):
 def entry_point(name):
     """Absolute path of a stage entry point, for rules that start it through a launcher."""
     return str(ROOT / "workflow" / "scripts" / name)
+
+
+def request_fresh_training():
+    """A forced train job (--forcerun train, --forceall, -f on its outputs) is a request for a
+    fresh run: leave one for the stage, which then discards its checkpoints. A plain rerun (after
+    a kill, or a deleted output) leaves none and reuses them. Runs in the main Snakemake process
+    only (onstart; never in a cluster job's inner Snakemake, which is forced by design).
+    """
+    from distlm.train.checkpoint import request_fresh_run
+
+    if workflow.touch:
+        return
+    for job in workflow.dag.needrun_jobs():
+        if job.rule.name == "train" and workflow.dag.reason(job).forced:
+            out = Path(STAGES["train"].dir) / STAGES["train"].scratch["checkpoints"]
+            request_fresh_run(
+                out, "Snakemake forced the train job (--forcerun, --forceall)"
+            )

@@ -15,5 +15,5 @@ rule serve:
     shell:
         # The front (this process) serves HTTP and starts the MPI job with the profile's launcher;
         # it answers 503 when the job dies (src/distlm/inference/front.py).
-        "python {params.script} --launcher '{resources.mpi} -n {params.stages}'"
-        " --config {input.cfg} --model {input.model} 2>&1 | tee {log}"
+        "python {params.script:q} --launcher '{resources.mpi} -n {params.stages}'"
+        " --config {input.cfg:q} --model {input.model:q} 2>&1 | tee {log:q}"

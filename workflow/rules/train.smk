@@ -1,6 +1,7 @@
 # DDP training (torchrun): token blocks + serialized model -> final model folder, metrics, profile.
 # Checkpoints live in results/train/checkpoints (not a declared output, so that a killed or
-# restarted job resumes from them); train.resume: never starts afresh.
+# restarted job resumes from them, and a job killed after its last checkpoint writes final/ from
+# it without training); train.resume: never, or forcing the rule (--forcerun train), starts afresh.
 rule train:
     input:
         cfg=resolved_config("train"),

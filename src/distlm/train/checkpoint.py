@@ -10,16 +10,26 @@ temporary name and renamed when complete (a killed job never leaves one that loo
                         and the run identity (model, data, topology, optimisation settings)
     checkpoint.json     written last: format tag and the sha256 of every file above
 
+Every file is fsynced before the folder is renamed into place, and the new checkpoint is verified
+(read back against checkpoint.json) before older ones are pruned: only verified checkpoints count
+toward keep_last, so a kill or a bad write never leaves fewer good checkpoints than before.
+Leftovers of interrupted writes (`.step-*.tmp`) are removed at the next start (`clean_leftovers`).
+
 Loading verifies checkpoint.json and every sha256; a corrupt or partial checkpoint is skipped (with
 a warning naming it) for the previous good one. A checkpoint whose identity differs from this run's
 is refused with a message listing what differs.
+
+A fresh run is asked for with a request file in the checkpoint folder (`request_fresh_run`, written
+by the workflow for `--forcerun train`): the next start removes every checkpoint, then the request.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +37,7 @@ from typing import Any
 import torch
 
 from distlm import DistlmError
-from distlm.io import atomic_dir, read_json, sha256_file, write_json
+from distlm.io import atomic_dir, read_json, remove_leftovers, sha256_file, write_json
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
 
@@ -36,6 +46,7 @@ log = get_logger(__name__)
 FORMAT = "distlm-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+FRESH_REQUEST = "fresh-run-requested.json"
 # Identity keys whose difference is tolerated on resume (logged): extending a run is allowed.
 TOLERATED = {"optim.max_steps"}
 
@@ -106,16 +117,69 @@ def save_checkpoint(
             tmp / "checkpoint.json",
             {"format": FORMAT, "step": step, "sha256": {f: sha256_file(tmp / f) for f in FILES}},
         )
+    verify(Checkpoint(final, step))  # read back before anything older goes
     prune(ckpt_dir, keep_last)
     return final
 
 
-def prune(ckpt_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints, and leftovers of interrupted writes."""
+def prune(ckpt_dir: str | Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints that verify; delete every checkpoint older than
+    the oldest of them. Unverifiable ones newer than it stay (and go once older). keep_last 0
+    deletes every checkpoint."""
     found = list_checkpoints(ckpt_dir)
-    for c in found[:-keep_last] if keep_last > 0 else found:
-        shutil.rmtree(c.path, ignore_errors=True)
+    if keep_last > 0:
+        kept = 0
+        cut = None
+        for c in reversed(found):
+            try:
+                verify(c)
+            except DistlmError as e:
+                log.warning("checkpoint %s does not verify (not counted as kept): %s", c.path, e)
+                continue
+            kept += 1
+            if kept == keep_last:
+                cut = c.step
+                break
+        if cut is None:
+            return  # fewer than keep_last good checkpoints: nothing to delete
+        doomed = [c for c in found if c.step < cut]
+    else:
+        doomed = found
+    for c in doomed:
+        remove_checkpoint(c)
         log.info("removed old checkpoint %s", c.path)
+
+
+def remove_checkpoint(c: Checkpoint) -> None:
+    """Delete a checkpoint folder: its index goes first, so a kill halfway leaves no folder that
+    could pass for a good checkpoint (latest_good skips one without its index)."""
+    (c.path / "checkpoint.json").unlink(missing_ok=True)
+    shutil.rmtree(c.path, ignore_errors=True)
+
+
+def clean_leftovers(ckpt_dir: str | Path) -> None:
+    """Remove the temporary folders of checkpoint writes whose writer is dead."""
+    remove_leftovers(ckpt_dir)
+
+
+def request_fresh_run(ckpt_dir: str | Path, reason: str) -> Path:
+    """Ask the next start of the training stage to discard every checkpoint and train afresh."""
+    path = Path(ckpt_dir) / FRESH_REQUEST
+    write_json(path, {"reason": reason, "requested_at": time.time(), "by_pid": os.getpid()})
+    return path
+
+
+def take_fresh_request(ckpt_dir: str | Path) -> dict | None:
+    """The pending fresh-run request, if any; the caller removes the checkpoints, then calls
+    `drop_fresh_request` (a kill in between repeats the removal, never skips it)."""
+    path = Path(ckpt_dir) / FRESH_REQUEST
+    if not path.is_file():
+        return None
+    return read_json(path, what="fresh-run request")
+
+
+def drop_fresh_request(ckpt_dir: str | Path) -> None:
+    (Path(ckpt_dir) / FRESH_REQUEST).unlink(missing_ok=True)
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Checkpoint]:
@@ -134,13 +198,36 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Checkpoint]:
 # ----------------------------------------------------------------------------- verify / load
 
 
+# Checkpoints this process has verified, by (folder, index inode and mtime, file sizes): a folder
+# is read back once after its write, not at every later prune.
+_VERIFIED: set[tuple] = set()
+
+
+def _fingerprint(ckpt: Checkpoint) -> tuple | None:
+    try:
+        st = (ckpt.path / "checkpoint.json").stat()
+        sizes = tuple((ckpt.path / f).stat().st_size for f in FILES)
+    except OSError:
+        return None
+    return (str(ckpt.path.resolve()), st.st_ino, st.st_mtime_ns, sizes)
+
+
 def verify(ckpt: Checkpoint) -> None:
     """Raise DistlmError naming the file when the checkpoint is partial or corrupt."""
+    key = _fingerprint(ckpt)
+    if key is not None and key in _VERIFIED:
+        return
+    _verify(ckpt)
+    if key is not None:
+        _VERIFIED.add(key)
+
+
+def _verify(ckpt: Checkpoint) -> None:
     meta = read_json(ckpt.path / "checkpoint.json", what="checkpoint index")
     if meta.get("format") != FORMAT or meta.get("step") != ckpt.step:
         raise DistlmError(
-            f"{ckpt.path / 'checkpoint.json'}: format {meta.get('format')!r} step {meta.get('step')!r}, "
-            f"expected {FORMAT!r} step {ckpt.step}"
+            f"{ckpt.path / 'checkpoint.json'}: format {meta.get('format')!r} "
+            f"step {meta.get('step')!r}, expected {FORMAT!r} step {ckpt.step}"
         )
     for f in FILES:
         p = ckpt.path / f

@@ -32,7 +32,7 @@ from distlm import DistlmError, __version__
 from distlm.data import TokenBlocks
 from distlm.data import read_tokens_meta as read_data_meta
 from distlm.dist import Topology
-from distlm.io import digest
+from distlm.io import digest, remove_leftovers
 from distlm.log import get_logger, progress
 from distlm.model import (
     DTYPES,
@@ -324,36 +324,24 @@ class Trainer:
         }
 
     def _resume_or_start(self) -> None:
-        """Find the last good checkpoint (rank 0 picks, all agree), load it, sync the weights."""
+        """Find the last good checkpoint (rank 0 picks, all agree), load it, sync the weights.
+
+        A checkpoint at step max_steps with this run's identity is finished work: it is loaded
+        like any other, and `fit` writes the final folder from it without a training step.
+        """
         self._history: dict = {}
-        ckpt_dir = self.paths.checkpoints
-        choice = [None]
-        if self.topo.is_main:
-            if self.tcfg["resume"] == "never" and ckpt_dir.exists():
-                log.warning("train.resume is never: removing earlier checkpoints in %s", ckpt_dir)
-                ckpt_mod.prune(ckpt_dir, 0)
-            found = ckpt_mod.latest_good(ckpt_dir)
-            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if (
-                found is not None
-                and found.step >= self.tcfg["max_steps"]
-                and restart == 0
-                and not ckpt_mod.hard_diffs(ckpt_mod.read_state(found)["identity"], self.identity())
-            ):
-                # This run's own finished checkpoint on a first attempt: the stage was rerun on
-                # purpose (--forcerun), so train again rather than resume into zero steps.
-                log.warning(
-                    "%s ends a finished run (step %d of %d): the stage was rerun, training afresh",
-                    found.path, found.step, self.tcfg["max_steps"],
-                )
-                ckpt_mod.prune(ckpt_dir, 0)
-                found = None
-            choice = [None if found is None else (str(found.path), found.step)]
+        choice = [self._choose_checkpoint() if self.topo.is_main else None]
         if self.topo.is_distributed:
             dist.broadcast_object_list(choice, src=0)
         rng_state = None
         if choice[0] is not None:
             ck = ckpt_mod.Checkpoint(Path(choice[0][0]), choice[0][1])
+            if ck.step > self.tcfg["max_steps"]:  # every rank raises: none waits on the others
+                raise ckpt_mod.CheckpointMismatch(
+                    f"checkpoint {ck.path} is at step {ck.step}, beyond train.max_steps "
+                    f"{self.tcfg['max_steps']}; raise max_steps to extend that run, or remove "
+                    f"{ck.path.parent} (or set train.resume: never) to start afresh"
+                )
             state = ckpt_mod.read_state(ck)
             ckpt_mod.check_identity(ck, state["identity"], self.identity())
             rng_state = ckpt_mod.load_rng_state(ck, self.topo.rank, self.topo.world_size)
@@ -378,6 +366,38 @@ class Trainer:
         else:
             # Different dropout masks per rank, reproducible from the config seed.
             torch.manual_seed(self.cfg["runtime"]["seed"] + 1000 * self.topo.rank)
+
+    def _choose_checkpoint(self) -> tuple[str, int] | None:
+        """Rank 0: clear leftovers of killed writes, honour a request for a fresh run
+        (train.resume: never, or the workflow's request for --forcerun train), then pick the
+        newest checkpoint that verifies."""
+        ckpt_dir = self.paths.checkpoints
+        remove_leftovers(self.paths.out)
+        ckpt_mod.clean_leftovers(ckpt_dir)
+        request = ckpt_mod.take_fresh_request(ckpt_dir)
+        if self.tcfg["resume"] == "never" or request is not None:
+            why = (
+                "train.resume is never"
+                if request is None
+                else f"a fresh run was requested ({request.get('reason', 'no reason given')})"
+            )
+            log.warning("%s: removing earlier checkpoints in %s", why, ckpt_dir)
+            ckpt_mod.prune(ckpt_dir, 0)
+            ckpt_mod.drop_fresh_request(ckpt_dir)  # only once the checkpoints are gone
+            return None
+        found = ckpt_mod.latest_good(ckpt_dir)
+        if found is None:
+            return None
+        max_steps = self.tcfg["max_steps"]
+        if found.step == max_steps and not ckpt_mod.identity_diff(
+            ckpt_mod.read_state(found)["identity"], self.identity()
+        ):
+            log.info(
+                "%s is this run's finished work (step %d of %d): the final folder is written "
+                "from it, no training step runs",
+                found.path, found.step, max_steps,
+            )
+        return (str(found.path), found.step)
 
     def _sync_weights(self) -> None:
         """Rank 0's weights reach every other rank through the transfer module, then are checked."""
@@ -565,8 +585,9 @@ class Trainer:
             log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
         self.topo.barrier()
 
-    def write_final(self, wall_s: float) -> dict | None:
-        """Rank 0 writes the final model folder, in the layout of the serialized base model."""
+    def write_final(self, wall_s: float, *, steps_run: int | None = None) -> dict | None:
+        """Rank 0 writes the final model folder, in the layout of the serialized base model
+        (atomically: every file fsynced, then the folder renamed into place)."""
         meta = None
         if self.topo.is_main:
             dtype_name = self.base_meta.get("dtype", "float32")
@@ -591,6 +612,7 @@ class Trainer:
                 "val_loss": lastval.get("val_loss"),
                 "val_perplexity": lastval.get("val_perplexity"),
                 "resumed_from": self.resumed_from,
+                "steps_this_run": self.step if steps_run is None else steps_run,
                 "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
                 "wall_s": wall_s,
                 "settings": {k: v for k, v in self.tcfg.items() if k not in ("profile", "fault")},
@@ -652,8 +674,11 @@ class Trainer:
             unit="step",
         )
         last_ckpt = start if self.resumed_from else -1
+        if start >= t["max_steps"]:
+            log.info("step %d of %d reached already: the final folder only", start, t["max_steps"])
         try:
-            with profiler:
+            # No profiler at all when no step runs (the finished work of a killed job).
+            with profiler if start < t["max_steps"] else contextlib.nullcontext():
                 while self.step < t["max_steps"]:
                     self.step_and_log(profiler=profiler, bar=bar)
                     if self.step % t["eval_every"] == 0 or self.step == t["max_steps"]:
@@ -672,7 +697,7 @@ class Trainer:
         if last_ckpt != self.step:
             self.save_checkpoint()
         self.metrics.flush()
-        return self.write_final(time.perf_counter() - t_start)
+        return self.write_final(time.perf_counter() - t_start, steps_run=self.step - start)
 
     def step_and_log(self, *, profiler: StepProfiler | None = None, bar=None) -> dict:
         """One optimizer step with its bookkeeping (profiler, metrics, progress bar, log line)."""
