@@ -24,6 +24,7 @@ STAGE_SECTIONS = {
     "train": ["runtime", "data", "model", "broadcast", "train"],
     "eval": ["runtime", "data", "eval"],
     "inference": ["runtime", "inference"],
+    "serve": ["runtime", "inference", "serve"],
     "report": ["report"],
 }
 

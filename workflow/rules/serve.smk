@@ -1,8 +1,8 @@
-# Serve mode (not in rule all): the pipeline of rule inference behind an OpenAI-compatible HTTP
+# Serve mode (not in rule all): the pipeline of rule inference behind an OpenAI-compatible API
 # server, in the foreground until interrupted: `snakemake --profile profiles/local serve`.
 rule serve:
     input:
-        cfg="results/config/inference.json",
+        cfg="results/config/serve.json",
         model=rules.train.output.final,
     log:
         "logs/inference/serve.log",
@@ -13,7 +13,8 @@ rule serve:
         script=entry_point("serve.py"),
         stages=config["inference"]["stages"],
     shell:
-        # The front (this process) serves HTTP and starts the MPI job with the profile's launcher;
-        # it answers 503 when the job dies (src/distlm/inference/front.py).
-        "python {params.script} --launcher '{resources.mpi} -n {params.stages}'"
-        " --config {input.cfg} --model {input.model} 2>&1 | tee {log}"
+        # The API server (this process, uvicorn) starts the MPI job with the profile's launcher and
+        # talks to stage 0 over ZeroMQ; it answers 503 when the job dies
+        # (src/distlm/inference/supervisor.py).
+        "python {params.script:q} --launcher '{resources.mpi} -n {params.stages}'"
+        " --config {input.cfg:q} --model {input.model:q} 2>&1 | tee {log:q}"

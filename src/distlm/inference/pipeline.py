@@ -107,6 +107,11 @@ class StageStats:
     def reset(self) -> None:
         self.__init__(stage=self.stage)
 
+    def brief(self) -> dict:
+        """What /metrics shows per stage (cumulative seconds)."""
+        return {"stage": self.stage, "compute_s": self.compute_s, "send_s": self.send_s,
+                "recv_wait_s": self.recv_wait_s}
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["comm_s"] = self.send_s + self.recv_wait_s
@@ -258,6 +263,7 @@ class Work:
 
     slots: tuple[Slot, ...]
     payload: tuple[str, np.ndarray] | None = None
+    stats: tuple[dict, ...] = ()  # each later stage adds its StageStats.brief() on the way
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,7 @@ class Tokens:
     """The last stage's picks for one micro-batch, back to stage 0."""
 
     picks: tuple[Pick, ...]
+    stats: tuple[dict, ...] = ()
 
 
 def fork_caches(model: StageModel, slots: tuple[Slot, ...]) -> None:
@@ -395,6 +402,7 @@ class Scheduler:
         self.progress_at = time.monotonic()
         self.last_send = time.monotonic()
         self._next_id = 0
+        self.stage_stats: dict[int, dict] = {}  # later stages' StageStats.brief(), as last seen
 
     # -- public
 
@@ -416,6 +424,9 @@ class Scheduler:
         for queue in (self.waiting, self.ready):
             if seq in queue:
                 queue.remove(seq)
+                if queue is self.waiting:  # its siblings have not found lanes: they queue now
+                    self.waiting.extendleft(reversed(seq.siblings))
+                    seq.siblings = []
                 self._finish(seq, "cancelled")
                 return
 
@@ -546,6 +557,8 @@ class Scheduler:
             raise PipelineError(f"stage 0: unexpected {type(msg).__name__} from the last stage")
         self.inflight -= 1
         self.progress_at = time.monotonic()
+        for st in msg.stats:
+            self.stage_stats[st["stage"]] = st
         self._picks(msg.picks)
 
     def _picks(self, picks) -> None:
@@ -616,11 +629,12 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
                 stats.items += len(items)
+            seen = msg.stats + (stats.brief(),)
             if last:
-                ring.send(Tokens(tuple(out or ())))
+                ring.send(Tokens(tuple(out or ()), seen))
             else:
                 wire = to_wire(out) if out is not None else None
-                ring.send(Work(msg.slots, wire), wire[1].nbytes if wire else 0)
+                ring.send(Work(msg.slots, wire, seen), wire[1].nbytes if wire else 0)
         else:
             raise PipelineError(f"stage {ring.topo.rank}: unexpected {type(msg).__name__}")
 
