@@ -135,9 +135,12 @@ class CompletionRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
 def _validation_error(e: ValidationError) -> RequestError:
     err = e.errors()[0]
-    loc = [str(x) for x in err["loc"] if not str(x).startswith(("str", "list", "function"))]
+    loc = [str(x) for x in err["loc"] if not _UNION_TAG.match(str(x))]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "request body"
     if err["type"] == "missing":
