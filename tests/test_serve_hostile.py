@@ -316,7 +316,7 @@ def test_soak_16_clients_for_60_s(server, hf_reference):
         kind = rng.choice(["plain", "stream", "bad"])
         p = rng.choice(prompts)
         if kind == "bad":
-            status, err = server.request("POST", "/v1/completions", {"prompt": p, "top_p": 7})
+            status, _ = server.request("POST", "/v1/completions", {"prompt": p, "top_p": 7})
             with lock:
                 counts[str(status)] = counts.get(str(status), 0) + 1
             return

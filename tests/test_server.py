@@ -100,13 +100,6 @@ class Server:
         return out
 
 
-def _nofile(n: int):
-    def lower() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
-    return lower
-
-
 def start_server(folder: Path, stages: int, tmp: Path, *, serve: dict | None = None,
                  launcher: str | None = None, nofile: int | None = None, wait: bool = True,
                  **over) -> Server:
@@ -120,8 +113,10 @@ def start_server(folder: Path, stages: int, tmp: Path, *, serve: dict | None = N
              "--config", str(cfg), "--model", str(folder)],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN},
-            preexec_fn=_nofile(nofile) if nofile else None,
         )
+    if nofile:  # before it listens (it loads the tokenizer first); the job inherits it
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (nofile, hard))
     server = Server(proc, port, log)
     if not wait:
         return server
