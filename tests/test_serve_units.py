@@ -68,7 +68,7 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
 
 
 def test_json_guards():
-    assert json_depth(b'{"a": [1, {"b": []}]}') == 3
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
     assert json_depth(b'{"a": "[[[[{{{{", "b": "\\"[["}') == 1  # brackets in strings
     assert parse_json(b'{"a": [1, 2.5]}', max_depth=4, max_digits=8) == {"a": [1, 2.5]}
     bad = [
