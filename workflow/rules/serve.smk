@@ -7,7 +7,7 @@ rule serve:
     log:
         "logs/inference/serve.log",
     conda:
-        "../envs/mpi.yaml"
+        "../envs/serve.yaml"
     threads: config["inference"]["stages"]
     params:
         script=entry_point("serve.py"),

@@ -336,28 +336,37 @@ class EngineClient:
             except ChannelError as e:
                 log.error("engine channel: %s (dropped)", e)
                 continue
-            if isinstance(msg, Health):
-                self.health, self.health_at = msg, time.monotonic()
-                self.metrics.health(msg)
-            elif isinstance(msg, Ready):
-                self.ready, self.health_at = msg, time.monotonic()
-                self.ready_event.set()
-                self.metrics.up.set(1)
-            elif isinstance(msg, Error) and msg.rid is None:
-                self.fail(msg.message)
-            elif isinstance(msg, (Token, Finish, Error)):
-                if isinstance(msg, (Finish, Error)) and msg.rid in self.open_seqs:
-                    self.open_seqs[msg.rid] -= 1
-                    self.metrics.open.set(self.outstanding)
-                    self.metrics.sequences.labels(
-                        msg.reason if isinstance(msg, Finish) else "error").inc()
-                    if not self.open_seqs[msg.rid]:
-                        del self.open_seqs[msg.rid]
-                q = self.queues.get(msg.rid)
-                if q is not None:
-                    q.put_nowait(msg)
-            else:
-                log.error("engine channel: unexpected %s from stage 0", type(msg).__name__)
+            try:
+                self._dispatch(msg)
+            except Exception as e:  # a bug here must not leave requests waiting for ever
+                log.exception("engine channel: handling %s failed", type(msg).__name__)
+                self.fail(f"the API server could not handle the engine's {type(msg).__name__} "
+                          f"({type(e).__name__}: {e})")
+                return
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Health):
+            self.health, self.health_at = msg, time.monotonic()
+            self.metrics.health(msg)
+        elif isinstance(msg, Ready):
+            self.ready, self.health_at = msg, time.monotonic()
+            self.ready_event.set()
+            self.metrics.up.set(1)
+        elif isinstance(msg, Error) and msg.rid is None:
+            self.fail(msg.message)
+        elif isinstance(msg, (Token, Finish, Error)):
+            if isinstance(msg, (Finish, Error)) and msg.rid in self.open_seqs:
+                self.open_seqs[msg.rid] -= 1
+                self.metrics.open.set(self.outstanding)
+                self.metrics.sequences.labels(
+                    msg.reason if isinstance(msg, Finish) else "error").inc()
+                if not self.open_seqs[msg.rid]:
+                    del self.open_seqs[msg.rid]
+            q = self.queues.get(msg.rid)
+            if q is not None:
+                q.put_nowait(msg)
+        else:
+            log.error("engine channel: unexpected %s from stage 0", type(msg).__name__)
 
     def fail(self, reason: str, *, error: bool = True) -> None:
         """The pipeline is gone: every open request ends with a 503; new ones get it at once.
