@@ -82,8 +82,11 @@ class Stopped:
 
 
 def access_lines(server: Server) -> list[str]:
-    return [ln for ln in server.log.read_text(errors="replace").splitlines()
-            if "distlm.inference.access" in ln]
+    return [
+        ln
+        for ln in server.log.read_text(errors="replace").splitlines()
+        if "distlm.inference.access" in ln
+    ]
 
 
 def wait_for(what, within_s: float = 20) -> bool:
@@ -99,8 +102,9 @@ def wait_for(what, within_s: float = 20) -> bool:
 
 
 def test_extreme_sampling_values_never_take_the_pipeline_down(server):
-    greedy = server.request("POST", "/v1/completions",
-                            {"prompt": "A class", "max_tokens": 6, "temperature": 0})[1]
+    greedy = server.request(
+        "POST", "/v1/completions", {"prompt": "A class", "max_tokens": 6, "temperature": 0}
+    )[1]
     ok = [
         {"temperature": 1e-40},  # greedy: 1 / t would overflow to inf
         {"temperature": 5e-324},
@@ -110,16 +114,23 @@ def test_extreme_sampling_values_never_take_the_pipeline_down(server):
         {"temperature": 1e-4, "top_k": 1},
     ]
     for extra in ok:
-        status, body = server.request("POST", "/v1/completions",
-                                      {"prompt": "A class", "max_tokens": 6, **extra})
+        status, body = server.request(
+            "POST", "/v1/completions", {"prompt": "A class", "max_tokens": 6, **extra}
+        )
         assert status == 200, (extra, body)
         assert body["usage"]["completion_tokens"] == 6
         if extra.get("temperature", 1) < 1e-5:
             assert body["choices"][0]["text"] == greedy["choices"][0]["text"]
         server.ok()
-    refused = [({"seed": 2**63}, "seed"), ({"seed": 2**64}, "seed"), ({"seed": -(2**70)}, "seed"),
-               ({"max_tokens": 10**30}, "max_tokens"), ({"temperature": -1e-40}, "temperature"),
-               ({"top_k": -(10**30)}, "top_k"), ({"n": 10**30}, "n")]
+    refused = [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**70)}, "seed"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"temperature": -1e-40}, "temperature"),
+        ({"top_k": -(10**30)}, "top_k"),
+        ({"n": 10**30}, "n"),
+    ]
     for extra, param in refused:
         status, err = server.request("POST", "/v1/completions", {"prompt": "A class", **extra})
         assert status == 400 and err["error"]["param"] == param, (extra, err)
@@ -164,7 +175,7 @@ def test_slowloris_headers_and_body_get_408(server):
         got = b""
         for i in range(len(head)):  # bounded by the head's length (0.25 s a byte)
             try:
-                s.sendall(head[i:i + 1])
+                s.sendall(head[i : i + 1])
             except (BrokenPipeError, ConnectionResetError):
                 break
             s.settimeout(0.25)
@@ -198,8 +209,9 @@ def test_600_idle_connections_under_a_low_fd_limit(server):
     try:
         for _ in range(600):
             socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=20))
-        assert wait_for(lambda: "out of system resource" in server.log.read_text(errors="replace"),
-                        within_s=30), "EMFILE on accept was not logged"
+        assert wait_for(
+            lambda: "out of system resource" in server.log.read_text(errors="replace"), within_s=30
+        ), "EMFILE on accept was not logged"
     finally:
         for s in socks:
             s.close()
@@ -226,8 +238,11 @@ def test_deep_json_and_huge_numbers_get_400(server):
 
 
 def test_control_characters_in_the_request_line_are_escaped_in_the_log(server):
-    for line in (b"GET /\x1b[31mred\x07 HTTP/1.1", b"GET /%1b[2J%07%00%0d%0abell HTTP/1.1",
-                 b"G\x1bET / HTTP/1.1"):
+    for line in (
+        b"GET /\x1b[31mred\x07 HTTP/1.1",
+        b"GET /%1b[2J%07%00%0d%0abell HTTP/1.1",
+        b"G\x1bET / HTTP/1.1",
+    ):
         got = raw(server, line + b"\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert status_of(got) in (400, 404), got[:200]
         server.ok()
@@ -255,8 +270,9 @@ def test_disconnect_frees_the_lane(server, stream):
             assert s.recv(65536).startswith(b"HTTP/1.1 200")  # the stream started
         n = len(access_lines(server))
         s.close()
-        assert wait_for(lambda: any("cancelled=client gone" in ln
-                                    for ln in access_lines(server)[n:]))
+        assert wait_for(
+            lambda: any("cancelled=client gone" in ln for ln in access_lines(server)[n:])
+        )
     assert server.lanes_free()
     assert _cancelled(server) == before + 1  # ended as cancelled, not generated to the end
     server.ok()
@@ -265,12 +281,20 @@ def test_disconnect_frees_the_lane(server, stream):
 def test_a_full_queue_answers_429_with_retry_after(server):
     capacity = 4 + LIMITS["max_queued_sequences"]  # inference.lanes + serve.max_queued_sequences
     with ThreadPoolExecutor(1) as pool, Stopped(server):  # resumed before the pool waits
-        first = pool.submit(server.request, "POST", "/v1/completions",
-                            {"prompt": "A class", "max_tokens": 2, "n": capacity})
+        first = pool.submit(
+            server.request,
+            "POST",
+            "/v1/completions",
+            {"prompt": "A class", "max_tokens": 2, "n": capacity},
+        )
         assert wait_for(lambda: server.health()["open"] == capacity)
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "A", "max_tokens": 2}),
-                     {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "A", "max_tokens": 2}),
+            {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )
         r = conn.getresponse()
         err = json.loads(r.read())
         conn.close()
@@ -283,8 +307,9 @@ def test_a_full_queue_answers_429_with_retry_after(server):
 
 @pytest.mark.slow
 def test_a_timed_out_request_is_cancelled_in_the_pipeline(tiny_models, tmp_path):
-    s = test_server.start_server(tiny_models[2], 2, tmp_path, serve={"request_timeout_s": 3},
-                                 timeout_s=60)
+    s = test_server.start_server(
+        tiny_models[2], 2, tmp_path, serve={"request_timeout_s": 3}, timeout_s=60
+    )
     try:
         before = _cancelled(s)
         with Stopped(s):
@@ -305,8 +330,10 @@ def test_soak_16_clients_for_60_s(server, hf_reference):
     """Streamed, plain and bad requests from 16 clients for 60 s: every good request answered in
     full, and the counts match /metrics."""
     prompts = test_server.PROMPTS
-    want = {p: hf_reference.tokenizer.decode(hf_reference(p, 8), skip_special_tokens=True)
-            for p in prompts}
+    want = {
+        p: hf_reference.tokenizer.decode(hf_reference(p, 8), skip_special_tokens=True)
+        for p in prompts
+    }
     before = server.metrics()
     stop_at = time.monotonic() + 60
     lock = threading.Lock()
@@ -328,8 +355,7 @@ def test_soak_16_clients_for_60_s(server, hf_reference):
             time.sleep(0.2)
             return
         if kind == "stream":
-            events = [json.loads(ln[6:]) for ln in got.splitlines()
-                      if ln.startswith("data: {")]
+            events = [json.loads(ln[6:]) for ln in got.splitlines() if ln.startswith("data: {")]
             text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
             ok = got.rstrip().endswith("data: [DONE]") and text == want[p]
             n = 8

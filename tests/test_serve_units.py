@@ -43,9 +43,19 @@ hf_reference = test_inference.hf_reference
 def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
     msgs = [
         Submit(rid=1, prompts=[[1, 2], [3]], n=2, params={"max_new_tokens": 4, "seed": MAX_SEED}),
-        Cancel(rid=1), Cancel(rid=1, index=3), Shutdown(),
-        Ready(hostname="h", pid=1, context=64, vocab_size=400, eos_token_id=None, lanes=4,
-              stages=2, pipeline=[{"stage": 0}]),
+        Cancel(rid=1),
+        Cancel(rid=1, index=3),
+        Shutdown(),
+        Ready(
+            hostname="h",
+            pid=1,
+            context=64,
+            vocab_size=400,
+            eos_token_id=None,
+            lanes=4,
+            stages=2,
+            pipeline=[{"stage": 0}],
+        ),
         Token(rid=1, index=0, token=5, logprob=-0.5, top=[[5, -0.5], [7, -1.0]]),
         Finish(rid=1, index=0, reason="length", tokens=4),
         Error(rid=None, index=None, status=503, message="gone"),
@@ -92,11 +102,16 @@ def test_escape_keeps_control_characters_out_of_the_log():
 
 
 def test_request_model_mirrors_openai():
-    r = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "n": 2,
-                                          "stop": "x", "user": "u", "logprobs": 2})
+    r = CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["a", "b"], "n": 2, "stop": "x", "user": "u", "logprobs": 2}
+    )
     assert r.prompts() == ["a", "b"] and r.stops() == ["x"]
-    for body in ({"prompt": "a", "max_tokens": 1.5}, {"prompt": "a", "stream": 1},
-                 {"prompt": "a", "unknown": 1}, {"max_tokens": 3}):
+    for body in (
+        {"prompt": "a", "max_tokens": 1.5},
+        {"prompt": "a", "stream": 1},
+        {"prompt": "a", "unknown": 1},
+        {"max_tokens": 3},
+    ):
         with pytest.raises(Exception, match="validation error"):
             CompletionRequest.model_validate(body)
 
@@ -107,9 +122,12 @@ def test_sampling_is_bounded():
     assert make_params(max_new_tokens=4, top_k=10**30, vocab_size=400, context=64).top_k == 0
     assert make_params(max_new_tokens=4, top_k=50, vocab_size=400, context=64).top_k == 50
     assert make_params(max_new_tokens=4, seed=MAX_SEED, context=64).seed == MAX_SEED
-    for kw, msg in [({"seed": MAX_SEED + 1}, "seed: must be in 0..2"), ({"seed": -1}, "seed"),
-                    ({"logprobs": 21}, "logprobs: must be in 0..20"),
-                    ({"logprobs": -1}, "logprobs")]:
+    for kw, msg in [
+        ({"seed": MAX_SEED + 1}, "seed: must be in 0..2"),
+        ({"seed": -1}, "seed"),
+        ({"logprobs": 21}, "logprobs: must be in 0..20"),
+        ({"logprobs": -1}, "logprobs"),
+    ]:
         with pytest.raises(RequestError, match=msg):
             make_params(max_new_tokens=4, context=64, **kw)
     logits = torch.tensor([0.0, 3.0, 1.0])
@@ -120,8 +138,11 @@ def test_sampling_is_bounded():
     with pytest.raises(SamplingError, match="not finite"):
         pick_token(torch.full((3,), math.nan), SamplingParams(4), None)
     with pytest.raises(SamplingError, match="no finite distribution"):
-        pick_token(torch.tensor([0.0, math.inf, 1.0]), SamplingParams(4, temperature=1.0),
-                   torch.Generator())
+        pick_token(
+            torch.tensor([0.0, math.inf, 1.0]),
+            SamplingParams(4, temperature=1.0),
+            torch.Generator(),
+        )
 
 
 def test_a_failed_pick_fails_its_sequence_only():
@@ -135,7 +156,9 @@ def test_a_failed_pick_fails_its_sequence_only():
     s.start(2, SamplingParams(4, logprobs=2))
     lp = s.pick(9, 2, torch.tensor([0.0, 2.0, 1.0]))
     assert lp.token == 1 and lp.top[0][0] == 1 and len(lp.top) == 2
-    assert lp.logprob == pytest.approx(float(torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), 0)[1]))
+    assert lp.logprob == pytest.approx(
+        float(torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), 0)[1])
+    )
 
 
 def _ids(tok):

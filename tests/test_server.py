@@ -32,9 +32,16 @@ TOKEN_ENV = "DISTLM_TEST_SERVE_TOKEN"
 NOFILE = 256  # the shared server's RLIMIT_NOFILE: test_serve_hostile opens more connections
 # the shared server's limits (small, so that the hostile tests reach them quickly)
 LIMITS = {
-    "token_env": TOKEN_ENV, "max_request_bytes": 2048, "max_tokens": 20, "header_timeout_s": 2,
-    "body_timeout_s": 2, "keep_alive_timeout_s": 2, "max_queued_sequences": 4,
-    "max_json_depth": 16, "max_number_digits": 32, "max_connections": 200,
+    "token_env": TOKEN_ENV,
+    "max_request_bytes": 2048,
+    "max_tokens": 20,
+    "header_timeout_s": 2,
+    "body_timeout_s": 2,
+    "keep_alive_timeout_s": 2,
+    "max_queued_sequences": 4,
+    "max_json_depth": 16,
+    "max_number_digits": 32,
+    "max_connections": 200,
 }
 
 
@@ -43,9 +50,16 @@ class Server:
         self.proc, self.port, self.log = proc, port, log
         self.base = f"http://127.0.0.1:{port}"
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None, *,
-                token: str | None = TOKEN, headers: dict | None = None,
-                timeout: float = 60) -> tuple[int, dict | str]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict | None = None,
+        *,
+        token: str | None = TOKEN,
+        headers: dict | None = None,
+        timeout: float = 60,
+    ) -> tuple[int, dict | str]:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
         req = urllib.request.Request(self.base + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
@@ -66,8 +80,9 @@ class Server:
 
     def ok(self) -> None:
         """A normal request must succeed (after every hostile case)."""
-        status, body = self.request("POST", "/v1/completions", {"prompt": "A class",
-                                                                "max_tokens": 3})
+        status, body = self.request(
+            "POST", "/v1/completions", {"prompt": "A class", "max_tokens": 3}
+        )
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 3
 
@@ -100,18 +115,37 @@ class Server:
         return out
 
 
-def start_server(folder: Path, stages: int, tmp: Path, *, serve: dict | None = None,
-                 launcher: str | None = None, nofile: int | None = None, wait: bool = True,
-                 **over) -> Server:
+def start_server(
+    folder: Path,
+    stages: int,
+    tmp: Path,
+    *,
+    serve: dict | None = None,
+    launcher: str | None = None,
+    nofile: int | None = None,
+    wait: bool = True,
+    **over,
+) -> Server:
     port = free_port()
-    cfg = write_config(tmp / "cfg.json", stages=stages, serve={**LIMITS, "port": port,
-                                                               **(serve or {})}, **over)
+    cfg = write_config(
+        tmp / "cfg.json", stages=stages, serve={**LIMITS, "port": port, **(serve or {})}, **over
+    )
     log = tmp / "serve.log"
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
-            [sys.executable, str(SERVE), "--launcher", launcher or f"mpiexec -n {stages}",
-             "--config", str(cfg), "--model", str(folder)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                str(SERVE),
+                "--launcher",
+                launcher or f"mpiexec -n {stages}",
+                "--config",
+                str(cfg),
+                "--model",
+                str(folder),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN},
         )
     if nofile:  # before it listens (it loads the tokenizer first); the job inherits it
@@ -148,8 +182,9 @@ def stop_server(server: Server) -> None:
 @pytest.fixture(scope="session")
 def server(tiny_models, tmp_path_factory):
     """One 2-stage server for this file and test_serve_hostile.py, under a low RLIMIT_NOFILE."""
-    s = start_server(tiny_models[2], 2, tmp_path_factory.mktemp("serve"), lanes=4, timeout_s=30,
-                     nofile=NOFILE)
+    s = start_server(
+        tiny_models[2], 2, tmp_path_factory.mktemp("serve"), lanes=4, timeout_s=30, nofile=NOFILE
+    )
     yield s
     stop_server(s)
 
@@ -179,8 +214,11 @@ def test_openai_client_greedy_matches_generate_and_streams(server, hf_reference)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 9
     assert r.usage.prompt_tokens == len(tok(PROMPTS[0])["input_ids"])
-    chunks = list(c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=9,
-                                       temperature=0, stream=True))
+    chunks = list(
+        c.completions.create(
+            model="s2", prompt=PROMPTS[0], max_tokens=9, temperature=0, stream=True
+        )
+    )
     assert len(chunks) >= 2 and "".join(ch.choices[0].text for ch in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
@@ -195,10 +233,19 @@ def test_seeded_sampling_is_reproducible_under_concurrency(server):
     c = client(server)
 
     def ask(seed):
-        return c.completions.create(
-            model="s2", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, top_p=0.95, seed=seed,
-            extra_body={"top_k": 40},
-        ).choices[0].text
+        return (
+            c.completions.create(
+                model="s2",
+                prompt=PROMPTS[1],
+                max_tokens=12,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+                extra_body={"top_k": 40},
+            )
+            .choices[0]
+            .text
+        )
 
     first = ask(5)
     with ThreadPoolExecutor(6) as ex:  # more requests than lanes, all at once
@@ -212,33 +259,42 @@ def test_openai_fields_n_stop_echo_logprobs_user(server, hf_reference):
     tok = hf_reference.tokenizer
     greedy = tok.decode(hf_reference(PROMPTS[0], 12), skip_special_tokens=True)
     # n > 1, sampled: each choice is the same as its own request with seed + index
-    r = c.completions.create(model="s2", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3,
-                             seed=21, user="someone")
+    r = c.completions.create(
+        model="s2", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, n=3, seed=21, user="someone"
+    )
     assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
-    alone = [c.completions.create(model="s2", prompt=PROMPTS[1], max_tokens=8, temperature=1.0,
-                                  seed=21 + j).choices[0].text for j in range(3)]
+    alone = [
+        c.completions.create(
+            model="s2", prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=21 + j
+        )
+        .choices[0]
+        .text
+        for j in range(3)
+    ]
     assert [ch.text for ch in r.choices] == alone and len(set(alone)) > 1
     # n > 1 greedy, two prompts: every choice is the greedy one of its prompt
     r = c.completions.create(model="s2", prompt=PROMPTS[:2], max_tokens=12, temperature=0, n=2)
     assert [ch.text for ch in r.choices[:2]] == [greedy, greedy]
     # stop: cut before the first stop string, finish_reason stop (streamed too)
-    stop = greedy[len(greedy) // 2:][:3]
+    stop = greedy[len(greedy) // 2 :][:3]
     assert stop.strip()
-    r = c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=12, temperature=0,
-                             stop=[stop])
-    assert r.choices[0].text == greedy[:greedy.index(stop)]
+    r = c.completions.create(
+        model="s2", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == greedy[: greedy.index(stop)]
     assert r.choices[0].finish_reason == "stop"
-    chunks = list(c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=12,
-                                       temperature=0, stop=stop, stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks) == greedy[:greedy.index(stop)]
+    chunks = list(
+        c.completions.create(
+            model="s2", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=stop, stream=True
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks) == greedy[: greedy.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
     # echo
-    r = c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=12, temperature=0,
-                             echo=True)
+    r = c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=12, temperature=0, echo=True)
     assert r.choices[0].text == PROMPTS[0] + greedy
     # logprobs: the chosen (greedy) token is the most likely of the top N
-    r = c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                             logprobs=3)
+    r = c.completions.create(model="s2", prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     for word, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
@@ -251,8 +307,9 @@ def test_concurrent_requests_each_get_their_own_answer(server, hf_reference):
     tok = hf_reference.tokenizer
 
     def ask(p):
-        return server.request("POST", "/v1/completions",
-                              {"prompt": p, "max_tokens": 7, "temperature": 0})
+        return server.request(
+            "POST", "/v1/completions", {"prompt": p, "max_tokens": 7, "temperature": 0}
+        )
 
     with ThreadPoolExecutor(4) as ex:  # 4 requests of one sequence each: within lanes + queue
         results = list(ex.map(ask, PROMPTS * 2))
@@ -266,10 +323,20 @@ def test_plain_http_stream(server):
     import http.client
 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 6, "stream": True,
-                       "stream_options": {"include_usage": True}})
-    conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}",
-                                                    "Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "prompt": PROMPTS[2],
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body,
+        {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.getheader("Content-Type").startswith("text/event-stream")
@@ -288,7 +355,12 @@ BAD = [
     ({"prompt": [], "max_tokens": 4}, 400, "prompt", "non-empty list"),
     ({"prompt": "A class", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ({"prompt": "A class", "max_tokens": -2}, 400, "max_tokens", "at least 1"),
-    ({"prompt": "A class", "max_tokens": 100}, 400, "max_tokens", "beyond the model's context of 64"),
+    (
+        {"prompt": "A class", "max_tokens": 100},
+        400,
+        "max_tokens",
+        "beyond the model's context of 64",
+    ),
     ({"prompt": "A class", "max_tokens": 30}, 400, "max_tokens", "above this server's limit of 20"),
     ({"prompt": "A class", "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
     ({"prompt": "A class", "max_tokens": True}, 400, "max_tokens", "valid integer"),
@@ -320,8 +392,9 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("body,status,param,fragment", BAD,
-                         ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "body,status,param,fragment", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)]
+)
 def test_bad_requests_get_4xx_json_naming_the_field(server, body, status, param, fragment):
     got, err = server.request("POST", "/v1/completions", body)
     assert got == status, err
@@ -345,8 +418,9 @@ def test_auth_and_routes(server):
 
 
 def test_long_prompt_truncated_and_said_so_then_still_serving(server):
-    status, body = server.request("POST", "/v1/completions",
-                                  {"prompt": "word " * 120, "max_tokens": 10})
+    status, body = server.request(
+        "POST", "/v1/completions", {"prompt": "word " * 120, "max_tokens": 10}
+    )
     assert status == 200, body
     ch = body["choices"][0]
     assert ch["prompt_truncated_tokens"] > 0 and "dropped its first" in body["warnings"][0]
@@ -370,8 +444,13 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert grew("distlm_inter_token_latency_seconds_count") == 2
     assert grew("distlm_e2e_request_latency_seconds_count") == 1
     assert grew('distlm_sequences_total{reason="length"}') == 1
-    for name in ("distlm_queue_depth", "distlm_lanes_busy", "distlm_engine_up",
-                 'distlm_stage_compute_seconds{stage="0"}', 'distlm_stage_wait_seconds{stage="1"}'):
+    for name in (
+        "distlm_queue_depth",
+        "distlm_lanes_busy",
+        "distlm_engine_up",
+        'distlm_stage_compute_seconds{stage="0"}',
+        'distlm_stage_wait_seconds{stage="1"}',
+    ):
         assert name in after, name
     assert after["distlm_engine_up"] == 1
     assert after['distlm_stage_compute_seconds{stage="1"}'] > 0
@@ -380,8 +459,9 @@ def test_metrics_count_requests_tokens_and_latencies(server):
 def test_prompt_overflow_reject_and_a_clean_stop(tiny_models, tmp_path):
     s = start_server(tiny_models[2], 2, tmp_path, prompt_overflow="reject", timeout_s=30)
     try:
-        status, err = s.request("POST", "/v1/completions",
-                                {"prompt": "word " * 120, "max_tokens": 10})
+        status, err = s.request(
+            "POST", "/v1/completions", {"prompt": "word " * 120, "max_tokens": 10}
+        )
         assert status == 400 and "exceed the model's context of 64" in err["error"]["message"]
         assert err["error"]["param"] == "prompt"
         s.ok()
@@ -442,8 +522,13 @@ def test_killed_stage_gives_503_and_a_nonzero_exit(tiny_models, tmp_path):
 
 def test_503_while_the_pipeline_starts_and_sigterm_stops_it(tiny_models, tmp_path):
     # a "launcher" that never starts a pipeline: the API server stays in its starting state
-    s = start_server(tiny_models[2], 2, tmp_path, wait=False,
-                     launcher=f"{sys.executable} -c 'import time; time.sleep(120)'")
+    s = start_server(
+        tiny_models[2],
+        2,
+        tmp_path,
+        wait=False,
+        launcher=f"{sys.executable} -c 'import time; time.sleep(120)'",
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -464,8 +549,13 @@ def test_503_while_the_pipeline_starts_and_sigterm_stops_it(tiny_models, tmp_pat
 
 
 def test_exit_code_of_a_job_that_fails_to_start(tiny_models, tmp_path):
-    s = start_server(tiny_models[2], 2, tmp_path, wait=False,
-                     launcher=f"{sys.executable} -c 'import sys; sys.exit(3)'")
+    s = start_server(
+        tiny_models[2],
+        2,
+        tmp_path,
+        wait=False,
+        launcher=f"{sys.executable} -c 'import sys; sys.exit(3)'",
+    )
     assert s.proc.wait(timeout=60) == 3
     assert "the pipeline job exited with code 3 before it was ready" in s.log.read_text()
 
@@ -480,15 +570,26 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         cfg = validate_config({"serve": {"port": port}})
-        with pytest.raises(DistlmError, match=rf"cannot listen on 127.0.0.1:{port} "
-                                              r"\(serve.host/port\)"):
-            Supervisor(cfg, launch=["true"], engine_args=[], model_dir=tmp_path,
-                       host="127.0.0.1", port=port, start_timeout_s=1)
+        with pytest.raises(
+            DistlmError,
+            match=rf"cannot listen on 127.0.0.1:{port} "
+            r"\(serve.host/port\)",
+        ):
+            Supervisor(
+                cfg,
+                launch=["true"],
+                engine_args=[],
+                model_dir=tmp_path,
+                host="127.0.0.1",
+                port=port,
+                start_timeout_s=1,
+            )
     base = validate_config({})["serve"]
     assert read_token(base) is None
     monkeypatch.delenv("DISTLM_NO_SUCH_VAR", raising=False)
-    with pytest.raises(DistlmError, match="serve.token_env: environment variable "
-                                          "DISTLM_NO_SUCH_VAR is not set"):
+    with pytest.raises(
+        DistlmError, match="serve.token_env: environment variable DISTLM_NO_SUCH_VAR is not set"
+    ):
         read_token({**base, "token_env": "DISTLM_NO_SUCH_VAR"})
     f = tmp_path / "token"
     f.write_text("s3cret\n")
@@ -512,5 +613,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
 def test_access_log_one_line_per_request_with_status_and_timings(server):
     server.ok()
     lines = [ln for ln in server.log.read_text().splitlines() if "distlm.inference.access" in ln]
-    assert any(re.search(r"POST /v1/completions 200 \d+\.\d+s rid=\d+ tokens=3 ttft_s=", ln)
-               for ln in lines)
+    assert any(
+        re.search(r"POST /v1/completions 200 \d+\.\d+s rid=\d+ tokens=3 ttft_s=", ln)
+        for ln in lines
+    )

@@ -46,7 +46,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lanes", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="thread budget of each server")
     p.add_argument("--clients", default="1,4,16")
-    p.add_argument("--requests", type=int, default=2, help="requests per client (at least 8 per level)")
+    p.add_argument(
+        "--requests", type=int, default=2, help="requests per client (at least 8 per level)"
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--layers", type=int, default=6)
@@ -88,11 +90,18 @@ def baseline_app(model_dir: Path):
     def complete(req: Completion):
         ids = torch.tensor([tok(req.prompt, add_special_tokens=False)["input_ids"]])
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=req.max_tokens, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-        new = out[0, ids.shape[1]:].tolist()
-        return {"choices": [{"text": tok.decode(new, skip_special_tokens=True), "index": 0}],
-                "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)}}
+            out = model.generate(
+                ids,
+                max_new_tokens=req.max_tokens,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        new = out[0, ids.shape[1] :].tolist()
+        return {
+            "choices": [{"text": tok.decode(new, skip_special_tokens=True), "index": 0}],
+            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)},
+        }
 
     return app
 
@@ -102,8 +111,13 @@ def run_baseline(args) -> None:
     import uvicorn
 
     torch.set_num_threads(args.threads)
-    uvicorn.run(baseline_app(Path(args.model)), host="127.0.0.1", port=args.port,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        baseline_app(Path(args.model)),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 # ----------------------------------------------------------------------------- clients
@@ -126,10 +140,19 @@ def post(port: int, body: dict) -> tuple[float, int, str]:
 
 def level(port: int, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
     """`clients` clients, each sending `per_client` requests back to back."""
+
     def client(c: int) -> list[tuple[float, int, str]]:
-        return [post(port, {"prompt": prompts[(c * per_client + i) % len(prompts)],
-                            "max_tokens": max_tokens, "temperature": 0})
-                for i in range(per_client)]
+        return [
+            post(
+                port,
+                {
+                    "prompt": prompts[(c * per_client + i) % len(prompts)],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                },
+            )
+            for i in range(per_client)
+        ]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -137,16 +160,24 @@ def level(port: int, prompts: list[str], clients: int, per_client: int, max_toke
     wall = time.perf_counter() - t0
     lat = sorted(r[0] for r in results)
     tokens = sum(r[1] for r in results)
-    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "p50_s": statistics.median(lat),
-            "p99_s": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "p50_s": statistics.median(lat),
+        "p99_s": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+    }
 
 
 def wait_up(proc: subprocess.Popen, port: int, log: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server on {port} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"server on {port} exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+            )
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
@@ -168,17 +199,27 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def measure(name: str, cmd: list[str], port: int, work: Path, args, prompts, levels) -> tuple[list, dict]:
+def measure(
+    name: str, cmd: list[str], port: int, work: Path, args, prompts, levels
+) -> tuple[list, dict]:
     log = work / f"{name}.log"
     with open(log, "a") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+        )
     try:
         wait_up(proc, port, log)
-        texts = {p: post(port, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0})[2]
-                 for p in prompts}  # also the warm-up
-        rows = [level(port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens)
-                for c in levels]
+        texts = {
+            p: post(port, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0})[2]
+            for p in prompts
+        }  # also the warm-up
+        rows = [
+            level(port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens) for c in levels
+        ]
     finally:
         stop(proc)
     return rows, texts
@@ -209,47 +250,107 @@ def main() -> None:
             for name in order:
                 port = free_port()
                 if name == "baseline":
-                    cmd = [sys.executable, __file__, "--baseline-server", "--model", str(one),
-                           "--port", str(port), "--threads", str(args.threads)]
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--baseline-server",
+                        "--model",
+                        str(one),
+                        "--port",
+                        str(port),
+                        "--threads",
+                        str(args.threads),
+                    ]
                 else:
-                    cfg = validate_config({
-                        "inference": {"stages": args.stages, "lanes": args.lanes, "timeout_s": 300},
-                        "serve": {"port": port, "max_tokens": args.max_tokens,
-                                  "max_queued_sequences": 4 * max(levels)},
-                    })
+                    cfg = validate_config(
+                        {
+                            "inference": {
+                                "stages": args.stages,
+                                "lanes": args.lanes,
+                                "timeout_s": 300,
+                            },
+                            "serve": {
+                                "port": port,
+                                "max_tokens": args.max_tokens,
+                                "max_queued_sequences": 4 * max(levels),
+                            },
+                        }
+                    )
                     cfg_path = work / "serve.json"
-                    cfg_path.write_text(json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")}))
-                    cmd = [sys.executable, str(SERVE), "--launcher", f"mpiexec -n {args.stages}",
-                           "--config", str(cfg_path), "--model", str(piped)]
+                    cfg_path.write_text(
+                        json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")})
+                    )
+                    cmd = [
+                        sys.executable,
+                        str(SERVE),
+                        "--launcher",
+                        f"mpiexec -n {args.stages}",
+                        "--config",
+                        str(cfg_path),
+                        "--model",
+                        str(piped),
+                    ]
                 rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels)
                 runs[name].append(rows)
-                print(name, json.dumps([{k: round(r[k], 3) for k in ("clients", "tokens_per_s", "p50_s", "p99_s")}
-                                        for r in rows]), flush=True)
+                print(
+                    name,
+                    json.dumps(
+                        [
+                            {
+                                k: round(r[k], 3)
+                                for k in ("clients", "tokens_per_s", "p50_s", "p99_s")
+                            }
+                            for r in rows
+                        ]
+                    ),
+                    flush=True,
+                )
         if texts["baseline"] != texts["distlm"]:
             raise RuntimeError(f"the servers disagree on greedy text: {texts}")
     summary = {}
     for name, reps in runs.items():
         summary[name] = [
-            {"clients": c, **{k: statistics.median(rep[i][k] for rep in reps)
-                              for k in ("tokens_per_s", "p50_s", "p99_s")}}
+            {
+                "clients": c,
+                **{
+                    k: statistics.median(rep[i][k] for rep in reps)
+                    for k in ("tokens_per_s", "p50_s", "p99_s")
+                },
+            }
             for i, c in enumerate(levels)
         ]
     ratios = [
-        {"clients": c,
-         "throughput_distlm_over_baseline": summary["distlm"][i]["tokens_per_s"] / summary["baseline"][i]["tokens_per_s"],
-         "p50_distlm_over_baseline": summary["distlm"][i]["p50_s"] / summary["baseline"][i]["p50_s"],
-         "p99_distlm_over_baseline": summary["distlm"][i]["p99_s"] / summary["baseline"][i]["p99_s"]}
+        {
+            "clients": c,
+            "throughput_distlm_over_baseline": summary["distlm"][i]["tokens_per_s"]
+            / summary["baseline"][i]["tokens_per_s"],
+            "p50_distlm_over_baseline": summary["distlm"][i]["p50_s"]
+            / summary["baseline"][i]["p50_s"],
+            "p99_distlm_over_baseline": summary["distlm"][i]["p99_s"]
+            / summary["baseline"][i]["p99_s"],
+        }
         for i, c in enumerate(levels)
     ]
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "stages": args.stages, "lanes": args.lanes, "threads": args.threads, "clients": levels,
-        "requests_per_client": args.requests, "repeats": args.repeats, "max_tokens": args.max_tokens,
+        "stages": args.stages,
+        "lanes": args.lanes,
+        "threads": args.threads,
+        "clients": levels,
+        "requests_per_client": args.requests,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
         "model": str(args.model or f"seeded {args.layers}x{args.embd}"),
-        "median_over_repeats": summary, "ratios": ratios, "runs": runs,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_avg": os.getloadavg(),
-                    "note": "shared with other jobs; figures are ratios of runs in the same run"},
+        "median_over_repeats": summary,
+        "ratios": ratios,
+        "runs": runs,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "load_avg": os.getloadavg(),
+            "note": "shared with other jobs; figures are ratios of runs in the same run",
+        },
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"median_over_repeats": summary, "ratios": ratios}, indent=2))

@@ -21,9 +21,12 @@ parser.add_argument("--model", required=True, help="model folder with shards/ (o
 parser.add_argument("--launcher", help='command that starts the pipeline ("mpiexec -n 3")')
 parser.add_argument("--host", help="bind address (default: serve.host)")
 parser.add_argument("--port", type=int, help="port (default: serve.port)")
-parser.add_argument("--start-timeout", type=float, default=900.0,
-                    help="seconds for the pipeline to come up")
-parser.add_argument("--engine", action="store_true", help="run a pipeline rank (set by the API server)")
+parser.add_argument(
+    "--start-timeout", type=float, default=900.0, help="seconds for the pipeline to come up"
+)
+parser.add_argument(
+    "--engine", action="store_true", help="run a pipeline rank (set by the API server)"
+)
 parser.add_argument("--requests", help="engine: the API server's request socket")
 parser.add_argument("--events", help="engine: the API server's event socket")
 parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
@@ -34,8 +37,14 @@ if args.engine:
     from distlm.inference.engine import run_engine
 
     setup_logging()
-    run_engine(cfg["inference"], device=cfg["runtime"]["device"], model_dir=args.model,
-               requests=args.requests, events=args.events, api_pid=args.api_pid)
+    run_engine(
+        cfg["inference"],
+        device=cfg["runtime"]["device"],
+        model_dir=args.model,
+        requests=args.requests,
+        events=args.events,
+        api_pid=args.api_pid,
+    )
     sys.exit(0)
 
 if args.launcher is None:
@@ -43,6 +52,15 @@ if args.launcher is None:
 setup_logging(rank="api")
 from distlm.inference.supervisor import run_api_server
 
-sys.exit(run_api_server(cfg, launcher=args.launcher, script=__file__, config=args.config,
-                        model_dir=args.model, host=args.host, port=args.port,
-                        start_timeout_s=args.start_timeout))
+sys.exit(
+    run_api_server(
+        cfg,
+        launcher=args.launcher,
+        script=__file__,
+        config=args.config,
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        start_timeout_s=args.start_timeout,
+    )
+)

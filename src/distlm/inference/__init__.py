@@ -6,6 +6,6 @@
     pipeline.py    the MPI ring (named messages), stage 0's scheduler, the batch stage
     messages.py    the engine channel's named, versioned messages (msgpack over ZeroMQ)
     engine.py      serve mode inside the MPI job: stage 0 takes requests from the API server
-    api.py         serve mode's HTTP side: OpenAI completions on FastAPI, limits, metrics, access log
+    api.py         serve mode's HTTP side: OpenAI completions (FastAPI), limits, metrics, access log
     supervisor.py  the API server process: uvicorn, the MPI job it starts and watches, signals
 """

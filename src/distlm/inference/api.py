@@ -76,8 +76,15 @@ _REFUSED = {
 class ApiError(Exception):
     """An HTTP error answer: status, message naming the field, OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
@@ -86,13 +93,22 @@ class ApiError(Exception):
         headers = dict(self.headers)
         if close:  # the body was not read to its end: the connection cannot be reused
             headers["Connection"] = "close"
-        return JSONResponse(error_doc(self.status, self.message, self.param, self.code),
-                            status_code=self.status, headers=headers)
+        return JSONResponse(
+            error_doc(self.status, self.message, self.param, self.code),
+            status_code=self.status,
+            headers=headers,
+        )
 
 
 def error_doc(status: int, message: str, param: str | None = None, code: str | None = None):
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 # ----------------------------------------------------------------------------- request models
@@ -146,10 +162,12 @@ def _validation_error(e: ValidationError) -> RequestError:
     if err["type"] == "missing":
         return RequestError(f"{where}: required", param=param)
     if err["type"] == "extra_forbidden":
-        return RequestError(f"{where}: unknown field (OpenAI's completions fields only)",
-                            param=param)
-    return RequestError(f"{where}: {err['msg'].lower()}, got {_short(err.get('input'))}",
-                        param=param)
+        return RequestError(
+            f"{where}: unknown field (OpenAI's completions fields only)", param=param
+        )
+    return RequestError(
+        f"{where}: {err['msg'].lower()}, got {_short(err.get('input'))}", param=param
+    )
 
 
 def _short(value) -> str:
@@ -174,7 +192,7 @@ def json_depth(raw: bytes) -> int:
 
 
 def parse_json(raw: bytes, *, max_depth: int, max_digits: int):
-    """A request body as JSON, under a nesting and a number-size limit; RequestError (400) if not."""
+    """A request body as JSON under a nesting and a number-size limit; else RequestError (400)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -184,12 +202,15 @@ def parse_json(raw: bytes, *, max_depth: int, max_digits: int):
     depth = json_depth(raw)
     if depth > max_depth:
         raise RequestError(
-            f"request body: JSON nested {depth} deep, at most {max_depth} (serve.max_json_depth)")
+            f"request body: JSON nested {depth} deep, at most {max_depth} (serve.max_json_depth)"
+        )
 
     def number(s: str, kind):
         if len(s.lstrip("-")) > max_digits:
-            raise RequestError(f"request body: a number of {len(s)} characters, at most "
-                               f"{max_digits} (serve.max_number_digits)")
+            raise RequestError(
+                f"request body: a number of {len(s)} characters, at most "
+                f"{max_digits} (serve.max_number_digits)"
+            )
         value = kind(s)
         if kind is float and value in (float("inf"), float("-inf")):
             raise RequestError(f"request body: the number {s} is out of range")
@@ -199,8 +220,12 @@ def parse_json(raw: bytes, *, max_depth: int, max_digits: int):
         raise RequestError(f"request body is not valid JSON ({s} is not a JSON number)")
 
     try:
-        return json.loads(text, parse_int=lambda s: number(s, int),
-                          parse_float=lambda s: number(s, float), parse_constant=constant)
+        return json.loads(
+            text,
+            parse_int=lambda s: number(s, int),
+            parse_float=lambda s: number(s, float),
+            parse_constant=constant,
+        )
     except json.JSONDecodeError as e:
         raise RequestError(f"request body is not valid JSON ({e})") from None
     except RecursionError:  # deeper than the depth scan saw: never expected, still a 400
@@ -211,20 +236,26 @@ async def read_body(request: Request, *, limit: int, timeout_s: float) -> bytes:
     """The body, counting bytes actually read (chunked too): 413 over `limit`, 408 too slow."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body of {int(length)} bytes is over the limit of {limit} "
-                       "(serve.max_request_bytes)")
+        raise ApiError(
+            413,
+            f"request body of {int(length)} bytes is over the limit of {limit} "
+            "(serve.max_request_bytes)",
+        )
     chunks, n = [], 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 n += len(chunk)
                 if n > limit:
-                    raise ApiError(413, f"request body over the limit of {limit} bytes "
-                                   "(serve.max_request_bytes)")
+                    raise ApiError(
+                        413,
+                        f"request body over the limit of {limit} bytes (serve.max_request_bytes)",
+                    )
                 chunks.append(chunk)
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {timeout_s:g} s "
-                       "(serve.body_timeout_s)") from None
+        raise ApiError(
+            408, f"request body not received within {timeout_s:g} s (serve.body_timeout_s)"
+        ) from None
     return b"".join(chunks)
 
 
@@ -237,31 +268,50 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.requests = Counter("distlm_requests", "HTTP requests answered, by route and status",
-                                ["route", "status"], registry=r)
-        self.ttft = Histogram("distlm_time_to_first_token_seconds",
-                              "Completion requests: time to the first token", buckets=latency,
-                              registry=r)
-        self.itl = Histogram("distlm_inter_token_latency_seconds",
-                             "Time between consecutive tokens of a sequence", buckets=latency,
-                             registry=r)
-        self.e2e = Histogram("distlm_e2e_request_latency_seconds",
-                             "Completion requests: time from arrival to the last token",
-                             buckets=latency, registry=r)
+        self.requests = Counter(
+            "distlm_requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "distlm_time_to_first_token_seconds",
+            "Completion requests: time to the first token",
+            buckets=latency,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "distlm_inter_token_latency_seconds",
+            "Time between consecutive tokens of a sequence",
+            buckets=latency,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "distlm_e2e_request_latency_seconds",
+            "Completion requests: time from arrival to the last token",
+            buckets=latency,
+            registry=r,
+        )
         self.tokens = Counter("distlm_generation_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter("distlm_prompt_tokens", "Prompt tokens submitted",
-                                     registry=r)
-        self.sequences = Counter("distlm_sequences", "Sequences ended, by finish reason",
-                                 ["reason"], registry=r)
+        self.prompt_tokens = Counter("distlm_prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.sequences = Counter(
+            "distlm_sequences", "Sequences ended, by finish reason", ["reason"], registry=r
+        )
         self.queue = Gauge("distlm_queue_depth", "Sequences waiting for a lane", registry=r)
         self.lanes = Gauge("distlm_lanes_busy", "Pipeline lanes holding a sequence", registry=r)
-        self.open = Gauge("distlm_sequences_open", "Sequences submitted and not yet ended",
-                          registry=r)
+        self.open = Gauge(
+            "distlm_sequences_open", "Sequences submitted and not yet ended", registry=r
+        )
         self.up = Gauge("distlm_engine_up", "1 while the pipeline answers", registry=r)
-        self.compute = Gauge("distlm_stage_compute_seconds", "Forward-pass seconds per stage",
-                             ["stage"], registry=r)
-        self.wait = Gauge("distlm_stage_wait_seconds",
-                          "Seconds a stage waited for its previous stage", ["stage"], registry=r)
+        self.compute = Gauge(
+            "distlm_stage_compute_seconds", "Forward-pass seconds per stage", ["stage"], registry=r
+        )
+        self.wait = Gauge(
+            "distlm_stage_wait_seconds",
+            "Seconds a stage waited for its previous stage",
+            ["stage"],
+            registry=r,
+        )
 
     def health(self, h: Health) -> None:
         self.queue.set(h.waiting)
@@ -340,8 +390,10 @@ class EngineClient:
                 self._dispatch(msg)
             except Exception as e:  # a bug here must not leave requests waiting for ever
                 log.exception("engine channel: handling %s failed", type(msg).__name__)
-                self.fail(f"the API server could not handle the engine's {type(msg).__name__} "
-                          f"({type(e).__name__}: {e})")
+                self.fail(
+                    f"the API server could not handle the engine's {type(msg).__name__} "
+                    f"({type(e).__name__}: {e})"
+                )
                 return
 
     def _dispatch(self, msg) -> None:
@@ -359,7 +411,8 @@ class EngineClient:
                 self.open_seqs[msg.rid] -= 1
                 self.metrics.open.set(self.outstanding)
                 self.metrics.sequences.labels(
-                    msg.reason if isinstance(msg, Finish) else "error").inc()
+                    msg.reason if isinstance(msg, Finish) else "error"
+                ).inc()
                 if not self.open_seqs[msg.rid]:
                     del self.open_seqs[msg.rid]
             q = self.queues.get(msg.rid)
@@ -374,8 +427,11 @@ class EngineClient:
         `error`: False for a requested stop (logged as information, not as an error)."""
         if self.failed is None:
             self.failed = reason
-            log.log(logging.ERROR if error else logging.INFO,
-                    "the pipeline is unavailable, answering 503: %s", reason)
+            log.log(
+                logging.ERROR if error else logging.INFO,
+                "the pipeline is unavailable, answering 503: %s",
+                reason,
+            )
         self.metrics.up.set(0)
         for q in self.queues.values():
             q.put_nowait(Error(rid=None, index=None, status=503, message=reason))
@@ -449,8 +505,12 @@ def _authorized(st: ServeState, request: Request) -> bool:
 
 def _need_auth(st: ServeState, request: Request) -> None:
     if not _authorized(st, request):
-        raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "missing or wrong bearer token (Authorization: Bearer ...)",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def build_app(st: ServeState) -> FastAPI:
@@ -462,10 +522,15 @@ def build_app(st: ServeState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        message = {404: f"no route {escape(request.url.path)}",
-                   405: f"method {request.method} not allowed on {escape(request.url.path)}"}
-        return JSONResponse(error_doc(e.status_code, message.get(e.status_code, str(e.detail))),
-                            status_code=e.status_code, headers=getattr(e, "headers", None))
+        message = {
+            404: f"no route {escape(request.url.path)}",
+            405: f"method {request.method} not allowed on {escape(request.url.path)}",
+        }
+        return JSONResponse(
+            error_doc(e.status_code, message.get(e.status_code, str(e.detail))),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
 
     @app.get("/health")
     async def health(request: Request):
@@ -476,16 +541,24 @@ def build_app(st: ServeState) -> FastAPI:
         doc = {"status": "ok", "model": st.model_id}
         if _authorized(st, request):  # hosts and pids only with the token
             r, h = st.engine.ready, st.engine.health
-            doc.update(stages=r.stages, lanes=r.lanes, pipeline=r.pipeline,
-                       active=h.active if h else 0, waiting=h.waiting if h else 0,
-                       lanes_busy=h.lanes_busy if h else 0, open=st.engine.outstanding)
+            doc.update(
+                stages=r.stages,
+                lanes=r.lanes,
+                pipeline=r.pipeline,
+                active=h.active if h else 0,
+                waiting=h.waiting if h else 0,
+                lanes_busy=h.lanes_busy if h else 0,
+                open=st.engine.outstanding,
+            )
         return doc
 
     @app.get("/v1/models")
     async def models(request: Request):
         _need_auth(st, request)
-        return {"object": "list", "data": [
-            {"id": st.model_id, "object": "model", "created": 0, "owned_by": "distlm"}]}
+        return {
+            "object": "list",
+            "data": [{"id": st.model_id, "object": "model", "created": 0, "owned_by": "distlm"}],
+        }
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -498,8 +571,9 @@ def build_app(st: ServeState) -> FastAPI:
         why = st.unavailable()
         if why is not None:
             raise ApiError(503, f"the pipeline is unavailable: {why}")
-        raw = await read_body(request, limit=st.scfg["max_request_bytes"],
-                              timeout_s=st.scfg["body_timeout_s"])
+        raw = await read_body(
+            request, limit=st.scfg["max_request_bytes"], timeout_s=st.scfg["body_timeout_s"]
+        )
         try:
             job = _prepare(st, raw)
         except RequestError as e:
@@ -535,8 +609,9 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
         raise _validation_error(e) from None
     prompts = req.prompts()
     if not prompts:
-        raise RequestError("prompt: expected a string or a non-empty list of strings",
-                           param="prompt")
+        raise RequestError(
+            "prompt: expected a string or a non-empty list of strings", param="prompt"
+        )
     if req.n < 1:
         raise RequestError(f"n: must be at least 1, got {req.n}", param="n")
     sequences = len(prompts) * req.n
@@ -544,13 +619,16 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
     if sequences > most:
         raise RequestError(
             f"n: {len(prompts)} prompts x n = {req.n} is {sequences} sequences, at most {most} "
-            "(inference.lanes + serve.max_queued_sequences)", param="n")
+            "(inference.lanes + serve.max_queued_sequences)",
+            param="n",
+        )
     stops = req.stops()
     if len(stops) > 4 or any(not s for s in stops):
         raise RequestError("stop: at most 4 non-empty strings", param="stop")
     if req.echo and req.logprobs is not None:
-        raise RequestError("echo: echo with logprobs (prompt log-probabilities) is not supported",
-                           param="echo")
+        raise RequestError(
+            "echo: echo with logprobs (prompt log-probabilities) is not supported", param="echo"
+        )
 
     def opt(value, default):
         return default if value is None else value
@@ -558,16 +636,24 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
     params = make_params(
         max_new_tokens=opt(req.max_tokens, OPENAI_DEFAULT_MAX_TOKENS),
         temperature=opt(req.temperature, 0.0 if icfg["greedy"] else icfg["temperature"]),
-        top_k=opt(req.top_k, icfg["top_k"]), top_p=opt(req.top_p, icfg["top_p"]),
-        seed=opt(req.seed, icfg["seed"]), logprobs=req.logprobs, context=ready.context,
-        vocab_size=ready.vocab_size, max_allowed=scfg["max_tokens"],
+        top_k=opt(req.top_k, icfg["top_k"]),
+        top_p=opt(req.top_p, icfg["top_p"]),
+        seed=opt(req.seed, icfg["seed"]),
+        logprobs=req.logprobs,
+        context=ready.context,
+        vocab_size=ready.vocab_size,
+        max_allowed=scfg["max_tokens"],
     )
     ids, truncated = [], []
     for i, text in enumerate(prompts):
         try:
-            got, cut = encode_prompt(st.tokenizer, text, context=ready.context,
-                                     max_new_tokens=params.max_new_tokens,
-                                     overflow=icfg["prompt_overflow"])
+            got, cut = encode_prompt(
+                st.tokenizer,
+                text,
+                context=ready.context,
+                max_new_tokens=params.max_new_tokens,
+                overflow=icfg["prompt_overflow"],
+            )
         except RequestError as e:
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             raise RequestError(str(e).replace("prompt:", f"{where}:", 1), param="prompt") from None
@@ -645,7 +731,7 @@ class _Answer:
             return None  # a multi-byte character is not complete yet
         if end <= self.sent[index]:
             return None if c.reason is None else ""
-        out = text[self.sent[index]:end]
+        out = text[self.sent[index] : end]
         self.sent[index] = end
         return out
 
@@ -658,8 +744,9 @@ class _Answer:
         return {
             "tokens": words,
             "token_logprobs": c.logprobs[since:],
-            "top_logprobs": [{tok.decode([int(t)]): lp for t, lp in (top or [])}
-                             for top in c.top[since:]],
+            "top_logprobs": [
+                {tok.decode([int(t)]): lp for t, lp in (top or [])} for top in c.top[since:]
+            ],
             "text_offset": [],
         }
 
@@ -674,9 +761,13 @@ async def _run(st: ServeState, request: Request, job: Job):
     sequences = len(job.ids) * job.req.n
     room = st.icfg["lanes"] + scfg["max_queued_sequences"] - engine.outstanding
     if sequences > room:
-        raise ApiError(429, f"the queue is full ({engine.outstanding} sequences open, at most "
-                       f"{st.icfg['lanes'] + scfg['max_queued_sequences']}: inference.lanes + "
-                       "serve.max_queued_sequences); retry later", headers={"Retry-After": "1"})
+        raise ApiError(
+            429,
+            f"the queue is full ({engine.outstanding} sequences open, at most "
+            f"{st.icfg['lanes'] + scfg['max_queued_sequences']}: inference.lanes + "
+            "serve.max_queued_sequences); retry later",
+            headers={"Retry-After": "1"},
+        )
     t0 = time.perf_counter()
     st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
     rid, queue = engine.submit(job.ids, job.req.n, job.params)
@@ -685,9 +776,11 @@ async def _run(st: ServeState, request: Request, job: Job):
     info["rid"] = rid
     deadline = time.monotonic() + scfg["request_timeout_s"]
     if job.req.stream:
-        return StreamingResponse(_stream(st, answer, queue, deadline, info),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(st, answer, queue, deadline, info),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     return await _complete(st, request, answer, queue, deadline, info)
 
 
@@ -697,8 +790,9 @@ async def _next(queue: asyncio.Queue, deadline: float, what: str):
         async with asyncio.timeout(max(0.0, left)):
             return await queue.get()
     except TimeoutError:
-        raise ApiError(504, f"{what} not done within the request timeout "
-                       "(serve.request_timeout_s)") from None
+        raise ApiError(
+            504, f"{what} not done within the request timeout (serve.request_timeout_s)"
+        ) from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -747,11 +841,15 @@ async def _complete(st: ServeState, request: Request, answer: _Answer, queue, de
         text = answer.texts[c.index]
         if job.req.echo:
             text = job.prompts[answer.prompt_index(c.index)] + text
-        out["choices"].append({
-            "text": text, "index": c.index, "logprobs": answer.logprobs(c.index),
-            "finish_reason": c.reason,
-            "prompt_truncated_tokens": job.truncated[answer.prompt_index(c.index)],
-        })
+        out["choices"].append(
+            {
+                "text": text,
+                "index": c.index,
+                "logprobs": answer.logprobs(c.index),
+                "finish_reason": c.reason,
+                "prompt_truncated_tokens": job.truncated[answer.prompt_index(c.index)],
+            }
+        )
     out["usage"] = answer.usage()
     warnings = _warnings(job)
     if warnings:
@@ -767,8 +865,15 @@ async def _stream(st: ServeState, answer: _Answer, queue, deadline, info):
 
     def chunk(index: int, text: str, reason: str | None, **extra) -> bytes:
         c = _base(st, cid)
-        c["choices"] = [{"text": text, "index": index, "finish_reason": reason,
-                         "logprobs": extra.pop("logprobs", None), **extra}]
+        c["choices"] = [
+            {
+                "text": text,
+                "index": index,
+                "finish_reason": reason,
+                "logprobs": extra.pop("logprobs", None),
+                **extra,
+            }
+        ]
         return _sse(c)
 
     try:
@@ -798,8 +903,13 @@ async def _stream(st: ServeState, answer: _Answer, queue, deadline, info):
                     lp = answer.logprobs(i, answer.lp_sent[i])
                     answer.lp_sent[i] = len(c.tokens)
                 if c.reason is not None:
-                    yield chunk(i, text, c.reason, logprobs=lp, prompt_truncated_tokens=job.truncated[
-                        answer.prompt_index(i)])
+                    yield chunk(
+                        i,
+                        text,
+                        c.reason,
+                        logprobs=lp,
+                        prompt_truncated_tokens=job.truncated[answer.prompt_index(i)],
+                    )
                 elif text or lp:
                     yield chunk(i, text, None, logprobs=lp)
         if job.req.stream_options is not None and job.req.stream_options.include_usage:
@@ -822,15 +932,20 @@ def _sse(obj) -> bytes:
 
 
 def _base(st: ServeState, cid: str) -> dict:
-    return {"id": cid, "object": "text_completion", "created": int(time.time()),
-            "model": st.model_id}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": st.model_id,
+    }
 
 
 def _warnings(job: Job) -> list[str]:
     return [
         f"prompt {i}: dropped its first {cut} tokens to fit the context "
         "(inference.prompt_overflow is truncate)"
-        for i, cut in enumerate(job.truncated) if cut
+        for i, cut in enumerate(job.truncated)
+        if cut
     ]
 
 
@@ -842,8 +957,12 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\\]")
 
 def escape(text: str) -> str:
     """Control characters (and backslashes) as escapes: a request cannot write to the terminal."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii")
-                        if m.group() != "\\" else "\\\\", text)
+    return _CONTROL.sub(
+        lambda m: (
+            m.group().encode("unicode_escape").decode("ascii") if m.group() != "\\" else "\\\\"
+        ),
+        text,
+    )
 
 
 class AccessLog:
@@ -870,12 +989,23 @@ class AccessLog:
         finally:
             code = status["code"] or 499
             path = scope.get("path", "")
-            route = path if path in ("/v1/completions", "/v1/models", "/health",
-                                     "/metrics") else "other"
+            route = (
+                path
+                if path in ("/v1/completions", "/v1/models", "/health", "/metrics")
+                else "other"
+            )
             self.metrics.requests.labels(route, str(code)).inc()
             client = scope.get("client") or ("-", 0)
-            extra = "".join(f" {k}={v:.4f}" if isinstance(v, float) else f" {k}={v}"
-                            for k, v in info.items())
-            access.info("%s:%s %s %s %d %.4fs%s", client[0], client[1],
-                        escape(scope.get("method", "")), escape(path), code,
-                        time.perf_counter() - t0, escape(extra))
+            extra = "".join(
+                f" {k}={v:.4f}" if isinstance(v, float) else f" {k}={v}" for k, v in info.items()
+            )
+            access.info(
+                "%s:%s %s %s %d %.4fs%s",
+                client[0],
+                client[1],
+                escape(scope.get("method", "")),
+                escape(path),
+                code,
+                time.perf_counter() - t0,
+                escape(extra),
+            )

@@ -111,9 +111,14 @@ class Engine:
     def ready(self) -> Ready:
         tok = self.pipe.tokenizer
         return Ready(
-            hostname=socket.gethostname(), pid=os.getpid(), context=self.pipe.context,
-            vocab_size=len(tok), eos_token_id=self.pipe.eos_token_id, lanes=self.icfg["lanes"],
-            stages=self.pipe.topo.stages, pipeline=self.pipe.infos,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            context=self.pipe.context,
+            vocab_size=len(tok),
+            eos_token_id=self.pipe.eos_token_id,
+            lanes=self.icfg["lanes"],
+            stages=self.pipe.topo.stages,
+            pipeline=self.pipe.infos,
         )
 
     def run(self) -> None:
@@ -167,8 +172,12 @@ class Engine:
     def health(self) -> Health:
         s = self.sched
         stages = [s.stats.brief(), *(s.stage_stats[k] for k in sorted(s.stage_stats))]
-        return Health(active=len(s.active), waiting=len(s.waiting) + sum(
-            len(q.siblings) for q in s.waiting), lanes_busy=s.lanes_busy, stages=stages)
+        return Health(
+            active=len(s.active),
+            waiting=len(s.waiting) + sum(len(q.siblings) for q in s.waiting),
+            lanes_busy=s.lanes_busy,
+            stages=stages,
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -202,10 +211,14 @@ class Engine:
         for i, ids in enumerate(msg.prompts):
             group = []
             for j in range(msg.n):
-                p = params if j == 0 else dataclasses.replace(
-                    params, seed=(params.seed + j) % (MAX_SEED + 1))
-                seq = Sequence(self.sched.new_id(), list(ids), p, on_token=self._token,
-                               on_done=self._done)
+                p = (
+                    params
+                    if j == 0
+                    else dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
+                )
+                seq = Sequence(
+                    self.sched.new_id(), list(ids), p, on_token=self._token, on_done=self._done
+                )
                 self.where[seq.id] = (msg.rid, i * msg.n + j)
                 group.append(seq)
             group[0].siblings = group[1:]
@@ -223,15 +236,23 @@ class Engine:
         if seq.finish_reason == "error":
             self.ch.send(Error(rid=rid, index=index, status=500, message=seq.error or "failed"))
         else:
-            self.ch.send(Finish(rid=rid, index=index, reason=seq.finish_reason,
-                                tokens=len(seq.tokens)))
+            self.ch.send(
+                Finish(rid=rid, index=index, reason=seq.finish_reason, tokens=len(seq.tokens))
+            )
         seqs = self.requests.get(rid, [])
         if all(s.finish_reason is not None for s in seqs):
             self.requests.pop(rid, None)
 
 
-def run_engine(icfg: dict, *, model_dir: str | Path, device: str, requests: str, events: str,
-               api_pid: int | None) -> None:
+def run_engine(
+    icfg: dict,
+    *,
+    model_dir: str | Path,
+    device: str,
+    requests: str,
+    events: str,
+    api_pid: int | None,
+) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
     with mpi_pipeline(icfg, model_dir, device=device) as pipe:
         if not pipe.topo.is_first:

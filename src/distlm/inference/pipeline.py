@@ -17,8 +17,8 @@ serve mode the engine, which tells the API server to answer 503) is the first to
 pipeline is idle (serve mode) stage 0 sends an empty micro-batch round the ring as a heartbeat.
 
 MPI errors are returned, not fatal (MPI_ERRORS_RETURN), and become PipelineErrors naming both stages.
-A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the API server
-outside the job (`distlm.inference.api`) then answers 503.
+A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the API
+server outside the job (`distlm.inference.api`) then answers 503.
 
 The ring's messages are named types: Hello, Stop, Work (slots + hidden states) and Tokens (picks).
 A pick that failed (SamplingError) carries its error, and fails that one sequence only.
@@ -216,7 +216,7 @@ def from_wire(payload: tuple[str, np.ndarray]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fork:
-    """A sibling of an n > 1 request: its own lane and sampling, its parent's prefill (KV copied)."""
+    """A sibling of an n > 1 request: its own lane and sampling, its parent's prefill (KV shared)."""
 
     seq: int
     lane: int

@@ -101,7 +101,9 @@ def make_params(
     if logprobs is not None:
         lp = _number(logprobs, "logprobs", integer=True)
         if not 0 <= lp <= MAX_LOGPROBS:
-            raise RequestError(f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs")
+            raise RequestError(
+                f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs"
+            )
         logprobs = lp
     return SamplingParams(
         max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s, logprobs=logprobs

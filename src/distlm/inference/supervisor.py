@@ -77,10 +77,15 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             if self.cycle is None or self.cycle.response_complete:
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
-                                     b"connection: close\r\n\r\n")
-            self.logger.info("closing a connection whose request head did not arrive within "
-                             "%g s (serve.header_timeout_s)", self.header_timeout_s)
+                self.transport.write(
+                    b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
+                    b"connection: close\r\n\r\n"
+                )
+            self.logger.info(
+                "closing a connection whose request head did not arrive within "
+                "%g s (serve.header_timeout_s)",
+                self.header_timeout_s,
+            )
             self.transport.close()
 
 
@@ -98,8 +103,9 @@ def read_token(scfg: dict) -> str | None:
     if scfg["token_env"]:
         value = os.environ.get(scfg["token_env"], "")
         if not value.strip():
-            raise DistlmError(f"serve.token_env: environment variable {scfg['token_env']} is "
-                              "not set or empty")
+            raise DistlmError(
+                f"serve.token_env: environment variable {scfg['token_env']} is not set or empty"
+            )
         tokens.append(value.strip())
     if scfg["token_file"]:
         try:
@@ -129,8 +135,17 @@ def _setup_server_logs() -> None:
 class Supervisor:
     """The API server and the pipeline job, from start to exit code."""
 
-    def __init__(self, cfg: dict, *, launch: list[str], engine_args: list[str], model_dir: Path,
-                 host: str, port: int, start_timeout_s: float) -> None:
+    def __init__(
+        self,
+        cfg: dict,
+        *,
+        launch: list[str],
+        engine_args: list[str],
+        model_dir: Path,
+        host: str,
+        port: int,
+        start_timeout_s: float,
+    ) -> None:
         self.cfg, self.scfg, self.icfg = cfg, cfg["serve"], cfg["inference"]
         self.launch, self.engine_args = launch, engine_args
         self.model_dir = model_dir
@@ -140,7 +155,9 @@ class Supervisor:
         try:
             self.sock = socket.create_server((host, port), backlog=self.scfg["backlog"])
         except OSError as e:
-            raise DistlmError(f"serve: cannot listen on {host}:{port} (serve.host/port): {e}") from None
+            raise DistlmError(
+                f"serve: cannot listen on {host}:{port} (serve.host/port): {e}"
+            ) from None
         self.address = self.sock.getsockname()[:2]
         self.stop_reason: str | None = None
         self.child: subprocess.Popen | None = None
@@ -161,13 +178,23 @@ class Supervisor:
         metrics = Metrics()
         engine = EngineClient(f"ipc://{tmp}/requests", f"ipc://{tmp}/events", metrics)
         engine.start()
-        st = ServeState(self.scfg, self.icfg, model_id=self.model_dir.resolve().name,
-                        tokenizer=load_tokenizer(self.model_dir), engine=engine, metrics=metrics,
-                        token=self.token)
+        st = ServeState(
+            self.scfg,
+            self.icfg,
+            model_id=self.model_dir.resolve().name,
+            tokenizer=load_tokenizer(self.model_dir),
+            engine=engine,
+            metrics=metrics,
+            token=self.token,
+        )
         GuardedH11Protocol.header_timeout_s = self.scfg["header_timeout_s"]
         config = uvicorn.Config(
-            AccessLog(build_app(st), metrics), http=GuardedH11Protocol, lifespan="off",
-            access_log=False, log_config=None, server_header=False,
+            AccessLog(build_app(st), metrics),
+            http=GuardedH11Protocol,
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            server_header=False,
             limit_concurrency=self.scfg["max_connections"],
             timeout_keep_alive=self.scfg["keep_alive_timeout_s"],
             h11_max_incomplete_event_size=self.scfg["max_header_bytes"],
@@ -176,10 +203,19 @@ class Supervisor:
         _setup_server_logs()
         server = _Server(config)
         serving = asyncio.ensure_future(server.serve(sockets=[self.sock]))
-        cmd = [*self.launch, *self.engine_args, "--requests", f"ipc://{tmp}/requests",
-               "--events", f"ipc://{tmp}/events", "--api-pid", str(os.getpid())]
-        log.info("API server on http://%s:%d; starting the pipeline: %s", *self.address,
-                 shlex.join(cmd))
+        cmd = [
+            *self.launch,
+            *self.engine_args,
+            "--requests",
+            f"ipc://{tmp}/requests",
+            "--events",
+            f"ipc://{tmp}/events",
+            "--api-pid",
+            str(os.getpid()),
+        ]
+        log.info(
+            "API server on http://%s:%d; starting the pipeline: %s", *self.address, shlex.join(cmd)
+        )
         # its own session: a Ctrl-C at the terminal reaches this process only, which stops the
         # job in order
         self.child = await asyncio.to_thread(subprocess.Popen, cmd, start_new_session=True)
@@ -210,25 +246,33 @@ class Supervisor:
                 return await self._kill_job()
             rc = child.poll()
             if rc is not None:
-                return self._failed(engine, rc, f"the pipeline job exited with code {rc} before "
-                                    "it was ready")
+                return self._failed(
+                    engine, rc, f"the pipeline job exited with code {rc} before it was ready"
+                )
             if engine.failed:
                 return self._failed(engine, await self._job_end(), engine.failed)
             if time.monotonic() > deadline:
                 await self._kill_job()
-                return self._failed(engine, 1, f"the pipeline was not ready within "
-                                    f"{self.start_timeout_s:g} s")
+                return self._failed(
+                    engine, 1, f"the pipeline was not ready within {self.start_timeout_s:g} s"
+                )
             await asyncio.sleep(_POLL_S)
         here = socket.gethostname()
         if engine.ready.hostname != here:
             await self._kill_job()
-            raise DistlmError(f"serve: stage 0 runs on {engine.ready.hostname}, the API server on "
-                              f"{here}; the engine channel is IPC, so rank 0 must run on this host "
-                              "(the launcher's first host)")
+            raise DistlmError(
+                f"serve: stage 0 runs on {engine.ready.hostname}, the API server on "
+                f"{here}; the engine channel is IPC, so rank 0 must run on this host "
+                "(the launcher's first host)"
+            )
         st.state = "ready"
-        log.info("pipeline ready: stage 0 (pid %d), %d stages, %d lanes; serving on "
-                 "http://%s:%d", engine.ready.pid, engine.ready.stages, engine.ready.lanes,
-                 *self.address)
+        log.info(
+            "pipeline ready: stage 0 (pid %d), %d stages, %d lanes; serving on http://%s:%d",
+            engine.ready.pid,
+            engine.ready.stages,
+            engine.ready.lanes,
+            *self.address,
+        )
         silent_s = max(10.0, self.icfg["timeout_s"])
         while not self.stop_reason:
             rc = child.poll()
@@ -254,7 +298,7 @@ class Supervisor:
         return rc
 
     async def _job_end(self) -> int:
-        """After stage 0 reported a failure: the job's exit code (it aborts), killed if it lingers."""
+        """After stage 0 reported a failure: the job's exit code (it aborts); killed if it lingers."""
         try:
             return await self._wait_child(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
@@ -293,20 +337,39 @@ class Supervisor:
             log.error("%d requests still open after %g s; closing", len(engine.queues), _ANSWER_S)
 
 
-def run_api_server(cfg: dict, *, launcher: str, script: str | Path, config: str | Path,
-                   model_dir: str | Path, host: str | None = None, port: int | None = None,
-                   start_timeout_s: float = 900.0) -> int:
+def run_api_server(
+    cfg: dict,
+    *,
+    launcher: str,
+    script: str | Path,
+    config: str | Path,
+    model_dir: str | Path,
+    host: str | None = None,
+    port: int | None = None,
+    start_timeout_s: float = 900.0,
+) -> int:
     """Serve mode: returns the exit code (the pipeline job's; 0 after a requested stop)."""
     launch = shlex.split(launcher)
     if not launch:
-        raise DistlmError("serve: --launcher is empty (the serve rule passes the profile's `mpi` "
-                          "resource)")
+        raise DistlmError(
+            "serve: --launcher is empty (the serve rule passes the profile's `mpi` resource)"
+        )
     scfg = cfg["serve"]
     sup = Supervisor(
-        cfg, launch=launch,
-        engine_args=[sys.executable, str(script), "--engine", "--config", str(config),
-                     "--model", str(model_dir)],
-        model_dir=Path(model_dir), host=scfg["host"] if host is None else host,
-        port=scfg["port"] if port is None else port, start_timeout_s=start_timeout_s,
+        cfg,
+        launch=launch,
+        engine_args=[
+            sys.executable,
+            str(script),
+            "--engine",
+            "--config",
+            str(config),
+            "--model",
+            str(model_dir),
+        ],
+        model_dir=Path(model_dir),
+        host=scfg["host"] if host is None else host,
+        port=scfg["port"] if port is None else port,
+        start_timeout_s=start_timeout_s,
     )
     return sup.run()
