@@ -298,7 +298,7 @@ class Supervisor:
         return rc
 
     async def _job_end(self) -> int:
-        """After stage 0 reported a failure: the job's exit code (it aborts); killed if it lingers."""
+        """After stage 0 reported a failure: the job's exit code (killed if it lingers)."""
         try:
             return await self._wait_child(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
