@@ -456,6 +456,7 @@ def test_metrics_count_requests_tokens_and_latencies(server):
     assert after['distlm_stage_compute_seconds{stage="1"}'] > 0
 
 
+@pytest.mark.slow  # its own server
 def test_prompt_overflow_reject_and_a_clean_stop(tiny_models, tmp_path):
     s = start_server(tiny_models[2], 2, tmp_path, prompt_overflow="reject", timeout_s=30)
     try:
@@ -474,6 +475,7 @@ def test_prompt_overflow_reject_and_a_clean_stop(tiny_models, tmp_path):
         stop_server(s)
 
 
+@pytest.mark.slow  # its own server
 def test_hung_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
     s = start_server(tiny_models[2], 2, tmp_path, timeout_s=3)
     pid = s.health()["pipeline"][1]["pid"]
@@ -492,6 +494,7 @@ def test_hung_stage_gives_503_and_the_job_ends(tiny_models, tmp_path):
         stop_server(s)
 
 
+@pytest.mark.slow  # its own server
 def test_killed_stage_gives_503_and_a_nonzero_exit(tiny_models, tmp_path):
     # The launcher kills every rank when one is killed, stage 0 included: the API server answers.
     # timeout_s is long, so the 503 does not come from stage 0's deadline.
