@@ -179,14 +179,28 @@ def stop_server(server: Server) -> None:
     server.proc.wait(timeout=30)
 
 
+_SHARED: dict = {"server": None, "users": 0}
+
+
 @pytest.fixture(scope="session")
 def server(tiny_models, tmp_path_factory):
-    """One 2-stage server for this file and test_serve_hostile.py, under a low RLIMIT_NOFILE."""
-    s = start_server(
-        tiny_models[2], 2, tmp_path_factory.mktemp("serve"), lanes=4, timeout_s=30, nofile=NOFILE
-    )
-    yield s
-    stop_server(s)
+    """One 2-stage server for this file and test_serve_hostile.py (which imports this fixture, so
+    pytest holds two definitions: they share the process), under a low RLIMIT_NOFILE."""
+    if _SHARED["server"] is None:
+        _SHARED["server"] = start_server(
+            tiny_models[2],
+            2,
+            tmp_path_factory.mktemp("serve"),
+            lanes=4,
+            timeout_s=30,
+            nofile=NOFILE,
+        )
+    _SHARED["users"] += 1
+    yield _SHARED["server"]
+    _SHARED["users"] -= 1
+    if not _SHARED["users"]:
+        stop_server(_SHARED["server"])
+        _SHARED["server"] = None
 
 
 def client(server: Server, token: str = TOKEN):

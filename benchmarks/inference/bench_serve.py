@@ -32,6 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pydantic import BaseModel
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -63,11 +65,19 @@ def parse() -> argparse.Namespace:
 # ----------------------------------------------------------------------------- the baseline server
 
 
+class Completion(BaseModel):
+    """The baseline's request (module level: FastAPI resolves the annotation by name)."""
+
+    prompt: str
+    max_tokens: int = 16
+    temperature: float = 0.0
+    model: str | None = None
+
+
 def baseline_app(model_dir: Path):
     """FastAPI, one full-model `generate` per request: the serving distlm replaces."""
     import torch
     from fastapi import FastAPI
-    from pydantic import BaseModel
 
     from distlm.data import load_tokenizer
     from distlm.model import load_model_dir
@@ -75,12 +85,6 @@ def baseline_app(model_dir: Path):
     model = load_model_dir(model_dir).eval()
     tok = load_tokenizer(model_dir)
     app = FastAPI()
-
-    class Completion(BaseModel):
-        prompt: str
-        max_tokens: int = 16
-        temperature: float = 0.0
-        model: str | None = None
 
     @app.get("/health")
     def health():
