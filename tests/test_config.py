@@ -11,7 +11,7 @@ def test_defaults_are_filled():
     cfg = validate_config({})
     assert cfg["data"]["block_size"] == 128
     assert cfg["train"]["profile"]["enabled"] is False
-    assert cfg["inference"]["serve"]["host"] == "127.0.0.1"
+    assert cfg["serve"]["host"] == "127.0.0.1" and cfg["serve"]["token_env"] is None
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "gpt2-wikitext2.yaml"])

@@ -274,11 +274,12 @@ def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
 # ----------------------------------------------------------------------------- MPI
 
 
-def write_config(path: Path, **over) -> Path:
+def write_config(path: Path, *, serve: dict | None = None, **over) -> Path:
+    """A resolved config as the workflow writes it: `over` in `inference`, `serve` in `serve`."""
     from distlm.config import validate_config
 
-    cfg = validate_config({"inference": over})
-    path.write_text(json.dumps({"runtime": cfg["runtime"], "inference": cfg["inference"]}))
+    cfg = validate_config({"inference": over, "serve": serve or {}})
+    path.write_text(json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")}))
     return path
 
 

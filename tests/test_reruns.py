@@ -132,10 +132,23 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
 for _k, _v in {
     "host": "0.0.0.0",
     "port": 8123,
+    "token_env": "MY_TOKEN",
+    "token_file": "token.txt",
     "max_tokens": 64,
     "max_request_bytes": 4096,
+    "max_header_bytes": 4096,
+    "max_json_depth": 8,
+    "max_number_digits": 20,
+    "max_connections": 16,
+    "max_queued_sequences": 8,
+    "backlog": 64,
+    "header_timeout_s": 3,
+    "body_timeout_s": 4,
+    "keep_alive_timeout_s": 2,
+    "request_timeout_s": 60,
 }.items():
-    MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)
+    MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)  # serve is not in rule all
+
 
 _RULE = re.compile(r"^(?:local)?rule (\w+):$")
 _WILDCARD = re.compile(r"^\s+wildcards: .*\bmodel=(\w+)")

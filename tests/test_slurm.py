@@ -176,8 +176,9 @@ def test_distlm_launch_torchrun_across_nodes_and_a_dead_rank_ends_the_job(cluste
 
 
 def test_serve_front_under_srun_answers_503_when_a_stage_is_killed(cluster, tiny_models, tmp_path):
-    # what `snakemake --profile profiles/slurm serve` runs: the front in the batch script, the
-    # pipeline's 3 ranks through srun over 2 nodes; stage 1 (on the batch host) is killed mid-request
+    # what `snakemake --profile profiles/slurm serve` runs: the API server in the batch script,
+    # the pipeline's 3 ranks through srun over 2 nodes (stage 0 on the batch host, talking to the
+    # API server over IPC); stage 1 (on the batch host) is killed mid-request
     port = free_port()
     cfg = write_config(tmp_path / "cfg.json", stages=3, lanes=4, timeout_s=120, serve={"port": port})
     log = tmp_path / "serve.log"

@@ -1,15 +1,19 @@
-"""What the serve front costs: the same requests to stage 0 directly and through the front, in one run.
+"""distlm serve against a baseline server: throughput and p50/p99 latency at 1, 4 and 16 clients.
 
     python benchmarks/inference/bench_serve.py --out benchmarks/inference/serve-results.json
 
-Two servers of the same model (S stages each, launched with mpiexec) run side by side:
-  * direct: `mpiexec -n S python workflow/scripts/serve.py --port P1` (stage 0 answers HTTP);
-  * front:  `python workflow/scripts/serve.py --launcher "mpiexec -n S" --port P2`, the rule's way
-    (the front relays every connection to stage 0 on 127.0.0.1).
-Rounds alternate between them (A B, then B A) so load on a shared machine hits both alike. Per round
-and server: a non-streamed completion of --max-tokens tokens (latency), a streamed one (time to the
-first token's event, and to `[DONE]`), and --concurrent streamed requests at once (wall time).
-Reported: medians per server and front / direct ratios (1.0 = no cost).
+One run, the same model (a seeded GPT-2-architecture model, as bench.py builds) and prompts, two
+servers, measured one after the other (never both up at once) and in alternating order over
+--repeats:
+  * distlm: `workflow/scripts/serve.py --launcher "mpiexec -n S"`, the rule's way: the API server
+    (uvicorn) and the S-stage MPI pipeline with --lanes lanes;
+  * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
+    doing one full-model Hugging Face `generate` per request, no pipeline (FastAPI runs each
+    request's `generate` in its thread pool).
+Both get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
+baseline's torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
+tokens back to back; per concurrency level: completion tokens / wall time, and the p50 / p99 of
+the requests' end-to-end latency. Reported: both, and distlm / baseline ratios.
 """
 
 from __future__ import annotations
@@ -28,53 +32,156 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pydantic import BaseModel
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 SERVE = ROOT / "workflow" / "scripts" / "serve.py"
+PROMPTS = ROOT / "config" / "prompts.txt"
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (default: the seeded model of bench.py)")
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--lanes", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2, help="thread budget of each server")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument(
+        "--requests", type=int, default=2, help="requests per client (at least 8 per level)"
+    )
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--concurrent", type=int, default=4)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--out", default=str(Path(__file__).parent / "serve-results.json"))
+    p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def post(port: int, body: dict) -> tuple[float, float, str]:
-    """(seconds to the first body bytes after the head, seconds to the end, body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+# ----------------------------------------------------------------------------- the baseline server
+
+
+class Completion(BaseModel):
+    """The baseline's request (module level: FastAPI resolves the annotation by name)."""
+
+    prompt: str
+    max_tokens: int = 16
+    temperature: float = 0.0
+    model: str | None = None
+
+
+def baseline_app(model_dir: Path):
+    """FastAPI, one full-model `generate` per request: the serving distlm replaces."""
+    import torch
+    from fastapi import FastAPI
+
+    from distlm.data import load_tokenizer
+    from distlm.model import load_model_dir
+
+    model = load_model_dir(model_dir).eval()
+    tok = load_tokenizer(model_dir)
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    def complete(req: Completion):
+        ids = torch.tensor([tok(req.prompt, add_special_tokens=False)["input_ids"]])
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                max_new_tokens=req.max_tokens,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        new = out[0, ids.shape[1] :].tolist()
+        return {
+            "choices": [{"text": tok.decode(new, skip_special_tokens=True), "index": 0}],
+            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)},
+        }
+
+    return app
+
+
+def run_baseline(args) -> None:
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(args.threads)
+    uvicorn.run(
+        baseline_app(Path(args.model)),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+def post(port: int, body: dict) -> tuple[float, int, str]:
+    """(seconds, completion tokens, text) of one non-streamed completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
-    first = None
-    chunks = []
-    while True:
-        data = r.read1(65536)
-        if not data:
-            break
-        if first is None and b'"text": "' in data:
-            first = time.perf_counter() - t0
-        chunks.append(data)
-    total = time.perf_counter() - t0
+    data = r.read()
+    seconds = time.perf_counter() - t0
     conn.close()
     if r.status != 200:
-        raise RuntimeError(f"port {port}: HTTP {r.status}: {b''.join(chunks)[:300]!r}")
-    return first if first is not None else total, total, b"".join(chunks).decode()
+        raise RuntimeError(f"port {port}: HTTP {r.status}: {data[:300]!r}")
+    doc = json.loads(data)
+    return seconds, doc["usage"]["completion_tokens"], doc["choices"][0]["text"]
+
+
+def level(port: int, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    """`clients` clients, each sending `per_client` requests back to back."""
+
+    def client(c: int) -> list[tuple[float, int, str]]:
+        return [
+            post(
+                port,
+                {
+                    "prompt": prompts[(c * per_client + i) % len(prompts)],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                },
+            )
+            for i in range(per_client)
+        ]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+    wall = time.perf_counter() - t0
+    lat = sorted(r[0] for r in results)
+    tokens = sum(r[1] for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "p50_s": statistics.median(lat),
+        "p99_s": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+    }
 
 
 def wait_up(proc: subprocess.Popen, port: int, log: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server on {port} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"server on {port} exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+            )
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
@@ -86,78 +193,171 @@ def wait_up(proc: subprocess.Popen, port: int, log: Path) -> None:
     raise RuntimeError(f"server on {port} did not come up:\n{log.read_text()[-3000:]}")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def measure(
+    name: str, cmd: list[str], port: int, work: Path, args, prompts, levels
+) -> tuple[list, dict]:
+    log = work / f"{name}.log"
+    with open(log, "a") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+        )
+    try:
+        wait_up(proc, port, log)
+        texts = {
+            p: post(port, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0})[2]
+            for p in prompts
+        }  # also the warm-up
+        rows = [
+            level(port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens) for c in levels
+        ]
+    finally:
+        stop(proc)
+    return rows, texts
+
+
 def main() -> None:
     args = parse()
+    if args.baseline_server:
+        run_baseline(args)
+        return
     import torch
-
     from bench import seeded_model, sharded
+
     from distlm.config import validate_config
     from distlm.dist import free_port
+    from distlm.inference.prompts import read_prompts
 
+    levels = [int(c) for c in args.clients.split(",")]
+    prompts = read_prompts(PROMPTS)
     with tempfile.TemporaryDirectory(prefix="distlm-bench-serve-") as tmp:
         work = Path(tmp)
         model = Path(args.model) if args.model else seeded_model(work / "seeded", args)
-        model = sharded(model, args.stages, work)
-        ports = {"direct": free_port(), "front": free_port()}
-        procs = {}
-        for name, port in ports.items():
-            cfg = validate_config({"inference": {
-                "stages": args.stages, "lanes": max(4, args.concurrent),
-                "serve": {"port": port, "max_tokens": args.max_tokens},
-            }})
-            cfg_path = work / f"{name}.json"
-            cfg_path.write_text(json.dumps({"runtime": cfg["runtime"], "inference": cfg["inference"]}))
-            script = [str(SERVE), "--config", str(cfg_path), "--model", str(model)]
-            cmd = ([sys.executable, *script, "--launcher", f"mpiexec -n {args.stages}"] if name == "front"
-                   else ["mpiexec", "-n", str(args.stages), sys.executable, *script])
-            log = work / f"{name}.log"
-            with open(log, "w") as out:
-                procs[name] = (subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                                env={**os.environ, "OMP_NUM_THREADS": "1"}), log)
-        try:
-            for name, (proc, log) in procs.items():
-                wait_up(proc, ports[name], log)
-            body = {"prompt": "The for statement", "max_tokens": args.max_tokens, "temperature": 0}
-            rows = {name: {"latency_s": [], "stream_first_s": [], "stream_total_s": [], "concurrent_s": []}
-                    for name in ports}
-            texts = {}
-            for name in ports:  # warm-up
-                texts[name] = json.loads(post(ports[name], body)[2])["choices"][0]["text"]
-            if texts["direct"] != texts["front"]:
-                raise RuntimeError(f"the two servers disagree: {texts}")
-            for rnd in range(args.rounds):
-                order = list(ports) if rnd % 2 == 0 else list(reversed(ports))
-                for name in order:
-                    port, row = ports[name], rows[name]
-                    row["latency_s"].append(post(port, body)[1])
-                    first, total, _ = post(port, {**body, "stream": True})
-                    row["stream_first_s"].append(first)
-                    row["stream_total_s"].append(total)
-                    t0 = time.perf_counter()
-                    with ThreadPoolExecutor(args.concurrent) as pool:
-                        list(pool.map(lambda _: post(port, {**body, "stream": True}), range(args.concurrent)))
-                    row["concurrent_s"].append(time.perf_counter() - t0)
-        finally:
-            for proc, _ in procs.values():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc, _ in procs.values():
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-        medians = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in rows.items()}
-        ratios = {k: medians["front"][k] / medians["direct"][k] for k in medians["direct"]}
-        result = {
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "stages": args.stages, "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "concurrent": args.concurrent, "model": str(args.model or f"seeded {args.layers}x{args.embd}"),
-            "median": medians, "front_over_direct": ratios, "raw": rows,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                        "load_avg": os.getloadavg()},
+        one, piped = sharded(model, 1, work), sharded(model, args.stages, work)
+        runs: dict[str, list[list[dict]]] = {"baseline": [], "distlm": []}
+        texts = {}
+        for rep in range(args.repeats):
+            order = ["baseline", "distlm"] if rep % 2 == 0 else ["distlm", "baseline"]
+            for name in order:
+                port = free_port()
+                if name == "baseline":
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--baseline-server",
+                        "--model",
+                        str(one),
+                        "--port",
+                        str(port),
+                        "--threads",
+                        str(args.threads),
+                    ]
+                else:
+                    cfg = validate_config(
+                        {
+                            "inference": {
+                                "stages": args.stages,
+                                "lanes": args.lanes,
+                                "timeout_s": 300,
+                            },
+                            "serve": {
+                                "port": port,
+                                "max_tokens": args.max_tokens,
+                                "max_queued_sequences": 4 * max(levels),
+                            },
+                        }
+                    )
+                    cfg_path = work / "serve.json"
+                    cfg_path.write_text(
+                        json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")})
+                    )
+                    cmd = [
+                        sys.executable,
+                        str(SERVE),
+                        "--launcher",
+                        f"mpiexec -n {args.stages}",
+                        "--config",
+                        str(cfg_path),
+                        "--model",
+                        str(piped),
+                    ]
+                rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels)
+                runs[name].append(rows)
+                print(
+                    name,
+                    json.dumps(
+                        [
+                            {
+                                k: round(r[k], 3)
+                                for k in ("clients", "tokens_per_s", "p50_s", "p99_s")
+                            }
+                            for r in rows
+                        ]
+                    ),
+                    flush=True,
+                )
+        if texts["baseline"] != texts["distlm"]:
+            raise RuntimeError(f"the servers disagree on greedy text: {texts}")
+    summary = {}
+    for name, reps in runs.items():
+        summary[name] = [
+            {
+                "clients": c,
+                **{
+                    k: statistics.median(rep[i][k] for rep in reps)
+                    for k in ("tokens_per_s", "p50_s", "p99_s")
+                },
+            }
+            for i, c in enumerate(levels)
+        ]
+    ratios = [
+        {
+            "clients": c,
+            "throughput_distlm_over_baseline": summary["distlm"][i]["tokens_per_s"]
+            / summary["baseline"][i]["tokens_per_s"],
+            "p50_distlm_over_baseline": summary["distlm"][i]["p50_s"]
+            / summary["baseline"][i]["p50_s"],
+            "p99_distlm_over_baseline": summary["distlm"][i]["p99_s"]
+            / summary["baseline"][i]["p99_s"],
         }
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps({"median": medians, "front_over_direct": ratios}, indent=2))
+        for i, c in enumerate(levels)
+    ]
+    result = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "stages": args.stages,
+        "lanes": args.lanes,
+        "threads": args.threads,
+        "clients": levels,
+        "requests_per_client": args.requests,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "model": str(args.model or f"seeded {args.layers}x{args.embd}"),
+        "median_over_repeats": summary,
+        "ratios": ratios,
+        "runs": runs,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "load_avg": os.getloadavg(),
+            "note": "shared with other jobs; figures are ratios of runs in the same run",
+        },
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"median_over_repeats": summary, "ratios": ratios}, indent=2))
 
 
 if __name__ == "__main__":

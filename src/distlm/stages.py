@@ -176,6 +176,21 @@ STAGES: dict[str, Stage] = {
             summary="prompts through the pipeline-parallel trained model -> generations, timing",
         ),
         Stage(
+            "serve",
+            "serve",
+            "serve",  # writes nothing: the foreground API server of `snakemake serve`
+            keys=(
+                "runtime.device",
+                "inference.stages",
+                "inference.max_new_tokens",
+                *_SAMPLING,
+                "serve",
+            ),
+            outputs={},
+            consumes=("shard[trained]",),
+            summary="the pipeline behind an OpenAI-compatible API server (not in rule all)",
+        ),
+        Stage(
             "report",
             "report",
             "report",

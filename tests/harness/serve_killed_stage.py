@@ -1,10 +1,11 @@
-"""Inside a SLURM batch job: start the serve front with `srun`, then kill a stage mid-request.
+"""Inside a SLURM batch job: start the API server (its job through `srun`), then kill a stage
+mid-request.
 
     python serve_killed_stage.py CONFIG MODEL PORT
 
 Prints HEALTH (stage, host, pid), the status of a completion, then SIGSTOPs stage 1 (on this node)
 with a request in flight, SIGKILLs it and prints AFTER_KILL with the seconds and the response, then
-FRONT_RC: the front's exit code. tests/test_slurm.py reads these lines.
+FRONT_RC: the API server's exit code. tests/test_slurm.py reads these lines.
 """
 
 import json

@@ -9,7 +9,6 @@ import argparse
 
 from distlm.config import read_resolved
 from distlm.inference.pipeline import run_batch
-from distlm.lifeline import bind_to_launcher
 from distlm.log import setup_logging
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -21,7 +20,6 @@ parser.add_argument("--timing", required=True, help="output timing JSON")
 args = parser.parse_args()
 
 setup_logging()
-bind_to_launcher()  # this rank dies with mpiexec (or srun)
 cfg = read_resolved(args.config)
 run_batch(
     cfg["inference"],

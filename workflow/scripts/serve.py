@@ -1,13 +1,12 @@
-"""Serve mode: an OpenAI-compatible HTTP server in front of the MPI pipeline (rule serve).
+"""Serve mode: an OpenAI-compatible API server in front of the MPI pipeline (rule serve).
 
-    python workflow/scripts/serve.py --launcher "mpiexec -n S" --config results/config/inference.json \
+    python workflow/scripts/serve.py --launcher "mpiexec -n S" --config results/config/serve.json \
         --model results/train/final [--host 127.0.0.1] [--port 8000]
 
-With --launcher (what the serve rule runs), this process is the HTTP front (distlm.inference.front):
-it listens on --host/--port, starts the pipeline with the launcher, relays requests to stage 0 and
-answers 503 when the job dies. Without it, run under a launcher, every rank runs its stage and
-stage 0 serves HTTP itself (`mpiexec -n S python workflow/scripts/serve.py ...`); that is also how the
-front starts the job. --host/--port override inference.serve.host/port for this run.
+This process is the API server (distlm.inference.supervisor): it listens on --host/--port (default
+serve.host/port), starts the pipeline with the launcher and talks to stage 0 over ZeroMQ. With
+--engine (what the API server passes to the launcher) every rank runs its stage and stage 0 runs
+the engine (distlm.inference.engine).
 """
 
 import argparse
@@ -17,29 +16,51 @@ from distlm.config import read_resolved
 from distlm.log import setup_logging
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--config", required=True, help="resolved config (results/config/inference.json)")
-parser.add_argument("--model", required=True, help="model folder with shards/ (one shard per rank)")
-parser.add_argument("--host", help="bind address (default: inference.serve.host)")
-parser.add_argument("--port", type=int, help="port (default: inference.serve.port)")
-parser.add_argument("--launcher", help='start the pipeline with this command and serve in front of it ("mpiexec -n 3")')
-parser.add_argument("--start-timeout", type=float, default=900.0, help="front: seconds for the pipeline to come up")
-parser.add_argument("--ready-file", help="stage 0 writes its address here once it listens (set by the front)")
-parser.add_argument("--front-pid", type=int, help="the front's pid: stage 0 stops when it is gone (set by the front)")
+parser.add_argument("--config", required=True, help="resolved config (results/config/serve.json)")
+parser.add_argument("--model", required=True, help="model folder with shards/ (one per rank)")
+parser.add_argument("--launcher", help='command that starts the pipeline ("mpiexec -n 3")')
+parser.add_argument("--host", help="bind address (default: serve.host)")
+parser.add_argument("--port", type=int, help="port (default: serve.port)")
+parser.add_argument(
+    "--start-timeout", type=float, default=900.0, help="seconds for the pipeline to come up"
+)
+parser.add_argument(
+    "--engine", action="store_true", help="run a pipeline rank (set by the API server)"
+)
+parser.add_argument("--requests", help="engine: the API server's request socket")
+parser.add_argument("--events", help="engine: the API server's event socket")
+parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
 args = parser.parse_args()
-
-setup_logging(rank="front" if args.launcher is not None else None)
 cfg = read_resolved(args.config)
-if args.launcher is not None:
-    from distlm.inference.front import run_front
 
-    sys.exit(run_front(
-        cfg["inference"], launcher=args.launcher, script=__file__, config=args.config, model_dir=args.model,
-        host=args.host, port=args.port, start_timeout_s=args.start_timeout,
-    ))
+if args.engine:
+    from distlm.inference.engine import run_engine
 
-from distlm.inference.server import run_server
+    setup_logging()
+    run_engine(
+        cfg["inference"],
+        device=cfg["runtime"]["device"],
+        model_dir=args.model,
+        requests=args.requests,
+        events=args.events,
+        api_pid=args.api_pid,
+    )
+    sys.exit(0)
 
-run_server(
-    cfg["inference"], device=cfg["runtime"]["device"], model_dir=args.model, host=args.host, port=args.port,
-    ready_file=args.ready_file, front_pid=args.front_pid,
+if args.launcher is None:
+    parser.error("--launcher is required (or --engine, inside the MPI job)")
+setup_logging(rank="api")
+from distlm.inference.supervisor import run_api_server
+
+sys.exit(
+    run_api_server(
+        cfg,
+        launcher=args.launcher,
+        script=__file__,
+        config=args.config,
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        start_timeout_s=args.start_timeout,
+    )
 )

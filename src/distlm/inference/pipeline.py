@@ -13,12 +13,15 @@ tokens back to stage 0, which decides whether the sequence goes round again (dec
 Every wait has a deadline: a rank that dies or hangs makes the others stop with an error that names
 the stage they were waiting for (then MPI_Abort), never a hang. Stage 0 waits `inference.timeout_s`
 for tokens to come back, the other stages twice that for their next message, so stage 0 (and in
-serve mode its HTTP server, which answers 503) is the first to notice. While the
+serve mode the engine, which tells the API server to answer 503) is the first to notice. While the
 pipeline is idle (serve mode) stage 0 sends an empty micro-batch round the ring as a heartbeat.
 
 MPI errors are returned, not fatal (MPI_ERRORS_RETURN), and become PipelineErrors naming both stages.
-A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the HTTP front
-outside the job (`distlm.inference.front`) then answers 503.
+A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the API
+server outside the job (`distlm.inference.api`) then answers 503.
+
+The ring's messages are named types: Hello, Stop, Work (slots + hidden states) and Tokens (picks).
+A pick that failed (SamplingError) carries its error, and fails that one sequence only.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ import torch
 
 from distlm import DistlmError
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts
-from distlm.inference.sampling import SamplingParams, new_generator, params_from_config, pick_token
+from distlm.inference.sampling import (
+    SamplingParams,
+    new_generator,
+    params_from_config,
+    pick_token,
+    top_logprobs,
+)
 from distlm.inference.stage import Item, StageModel, load_stage
 from distlm.io import atomic_path, write_json
 from distlm.log import get_logger
@@ -98,6 +107,11 @@ class StageStats:
     def reset(self) -> None:
         self.__init__(stage=self.stage)
 
+    def brief(self) -> dict:
+        """What /metrics shows per stage (cumulative seconds)."""
+        return {"stage": self.stage, "compute_s": self.compute_s, "send_s": self.send_s,
+                "recv_wait_s": self.recv_wait_s}
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["comm_s"] = self.send_s + self.recv_wait_s
@@ -139,7 +153,7 @@ class Ring:
             f"stage {self.topo.rank}: MPI error with stage {peer}: {e.Get_error_string()} (it died?)"
         )
 
-    def send(self, msg: tuple, nbytes: int = 0) -> None:
+    def send(self, msg: Hello | Stop | Work | Tokens, nbytes: int = 0) -> None:
         t0 = time.perf_counter()
         try:
             req = self.comm.isend(msg, dest=self.topo.next, tag=TAG)
@@ -197,22 +211,99 @@ def from_wire(payload: tuple[str, np.ndarray]) -> torch.Tensor:
     return t.view(torch.bfloat16) if name == "bfloat16" else t
 
 
+# ----------------------------------------------------------------------------- ring messages
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A sibling of an n > 1 request: its own lane and sampling, its parent's prefill (KV shared)."""
+
+    seq: int
+    lane: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One sequence's part of a micro-batch; sampling parameters travel with the prefill, once."""
+
+    item: Item
+    params: SamplingParams | None = None
+    forks: tuple[Fork, ...] = ()
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The last stage's choice for one sequence: a token (and its log-probabilities) or an error."""
+
+    seq: int
+    token: int = -1
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Round the ring once at start: each stage adds where it runs."""
+
+    infos: list[dict]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Round the ring once at the end: each stage adds its StageStats and stops."""
+
+    stats: list[dict]
+
+
+@dataclass(frozen=True)
+class Work:
+    """A micro-batch (empty: a heartbeat) and the previous stage's output for it."""
+
+    slots: tuple[Slot, ...]
+    payload: tuple[str, np.ndarray] | None = None
+    stats: tuple[dict, ...] = ()  # each later stage adds its StageStats.brief() on the way
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The last stage's picks for one micro-batch, back to stage 0."""
+
+    picks: tuple[Pick, ...]
+    stats: tuple[dict, ...] = ()
+
+
+def fork_caches(model: StageModel, slots: tuple[Slot, ...]) -> None:
+    """After a prefill, each fork's lane gets the parent's KV cache (n > 1 shares the prefill)."""
+    for sl in slots:
+        for f in sl.forks:
+            model.fork(sl.item.lane, f.lane)
+
+
 # ----------------------------------------------------------------------------- sequences
 
 
 @dataclass
 class Sequence:
-    """One prompt's generation; callbacks run on stage 0's main thread."""
+    """One prompt's generation; callbacks run on stage 0's main thread.
+
+    `siblings`: the other choices of an n > 1 request, same prompt; they fork this sequence's
+    prefill when lanes are free at its admission, else they queue as sequences of their own.
+    """
 
     id: int
     prompt_ids: list[int]
     params: SamplingParams
-    on_token: Callable[[Sequence, int], None] | None = None
+    on_token: Callable[[Sequence, Pick], None] | None = None
     on_done: Callable[[Sequence], None] | None = None
     lane: int = -1
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop, length, cancelled, error
+    error: str | None = None
     cancelled: bool = False
+    siblings: list[Sequence] = field(default_factory=list)
+    forks: list[Sequence] = field(default_factory=list)
     t_submit: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0
@@ -240,26 +331,39 @@ class Sampler:
     def start(self, lane: int, params: SamplingParams) -> None:
         self.lanes[lane] = (params, new_generator(params))
 
-    def pick(self, lane: int, logits: torch.Tensor) -> int:
-        params, gen = self.lanes[lane]
-        return pick_token(logits, params, gen)
+    def pick(self, seq: int, lane: int, logits: torch.Tensor) -> Pick:
+        """A token for one sequence; an error in it (SamplingError, a bug) fails that one only."""
+        try:
+            params, gen = self.lanes[lane]
+            token = pick_token(logits, params, gen)
+            if params.logprobs is None:
+                return Pick(seq, token)
+            lp, top = top_logprobs(logits, token, params.logprobs)
+            return Pick(seq, token, lp, tuple(top))
+        except Exception as e:  # noqa: BLE001 (any failure here is this sequence's alone)
+            log.error("sequence %d (lane %d): sampling failed: %s", seq, lane, e)
+            return Pick(seq, error=f"sampling failed: {e}")
 
 
-def _header(items: list[Item], seqs: list[Sequence]) -> list[tuple]:
+def _slots(items: list[Item], seqs: list[Sequence]) -> tuple[Slot, ...]:
     # Sampling parameters travel with a sequence's prefill, once; the last stage keeps them per lane.
-    return [
-        (it.seq, it.lane, it.pos, it.n, s.params.to_dict() if it.pos == 0 else None)
+    return tuple(
+        Slot(it, s.params, tuple(Fork(f.id, f.lane, f.params) for f in s.forks))
+        if it.pos == 0 else Slot(it)
         for it, s in zip(items, seqs)
-    ]
+    )
 
 
-def _sample(sampler: Sampler, header: list[tuple], logits: torch.Tensor) -> list[tuple[int, int]]:
+def _sample(sampler: Sampler, slots: tuple[Slot, ...], logits: torch.Tensor) -> list[Pick]:
     logits = logits.float().cpu()  # (B, V); the generators live on the CPU
     out = []
-    for i, (seq, lane, pos, _n, params) in enumerate(header):
-        if pos == 0:
-            sampler.start(lane, SamplingParams(**params))
-        out.append((seq, sampler.pick(lane, logits[i])))
+    for i, sl in enumerate(slots):
+        if sl.item.pos == 0:
+            sampler.start(sl.item.lane, sl.params)
+            for f in sl.forks:
+                sampler.start(f.lane, f.params)
+        out.append(sampler.pick(sl.item.seq, sl.item.lane, logits[i]))
+        out.extend(sampler.pick(f.seq, f.lane, logits[i]) for f in sl.forks)
     return out
 
 
@@ -298,6 +402,7 @@ class Scheduler:
         self.progress_at = time.monotonic()
         self.last_send = time.monotonic()
         self._next_id = 0
+        self.stage_stats: dict[int, dict] = {}  # later stages' StageStats.brief(), as last seen
 
     # -- public
 
@@ -307,7 +412,27 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         seq.t_submit = seq.t_submit or time.perf_counter()
+        for sib in seq.siblings:
+            sib.t_submit = seq.t_submit
         self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence: at once when it is not in the ring, else when its token comes back."""
+        if seq.finish_reason is not None:
+            return
+        seq.cancelled = True
+        for queue in (self.waiting, self.ready):
+            if seq in queue:
+                queue.remove(seq)
+                if queue is self.waiting:  # its siblings have not found lanes: they queue now
+                    self.waiting.extendleft(reversed(seq.siblings))
+                    seq.siblings = []
+                self._finish(seq, "cancelled")
+                return
+
+    @property
+    def lanes_busy(self) -> int:
+        return self.lanes - len(self.free)
 
     @property
     def busy(self) -> bool:
@@ -324,10 +449,18 @@ class Scheduler:
             if seq.cancelled:
                 self._finish(seq, "cancelled")
                 continue
-            seq.lane = self.free.pop()
-            seq.t_admit = time.perf_counter()
-            self.active[seq.id] = seq
+            self._admit(seq)
             self.ready.append(seq)
+            # n > 1: the siblings that find a lane now share this prefill; the rest queue first
+            left = []
+            for sib in seq.siblings:
+                if self.free and not sib.cancelled:
+                    self._admit(sib)
+                    seq.forks.append(sib)
+                else:
+                    left.append(sib)
+            self.waiting.extendleft(reversed(left))
+            seq.siblings = []
         if self.launching and self.ready and self.inflight < self.topo.stages:
             batch = [self.ready.popleft() for _ in range(min(self.cap, len(self.ready)))]
             self._launch(batch)
@@ -342,36 +475,50 @@ class Scheduler:
     def heartbeat(self, every_s: float) -> None:
         """When idle, send an empty micro-batch round the ring, so every stage knows the others live."""
         if self.ring is not None and not self.busy and time.monotonic() - self.last_send > every_s:
-            self._send_work([], [], None)
+            self._send_work((), None)
 
     def hello(self) -> list[dict]:
         """Each stage adds where it runs (host, pid, layers); stage 0 gets the list back."""
         infos = [stage_info(self.model)]
         if self.ring is None:
             return infos
-        self.ring.send(("hello", infos))
-        return self.ring.recv()[1]
+        self.ring.send(Hello(infos))
+        return self._expect(Hello).infos
 
     def stop(self) -> list[dict]:
         """End the workers; each adds its StageStats on the way round."""
         stats = [self.stats.to_dict()]
         if self.ring is None:
             return stats
-        self.ring.send(("stop", stats))
+        self.ring.send(Stop(stats))
         msg = self.ring.recv()
-        while msg[0] != "stop":  # a heartbeat still on its way
+        while isinstance(msg, Tokens):  # a heartbeat still on its way
             msg = self.ring.recv()
-        return msg[1]
+        if not isinstance(msg, Stop):
+            raise PipelineError(f"stage 0: expected Stop back, got {type(msg).__name__}")
+        return msg.stats
+
+    def _expect(self, kind: type):
+        msg = self.ring.recv()
+        if not isinstance(msg, kind):
+            raise PipelineError(f"stage 0: expected {kind.__name__}, got {type(msg).__name__}")
+        return msg
 
     def fail_all(self, reason: str) -> list[Sequence]:
         """The pipeline is gone: every sequence not yet finished, removed from the scheduler."""
         seqs = list(self.waiting) + list(self.active.values())
+        seqs += [sib for s in self.waiting for sib in s.siblings]
         self.waiting.clear()
         self.ready.clear()
         self.active.clear()
         return seqs
 
     # -- internals
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.lane = self.free.pop()
+        seq.t_admit = time.perf_counter()
+        self.active[seq.id] = seq
 
     def _launch(self, batch: list[Sequence]) -> None:
         items, ids = [], []
@@ -383,43 +530,56 @@ class Scheduler:
                 items.append(Item(s.id, s.lane, len(s.prompt_ids) + len(s.tokens) - 1, 1))
                 ids.append(s.tokens[-1])
         t0 = time.perf_counter()
+        slots = _slots(items, batch)
         out = self.model(items, torch.tensor(ids, dtype=torch.long))
+        fork_caches(self.model, slots)
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.micro_batches += 1
         self.stats.items += len(items)
-        header = _header(items, batch)
+        for s in batch:
+            s.forks = []
         if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
-            for seq_id, token in _sample(self.sampler, header, out):
-                self._token(self.active[seq_id], token)
+            self._picks(_sample(self.sampler, slots, out))
             self.progress_at = time.monotonic()
         else:
-            self._send_work(items, header, out)
+            self._send_work(slots, out)
 
-    def _send_work(self, items, header, out) -> None:
+    def _send_work(self, slots: tuple[Slot, ...], out) -> None:
         payload = to_wire(out) if out is not None else None
         if self.inflight == 0:
             self.progress_at = time.monotonic()
-        self.ring.send(("work", header, payload), payload[1].nbytes if payload else 0)
+        self.ring.send(Work(slots, payload), payload[1].nbytes if payload else 0)
         self.inflight += 1
         self.last_send = time.monotonic()
 
     def _reply(self, msg) -> None:
-        if msg[0] != "tokens":
-            raise PipelineError(f"stage 0: unexpected message {msg[0]!r} from the last stage")
+        if not isinstance(msg, Tokens):
+            raise PipelineError(f"stage 0: unexpected {type(msg).__name__} from the last stage")
         self.inflight -= 1
         self.progress_at = time.monotonic()
-        for seq_id, token in msg[1]:
-            seq = self.active.get(seq_id)
-            if seq is not None:
-                self._token(seq, token)
+        for st in msg.stats:
+            self.stage_stats[st["stage"]] = st
+        self._picks(msg.picks)
 
-    def _token(self, seq: Sequence, token: int) -> None:
+    def _picks(self, picks) -> None:
+        for pick in picks:
+            seq = self.active.get(pick.seq)
+            if seq is None:
+                continue
+            if pick.error is not None:
+                seq.error = pick.error
+                self._finish(seq, "error")
+            else:
+                self._token(seq, pick)
+
+    def _token(self, seq: Sequence, pick: Pick) -> None:
         now = time.perf_counter()
+        token = pick.token
         if not seq.tokens:
             seq.t_first = now
         seq.tokens.append(token)
         if seq.on_token is not None:
-            seq.on_token(seq, token)
+            seq.on_token(seq, pick)
         reason = None
         if self.eos is not None and token == self.eos:
             reason = "stop"
@@ -451,32 +611,32 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
     last = ring.topo.is_last
     while True:
         msg = ring.recv()
-        kind = msg[0]
-        if kind == "hello":
-            ring.send(("hello", msg[1] + [stage_info(model)]))
+        if isinstance(msg, Hello):
+            ring.send(Hello(msg.infos + [stage_info(model)]))
             stats.reset()  # count the steady state, not the wait for the others to load
-        elif kind == "stop":
-            ring.send(("stop", msg[1] + [stats.to_dict()]))
+        elif isinstance(msg, Stop):
+            ring.send(Stop(msg.stats + [stats.to_dict()]))
             return
-        elif kind == "work":
-            _, header, payload = msg
+        elif isinstance(msg, Work):
             out = None
-            if header:
-                items = [Item(*h[:4]) for h in header]
+            if msg.slots:
+                items = [sl.item for sl in msg.slots]
                 t0 = time.perf_counter()
-                out = model(items, from_wire(payload))
+                out = model(items, from_wire(msg.payload))
+                fork_caches(model, msg.slots)
                 if last:
-                    out = _sample(sampler, header, out)  # [(sequence id, token)]
+                    out = _sample(sampler, msg.slots, out)
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
                 stats.items += len(items)
+            seen = msg.stats + (stats.brief(),)
             if last:
-                ring.send(("tokens", out or []))
+                ring.send(Tokens(tuple(out or ()), seen))
             else:
                 wire = to_wire(out) if out is not None else None
-                ring.send(("work", header, wire), wire[1].nbytes if wire else 0)
+                ring.send(Work(msg.slots, wire, seen), wire[1].nbytes if wire else 0)
         else:
-            raise PipelineError(f"stage {ring.topo.rank}: unexpected message {kind!r}")
+            raise PipelineError(f"stage {ring.topo.rank}: unexpected {type(msg).__name__}")
 
 
 def stage_info(model: StageModel) -> dict:
@@ -538,7 +698,9 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> I
     from mpi4py import MPI
 
     from distlm.dist import resolve_device
+    from distlm.lifeline import bind_to_launcher
 
+    bind_to_launcher()  # this rank dies with mpiexec's proxy (or srun's step), batch or serve
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
@@ -547,7 +709,7 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> I
         set_threads(local_size)
         stats = StageStats(stage=topo.rank)
         model = load_stage(model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank))
-        # Stage 0 gives up first (it owns the HTTP server and answers 503 before the job ends); the
+        # Stage 0 gives up first (its engine tells the API server, which answers 503); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
         wait_s = icfg["timeout_s"] * (1 if topo.is_first else 2)
         ring = Ring(comm, topo, timeout_s=wait_s, stats=stats) if topo.stages > 1 else None

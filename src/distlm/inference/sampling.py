@@ -2,6 +2,11 @@
 
 Every sequence owns a `torch.Generator` seeded from its `seed`, so a sampled completion depends
 only on (model, prompt, parameters, seed), never on which other prompts share the pipeline.
+
+No request can make sampling raise for the whole pipeline: a temperature below GREEDY_BELOW is
+greedy (dividing by it would overflow to inf/NaN), seeds are refused outside 0..MAX_SEED (what
+`manual_seed` takes), top_k is capped at the vocabulary, and `pick_token` raises SamplingError
+(which fails that one sequence) when the distribution it would draw from is not finite.
 """
 
 from __future__ import annotations
@@ -11,7 +16,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from distlm import DistlmError
 from distlm.inference.prompts import RequestError
+
+GREEDY_BELOW = 1e-5  # a smaller temperature is greedy (as vLLM's _SAMPLING_EPS)
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_LOGPROBS = 20  # the most alternatives `logprobs` may ask for
+
+
+class SamplingError(DistlmError):
+    """Sampling one sequence failed (a non-finite distribution): that sequence fails, no other."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +37,7 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0
+    logprobs: int | None = None  # None: no log-probabilities; N: the chosen token's and the top N
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +62,9 @@ def make_params(
     top_k=0,
     top_p=1.0,
     seed=0,
+    logprobs=None,
     context: int,
+    vocab_size: int | None = None,
     max_allowed: int | None = None,
 ) -> SamplingParams:
     """Validated SamplingParams; each error names the field (`max_tokens` style names for HTTP)."""
@@ -62,22 +79,35 @@ def make_params(
         )
     if max_allowed is not None and n > max_allowed:
         raise RequestError(
-            f"max_tokens: {n} is above this server's limit of {max_allowed} (inference.serve.max_tokens)",
+            f"max_tokens: {n} is above this server's limit of {max_allowed} (serve.max_tokens)",
             param="max_tokens",
         )
     t = float(_number(temperature, "temperature"))
     if t < 0:
         raise RequestError(f"temperature: must be >= 0, got {t}", param="temperature")
+    if t < GREEDY_BELOW:
+        t = 0.0  # greedy: 1 / t would overflow the logits to inf
     k = _number(top_k, "top_k", integer=True)
     if k < 0:
         raise RequestError(f"top_k: must be >= 0 (0 disables it), got {k}", param="top_k")
+    if vocab_size is not None and k >= vocab_size:
+        k = 0  # keeping the whole vocabulary is no filter
     p = float(_number(top_p, "top_p"))
     if not 0.0 < p <= 1.0:
         raise RequestError(f"top_p: must be in (0, 1], got {p}", param="top_p")
     s = _number(seed, "seed", integer=True)
-    if s < 0:
-        raise RequestError(f"seed: must be >= 0, got {s}", param="seed")
-    return SamplingParams(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s)
+    if not 0 <= s <= MAX_SEED:
+        raise RequestError(f"seed: must be in 0..2**63-1, got {s}", param="seed")
+    if logprobs is not None:
+        lp = _number(logprobs, "logprobs", integer=True)
+        if not 0 <= lp <= MAX_LOGPROBS:
+            raise RequestError(
+                f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs"
+            )
+        logprobs = lp
+    return SamplingParams(
+        max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s, logprobs=logprobs
+    )
 
 
 def params_from_config(icfg: dict, *, context: int, seed_offset: int = 0) -> SamplingParams:
@@ -101,7 +131,12 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token id from `logits` (V,): argmax when greedy, else filtered sampling."""
+    """One token id from `logits` (V,): argmax when greedy, else filtered sampling.
+
+    Raises SamplingError when the logits or the filtered distribution are not finite.
+    """
+    if not bool(torch.isfinite(logits).any()):
+        raise SamplingError("the model's logits are not finite")
     if params.greedy:
         return int(torch.argmax(logits))
     x = logits.float() / params.temperature
@@ -116,4 +151,14 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
         drop[0] = False
         x = x.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise SamplingError(f"temperature {params.temperature:g} gives no finite distribution")
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its `n` most likely tokens (temperature 1)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(lp, min(n, lp.numel())) if n else None
+    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return float(lp[token]), alts

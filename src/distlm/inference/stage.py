@@ -96,6 +96,14 @@ class StageModel(nn.Module):
     def release(self, lane: int) -> None:
         self.cache.pop(lane, None)
 
+    def fork(self, parent: int, child: int) -> None:
+        """`child` continues from `parent`'s cache (n > 1: one prefill for every choice).
+
+        The tensors are shared, not copied: a decode step concatenates into new tensors
+        (torch.cat), so neither lane ever writes into the other's.
+        """
+        self.cache[child] = [list(kv) for kv in self.cache[parent]]
+
     @torch.inference_mode()
     def forward(self, items: list[Item], x: torch.Tensor) -> torch.Tensor:
         """Stage 0 takes token ids (N,); later stages hidden states (N, C).

@@ -1,0 +1,266 @@
+"""Stage 0's engine in serve mode: requests from the API server over ZeroMQ into the scheduler.
+
+    mpiexec -n S python workflow/scripts/serve.py --engine --config results/config/serve.json \
+        --model results/train/final --requests ipc:///tmp/x/requests --events ipc:///tmp/x/events \
+        --api-pid PID
+
+The API server (distlm.inference.api) starts this with the launcher; nobody else needs to. Stage 0
+serves no HTTP: it pulls Submit / Cancel / Shutdown from the `requests` socket and pushes Ready,
+Token, Finish, Error and Health to the `events` socket (distlm.inference.messages). One thread does
+everything, so the MPI calls, the scheduler and the sockets never race.
+
+Stage 0 stops in order on Shutdown or SIGINT/SIGTERM, and on its own when the API server's process
+is gone. When the pipeline fails (a stage died or hangs), it sends Error(rid=None) so the API server
+answers 503, and the job ends (MPI_Abort).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Self
+
+import zmq
+
+from distlm.inference.messages import (
+    Cancel,
+    ChannelError,
+    Error,
+    Finish,
+    Health,
+    Ready,
+    Shutdown,
+    Submit,
+    Token,
+    decode,
+    encode,
+)
+from distlm.inference.pipeline import (
+    Backoff,
+    Pick,
+    Pipeline,
+    PipelineError,
+    Sequence,
+    mpi_pipeline,
+    run_workers,
+)
+from distlm.inference.sampling import MAX_SEED, SamplingParams
+from distlm.io import pid_alive
+from distlm.log import get_logger
+
+log = get_logger(__name__)
+
+HEALTH_EVERY_S = 0.5  # how often stage 0 tells the API server its queue and lanes
+_API_CHECK_S = 1.0  # how often stage 0 looks whether the API server's process still exists
+_LINGER_MS = 2000  # how long closing the events socket may take to deliver the last messages
+
+
+class Channel:
+    """The engine's two sockets; closed (with a bounded linger) on every exit path."""
+
+    def __init__(self, requests: str, events: str) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.push.setsockopt(zmq.SNDHWM, 0)  # never block stage 0: the API server bounds the load
+        self.pull.connect(requests)
+        self.push.connect(events)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+
+    def send(self, msg) -> None:
+        self.push.send(encode(msg))
+
+    def recv(self, timeout_ms: int = 0):
+        """The next request, or None when none arrives within timeout_ms."""
+        if not self.poller.poll(timeout_ms):
+            return None
+        return decode(self.pull.recv())
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.push.close()
+        self.ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Engine:
+    """Stage 0's loop: admit requests, step the scheduler, stream tokens back."""
+
+    def __init__(self, pipe: Pipeline, icfg: dict, channel: Channel, *, api_pid: int | None):
+        self.pipe = pipe
+        self.sched = pipe.scheduler
+        self.icfg = icfg
+        self.ch = channel
+        self.api_pid = api_pid
+        self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences
+        self.where: dict[int, tuple[int, int]] = {}  # sequence id -> (rid, index)
+        self.stopping: str | None = None
+
+    def ready(self) -> Ready:
+        tok = self.pipe.tokenizer
+        return Ready(
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            context=self.pipe.context,
+            vocab_size=len(tok),
+            eos_token_id=self.pipe.eos_token_id,
+            lanes=self.icfg["lanes"],
+            stages=self.pipe.topo.stages,
+            pipeline=self.pipe.infos,
+        )
+
+    def run(self) -> None:
+        """Serve until Shutdown, a signal or the API server's end; PipelineError after Error."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", "stopped by a signal"))
+        self.ch.send(self.ready())
+        heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
+        backoff = Backoff()
+        checked = health_at = time.monotonic()
+        try:
+            while self.stopping is None:
+                now = time.monotonic()
+                if self.api_pid is not None and now - checked > _API_CHECK_S:
+                    checked = now
+                    if not pid_alive(self.api_pid):
+                        self.stopping = f"the API server (pid {self.api_pid}) is gone"
+                        break
+                if now - health_at > HEALTH_EVERY_S:
+                    health_at = now
+                    self.ch.send(self.health())
+                took = self._take(0)
+                if self.sched.step() or took:
+                    backoff.reset()
+                elif not self.sched.busy:
+                    self.sched.heartbeat(heartbeat_s)
+                    self._take(5)
+                else:
+                    t0 = time.perf_counter()
+                    backoff.pause()
+                    self.sched.stats.recv_wait_s += time.perf_counter() - t0
+            log.info("stopping (%s): %d sequences still open", self.stopping, len(self.where))
+            self.sched.launching = False
+            deadline = time.monotonic() + self.icfg["timeout_s"]
+            while self.sched.inflight:  # let the micro-batches in the ring come home
+                if not self.sched.step():
+                    if time.monotonic() > deadline:
+                        raise PipelineError("stage 0: the ring did not drain while stopping")
+                    backoff.pause()
+        except PipelineError as e:
+            self._failed(str(e))
+            raise
+        except Exception as e:  # a bug here must not leave clients waiting either
+            self._failed(f"stage 0 failed: {type(e).__name__}: {e}")
+            raise
+
+    def _failed(self, reason: str) -> None:
+        log.error("pipeline failed; the API server answers 503: %s", reason)
+        self.ch.send(Error(rid=None, index=None, status=503, message=reason))
+
+    def health(self) -> Health:
+        s = self.sched
+        stages = [s.stats.brief(), *(s.stage_stats[k] for k in sorted(s.stage_stats))]
+        return Health(
+            active=len(s.active),
+            waiting=len(s.waiting) + sum(len(q.siblings) for q in s.waiting),
+            lanes_busy=s.lanes_busy,
+            stages=stages,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _take(self, timeout_ms: int) -> bool:
+        """Handle every request waiting on the channel; whether there was one."""
+        took = False
+        while True:
+            try:
+                msg = self.ch.recv(timeout_ms if not took else 0)
+            except ChannelError as e:  # the API server is the only sender: a bug, say so
+                log.error("engine channel: %s (dropped)", e)
+                continue
+            if msg is None:
+                return took
+            took = True
+            if isinstance(msg, Submit):
+                self._submit(msg)
+            elif isinstance(msg, Cancel):
+                for seq in self.requests.get(msg.rid, ()):
+                    if msg.index is None or self.where.get(seq.id, (0, -1))[1] == msg.index:
+                        self.sched.cancel(seq)
+            elif isinstance(msg, Shutdown):
+                self.stopping = msg.reason
+                return took
+            else:
+                log.error("engine channel: unexpected %s from the API server", type(msg).__name__)
+
+    def _submit(self, msg: Submit) -> None:
+        params = SamplingParams(**msg.params)
+        seqs = []
+        for i, ids in enumerate(msg.prompts):
+            group = []
+            for j in range(msg.n):
+                p = (
+                    params
+                    if j == 0
+                    else dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
+                )
+                seq = Sequence(
+                    self.sched.new_id(), list(ids), p, on_token=self._token, on_done=self._done
+                )
+                self.where[seq.id] = (msg.rid, i * msg.n + j)
+                group.append(seq)
+            group[0].siblings = group[1:]
+            seqs.extend(group)
+            self.sched.submit(group[0])
+        self.requests[msg.rid] = seqs
+
+    def _token(self, seq: Sequence, pick: Pick) -> None:
+        rid, index = self.where[seq.id]
+        top = None if pick.top is None else [[t, lp] for t, lp in pick.top]
+        self.ch.send(Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top))
+
+    def _done(self, seq: Sequence) -> None:
+        rid, index = self.where.pop(seq.id)
+        if seq.finish_reason == "error":
+            self.ch.send(Error(rid=rid, index=index, status=500, message=seq.error or "failed"))
+        else:
+            self.ch.send(
+                Finish(rid=rid, index=index, reason=seq.finish_reason, tokens=len(seq.tokens))
+            )
+        seqs = self.requests.get(rid, [])
+        if all(s.finish_reason is not None for s in seqs):
+            self.requests.pop(rid, None)
+
+
+def run_engine(
+    icfg: dict,
+    *,
+    model_dir: str | Path,
+    device: str,
+    requests: str,
+    events: str,
+    api_pid: int | None,
+) -> None:
+    """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
+    with mpi_pipeline(icfg, model_dir, device=device) as pipe:
+        if not pipe.topo.is_first:
+            # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if not run_workers(pipe):
+            return
+        with Channel(requests, events) as ch:
+            Engine(pipe, icfg, ch, api_pid=api_pid).run()
+            stats = pipe.scheduler.stop()
+        log.info("engine stopped; per-stage time: %s", json.dumps(stats))

@@ -1,0 +1,150 @@
+"""The engine channel: named, versioned messages between the API server and stage 0 (msgpack).
+
+The API server (`distlm.inference.api`, outside the MPI job) and stage 0's engine
+(`distlm.inference.engine`) speak over two ZeroMQ PUSH/PULL sockets on IPC, as vLLM's frontend and
+engine do. Every frame is `[VERSION, kind, {field: value}]`; a frame of another version, an
+unknown kind or missing/extra fields raises ChannelError instead of being guessed at.
+
+    API server -> engine:  Submit, Cancel, Shutdown
+    engine -> API server:  Ready, Token, Finish, Error, Health
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from distlm import DistlmError
+
+VERSION = 1
+
+
+class ChannelError(DistlmError):
+    """A frame on the engine channel that is not a message of this version."""
+
+
+# ----------------------------------------------------------------------------- API server -> engine
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A completions request: each prompt (token ids) gets `n` choices; index = prompt * n + j.
+
+    `params` are SamplingParams as a dict; choice j > 0 of a prompt samples with seed + j.
+    """
+
+    rid: int
+    prompts: list[list[int]]
+    n: int
+    params: dict
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop a request's sequences (client gone, timed out), or one choice (a stop string seen)."""
+
+    rid: int
+    index: int | None = None  # None: every choice of the request
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the pipeline in order (Ctrl-C / SIGTERM on the API server)."""
+
+    reason: str = "the server is shutting down"
+
+
+# ----------------------------------------------------------------------------- engine -> API server
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Stage 0 is up; what the API server needs to validate and tokenize requests."""
+
+    hostname: str
+    pid: int
+    context: int
+    vocab_size: int
+    eos_token_id: int | None
+    lanes: int
+    stages: int
+    pipeline: list[dict]
+
+
+@dataclass(frozen=True)
+class Token:
+    """One new token of choice `index` of request `rid` (with log-probabilities when asked)."""
+
+    rid: int
+    index: int
+    token: int
+    logprob: float | None = None
+    top: list[list] | None = None  # [[token id, logprob], ...]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Choice `index` of request `rid` is done: reason stop, length or cancelled."""
+
+    rid: int
+    index: int
+    reason: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Error:
+    """Choice `index` of `rid` failed (status 500); rid None: the whole pipeline failed (503)."""
+
+    rid: int | None
+    index: int | None
+    status: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Health:
+    """Stage 0's state, sent every `every_s` seconds while it runs."""
+
+    active: int
+    waiting: int
+    lanes_busy: int
+    stages: list[dict] = field(default_factory=list)  # StageStats of stage 0 (later: per stage)
+
+
+Message = Submit | Cancel | Shutdown | Ready | Token | Finish | Error | Health
+_KINDS: dict[str, type] = {
+    c.__name__.lower(): c for c in (Submit, Cancel, Shutdown, Ready, Token, Finish, Error, Health)
+}
+
+
+def encode(msg: Message) -> bytes:
+    kind = type(msg).__name__.lower()
+    if _KINDS.get(kind) is not type(msg):
+        raise ChannelError(f"not an engine-channel message: {type(msg).__name__}")
+    return msgpack.packb(
+        [VERSION, kind, {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}]
+    )
+
+
+def decode(frame: bytes) -> Message:
+    try:
+        version, kind, fields = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ChannelError(f"undecodable frame of {len(frame)} bytes ({e})") from None
+    if version != VERSION:
+        raise ChannelError(f"message version {version!r}, this side speaks {VERSION}")
+    cls = _KINDS.get(kind)
+    if cls is None or not isinstance(fields, dict):
+        raise ChannelError(f"unknown message kind {kind!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    if not required <= set(fields) <= names:
+        raise ChannelError(f"{kind}: fields {sorted(fields)}, expected {sorted(names)}")
+    return cls(**fields)

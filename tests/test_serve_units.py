@@ -1,0 +1,245 @@
+"""Serve mode's pure parts, without processes: engine-channel messages, the JSON guards, the
+access log's escaping, bounded sampling, and the scheduler's cancel / n > 1 / failed pick."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+import test_inference
+import torch
+from test_inference import PROMPTS
+
+from distlm.inference.api import CompletionRequest, escape, json_depth, parse_json
+from distlm.inference.messages import (
+    VERSION,
+    Cancel,
+    ChannelError,
+    Error,
+    Finish,
+    Health,
+    Ready,
+    Shutdown,
+    Submit,
+    Token,
+    decode,
+    encode,
+)
+from distlm.inference.pipeline import Pick, Sampler, Sequence
+from distlm.inference.prompts import RequestError
+from distlm.inference.sampling import (
+    MAX_SEED,
+    SamplingError,
+    SamplingParams,
+    make_params,
+    pick_token,
+)
+
+tiny_models = test_inference.tiny_models
+hf_reference = test_inference.hf_reference
+
+
+def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
+    msgs = [
+        Submit(rid=1, prompts=[[1, 2], [3]], n=2, params={"max_new_tokens": 4, "seed": MAX_SEED}),
+        Cancel(rid=1),
+        Cancel(rid=1, index=3),
+        Shutdown(),
+        Ready(
+            hostname="h",
+            pid=1,
+            context=64,
+            vocab_size=400,
+            eos_token_id=None,
+            lanes=4,
+            stages=2,
+            pipeline=[{"stage": 0}],
+        ),
+        Token(rid=1, index=0, token=5, logprob=-0.5, top=[[5, -0.5], [7, -1.0]]),
+        Finish(rid=1, index=0, reason="length", tokens=4),
+        Error(rid=None, index=None, status=503, message="gone"),
+        Health(active=1, waiting=0, lanes_busy=1, stages=[{"stage": 0, "compute_s": 0.1}]),
+    ]
+    for m in msgs:
+        assert decode(encode(m)) == m
+    with pytest.raises(ChannelError, match="version 99"):
+        decode(msgpack.packb([99, "cancel", {"rid": 1}]))
+    with pytest.raises(ChannelError, match="unknown message kind 'nope'"):
+        decode(msgpack.packb([VERSION, "nope", {}]))
+    with pytest.raises(ChannelError, match="cancel: fields"):
+        decode(msgpack.packb([VERSION, "cancel", {"rid": 1, "extra": 2}]))
+    with pytest.raises(ChannelError, match="finish: fields"):
+        decode(msgpack.packb([VERSION, "finish", {"rid": 1}]))
+    with pytest.raises(ChannelError, match="undecodable"):
+        decode(b"\xc1garbage")
+    with pytest.raises(ChannelError, match="not an engine-channel message"):
+        encode(("work", 1))
+
+
+def test_json_guards():
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(b'{"a": "[[[[{{{{", "b": "\\"[["}') == 1  # brackets in strings
+    assert parse_json(b'{"a": [1, 2.5]}', max_depth=4, max_digits=8) == {"a": [1, 2.5]}
+    bad = [
+        (b"[" * 50 + b"]" * 50, "nested 50 deep, at most 4"),
+        (b'{"a": 123456789}', "a number of 9 characters, at most 8"),
+        (b'{"a": -0.12345678}', "a number of 11 characters"),
+        (b'{"a": 1e400}', "out of range"),
+        (b'{"a": Infinity}', "Infinity is not a JSON number"),
+        (b'{"a": 1', "not valid JSON"),
+        (b"\xff", "not valid UTF-8"),
+        (b"  ", "empty"),
+    ]
+    for raw, fragment in bad:
+        with pytest.raises(RequestError, match=fragment.replace("(", r"\(")):
+            parse_json(raw, max_depth=4, max_digits=8)
+
+
+def test_escape_keeps_control_characters_out_of_the_log():
+    assert escape("/a\x1b[31m\x07\x00\r\n\x9b\\z") == "/a\\x1b[31m\\x07\\x00\\r\\n\\x9b\\\\z"
+    assert escape("/v1/completions?x=é") == "/v1/completions?x=é"
+
+
+def test_request_model_mirrors_openai():
+    r = CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["a", "b"], "n": 2, "stop": "x", "user": "u", "logprobs": 2}
+    )
+    assert r.prompts() == ["a", "b"] and r.stops() == ["x"]
+    for body in (
+        {"prompt": "a", "max_tokens": 1.5},
+        {"prompt": "a", "stream": 1},
+        {"prompt": "a", "unknown": 1},
+        {"max_tokens": 3},
+    ):
+        with pytest.raises(Exception, match="validation error"):
+            CompletionRequest.model_validate(body)
+
+
+def test_sampling_is_bounded():
+    assert make_params(max_new_tokens=4, temperature=1e-40, context=64).greedy
+    assert make_params(max_new_tokens=4, temperature=5e-324, context=64).greedy
+    assert make_params(max_new_tokens=4, top_k=10**30, vocab_size=400, context=64).top_k == 0
+    assert make_params(max_new_tokens=4, top_k=50, vocab_size=400, context=64).top_k == 50
+    assert make_params(max_new_tokens=4, seed=MAX_SEED, context=64).seed == MAX_SEED
+    for kw, msg in [
+        ({"seed": MAX_SEED + 1}, "seed: must be in 0..2"),
+        ({"seed": -1}, "seed"),
+        ({"logprobs": 21}, "logprobs: must be in 0..20"),
+        ({"logprobs": -1}, "logprobs"),
+    ]:
+        with pytest.raises(RequestError, match=msg):
+            make_params(max_new_tokens=4, context=64, **kw)
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    huge = SamplingParams(4, temperature=1e300, seed=1)
+    assert 0 <= pick_token(logits, huge, torch.Generator().manual_seed(1)) < 3
+    g = torch.Generator().manual_seed(MAX_SEED)  # the largest seed is one manual_seed takes
+    assert pick_token(logits, SamplingParams(4, temperature=1.0), g) in (0, 1, 2)
+    with pytest.raises(SamplingError, match="not finite"):
+        pick_token(torch.full((3,), math.nan), SamplingParams(4), None)
+    with pytest.raises(SamplingError, match="no finite distribution"):
+        pick_token(
+            torch.tensor([0.0, math.inf, 1.0]),
+            SamplingParams(4, temperature=1.0),
+            torch.Generator(),
+        )
+
+
+def test_a_failed_pick_fails_its_sequence_only():
+    s = Sampler()
+    s.start(0, SamplingParams(4, temperature=1.0, logprobs=2))
+    s.start(1, SamplingParams(4))
+    bad = s.pick(7, 0, torch.tensor([0.0, math.inf, 1.0]))
+    assert bad.error and "sampling failed" in bad.error and bad.token == -1
+    good = s.pick(8, 1, torch.tensor([0.0, 2.0, 1.0]))
+    assert good == Pick(8, 1)
+    s.start(2, SamplingParams(4, logprobs=2))
+    lp = s.pick(9, 2, torch.tensor([0.0, 2.0, 1.0]))
+    assert lp.token == 1 and lp.top[0][0] == 1 and len(lp.top) == 2
+    assert lp.logprob == pytest.approx(
+        float(torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), 0)[1])
+    )
+
+
+def _ids(tok):
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+
+def test_scheduler_n_shares_the_prefill_and_equals_separate_runs(tiny_models, hf_reference):
+    from test_inference import _scheduler
+
+    tok = hf_reference.tokenizer
+    ids = _ids(tok)[0]
+    params = [SamplingParams(8, temperature=1.0, seed=30 + j) for j in range(3)]
+    sched = _scheduler(tiny_models[1], lanes=4)
+    group = [Sequence(sched.new_id(), ids, p) for p in params]
+    group[0].siblings = group[1:]
+    sched.submit(group[0])
+    items_before = sched.stats.items
+    while sched.busy:
+        sched.step()
+    # one prefill of len(ids) tokens for the three, then 7 decode steps each
+    assert sched.stats.items - items_before == 1 + 3 * 7
+    alone = []
+    for p in params:
+        s = _scheduler(tiny_models[1], lanes=1)
+        seq = Sequence(s.new_id(), ids, p)
+        s.submit(seq)
+        while s.busy:
+            s.step()
+        alone.append(seq.tokens)
+    assert [g.tokens for g in group] == alone and len({tuple(t) for t in alone}) > 1
+    # too few lanes: the sibling without one queues and prefills on its own
+    sched = _scheduler(tiny_models[1], lanes=2)
+    group = [Sequence(sched.new_id(), ids, p) for p in params]
+    group[0].siblings = group[1:]
+    sched.submit(group[0])
+    while sched.busy:
+        sched.step()
+    assert [g.tokens for g in group] == alone and not sched.active and len(sched.free) == 2
+
+
+def test_scheduler_cancel_frees_the_lane_at_once_or_at_the_next_token(tiny_models, hf_reference):
+    from test_inference import _scheduler
+
+    ids = _ids(hf_reference.tokenizer)
+    sched = _scheduler(tiny_models[1], lanes=1)
+    done = []
+    seqs = [Sequence(sched.new_id(), i, SamplingParams(20), on_done=done.append) for i in ids[:3]]
+    for s in seqs:
+        sched.submit(s)
+    sched.step()  # seqs[0] takes the only lane and has its first token (one stage: at once)
+    assert seqs[0].lane == 0 and len(seqs[0].tokens) == 1
+    sched.cancel(seqs[1])  # waiting: gone at once
+    assert seqs[1].finish_reason == "cancelled" and seqs[1] in done
+    sched.cancel(seqs[0])  # ready for its next step: freed at once
+    assert seqs[0].finish_reason == "cancelled" and sched.free == [0]
+    while sched.busy:
+        sched.step()
+    assert seqs[2].finish_reason == "length" and len(seqs[2].tokens) == 20
+    assert len(seqs[0].tokens) == 1 and not seqs[1].tokens
+
+
+def test_scheduler_fails_one_sequence_whose_pick_fails(tiny_models, hf_reference, monkeypatch):
+    from test_inference import _scheduler
+
+    from distlm.inference import pipeline
+
+    ids = _ids(hf_reference.tokenizer)
+    real = pipeline.pick_token
+
+    def flaky(logits, params, gen):
+        if params.seed == 666:
+            raise SamplingError("boom")
+        return real(logits, params, gen)
+
+    monkeypatch.setattr(pipeline, "pick_token", flaky)
+    sched = _scheduler(tiny_models[1], lanes=2)
+    bad = Sequence(sched.new_id(), ids[0], SamplingParams(5, temperature=1.0, seed=666))
+    good = Sequence(sched.new_id(), ids[1], SamplingParams(5))
+    sched.submit(bad)
+    sched.submit(good)
+    while sched.busy:
+        sched.step()
+    assert bad.finish_reason == "error" and "boom" in bad.error and not bad.tokens
+    assert good.finish_reason == "length" and good.tokens == hf_reference(PROMPTS[1], 5)
