@@ -80,6 +80,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
+@torch.compiler.disable  # under train.compile the body is compiled and this runs eagerly
 def linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, rows: int | None = None
 ) -> torch.Tensor:
