@@ -22,9 +22,10 @@ from distlm.model import load_model_dir, read_meta
 from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
+from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.synthetic import make_inputs
-from distlm.train.trainer import resolve_precision
+from distlm.train.trainer import resolve_precision, threads_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "workflow" / "scripts" / "train.py"
@@ -116,6 +117,38 @@ def test_precision_never_falls_back():
         resolve_precision("fp16", torch.device("cpu"))
 
 
+def test_threads_per_rank_never_oversubscribes():
+    # Snakemake's OMP_NUM_THREADS is the job's total: 2 ranks on 2 cores get one thread each
+    assert threads_per_rank({"OMP_NUM_THREADS": "2", "LOCAL_WORLD_SIZE": "2"}, 2) == 1
+    assert threads_per_rank({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}, 16) == 1
+    assert threads_per_rank({"OMP_NUM_THREADS": "4", "LOCAL_WORLD_SIZE": "2"}, 16) == 4
+    assert threads_per_rank({"LOCAL_WORLD_SIZE": "4"}, 16) == 4  # unset: the core share
+    assert threads_per_rank({"LOCAL_WORLD_SIZE": "4"}, 2) == 1
+    assert threads_per_rank({}, 8) == 8
+
+
+@pytest.mark.parametrize("rows", [None, 7])
+def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
+    ref = load_model_dir(inputs["model"]).train()
+    fast = load_model_dir(inputs["model"]).train()
+    assert fuse_gelu(fast) == fast.config.n_layer
+    x = torch.randint(0, fast.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    want = ReferenceLoss(ref)(x)
+    want.backward()
+    got = CausalLMLoss(fast)
+    if rows:  # several chunks, the last one short
+        h = fast.transformer(input_ids=x).last_hidden_state
+        got_loss = linear_cross_entropy(h[:, :-1], fast.lm_head.weight, x[:, 1:], rows=rows)
+    else:
+        got_loss = got(x)
+    (2.0 * got_loss).backward()  # backward scales by the incoming gradient
+    assert got_loss.item() == pytest.approx(want.item(), rel=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, 2.0 * p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation: the loss alone
+        assert got(x).item() == pytest.approx(ReferenceLoss(ref)(x).item(), rel=1e-6)
+
+
 def _save(d: Path, step: int, keep: int = 10) -> None:
     ck.save_checkpoint(
         d,
@@ -168,6 +201,17 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(inputs, tmp_path):
     assert [c.step for c in ck.list_checkpoints(out / "checkpoints")] == [2]
     ck.verify(ck.latest_good(out / "checkpoints"))
     assert not (out / "final").exists()
+
+
+def test_reference_kernels_train_to_the_same_losses(inputs, tmp_path):
+    """train.fast_kernels: false (transformers' modules) and true agree to float rounding."""
+    rows = {}
+    for fast in (True, False):
+        out = tmp_path / f"fast-{fast}"
+        run_training(train_cfg(max_steps=3, fast_kernels=fast), paths(inputs, out))
+        text = (out / "metrics.csv").read_text().splitlines()
+        rows[fast] = [float(r.split(",")[1]) for r in text[1:]]
+    assert rows[True] == pytest.approx(rows[False], rel=1e-4)
 
 
 def test_mismatched_checkpoint_is_refused(inputs, tmp_path):

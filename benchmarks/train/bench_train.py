@@ -1,24 +1,38 @@
-"""Training throughput: distlm's training step against a minimal plain DDP loop, side by side.
+"""Training throughput of the real training stage, beside a bare DDP loop and HF `Trainer`.
 
-    python benchmarks/train/bench_train.py                       # CPU, 2 ranks, embedded default model
-    python benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda --precision bf16
-    python benchmarks/train/bench_train.py --out benchmarks/train/results-cpu.json
+    snakemake --profile profiles/local results/model/base     # the embedded default's inputs
+    python benchmarks/train/bench_train.py                     # CPU, 2 ranks: results-cpu.json
+    python benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda --precision bf16 \\
+        --out benchmarks/train/results-gpu.json
 
-The script starts itself under torchrun. In the same processes, on the same model, batch and
-world size, it alternates rounds of (a) distlm's step (`Trainer.step_and_log`: HDF5 sampler, grad
-accumulation scaffolding, clipping, fused AdamW, schedule, NaN check, metrics; no checkpoint) and
-(b) the minimal loop (DDP defaults, AdamW, forward, backward, step, zero_grad on one in-memory
-batch). Alternating rounds spreads noise from other load evenly. It writes JSON with the median
-tokens/s of each, their ratio (target >= 0.95 on the CPU) and, on a GPU, the model FLOPs
-utilisation (nanoGPT's estimate) against the device's peak from PEAK_FLOPS.
+One run starts three torchrun jobs on the same model weights, token blocks, world size, micro
+batch, precision and optimizer settings, one after the other (`--repeats 2` runs them again in
+the reverse order, so slow drift in other load falls on all three):
+
+- distlm: the stage itself, as `workflow/rules/train.smk` starts it (`workflow/scripts/train.py`
+  with a resolved config), with the environment Snakemake gives the rule (OMP_NUM_THREADS = the
+  rule's threads = train.nproc_per_node) and everything the config turns on: metrics CSV,
+  TensorBoard, progress bar, log lines, validation, checkpoints, the profiler window. Step times
+  are the stage's own `metrics.csv` `step_time_s` (the time between the ends of two steps, so
+  validation and checkpoints count in the step after them).
+- bare: a minimal DDP loop (forward, backward, fused AdamW step, zero_grad; no clipping, no
+  schedule, no logging) over the same blocks held in memory.
+- hf: `transformers.Trainer` with AdamW (fused), the cosine schedule to min_lr with the same
+  warmup, clipping, weight decay and betas, no evaluation or saving (its defaults otherwise).
+
+For each, the first `--skip` steps are left out; the JSON reports the median, p90 and mean of
+tokens/s (the p90 of step time turned into tokens/s), and distlm's ratios to the other two. On a
+GPU it adds the model FLOPs utilisation (nanoGPT's estimate) against the device's peak.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import csv
+import itertools
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -26,18 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+
 PRESETS = {
-    # the embedded default (config/config.yaml): 4 layers, 128 wide, 4096 tokens, block 128
-    "default": {
-        "vocab": 4096,
-        "block_size": 128,
-        "n_layer": 4,
-        "n_head": 4,
-        "n_embd": 128,
-        "micro_batch": 8,
-    },
-    # GPT-2 small (124M) at its full context
+    # the embedded default: the workflow's own token blocks and base model (config/config.yaml)
+    "default": {"inputs": "workflow", "micro_batch": 8},
+    # GPT-2 small (124M) at its full context, on synthetic blocks
     "gpt2": {
+        "inputs": "synthetic",
         "vocab": 50257,
         "block_size": 1024,
         "n_layer": 12,
@@ -71,6 +81,8 @@ PEAK_FLOPS = {
     "fp32": [("H200", 67e12), ("H100", 67e12), ("A100", 19.5e12), ("V100", 15.7e12)],
 }
 
+TARGETS_CPU = {"mean_over_hf": 1.2, "p90_over_median_step": 1.5, "mean_over_bare": 0.97}
+
 
 def peak_flops(name: str, precision: str) -> float | None:
     for key, flops in PEAK_FLOPS.get(precision, []):
@@ -84,226 +96,498 @@ def flops_per_token(n_params_no_pos: int, n_layer: int, n_head: int, n_embd: int
     return 6 * n_params_no_pos + 12 * n_layer * n_head * (n_embd // n_head) * T
 
 
-def worker(a) -> None:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (numpy's default)."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(step_s: list[float], tokens_per_step: int) -> dict:
+    """Median, p90 and mean of a run's step times, also as tokens/s."""
+    med, p90 = statistics.median(step_s), percentile(step_s, 0.9)
+    return {
+        "steps": len(step_s),
+        "median_step_ms": 1000 * med,
+        "p90_step_ms": 1000 * p90,
+        "mean_step_ms": 1000 * statistics.fmean(step_s),
+        "p90_over_median_step": p90 / med,
+        "tokens_per_s": {
+            "median": tokens_per_step / med,
+            "p90": tokens_per_step / p90,  # the p90 step time, in tokens/s
+            "mean": tokens_per_step * len(step_s) / sum(step_s),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def bare_worker(a, cfg: dict) -> None:
+    """A minimal DDP loop: forward, backward, fused AdamW, zero_grad, on in-memory blocks."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from distlm.config import validate_config
-    from distlm.stages import stage_config
+    from distlm.data import TokenBlocks
     from distlm.dist import distributed
-    from distlm.log import setup_logging
     from distlm.model import load_model_dir
-    from distlm.train import Trainer, TrainPaths
+
+    t, rt = cfg["train"], cfg["runtime"]
+    with distributed(backend=rt["backend"], device=rt["device"], timeout_s=600) as topo:
+        dev = topo.device
+        blocks = TokenBlocks(a.tokens, "train")
+        data = torch.from_numpy(blocks[list(range(len(blocks)))])
+        blocks.close()
+        model = load_model_dir(a.model, device=dev, dtype=torch.float32).train()
+        model.loss_type = "ForCausalLM"
+        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=t["lr"],
+            betas=(t["beta1"], t["beta2"]),
+            weight_decay=t["weight_decay"],
+            fused=True,
+        )
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision_resolved)
+        g = torch.Generator().manual_seed(rt["seed"] + topo.rank)
+        mb = t["micro_batch_size"]
+        stamps = [time.perf_counter()]
+        for _ in range(a.steps):
+            x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
+            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
+                loss = ddp(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)  # per-step times need the step to have finished
+            stamps.append(time.perf_counter())
+        if topo.is_main:
+            _write_worker_result(
+                a,
+                step_s=[b - e for e, b in itertools.pairwise(stamps)],
+                tokens_per_step=mb * topo.world_size * data.shape[1],
+            )
+
+
+def hf_worker(a, cfg: dict) -> None:
+    """`transformers.Trainer` on the same weights, blocks and optimizer settings."""
+    import torch
+    from transformers import (
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from distlm.data import TokenBlocks
+
+    t, rt = cfg["train"], cfg["runtime"]
+    blocks = TokenBlocks(a.tokens, "train")
+    data = torch.from_numpy(blocks[list(range(len(blocks)))])
+    blocks.close()
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(data)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": data[i], "labels": data[i]}
+
+    stamps: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    model = GPT2LMHeadModel.from_pretrained(
+        a.model, torch_dtype=torch.float32, attn_implementation="sdpa"
+    )
+    with tempfile.TemporaryDirectory(prefix="distlm-bench-hf-") as out:
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=a.steps,
+            per_device_train_batch_size=t["micro_batch_size"],
+            gradient_accumulation_steps=t["grad_accum_steps"],
+            learning_rate=t["lr"],
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr": t["min_lr"]},
+            warmup_steps=t["warmup_steps"],
+            weight_decay=t["weight_decay"],
+            adam_beta1=t["beta1"],
+            adam_beta2=t["beta2"],
+            adam_epsilon=1e-8,
+            max_grad_norm=t["grad_clip"],
+            optim="adamw_torch_fused",
+            bf16=a.precision_resolved == "bf16",
+            fp16=a.precision_resolved == "fp16",
+            use_cpu=a.device == "cpu",
+            ddp_backend=cfg["runtime"]["backend"],
+            dataloader_drop_last=True,
+            remove_unused_columns=False,
+            eval_strategy="no",
+            save_strategy="no",
+            report_to="none",
+            seed=rt["seed"],
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[StepClock()])
+        trainer.train()
+        if trainer.args.process_index == 0:
+            ws = trainer.args.world_size
+            _write_worker_result(
+                a,
+                step_s=[b - e for e, b in itertools.pairwise(stamps)],
+                tokens_per_step=t["micro_batch_size"] * t["grad_accum_steps"] * ws * data.shape[1],
+            )
+
+
+def _write_worker_result(a, *, step_s: list[float], tokens_per_step: int) -> None:
+    import torch
+
+    Path(a.result).write_text(
+        json.dumps(
+            {
+                "step_s": step_s,
+                "tokens_per_step": tokens_per_step,
+                "threads_per_rank": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+def model_dims(model_dir: Path) -> dict:
+    """Sizes of the benchmarked model, counted on the meta device (no weights read)."""
+    import torch
+
+    from distlm.model import build_model, load_config_json
+
+    c = load_config_json(model_dir)
+    with torch.device("meta"):
+        model = build_model(c)
+    n = sum(p.numel() for p in model.parameters())
+    return {
+        "parameters": n,
+        "parameters_no_pos": n - model.transformer.wpe.weight.numel(),
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_embd": c.n_embd,
+        "vocab": c.vocab_size,
+    }
+
+
+def make_gpt2_inputs(root: Path, p: dict) -> dict[str, Path]:
     from distlm.train.synthetic import make_inputs
 
-    setup_logging(None, level=30)  # warnings only: the loop's log lines would be noise here
-    p = PRESETS[a.preset]
-    cfg = validate_config(
-        {
-            "runtime": {
-                "device": a.device,
-                "backend": "nccl" if a.device == "cuda" else "gloo",
-                "timeout_s": 600,
-            },
-            "broadcast": {"bucket_mb": 64},
-            "train": {
-                "micro_batch_size": p["micro_batch"],
-                "max_steps": 10**6,
-                "warmup_steps": 10,
-                "lr": 3e-4,
-                "min_lr": 3e-5,
-                "precision": a.precision,
-                "compile": a.compile,
-                "log_every": 10**6,
-                "ckpt_every": 10**6,
-                "eval_every": 10**6,
-            },
-        }
+    return make_inputs(
+        root,
+        vocab=p["vocab"],
+        block_size=p["block_size"],
+        n_layer=p["n_layer"],
+        n_head=p["n_head"],
+        n_embd=p["n_embd"],
+        train_blocks=512,
+        val_blocks=64,
     )
-    cfg = stage_config(cfg, "train")
-    with distributed(backend=cfg["runtime"]["backend"], device=a.device, timeout_s=600) as topo:
-        root = Path(a.workdir)
-        with topo.main_first():
-            if topo.is_main:
-                make_inputs(
-                    root,
-                    vocab=p["vocab"],
-                    block_size=p["block_size"],
-                    n_layer=p["n_layer"],
-                    n_head=p["n_head"],
-                    n_embd=p["n_embd"],
-                    train_blocks=max(256, 4 * p["micro_batch"] * topo.world_size),
-                    val_blocks=8,
-                )
-        paths = TrainPaths(
-            tokens=root / "tokens.h5",
-            model=root / "model",
-            tokenizer=root / "tokenizer",
-            out=root / f"out-{os.getpid()}",
-        )
-        trainer = Trainer(cfg, paths, topo).setup()
 
-        # the minimal loop: same architecture and weights, defaults everywhere
-        plain = load_model_dir(root / "model", device=topo.device).train()
-        plain.loss_type = "ForCausalLM"
-        plain_ddp = DDP(
-            plain, device_ids=[topo.device.index] if topo.device.type == "cuda" else None
-        )
-        plain_opt = torch.optim.AdamW(plain.parameters(), lr=3e-4)
-        g = torch.Generator().manual_seed(topo.rank)
-        batch = torch.randint(0, p["vocab"], (p["micro_batch"], p["block_size"]), generator=g).to(
-            topo.device
-        )
-        amp = (
-            torch.autocast(topo.device.type, dtype=trainer.autocast_dtype)
-            if trainer.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
 
-        def plain_step():
-            with amp:
-                loss = plain_ddp(input_ids=batch, labels=batch).loss
-            loss.backward()
-            plain_opt.step()
-            plain_opt.zero_grad(set_to_none=True)
+def resolved_config(a, work: Path) -> tuple[dict, Path]:
+    """The train stage's resolved config: the config file with the benchmark's settings."""
+    from distlm.config import load_config, read_resolved, write_resolved
+    from distlm.stages import stage_config
 
-        def sync():
-            if topo.device.type == "cuda":
-                torch.cuda.synchronize(topo.device)
-            dist.barrier()
+    p = PRESETS[a.preset]
+    train = {"nproc_per_node": a.nproc, "micro_batch_size": p["micro_batch"]}
+    if a.precision:
+        train["precision"] = a.precision
+    if a.steps:
+        train["max_steps"] = a.steps
+    over = {
+        "runtime": {"device": a.device, "backend": "nccl" if a.device == "cuda" else "gloo"},
+        "train": train,
+    }
+    for item in a.set:
+        key, _, value = item.partition("=")
+        *parents, last = key.split(".")
+        node = over
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = json.loads(value)
+    cfg = load_config(a.config, over)
+    path = work / "train.json"
+    write_resolved(stage_config(cfg, "train"), path)  # the keys the train stage reads
+    return read_resolved(path), path
 
-        def timed(fn, n) -> tuple[float, float]:
-            """(wall seconds, CPU seconds summed over ranks) of n calls."""
-            sync()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(n):
-                fn()
-            sync()
-            cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-            dist.all_reduce(
-                cpu
-            )  # gloo: CPU tensor; nccl runs on GPUs, where wall time is what counts
-            return time.perf_counter() - t0, cpu.item()
 
-        tokens_per_step = trainer.tokens_per_step
-        for fn in (trainer.step_and_log, plain_step):
-            timed(fn, a.warmup)
-        rounds = {"distlm": [], "plain": []}
-        cpu_rounds = {"distlm": [], "plain": []}
-        for r in range(a.rounds):
-            order = [("distlm", trainer.step_and_log), ("plain", plain_step)]
-            if r % 2:
-                order.reverse()  # alternate who goes first
-            for name, fn in order:
-                wall, cpu = timed(fn, a.steps)
-                rounds[name].append(a.steps * tokens_per_step / wall)
-                cpu_rounds[name].append(a.steps * tokens_per_step / cpu)
+def torchrun(a, script: list[str], env: dict, log: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={a.nproc}",
+        *script,
+    ]
+    with log.open("w") as f:
+        rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+    if rc != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        sys.exit(f"{' '.join(cmd)} failed with exit code {rc}; last lines of {log}:\n{tail}")
 
-        if topo.is_main:
-            med = {k: statistics.median(v) for k, v in rounds.items()}
-            n_params = sum(t.numel() for t in plain.parameters())
-            n_pos = plain.transformer.wpe.weight.numel()
-            fpt = flops_per_token(
-                n_params - n_pos, p["n_layer"], p["n_head"], p["n_embd"], p["block_size"]
-            )
-            result = {
-                "benchmark": "train step throughput: distlm vs minimal DDP loop",
-                "device": torch.cuda.get_device_name(topo.device)
-                if topo.device.type == "cuda"
-                else "cpu",
-                "torch": torch.__version__,
-                "world_size": topo.world_size,
-                "threads_per_rank": torch.get_num_threads(),
-                "preset": a.preset,
-                "model": {
-                    **{k: p[k] for k in ("vocab", "n_layer", "n_head", "n_embd")},
-                    "parameters": n_params,
-                },
-                "block_size": p["block_size"],
-                "micro_batch_per_rank": p["micro_batch"],
-                "global_batch": trainer.plan.global_batch,
-                "tokens_per_step": tokens_per_step,
-                "precision": trainer.precision,
-                "compile": a.compile,
-                "steps_per_round": a.steps,
-                "rounds": a.rounds,
-                "tokens_per_s": {"distlm": med["distlm"], "plain_ddp": med["plain"]},
-                "tokens_per_s_rounds": rounds,
-                # tokens per CPU-second of all ranks: the work each loop does, far less sensitive
-                # than wall time to other load on a shared machine
-                "tokens_per_cpu_s": {k: statistics.median(v) for k, v in cpu_rounds.items()},
-                "ratio_cpu_time": statistics.median(cpu_rounds["distlm"])
-                / statistics.median(cpu_rounds["plain"]),
-                "ratio_distlm_over_plain": med["distlm"] / med["plain"],
-                # each round's pair ran back to back: the median of their ratios is robust to load drift
-                "ratio_paired_median": statistics.median(
-                    d / q for d, q in zip(rounds["distlm"], rounds["plain"])
-                ),
-                "target_ratio_cpu": 0.95,
-            }
-            if topo.device.type == "cuda":
-                peak = peak_flops(result["device"], trainer.precision)
-                per_dev = fpt * med["distlm"] / topo.world_size
-                result["mfu"] = {
-                    "flops_per_token": fpt,
-                    "peak_flops_per_device": peak,
-                    "distlm": per_dev / peak if peak else None,
-                    "plain_ddp": fpt * med["plain"] / topo.world_size / peak if peak else None,
-                    "note": None if peak else "device not in PEAK_FLOPS",
-                }
-            else:
-                result["mfu"] = None  # no meaningful peak figure for a shared CPU
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-            print(
-                json.dumps(
-                    {
-                        k: result[k]
-                        for k in (
-                            "device",
-                            "world_size",
-                            "tokens_per_s",
-                            "ratio_distlm_over_plain",
-                            "ratio_paired_median",
-                            "ratio_cpu_time",
-                            "mfu",
-                        )
-                    },
-                    indent=2,
-                )
-            )
-        trainer.close()
+
+def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
+    from distlm.train import TrainPaths
+
+    out = work / f"distlm-{n}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.nproc)}  # what Snakemake gives the rule
+    script = [
+        str(ROOT / "workflow" / "scripts" / "train.py"),
+        "--config",
+        str(cfg_path),
+        "--tokens",
+        str(inputs["tokens"]),
+        "--tokenizer",
+        str(inputs["tokenizer"]),
+        "--model",
+        str(inputs["model"]),
+        "--out",
+        str(out),
+        "--rank-log",
+        str(work / f"distlm-{n}-rank{{rank}}.log"),
+    ]
+    torchrun(a, script, env, work / f"distlm-{n}.log")
+    paths = TrainPaths(tokens=inputs["tokens"], model=inputs["model"], tokenizer=inputs["tokenizer"], out=out)
+    with paths.metrics_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    final = json.loads((paths.final / "distlm.json").read_text())
+    threads = _logged_threads(work / f"distlm-{n}-rank0.log")
+    tr = final["training"]
+    return {
+        "step_s": [float(r["step_time_s"]) for r in rows],
+        "tokens_per_step": tr["global_batch"] * tr["block_size"],
+        "threads_per_rank": threads,
+        "stage_wall_s": tr["wall_s"],
+    }
+
+
+def _logged_threads(log: Path) -> int | None:
+    for line in log.read_text(errors="replace").splitlines():
+        if "intra-op threads" in line:
+            return int(line.split("intra-op threads", 1)[1].split()[0].strip(":,"))
+    return None
+
+
+def run_baseline(a, name: str, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
+    result = work / f"{name}-{n}.json"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's 1
+    script = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--config-resolved",
+        str(cfg_path),
+        "--tokens",
+        str(inputs["tokens"]),
+        "--model",
+        str(inputs["model"]),
+        "--result",
+        str(result),
+        "--steps",
+        str(a.steps_resolved),
+        "--device",
+        a.device,
+        "--precision-resolved",
+        a.precision_resolved,
+    ]
+    torchrun(a, script, env, work / f"{name}-{n}.log")
+    return json.loads(result.read_text())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--config", default=str(ROOT / "config" / "config.yaml"))
+    ap.add_argument("--results", default=str(ROOT / "results"), help="the workflow's results/")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--steps", type=int, default=4, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None)
+    ap.add_argument("--steps", type=int, default=None, help="default: the config's max_steps")
+    ap.add_argument("--skip", type=int, default=10, help="first steps left out of the figures")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of the three (order reversed)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="config override for all three, e.g. train.profile.enabled=false (repeatable)",
+    )
+    ap.add_argument("--only", nargs="+", choices=["distlm", "bare", "hf"], default=None)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results-cpu.json")))
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None, help="keep the runs' outputs and logs here")
+    ap.add_argument("--note", default="", help="what else ran on the machine (goes in the JSON)")
+    # worker mode (the script starts itself under torchrun)
+    ap.add_argument("--worker", choices=["bare", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--config-resolved", help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--precision-resolved", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if "RANK" in os.environ:
-        worker(a)
+    if a.worker:
+        from distlm.config import read_resolved
+        from distlm.log import setup_logging
+
+        setup_logging(None, level=30)
+        cfg = read_resolved(a.config_resolved)
+        (bare_worker if a.worker == "bare" else hf_worker)(a, cfg)
         return
-    with tempfile.TemporaryDirectory(prefix="distlm-bench-train-") as tmp:
-        args = [a for a in sys.argv[1:]] + ([] if a.workdir else ["--workdir", tmp])
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={a.nproc}",
-            __file__,
-            *args,
-        ]
-        sys.exit(subprocess.call(cmd, timeout=3600))
+    if a.workdir:
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
+        drive(a, Path(a.workdir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="distlm-bench-train-") as tmp:
+            drive(a, Path(tmp))
+
+
+def drive(a, work: Path) -> None:
+    import torch
+
+    from distlm.train.trainer import resolve_precision
+
+    p = PRESETS[a.preset]
+    if p["inputs"] == "workflow":
+        from distlm.stages import STAGES
+
+        res = Path(a.results)
+        inputs = {  # the declared outputs of the data and model stages, under --results
+            name: res / STAGES[stage].relpath(output)
+            for name, (stage, output) in {
+                "tokens": ("data", "tokens"),
+                "tokenizer": ("data", "tokenizer"),
+                "model": ("model", "model"),
+            }.items()
+        }
+
+        missing = [str(v) for v in inputs.values() if not v.exists()]
+        if missing:
+            sys.exit(
+                f"missing {', '.join(missing)}: make the embedded default's inputs first with "
+                "`snakemake --profile profiles/local results/model/base`"
+            )
+    else:
+        inputs = make_gpt2_inputs(work / "inputs", p)
+    cfg, cfg_path = resolved_config(a, work)
+    t = cfg["train"]
+    a.steps_resolved = t["max_steps"]
+    if a.steps_resolved <= a.skip:
+        sys.exit(f"--steps {a.steps_resolved} leaves nothing after --skip {a.skip}")
+    device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+    a.precision_resolved = resolve_precision(t["precision"], device)
+
+    names = a.only or ["distlm", "bare", "hf"]
+    step_s: dict[str, list[float]] = {k: [] for k in names}
+    info: dict[str, dict] = {}
+    for n in range(a.repeats):
+        for name in names if n % 2 == 0 else list(reversed(names)):
+            t0 = time.perf_counter()
+            if name == "distlm":
+                r = run_distlm(a, cfg_path, inputs, work, n)
+            else:
+                r = run_baseline(a, name, cfg_path, inputs, work, n)
+            step_s[name] += r.pop("step_s")[a.skip :]
+            info.setdefault(name, {}).update(r)
+            info[name].setdefault("run_wall_s", []).append(time.perf_counter() - t0)
+            print(f"{name} run {n + 1}/{a.repeats}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    tokens_per_step = next(iter(info.values()))["tokens_per_step"]
+    summary = {k: summarize(v, tokens_per_step) for k, v in step_s.items()}
+    ratios = {}
+    for other, label in (("hf", "over_hf"), ("bare", "over_bare")):
+        if "distlm" in summary and other in summary:
+            d, o = summary["distlm"]["tokens_per_s"], summary[other]["tokens_per_s"]
+            ratios[f"mean_{label}"] = d["mean"] / o["mean"]
+            ratios[f"median_{label}"] = d["median"] / o["median"]
+            ratios[f"p90_{label}"] = d["p90"] / o["p90"]
+    result = {
+        "benchmark": "training stage throughput: distlm vs a bare DDP loop vs transformers.Trainer",
+        "command": "python benchmarks/train/bench_train.py " + " ".join(sys.argv[1:]),
+        "note": a.note,
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "world_size": a.nproc,
+        "threads_per_rank": {k: v.get("threads_per_rank") for k, v in info.items()},
+        "preset": a.preset,
+        "model": model_dims(inputs["model"]),
+        "micro_batch_per_rank": t["micro_batch_size"],
+        "grad_accum": t["grad_accum_steps"],
+        "tokens_per_step": tokens_per_step,
+        "precision": a.precision_resolved,
+        "optimizer": {
+            k: t[k]
+            for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")
+        },
+        "steps_per_run": a.steps_resolved,
+        "skipped_steps_per_run": a.skip,
+        "repeats": a.repeats,
+        "distlm_stage": {
+            k: t[k] for k in ("log_every", "eval_every", "eval_batches", "ckpt_every", "profile")
+        },
+        "runs": info,
+        "summary": summary,
+        "ratios_distlm": ratios,
+    }
+    if a.device == "cpu":
+        result["targets_cpu"] = TARGETS_CPU
+        if "distlm" in summary:
+            result["targets_met"] = {
+                "mean_over_hf": ratios.get("mean_over_hf", 0) >= TARGETS_CPU["mean_over_hf"],
+                "p90_over_median_step": summary["distlm"]["p90_over_median_step"]
+                <= TARGETS_CPU["p90_over_median_step"],
+                "mean_over_bare": ratios.get("mean_over_bare", 0) >= TARGETS_CPU["mean_over_bare"],
+            }
+        result["mfu"] = None  # no meaningful peak figure for a shared CPU
+    else:
+        m = result["model"]
+        fpt = flops_per_token(
+            m["parameters_no_pos"],
+            m["n_layer"],
+            m["n_head"],
+            m["n_embd"],
+            tokens_per_step // (t["micro_batch_size"] * t["grad_accum_steps"] * a.nproc),
+        )
+        peak = peak_flops(result["device"], a.precision_resolved)
+        result["mfu"] = {
+            "flops_per_token": fpt,
+            "peak_flops_per_device": peak,
+            **{
+                k: fpt * s["tokens_per_s"]["mean"] / a.nproc / peak if peak else None
+                for k, s in summary.items()
+            },
+            "note": None if peak else "device not in PEAK_FLOPS",
+        }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("summary", "ratios_distlm", "mfu")}, indent=2))
+
+
+def _version(pkg: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":

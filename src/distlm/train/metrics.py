@@ -25,7 +25,7 @@ TRAIN_COLUMNS = (
     "lr",
     "tokens",
     "tokens_per_s",
-    "step_time_s",
+    "step_time_s",  # end of the previous step to the end of this one: all the loop did between
 )
 VAL_COLUMNS = ("step", "val_loss", "val_perplexity", "tokens")
 

@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from distlm.model import (
 )
 from distlm.stages import STAGES
 from distlm.train import checkpoint as ckpt_mod
+from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu
 from distlm.train.metrics import Metrics, perplexity
 from distlm.train.profiling import StepProfiler
 from distlm.train.sampler import StepLoader, StepSampler, plan_batch
@@ -150,6 +152,19 @@ def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
+def threads_per_rank(env: Mapping[str, str], cpus: int) -> int:
+    """Intra-op threads for one rank: OMP_NUM_THREADS, at most its share of the usable cores.
+
+    `cpus` is the number of cores this process may run on; the LOCAL_WORLD_SIZE ranks on the host
+    share them equally (at least one thread each). OMP_NUM_THREADS is per process (torchrun's
+    meaning: it sets 1 when it starts several ranks), but Snakemake sets it to the rule's
+    `threads`, the job's total, which torchrun passes on to every rank: so it is only a ceiling.
+    """
+    share = max(1, cpus // int(env.get("LOCAL_WORLD_SIZE") or 1))
+    omp = env.get("OMP_NUM_THREADS")
+    return min(int(omp), share) if omp else share
+
+
 def _no_buffer_sync() -> dict:
     # torch >= 2.12 renamed DDP's broadcast_buffers to forward_sync_buffers (older: the former only).
     import inspect
@@ -177,6 +192,7 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.resumed_from: str | None = None
         self._closed = False
+        self._last_step_end: float | None = None  # perf_counter() when the last step ended
 
     # ------------------------------------------------------------------ setup
 
@@ -435,11 +451,44 @@ class Trainer:
                 f"rank {self.topo.rank}: weights differ from the other ranks after the initial broadcast"
             )
 
+    def _share_threads(self) -> None:
+        """Give each rank its share of the host's thread budget (CPU only).
+
+        Snakemake sets OMP_NUM_THREADS to the rule's `threads` (a total for the job, here
+        train.nproc_per_node) and torchrun passes it on unchanged, so every rank started that
+        many intra-op threads: 2 ranks x 2 threads on 2 cores made steps 4x slower, with spikes.
+        The thread count changes float sums, so a resumed run must see the same cores.
+        """
+        if self.device.type != "cpu":
+            return
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = threads_per_rank(os.environ, cpus or 1)
+        torch.set_num_threads(threads)
+        log.info(
+            "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
+            threads,
+            os.environ.get("OMP_NUM_THREADS", "unset"),
+            cpus,
+            os.environ.get("LOCAL_WORLD_SIZE", "1"),
+        )
+
     def _wrap_ddp(self) -> None:
-        module = self.model
+        self._share_threads()
+        if self.tcfg["fast_kernels"]:
+            # Same loss and gradients (to float rounding) with less memory traffic: see
+            # distlm.train.kernels. The modules swapped hold no weights; the model saved is the same.
+            fused = fuse_gelu(self.model)
+            module: torch.nn.Module = CausalLMLoss(self.model)
+            log.info(
+                "train.fast_kernels: LM head fused with the cross-entropy, %d tanh GELUs in one "
+                "kernel",
+                fused,
+            )
+        else:
+            module = ReferenceLoss(self.model)
         if self.tcfg["compile"]:
             module = torch.compile(module)
-        self.fwd = module  # forward for evaluation (no DDP hooks)
+        self.fwd = module  # input_ids -> mean next-token loss, for evaluation (no DDP hooks)
         self.ddp = DDP(
             module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -470,7 +519,7 @@ class Trainer:
             sync = self.ddp.no_sync() if i < accum - 1 else contextlib.nullcontext()
             with sync:
                 with self._autocast():
-                    loss = self.ddp(input_ids=x, labels=x).loss / accum
+                    loss = self.ddp(x) / accum
                 if self.nan_at is not None and step + 1 == self.nan_at:
                     loss = loss * float("nan")  # test hook (train.fault.nan_at_step)
                 self.scaler.scale(loss).backward()
@@ -498,7 +547,11 @@ class Trainer:
         self.step = step + 1
         # No device synchronize: the .item() above already waited for forward and backward, and
         # the optimizer kernels overlap the next step's launches (counted in the next step time).
-        dt = time.perf_counter() - t0
+        # The step time runs from the end of the previous step, so it holds everything the loop
+        # did in between: bookkeeping, and validation or a checkpoint after the previous step.
+        end = time.perf_counter()
+        dt = end - (t0 if self._last_step_end is None else self._last_step_end)
+        self._last_step_end = end
         return {
             "step": self.step,
             "loss": loss_v,
@@ -532,7 +585,7 @@ class Trainer:
                     self.device
                 )
                 with self._autocast():
-                    loss = self.fwd(input_ids=x, labels=x).loss
+                    loss = self.fwd(x)
                 count = x.shape[0] * (x.shape[1] - 1)  # predicted tokens (labels shifted by one)
                 acc += torch.stack(
                     [

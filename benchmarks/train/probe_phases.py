@@ -1,0 +1,151 @@
+"""Where a training step's time goes: the stage's run_training under torchrun, timed by phase.
+
+    OMP_NUM_THREADS=1 PHASES=1 torchrun --standalone --nproc-per-node=2 \
+        benchmarks/train/probe_phases.py /tmp/probe train.max_steps=60 train.profile.enabled=false
+
+Reads config/config.yaml and the workflow's results/data and results/model/base (dotted KEY=JSON
+overrides follow the output folder). With PHASES=1 the step is replaced by an instrumented copy of
+`Trainer.train_step` (one micro-batch: data, forward, backward with the all-reduce, clipping,
+loss all-reduce, optimizer, zero_grad and schedule), and `step_and_log`'s bookkeeping (metrics,
+TensorBoard, progress bar, log line) is timed as the rest. Rank 0 prints the stage's median, p90
+and mean from metrics.csv, steps 11 on. A diagnostic, not the benchmark (bench_train.py).
+"""
+
+import json
+import math
+import os
+import statistics as st
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distlm.config import load_config, sections
+from distlm.log import setup_logging
+from distlm.train import TrainPaths, run_training
+from distlm.train import trainer as T
+
+out = Path(sys.argv[1])
+cfg = sections(
+    load_config("config/config.yaml"), ["runtime", "data", "model", "broadcast", "train"]
+)
+env = {}
+for kv in sys.argv[2:]:
+    k, v = kv.split("=", 1)
+    v = json.loads(v)
+    if k.startswith("env."):
+        env[k[4:]] = v
+        continue
+    d = cfg
+    *ks, last = k.split(".")
+    for kk in ks:
+        d = d[kk]
+    d[last] = v
+PH = os.environ.get("PHASES") == "1"
+if env.get("threads"):
+    torch.set_num_threads(int(env["threads"]))
+phases = {}
+
+
+def tick(name, t0):
+    t = time.perf_counter()
+    phases.setdefault(name, []).append(t - t0)
+    return t
+
+
+if PH:
+    orig_step = T.Trainer.train_step
+
+    def train_step(self):
+        t0 = time.perf_counter()
+        t_start = t0
+        step = self.step
+        micro = self.loader(step)
+        t0 = tick("data", t0)
+        lr = self.optimizer.param_groups[0]["lr"]
+        x = micro[0]
+        loss = self.ddp(x)
+        t0 = tick("fwd", t0)
+        loss.backward()
+        t0 = tick("bwd+allreduce", t0)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        gv = gnorm.item()
+        t0 = tick("clip", t0)
+        lr_ = loss.detach().reshape(1)
+        dist.all_reduce(lr_)
+        t0 = tick("loss_allreduce", t0)
+        self.optimizer.step()
+        t0 = tick("optim", t0)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        t0 = tick("zero+sched", t0)
+        lv = lr_.item() / 2
+        self.step = step + 1
+        dt = time.perf_counter() - t_start
+        phases.setdefault("train_step_total", []).append(dt)
+        return {
+            "step": self.step,
+            "loss": lv,
+            "perplexity": math.exp(lv),
+            "grad_norm": gv,
+            "lr": lr,
+            "tokens": self.step * self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt,
+        }
+
+    T.Trainer.train_step = train_step
+    orig_sal = T.Trainer.step_and_log
+
+    def sal(self, **kw):
+        t0 = time.perf_counter()
+        r = orig_sal(self, **kw)
+        tot = time.perf_counter() - t0
+        phases.setdefault("step_and_log_total", []).append(tot)
+        phases.setdefault("bookkeeping", []).append(tot - phases["train_step_total"][-1])
+        return r
+
+    T.Trainer.step_and_log = sal
+setup_logging(str(out / "rank{rank}.log"), level=30)
+t0 = time.perf_counter()
+run_training(
+    cfg,
+    TrainPaths(
+        tokens=Path("results/data/tokens.h5"),
+        model=Path("results/model/base"),
+        tokenizer=Path("results/data/tokenizer"),
+        out=out,
+    ),
+)
+wall = time.perf_counter() - t0
+rank = int(os.environ.get("RANK", "0"))
+if PH:
+    print(
+        f"rank{rank} phases ms (median over steps 11+):",
+        {k: round(1000 * st.median(v[10:]), 1) for k, v in phases.items()},
+        flush=True,
+    )
+if rank == 0:
+    import csv
+
+    with (out / "metrics.csv").open() as f:
+        r = list(csv.DictReader(f))
+    t = [float(x["step_time_s"]) for x in r][10:]
+    s = sorted(t)
+    print(
+        json.dumps(
+            {
+                "args": sys.argv[2:],
+                "omp": os.environ.get("OMP_NUM_THREADS"),
+                "threads": torch.get_num_threads(),
+                "steps": len(t),
+                "median_ms": round(1000 * st.median(s), 1),
+                "p90_ms": round(1000 * s[int(0.9 * len(s))], 1),
+                "mean_tok_s": round(2048 * len(s) / sum(s)),
+                "wall_s": round(wall, 1),
+            }
+        ),
+        flush=True,
+    )

@@ -1,0 +1,129 @@
+"""Training kernels for GPT-2: the LM head fused with its loss, and the tanh GELU in one op.
+
+Same function as transformers' `GPT2LMHeadModel(input_ids, labels=input_ids).loss` (the mean
+cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
+default (2 ranks x 1 thread, 8 x 128 tokens per rank), the two together take about a fifth off the
+step (see benchmarks/train and the README's training section):
+
+- `linear_cross_entropy`: the LM head's logits (tokens x vocab; 16 MB a rank for the embedded
+  default, 3.3 GB for GPT-2 at 16 x 1024) are never materialised whole. Chunks of rows go through
+  logits -> softmax -> gradient while they sit in cache, and the gradients of the hidden states
+  and of the head's weight are made in the forward pass (backward only scales them). transformers
+  writes the logits, their log-softmax and a zero-filled gradient of the same size, and reads
+  each back.
+- `fuse_gelu`: GPT-2's `gelu_new` is the tanh approximation of GELU, which transformers evaluates
+  as eight element-wise ops forward and more backward; `torch.nn.GELU(approximate="tanh")` is the
+  same formula in one kernel each way.
+
+Results agree with transformers' path to float rounding (tests/test_train.py), not bit for bit;
+`train.fast_kernels: false` trains through transformers' own modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_rows(vocab: int, device: torch.device) -> int:
+    # CPU: chunks of about 2 MiB of logits (128 rows of 4096) were fastest on a 2-core Xeon, 1.5x
+    # transformers' path (64 rows: 1.37x, 1024: 1.32x). GPU: a few large chunks keep the matmuls
+    # big while the fp32 logits stay a few hundred MB at most.
+    budget = (2 << 20) if device.type == "cpu" else (256 << 20)
+    return max(16, budget // (4 * vocab))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean_i CE(h_i @ W^T, t_i); gradients made in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int):
+        # h (N, C) hidden states, weight (V, C) the head, targets (N,) token ids
+        n = h.shape[0]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = (
+            torch.get_autocast_dtype(h.device.type)
+            if torch.is_autocast_enabled(h.device.type)
+            else h.dtype
+        )
+        w = weight.to(dtype)
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, n, rows):
+            hc, tc = h[s : s + rows].to(dtype), targets[s : s + rows]
+            logits = torch.mm(hc, w.t()).float()  # (r, V)
+            lse = torch.logsumexp(logits, dim=1)
+            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            if not (want_h or want_w):
+                continue
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            g[torch.arange(g.shape[0], device=g.device), tc] -= 1.0
+            g = g.div_(n).to(dtype)  # d(mean loss) / d(logits)
+            if want_h:
+                grad_h[s : s + rows] = torch.mm(g, w)
+            if want_w:
+                if grad_w.dtype == dtype:
+                    grad_w.addmm_(g.t(), hc)
+                else:
+                    grad_w += torch.mm(g.t(), hc).to(grad_w.dtype)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return (
+            None if grad_h is None else grad_h * grad_out.to(grad_h.dtype),
+            None if grad_w is None else grad_w * grad_out.to(grad_w.dtype),
+            None,
+            None,
+        )
+
+
+@torch.compiler.disable  # under train.compile the body is compiled and this runs eagerly
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, rows: int | None = None
+) -> torch.Tensor:
+    """Mean cross-entropy of `h @ weight.T` against `targets`; h (..., C), targets (...)."""
+    h2 = h.reshape(-1, h.shape[-1])
+    rows = rows or _chunk_rows(weight.shape[0], h.device)
+    return _LinearCrossEntropy.apply(h2, weight, targets.reshape(-1), rows)
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A GPT2LMHeadModel's next-token loss through `linear_cross_entropy` (wrap this in DDP).
+
+    Holds the model as its only child, so DDP sees the same parameters in the same order.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.transformer(input_ids=input_ids, use_cache=False).last_hidden_state
+        # position t predicts token t + 1: the last position has nothing to predict
+        return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
+
+
+def fuse_gelu(model: torch.nn.Module) -> int:
+    """Swap GPT-2's `gelu_new` modules for the one-kernel tanh GELU; returns how many."""
+    from transformers.activations import NewGELUActivation
+
+    n = 0
+    for block in model.transformer.h:
+        if isinstance(block.mlp.act, NewGELUActivation):
+            block.mlp.act = torch.nn.GELU(approximate="tanh")
+            n += 1
+    return n
+
+
+class ReferenceLoss(torch.nn.Module):
+    """transformers' own loss path (`train.fast_kernels: false`), with CausalLMLoss's signature."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
