@@ -99,6 +99,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
             "max_restarts": 1,
             "global_batch_size": 16,
             "resume": "never",
+            "fast_kernels": False,
         }.items()
     },
     "train.ddp.bucket_cap_mb": ({"train": {"ddp": {"bucket_cap_mb": 5}}}, TRAIN | REPORT),

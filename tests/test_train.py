@@ -25,7 +25,8 @@ from distlm.train import checkpoint as ck
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.synthetic import make_inputs
-from distlm.train.trainer import resolve_precision, threads_per_rank
+from distlm.dist import threads_per_rank
+from distlm.train.trainer import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "workflow" / "scripts" / "train.py"

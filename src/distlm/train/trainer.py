@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,19 +149,6 @@ def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for dup in TIED:
             sd.pop(dup, None)
     return sd
-
-
-def threads_per_rank(env: Mapping[str, str], cpus: int) -> int:
-    """Intra-op threads for one rank: OMP_NUM_THREADS, at most its share of the usable cores.
-
-    `cpus` is the number of cores this process may run on; the LOCAL_WORLD_SIZE ranks on the host
-    share them equally (at least one thread each). OMP_NUM_THREADS is per process (torchrun's
-    meaning: it sets 1 when it starts several ranks), but Snakemake sets it to the rule's
-    `threads`, the job's total, which torchrun passes on to every rank: so it is only a ceiling.
-    """
-    share = max(1, cpus // int(env.get("LOCAL_WORLD_SIZE") or 1))
-    omp = env.get("OMP_NUM_THREADS")
-    return min(int(omp), share) if omp else share
 
 
 def _no_buffer_sync() -> dict:
@@ -451,29 +437,7 @@ class Trainer:
                 f"rank {self.topo.rank}: weights differ from the other ranks after the initial broadcast"
             )
 
-    def _share_threads(self) -> None:
-        """Give each rank its share of the host's thread budget (CPU only).
-
-        Snakemake sets OMP_NUM_THREADS to the rule's `threads` (a total for the job, here
-        train.nproc_per_node) and torchrun passes it on unchanged, so every rank started that
-        many intra-op threads: 2 ranks x 2 threads on 2 cores made steps 4x slower, with spikes.
-        The thread count changes float sums, so a resumed run must see the same cores.
-        """
-        if self.device.type != "cpu":
-            return
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = threads_per_rank(os.environ, cpus or 1)
-        torch.set_num_threads(threads)
-        log.info(
-            "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
-            threads,
-            os.environ.get("OMP_NUM_THREADS", "unset"),
-            cpus,
-            os.environ.get("LOCAL_WORLD_SIZE", "1"),
-        )
-
     def _wrap_ddp(self) -> None:
-        self._share_threads()
         if self.tcfg["fast_kernels"]:
             # Same loss and gradients (to float rounding) with less memory traffic: see
             # distlm.train.kernels. The modules swapped hold no weights; the model saved is the same.
