@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlm.config import sections, validate_config
+from distlm.config import validate_config
+from distlm.stages import stage_config
 from distlm.model import load_model_dir, read_meta
 from distlm.train import checkpoint as ck
 from distlm.train.synthetic import make_inputs
@@ -39,7 +40,7 @@ def _cfg() -> dict:
                   "ckpt_every": 1, "eval_every": 4, "eval_batches": 2, "keep_last": KEEP_LAST,
                   "log_every": 1, "profile": {"enabled": False}},
     })
-    return sections(cfg, ["runtime", "data", "model", "broadcast", "train"])
+    return stage_config(cfg, "train")
 
 
 def _alive(pid: int) -> bool:

@@ -18,7 +18,7 @@ import yaml
 
 from distlm.config import validate_config
 from distlm.data import TokenBlocks, load_tokenizer
-from distlm.data import read_meta as read_data_meta
+from distlm.data import read_tokens_meta as read_data_meta
 from distlm.model import load_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def _snapshot(out: Path) -> dict:
         snap["stats"] = doc
     model = out / "model" / "base"
     if model.exists():
-        load_model_dir(model)  # verifies every shard's sha256
+        load_model_dir(model)  # verifies the weights' sha256
         snap["model"] = (model / "model.safetensors").read_bytes()
     return snap
 

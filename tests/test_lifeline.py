@@ -142,7 +142,8 @@ def _wait_for(pred, what: str, bound_s: float = 180.0) -> None:
 
 @pytest.mark.slow
 def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
-    from distlm.config import sections, validate_config
+    from distlm.config import validate_config
+    from distlm.stages import stage_config
 
     inputs = make_inputs(tmp_path / "inputs")
     cfg = validate_config({
@@ -153,7 +154,7 @@ def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
                   "profile": {"enabled": False}},
     })
     (tmp_path / "train.json").write_text(
-        json.dumps(sections(cfg, ["runtime", "data", "model", "broadcast", "train"]))
+        json.dumps(stage_config(cfg, "train"))
     )
     out = tmp_path / "train"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
