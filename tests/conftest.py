@@ -25,11 +25,19 @@ def run_snakemake(
 ) -> subprocess.CompletedProcess:
     """Run the workflow with `workdir` as its working directory (results/ and logs/ land there)."""
     cmd = [
-        sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"),
-        "--directory", str(workdir), "--profile", str(profile), *args,
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--profile",
+        str(profile),
+        *args,
     ]
     if configfile is not None:
-        cmd[cmd.index("--profile"):cmd.index("--profile")] = ["--configfile", str(configfile)]
+        cmd[cmd.index("--profile") : cmd.index("--profile")] = ["--configfile", str(configfile)]
     started = time.time()
     proc = subprocess.run(
         cmd,
@@ -58,8 +66,10 @@ def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 1
     parts = []
     for p in logs:
         text = p.read_text(errors="replace")
-        parts.append(f"\n--- {p.relative_to(workdir)} (last {min(each, len(text))} chars) ---\n"
-                     f"{text[-each:]}")
+        parts.append(
+            f"\n--- {p.relative_to(workdir)} (last {min(each, len(text))} chars) ---\n"
+            f"{text[-each:]}"
+        )
     out = "".join(parts)
     return out[-total:] if out else "\n(no rule logs written during the run)"
 

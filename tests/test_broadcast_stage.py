@@ -8,11 +8,11 @@ import shutil
 import pytest
 from conftest import TINY
 
+from distlm.broadcast import run_broadcast_stage
 from distlm.config import load_config
 from distlm.dist import distributed
-from distlm.model import WEIGHTS, load_safetensors, read_meta
-from distlm.broadcast import run_broadcast_stage
 from distlm.documents import BroadcastReport, read_document
+from distlm.model import WEIGHTS, load_safetensors, read_meta
 from distlm.transfer import TransferError
 
 
@@ -38,8 +38,12 @@ def test_stage_report_in_the_tiny_workflow(workflow_run):
     stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \[rank (\d+)\] ")
     for rank in range(1 + receivers):
         lines = (workflow_run / f"logs/broadcast/rank{rank}.log").read_text().splitlines()
-        assert lines and all(stamp.match(line) and stamp.match(line).group(1) == str(rank) for line in lines)
-        assert any(("received" if rank else "sent") in line and "verified: True" in line for line in lines)
+        assert lines and all(
+            stamp.match(line) and stamp.match(line).group(1) == str(rank) for line in lines
+        )
+        assert any(
+            ("received" if rank else "sent") in line and "verified: True" in line for line in lines
+        )
     assert (workflow_run / "results/benchmarks/broadcast.tsv").is_file()
 
 

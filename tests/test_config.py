@@ -2,8 +2,8 @@
 
 import pytest
 import yaml
-
 from conftest import ROOT
+
 from distlm.config import ConfigError, load_config, validate_config
 
 
@@ -28,8 +28,14 @@ def test_shipped_configs_are_valid(name):
         ({"data": {"block_size": "big"}}, "data.block_size: 'big' is not of type 'integer'"),
         ({"train": {"lr": -1}}, "train.lr"),
         ({"broadcast": {"transport": "carrier-pigeon"}}, "broadcast.transport"),
-        ({"inference": {"stages": 5}}, "inference.stages: 5 pipeline stages but the model has only 4"),
-        ({"data": {"block_size": 512}}, "data.block_size: 512 is beyond the model's context of 256"),
+        (
+            {"inference": {"stages": 5}},
+            "inference.stages: 5 pipeline stages but the model has only 4",
+        ),
+        (
+            {"data": {"block_size": 512}},
+            "data.block_size: 512 is beyond the model's context of 256",
+        ),
         ({"eval": {"context": 64, "stride": 65}}, "eval.stride"),
         ({"runtime": {"backend": "nccl", "device": "cpu"}}, "runtime.backend"),
         ({"model": {"source": "hub"}}, "model.name: required"),
@@ -56,20 +62,32 @@ def test_local_model_folder_architecture_is_checked(tmp_path):
     (tmp_path / "config.json").write_text('{"n_layer": 2, "n_positions": 64}')
     raw = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     raw["model"] = {"source": "local", "name": str(tmp_path)}
-    with pytest.raises(ConfigError, match="data.block_size: 128 is beyond the model's context of 64"):
+    with pytest.raises(
+        ConfigError, match="data.block_size: 128 is beyond the model's context of 64"
+    ):
         validate_config(raw)
     raw["inference"] = {"stages": 3}
-    with pytest.raises(ConfigError, match="inference.stages: 3 pipeline stages but the model has only 2"):
+    with pytest.raises(
+        ConfigError, match="inference.stages: 3 pipeline stages but the model has only 2"
+    ):
         validate_config(raw)
 
 
 def test_command_line_strings_are_coerced_to_the_schema_type():
     """snakemake --config 'train={"max_steps": 100}' hands over '100' (a string)."""
-    cfg = validate_config({"train": {"max_steps": "100", "lr": "3e-4", "compile": "true"}, "eval": {"context": "null"}})
+    cfg = validate_config(
+        {
+            "train": {"max_steps": "100", "lr": "3e-4", "compile": "true"},
+            "eval": {"context": "null"},
+        }
+    )
     assert cfg["train"]["max_steps"] == 100 and cfg["train"]["lr"] == 3e-4
     assert cfg["train"]["compile"] is True and cfg["eval"]["context"] is None
     with pytest.raises(ConfigError, match="train.max_steps: 'many' is not of type 'integer'"):
         validate_config({"train": {"max_steps": "many"}})
     with pytest.raises(ConfigError, match="train.max_steps: True is not of type 'integer'"):
         validate_config({"train": {"max_steps": True}})
-    assert validate_config({"model": {"name": "123"}, "data": {"source": "embedded"}})["model"]["name"] == "123"
+    assert (
+        validate_config({"model": {"name": "123"}, "data": {"source": "embedded"}})["model"]["name"]
+        == "123"
+    )

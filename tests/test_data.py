@@ -12,7 +12,10 @@ from distlm.config import deep_merge, validate_config
 from distlm.data import TokenBlocks, load_embedded, prepare, read_tokens_meta
 from distlm.documents import DataStats, read_document
 
-SMALL = {"data": {"block_size": 32, "tokenizer": {"vocab_size": 512}}, "model": {"init": {"n_positions": 64}}}
+SMALL = {
+    "data": {"block_size": 32, "tokenizer": {"vocab_size": 512}},
+    "model": {"init": {"n_positions": 64}},
+}
 
 
 def cfg(**over):
@@ -21,7 +24,12 @@ def cfg(**over):
 
 def run(tmp_path, c):
     out = tmp_path / "data"
-    stats = prepare(c, tokens_path=out / "tokens.h5", tokenizer_dir=out / "tokenizer", stats_path=out / "stats.json")
+    stats = prepare(
+        c,
+        tokens_path=out / "tokens.h5",
+        tokenizer_dir=out / "tokenizer",
+        stats_path=out / "stats.json",
+    )
     return out, stats
 
 
@@ -103,19 +111,28 @@ def test_hub_path_on_a_local_copy(tmp_path, monkeypatch):
     root = tmp_path / "wikitext"
     write_wikitext_copy(root, english(12))
     c = cfg(data={"source": "hub", "hub": {"path": str(root), "name": "wikitext-2-raw-v1"}})
-    out, stats = run(tmp_path, c)
+    _out, stats = run(tmp_path, c)
     assert stats.source["kind"] == "hub"
     # One record per line, blank lines included, as in WikiText.
     import datasets
 
     ds = datasets.load_dataset(str(root), "wikitext-2-raw-v1")
-    assert stats.splits["validation"].documents == sum(1 for t in ds["validation"]["text"] if t.strip())
+    assert stats.splits["validation"].documents == sum(
+        1 for t in ds["validation"]["text"] if t.strip()
+    )
     assert stats.splits["train"].tokens > 1000
 
-    bad = cfg(data={"source": "hub", "hub": {"path": str(root), "name": "wikitext-2-raw-v1", "splits": {"test": "tst"}}})
+    bad = cfg(
+        data={
+            "source": "hub",
+            "hub": {"path": str(root), "name": "wikitext-2-raw-v1", "splits": {"test": "tst"}},
+        }
+    )
     with pytest.raises(DistlmError, match="no split 'tst'"):
         run(tmp_path / "b", bad)
-    missing = cfg(data={"source": "hub", "hub": {"path": "no-such-user/no-such-dataset-xyz", "name": None}})
+    missing = cfg(
+        data={"source": "hub", "hub": {"path": "no-such-user/no-such-dataset-xyz", "name": None}}
+    )
     with pytest.raises(DistlmError, match="no-such-dataset-xyz"):
         run(tmp_path / "c", missing)
 
@@ -131,7 +148,12 @@ def test_local_sources(tmp_path):
     jl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[6:9]))
     pq = tmp_path / "test.parquet"
     pd.DataFrame({"text": docs[9:12]}).to_parquet(pq)
-    c = cfg(data={"source": "local", "local": {"train": txt, "validation": [str(jl)], "test": [str(pq)]}})
+    c = cfg(
+        data={
+            "source": "local",
+            "local": {"train": txt, "validation": [str(jl)], "test": [str(pq)]},
+        }
+    )
     _, stats = run(tmp_path, c)
     assert stats.splits["train"].documents == 6
     assert stats.splits["validation"].documents == 3
@@ -168,8 +190,15 @@ def test_split_with_no_block_is_named(tmp_path):
     train.write_text("\n\n".join(docs))
     val = tmp_path / "short.txt"
     val.write_text("Too short for a block.")
-    c = cfg(data={"source": "local", "local": {"train": [str(train)], "validation": [str(val)], "test": [str(val)]}})
-    with pytest.raises(DistlmError, match=r"split 'validation' .*short.txt.* fewer than data.block_size=32"):
+    c = cfg(
+        data={
+            "source": "local",
+            "local": {"train": [str(train)], "validation": [str(val)], "test": [str(val)]},
+        }
+    )
+    with pytest.raises(
+        DistlmError, match=r"split 'validation' .*short.txt.* fewer than data.block_size=32"
+    ):
         run(tmp_path, c)
     assert not (tmp_path / "data" / "tokens.h5").exists()
     assert not (tmp_path / "data" / "tokenizer").exists()

@@ -4,6 +4,7 @@ with the model's forward and cross-entropy."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -21,16 +22,22 @@ from distlm.config import ConfigError, load_config
 from distlm.data import TokenBlocks, write_tokens
 from distlm.dist import distributed, free_port
 from distlm.evaluate import (
+    autocast_dtype_for,
     check_data_matches,
     evaluate_model,
     evaluate_stream,
     load_model,
-    autocast_dtype_for,
     resolve_window,
     sliding_windows,
 )
 from distlm.io import read_json, sha256_file, write_json
-from distlm.model import build_model, load_safetensors, save_safetensors, state_dict_for_save, write_model_dir
+from distlm.model import (
+    build_model,
+    load_safetensors,
+    save_safetensors,
+    state_dict_for_save,
+    write_model_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, N_POSITIONS = 61, 32
@@ -56,13 +63,24 @@ def tiny(tmp_path_factory) -> dict:
     # A large init range makes the logits depend strongly on the history, so a window that scores
     # the wrong tokens or sees the wrong context moves the loss far beyond the tolerance.
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=N_POSITIONS, n_embd=16, n_layer=2, n_head=2,
-        initializer_range=0.3, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=VOCAB,
+        n_positions=N_POSITIONS,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     model = build_model(config, seed=0)
     (root / "tok").mkdir()
     write_model_dir(
-        root / "model", state_dict=state_dict_for_save(model), config=config,
+        root / "model",
+        state_dict=state_dict_for_save(model),
+        config=config,
         tokenizer_dir=root / "tok",
         meta={"created_by": "test", "data_config_digest": data_meta["config_digest"]},
     )
@@ -70,8 +88,15 @@ def tiny(tmp_path_factory) -> dict:
 
 
 def eval_cfg(context, stride, **over) -> dict:
-    ev = {"nproc_per_node": 1, "context": context, "stride": stride, "batch_size": 3,
-          "precision": "fp32", "splits": ["validation", "test"], **over}
+    ev = {
+        "nproc_per_node": 1,
+        "context": context,
+        "stride": stride,
+        "batch_size": 3,
+        "precision": "fp32",
+        "splits": ["validation", "test"],
+        **over,
+    }
     return {"runtime": {"device": "cpu", "backend": "gloo", "timeout_s": 60}, "eval": ev}
 
 
@@ -102,15 +127,22 @@ def rel(a: float, b: float) -> float:
 def _rank_main(rank: int, world: int, port: int, model_dir: str, tokens: str, out_dir: str) -> None:
     """One rank: evaluate_model for every case, rank 0 writes one JSON per case."""
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     with distributed(backend="gloo", device="cpu", timeout_s=60) as topo:
         for i, (context, stride) in enumerate(CASES):
             evaluate_model(
-                eval_cfg(context, stride), topo=topo, model_dir=model_dir, tokens_path=tokens,
-                name=f"case{i}", out_path=Path(out_dir) / f"case{i}.json",
+                eval_cfg(context, stride),
+                topo=topo,
+                model_dir=model_dir,
+                tokens_path=tokens,
+                name=f"case{i}",
+                out_path=Path(out_dir) / f"case{i}.json",
             )
 
 
@@ -145,7 +177,7 @@ def test_windows_score_every_token_once(n, context, stride):
     scored = [t for w in ws for t in range(w.target, w.end)]
     assert scored == sorted(set(scored)), "a token is scored twice or out of order"
     assert ws[0].begin == 0 and ws[-1].end == n
-    for prev, w in zip(ws, ws[1:]):
+    for prev, w in itertools.pairwise(ws):
         assert w.begin == prev.begin + stride and w.target == max(prev.end, w.begin + 1)
     for w in ws:
         assert 0 < w.end - w.begin <= context and w.begin < w.target <= w.end
@@ -317,7 +349,10 @@ def test_missing_model_folder(tiny):
 def test_data_from_another_config_is_refused(tiny):
     with pytest.raises(DistlmError, match="made from data with config digest"):
         check_data_matches(
-            {"data_config_digest": "a" * 64}, {"config_digest": "b" * 64}, tiny["model"], tiny["tokens"]
+            {"data_config_digest": "a" * 64},
+            {"config_digest": "b" * 64},
+            tiny["model"],
+            tiny["tokens"],
         )
     check_data_matches({}, {"config_digest": "b" * 64}, tiny["model"], tiny["tokens"])
 

@@ -7,21 +7,24 @@ import pytest
 import torch
 import yaml
 from conftest import TINY
+from test_eval import reference
 
 from distlm.data import TokenBlocks
 from distlm.evaluate import load_model, sliding_windows
-from test_eval import reference
 
 
 @pytest.fixture(scope="module")
 def evals(workflow_run):
-    return {m: json.loads((workflow_run / f"results/eval/{m}.json").read_text()) for m in ("base", "trained")}
+    return {
+        m: json.loads((workflow_run / f"results/eval/{m}.json").read_text())
+        for m in ("base", "trained")
+    }
 
 
 def test_eval_outputs(workflow_run, evals):
     ecfg = yaml.safe_load(TINY.read_text())["eval"]
     stats = json.loads((workflow_run / "results/data/stats.json").read_text())
-    tokens = workflow_run / "results/data/tokens.h5"
+    workflow_run / "results/data/tokens.h5"
     for name, folder in (("base", "results/model/base"), ("trained", "results/train/final")):
         res = evals[name]
         meta = json.loads((workflow_run / folder / "distlm.json").read_text())
@@ -31,7 +34,9 @@ def test_eval_outputs(workflow_run, evals):
         assert list(res["splits"]) == ["validation", "test"]
         for split, r in res["splits"].items():
             n = stats["splits"][split]["tokens"]
-            assert r["tokens"] == n and r["tokens_sha256"] == stats["splits"][split]["tokens_sha256"]
+            assert (
+                r["tokens"] == n and r["tokens_sha256"] == stats["splits"][split]["tokens_sha256"]
+            )
             ws = sliding_windows(n, ecfg["context"], ecfg["stride"])
             assert r["tokens_scored"] == n - 1 == sum(w.n_scored for w in ws)
             assert r["perplexity"] == pytest.approx(math.exp(r["mean_loss"]), rel=1e-12)
@@ -45,7 +50,10 @@ def test_eval_outputs(workflow_run, evals):
     assert evals["base"]["data"]["sha256"] == evals["trained"]["data"]["sha256"]
     # what training gained: 8 steps from a random init already lower the held-out perplexity
     for split in ("validation", "test"):
-        assert evals["trained"]["splits"][split]["perplexity"] < evals["base"]["splits"][split]["perplexity"]
+        assert (
+            evals["trained"]["splits"][split]["perplexity"]
+            < evals["base"]["splits"][split]["perplexity"]
+        )
 
 
 def test_workflow_result_equals_single_process_reference(workflow_run, evals):

@@ -23,11 +23,16 @@ from distlm.fabric import (
 )
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=f"no netns fabric here: {REASON}")]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(REASON is not None, reason=f"no netns fabric here: {REASON}"),
+]
 
 
 def _in(fab: Fabric, host: int, *argv: str) -> str:
-    return subprocess.run(fab.command(host, list(argv)), capture_output=True, text=True, check=True, timeout=30).stdout
+    return subprocess.run(
+        fab.command(host, list(argv)), capture_output=True, text=True, check=True, timeout=30
+    ).stdout
 
 
 def test_hosts_reach_each_other_over_shaped_links_and_vanish_on_exit():
@@ -37,24 +42,32 @@ def test_hosts_reach_each_other_over_shaped_links_and_vanish_on_exit():
         assert fab.address(0) in _in(fab, 0, "ip", "-4", "addr", "show", "dev", "eth0")
         # every host's link is shaped in both directions
         assert "rate 200Mbit" in _in(fab, 1, "tc", "qdisc", "show", "dev", "eth0")
-        sw = subprocess.run(["ip", "netns", "exec", fab.switch, "tc", "qdisc", "show", "dev", "p1"],
-                            capture_output=True, text=True, check=True).stdout
+        sw = subprocess.run(
+            ["ip", "netns", "exec", fab.switch, "tc", "qdisc", "show", "dev", "p1"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "rate 200Mbit" in sw
         # the machine's own namespace gains no fabric addresses
-        assert fab.address(0) not in subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+        assert (
+            fab.address(0)
+            not in subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+        )
     assert fab.exists() == []
 
 
 def test_namespaces_are_removed_when_the_block_raises():
-    with pytest.raises(RuntimeError, match="boom"):
-        with Fabric(2, rate_mbit=None) as fab:
-            assert len(fab.exists()) == 3
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), Fabric(2, rate_mbit=None) as fab:
+        assert len(fab.exists()) == 3
+        raise RuntimeError("boom")
     assert fab.exists() == []
 
 
 def test_stale_namespaces_of_dead_processes_are_cleaned():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     pid = int(dead.stdout)
     name = f"{PREFIX}-{pid}-0-h0"
     subprocess.run(["ip", "netns", "add", name], check=True)
@@ -66,9 +79,13 @@ def test_stale_namespaces_of_dead_processes_are_cleaned():
 
 
 def test_a_killed_owner_leaves_nothing_after_the_next_cleanup():
-    code = ("from distlm.fabric import Fabric; import os, sys\n"
-            "f = Fabric(2, rate_mbit=None).__enter__(); print(f.tag, flush=True); os._exit(0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "from distlm.fabric import Fabric; import os, sys\n"
+        "f = Fabric(2, rate_mbit=None).__enter__(); print(f.tag, flush=True); os._exit(0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     tag = out.strip()
     assert any(ns.startswith(tag) for ns in _namespaces())  # os._exit skips every hook...
     cleanup_stale()  # ...so the next user of the fabric removes them
@@ -77,15 +94,17 @@ def test_a_killed_owner_leaves_nothing_after_the_next_cleanup():
 
 def test_a_probe_killed_halfway_leaves_nothing_after_the_next_cleanup():
     # the availability probe's process dies right after creating its namespace
-    code = ("import os, distlm.fabric as f\n"
-            "real = f._run\n"
-            "def run(cmd, what):\n"
-            "    out = real(cmd, what)\n"
-            "    if cmd[:3] == ['ip', 'netns', 'add']:\n"
-            "        print(cmd[3], flush=True); os._exit(0)\n"
-            "    return out\n"
-            "f._run = run\n"
-            "f.unavailable_reason()\n")
+    code = (
+        "import os, distlm.fabric as f\n"
+        "real = f._run\n"
+        "def run(cmd, what):\n"
+        "    out = real(cmd, what)\n"
+        "    if cmd[:3] == ['ip', 'netns', 'add']:\n"
+        "        print(cmd[3], flush=True); os._exit(0)\n"
+        "    return out\n"
+        "f._run = run\n"
+        "f.unavailable_reason()\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     probe = out.stdout.strip()
     assert probe.startswith(f"{PREFIX}-") and probe.endswith("-probe") and probe in _namespaces()
@@ -94,8 +113,12 @@ def test_a_probe_killed_halfway_leaves_nothing_after_the_next_cleanup():
 
 
 def test_probes_of_the_earlier_naming_are_cleaned_too():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     name = f"{PREFIX}-probe-{int(dead.stdout)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
@@ -130,10 +153,25 @@ def test_broadcast_across_namespaces():
         port = free_port()
         procs = []
         for r in range(3):
-            env = {**os.environ, **fab.env(r), "RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": "0",
-                   "MASTER_ADDR": fab.address(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen(fab.command(r, [sys.executable, "-c", WORKER]), env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            env = {
+                **os.environ,
+                **fab.env(r),
+                "RANK": str(r),
+                "WORLD_SIZE": "3",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": fab.address(0),
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+            }
+            procs.append(
+                subprocess.Popen(
+                    fab.command(r, [sys.executable, "-c", WORKER]),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         try:
             outs = [p.communicate(timeout=120) for p in procs]
         finally:

@@ -59,7 +59,9 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
     train_tokenizer([t for _, t in load_embedded()[:150]], 400, 2, tokdir)
     tok = AutoTokenizer.from_pretrained(tokdir)
     cfg = init_config(
-        {"n_positions": 64, "n_embd": 32, "n_layer": N_LAYER, "n_head": 2, "dropout": 0.0}, len(tok), tok.eos_token_id
+        {"n_positions": 64, "n_embd": 32, "n_layer": N_LAYER, "n_head": 2, "dropout": 0.0},
+        len(tok),
+        tok.eos_token_id,
     )
     model = build_model(cfg, seed=0)
     g = torch.Generator().manual_seed(1)
@@ -68,7 +70,9 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
             base = 1.0 if ".ln" in name and name.endswith("weight") else 0.0
             p.copy_(base + torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
     sd = state_dict_for_save(model)
-    write_model_dir(root / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir, meta={"source": "test"})
+    write_model_dir(
+        root / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir, meta={"source": "test"}
+    )
     for s, path in done.items():
         write_pipeline_dir(root / "model", path, stages=s)
     return done
@@ -95,10 +99,13 @@ def hf_reference(tiny_models):
         if (prompt, max_new) not in cache:
             ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
             out = model.generate(
-                ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id,
+                ids,
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
                 eos_token_id=tok.eos_token_id,
             )
-            cache[prompt, max_new] = out[0, ids.shape[1]:].tolist()
+            cache[prompt, max_new] = out[0, ids.shape[1] :].tolist()
         return cache[prompt, max_new]
 
     ref.tokenizer = tok
@@ -180,10 +187,16 @@ def test_read_prompts_and_resolution(tmp_path, monkeypatch):
         read_prompts(f)
     # relative: the working directory first, then the repository root
     monkeypatch.chdir(tmp_path)
-    assert resolve_prompts_path("config/prompts.txt", ROOT) == (ROOT / "config" / "prompts.txt").resolve()
+    assert (
+        resolve_prompts_path("config/prompts.txt", ROOT)
+        == (ROOT / "config" / "prompts.txt").resolve()
+    )
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "prompts.txt").write_text("mine\n")
-    assert resolve_prompts_path("config/prompts.txt", ROOT) == (tmp_path / "config" / "prompts.txt").resolve()
+    assert (
+        resolve_prompts_path("config/prompts.txt", ROOT)
+        == (tmp_path / "config" / "prompts.txt").resolve()
+    )
     with pytest.raises(DistlmError, match="inference.prompts: prompt file 'nope.txt' not found"):
         resolve_prompts_path("nope.txt", ROOT)
 
@@ -201,7 +214,9 @@ def test_shard_digest_mismatch_is_refused(tiny_models, tmp_path):
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert load_stage(bad, 0, world=2).first
-    with pytest.raises(DistlmError, match=r"stage-01.safetensors: sha256 .* does not match the manifest"):
+    with pytest.raises(
+        DistlmError, match=r"stage-01.safetensors: sha256 .* does not match the manifest"
+    ):
         load_stage(bad, 1, world=2)
     with pytest.raises(DistlmError, match="has 2 stage shards but the pipeline runs 3 ranks"):
         load_stage(bad, 0, world=3)
@@ -236,8 +251,14 @@ def test_stage_chain_packed_matches_generate(tiny_models, hf_reference, stages):
 def _scheduler(folder, *, lanes, eos=None):
     model = load_stage(folder, 0, world=1)
     return Scheduler(
-        model, None, PipelineTopology(0, 1), lanes=lanes, eos_token_id=eos, context=64,
-        timeout_s=10, stats=StageStats(0),
+        model,
+        None,
+        PipelineTopology(0, 1),
+        lanes=lanes,
+        eos_token_id=eos,
+        context=64,
+        timeout_s=10,
+        stats=StageStats(0),
     )
 
 
@@ -263,11 +284,16 @@ def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
     s = _run(_scheduler(tiny_models[1], lanes=2, eos=eos), ids[:1], greedy[:1])[0]
     assert s.tokens == seqs[0].tokens[:3] and s.finish_reason == "stop"
     # sampling: a seed fixes the draw, whatever shares the lanes
-    sp = [SamplingParams(10, temperature=1.0, top_k=50, top_p=0.9, seed=11 + i) for i in range(len(ids))]
+    sp = [
+        SamplingParams(10, temperature=1.0, top_k=50, top_p=0.9, seed=11 + i)
+        for i in range(len(ids))
+    ]
     alone = [_run(_scheduler(tiny_models[1], lanes=1), [i], [p])[0].tokens for i, p in zip(ids, sp)]
     together = [s.tokens for s in _run(_scheduler(tiny_models[1], lanes=4), ids, sp)]
     assert alone == together
-    other = _run(_scheduler(tiny_models[1], lanes=1), ids[:1], [SamplingParams(10, temperature=1.0, seed=99)])
+    other = _run(
+        _scheduler(tiny_models[1], lanes=1), ids[:1], [SamplingParams(10, temperature=1.0, seed=99)]
+    )
     assert other[0].tokens != alone[0]
 
 
@@ -286,17 +312,33 @@ def write_config(path: Path, *, serve: dict | None = None, **over) -> Path:
 def mpiexec(n: int, script: Path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = ["mpiexec", "-n", str(n), sys.executable, str(script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
 
 
 @pytest.mark.parametrize("stages,lanes", [(1, 2), (2, 1), (3, 4)])
 def test_mpi_pipeline_greedy_equals_generate(tiny_models, hf_reference, tmp_path, stages, lanes):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = write_config(tmp_path / "cfg.json", stages=stages, lanes=lanes, max_new_tokens=10, timeout_s=60)
+    cfg = write_config(
+        tmp_path / "cfg.json", stages=stages, lanes=lanes, max_new_tokens=10, timeout_s=60
+    )
     gen, timing = tmp_path / "out" / "generations.jsonl", tmp_path / "out" / "timing.json"
-    proc = mpiexec(stages, INFER, "--config", cfg, "--model", tiny_models[stages], "--prompts", prompts,
-                   "--generations", gen, "--timing", timing)
+    proc = mpiexec(
+        stages,
+        INFER,
+        "--config",
+        cfg,
+        "--model",
+        tiny_models[stages],
+        "--prompts",
+        prompts,
+        "--generations",
+        gen,
+        "--timing",
+        timing,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = [json.loads(line) for line in gen.read_text().splitlines()]
     assert [r["prompt"] for r in recs] == PROMPTS
@@ -305,7 +347,9 @@ def test_mpi_pipeline_greedy_equals_generate(tiny_models, hf_reference, tmp_path
         assert r["tokens"] == 10 and r["finish_reason"] == "length"
         assert r["text"] == hf_reference.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
     t = json.loads(timing.read_text())
-    assert t["stages"] == stages and t["prompts"] == len(PROMPTS) and t["tokens"] == 10 * len(PROMPTS)
+    assert (
+        t["stages"] == stages and t["prompts"] == len(PROMPTS) and t["tokens"] == 10 * len(PROMPTS)
+    )
     assert [s["stage"] for s in t["per_stage"]] == list(range(stages))
     assert all(s["compute_s"] > 0 and s["items"] == 10 * len(PROMPTS) for s in t["per_stage"])
     assert len(t["per_prompt"]) == len(PROMPTS) and all(p["ttft_s"] > 0 for p in t["per_prompt"])
@@ -323,10 +367,26 @@ def test_mpi_bad_shard_ends_every_rank_with_an_error(tiny_models, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("A class\n")
     cfg = write_config(tmp_path / "cfg.json", stages=2, timeout_s=30)
-    proc = mpiexec(2, INFER, "--config", cfg, "--model", bad, "--prompts", prompts,
-                   "--generations", tmp_path / "g.jsonl", "--timing", tmp_path / "t.json", timeout=180)
+    proc = mpiexec(
+        2,
+        INFER,
+        "--config",
+        cfg,
+        "--model",
+        bad,
+        "--prompts",
+        prompts,
+        "--generations",
+        tmp_path / "g.jsonl",
+        "--timing",
+        tmp_path / "t.json",
+        timeout=180,
+    )
     assert proc.returncode != 0
-    assert "stage-01.safetensors: sha256" in proc.stderr and "does not match the manifest" in proc.stderr
+    assert (
+        "stage-01.safetensors: sha256" in proc.stderr
+        and "does not match the manifest" in proc.stderr
+    )
     assert not (tmp_path / "g.jsonl").exists()
 
 
@@ -342,7 +402,10 @@ def test_inference_stage_in_workflow(workflow_run):
     recs = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in recs] == prompts
     for r in recs:
-        assert 1 <= r["tokens"] <= cfg["max_new_tokens"] and r["finish_reason"] in ("length", "stop")
+        assert 1 <= r["tokens"] <= cfg["max_new_tokens"] and r["finish_reason"] in (
+            "length",
+            "stop",
+        )
         assert r["tokens"] == len(r["token_ids"]) and isinstance(r["text"], str)
     t = json.loads((out / "timing.json").read_text())
     assert t["stages"] == cfg["stages"] == len(t["per_stage"]) == len(t["hosts"])
@@ -359,13 +422,26 @@ def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_ref
     topo, stats = PipelineTopology(0, 1), StageStats(0)
     tok = hf_reference.tokenizer
     pipe = Pipeline(topo, model, None, stats, tokenizer=tok, context=64, eos_token_id=None)
-    pipe.scheduler = Scheduler(model, None, topo, lanes=2, eos_token_id=None, context=64, timeout_s=10, stats=stats)
+    pipe.scheduler = Scheduler(
+        model, None, topo, lanes=2, eos_token_id=None, context=64, timeout_s=10, stats=stats
+    )
     long = "word " * 80
     recs, timing = generate_batch(pipe, ["A class", long], icfg(max_new_tokens=6))
-    assert recs[0]["token_ids"] == hf_reference("A class", 6) and recs[0]["prompt_truncated_tokens"] == 0
+    assert (
+        recs[0]["token_ids"] == hf_reference("A class", 6)
+        and recs[0]["prompt_truncated_tokens"] == 0
+    )
     assert recs[1]["prompt_tokens"] == 58 and recs[1]["prompt_truncated_tokens"] > 0
-    assert timing["tokens"] == 12 and timing["micro_batch_size"] == 2 and len(timing["per_prompt"]) == 2
-    with pytest.raises(DistlmError, match="prompts: prompt 2: prompt: .* exceed the model's context of 64"):
+    assert (
+        timing["tokens"] == 12
+        and timing["micro_batch_size"] == 2
+        and len(timing["per_prompt"]) == 2
+    )
+    with pytest.raises(
+        DistlmError, match="prompts: prompt 2: prompt: .* exceed the model's context of 64"
+    ):
         generate_batch(pipe, ["A class", long], icfg(max_new_tokens=6, prompt_overflow="reject"))
-    with pytest.raises(DistlmError, match="config inference.max_new_tokens: 64 is beyond the model's context"):
+    with pytest.raises(
+        DistlmError, match="config inference.max_new_tokens: 64 is beyond the model's context"
+    ):
         generate_batch(pipe, ["A class"], icfg(max_new_tokens=64))

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from distlm.config import validate_config
-from distlm.stages import stage_config
 from distlm.model import load_model_dir, read_meta
+from distlm.stages import stage_config
 from distlm.train import checkpoint as ck
 from distlm.train.synthetic import make_inputs
 
@@ -33,13 +33,23 @@ ATTEMPT_BOUND_S = 120.0  # one attempt never takes this long; a hang fails the t
 
 
 def _cfg() -> dict:
-    cfg = validate_config({
-        "runtime": {"timeout_s": 60},
-        "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
-        "train": {"max_steps": MAX_STEPS, "micro_batch_size": 4, "warmup_steps": 2,
-                  "ckpt_every": 1, "eval_every": 4, "eval_batches": 2, "keep_last": KEEP_LAST,
-                  "log_every": 1, "profile": {"enabled": False}},
-    })
+    cfg = validate_config(
+        {
+            "runtime": {"timeout_s": 60},
+            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "train": {
+                "max_steps": MAX_STEPS,
+                "micro_batch_size": 4,
+                "warmup_steps": 2,
+                "ckpt_every": 1,
+                "eval_every": 4,
+                "eval_batches": 2,
+                "keep_last": KEEP_LAST,
+                "log_every": 1,
+                "profile": {"enabled": False},
+            },
+        }
+    )
     return stage_config(cfg, "train")
 
 
@@ -70,21 +80,48 @@ class Job:
     def __init__(self, inputs: dict, cfg_path: Path, out: Path, events: Path) -> None:
         self.events = events
         self.seen = len(events.read_text().splitlines()) if events.exists() else 0
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "--max-restarts=0", "--monitor-interval=0.2", str(HARNESS),
-               "--config", str(cfg_path), "--tokens", str(inputs["tokens"]),
-               "--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"]),
-               "--out", str(out), "--rank-log", str(out / "logs" / "rank{rank}.log")]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTLM_SOAK_EVENTS": str(events),
-               "PYTHONPATH": str(ROOT / "src")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            "--monitor-interval=0.2",
+            str(HARNESS),
+            "--config",
+            str(cfg_path),
+            "--tokens",
+            str(inputs["tokens"]),
+            "--tokenizer",
+            str(inputs["tokenizer"]),
+            "--model",
+            str(inputs["model"]),
+            "--out",
+            str(out),
+            "--rank-log",
+            str(out / "logs" / "rank{rank}.log"),
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "DISTLM_SOAK_EVENTS": str(events),
+            "PYTHONPATH": str(ROOT / "src"),
+        }
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.ranks: set[int] = set()
 
     def new_events(self) -> list[str]:
         lines = self.events.read_text().splitlines() if self.events.exists() else []
-        return [line.split()[0] for line in lines[self.seen:]]
+        return [line.split()[0] for line in lines[self.seen :]]
 
     def poll(self) -> int | None:
         self.ranks.update(_children(self.proc.pid))
@@ -193,6 +230,7 @@ def test_kill_anywhere_soak(tmp_path):
     assert strip(tmp_path / "ref" / "metrics.csv") == strip(out / "metrics.csv")
     assert strip(tmp_path / "ref" / "val.csv") == strip(out / "val.csv")
     assert read_meta(out / "final")["training"]["steps"] == MAX_STEPS
-    leftovers = [p.name for d in (out, out / "checkpoints") for p in d.iterdir()
-                 if p.name.startswith(".")]
+    leftovers = [
+        p.name for d in (out, out / "checkpoints") for p in d.iterdir() if p.name.startswith(".")
+    ]
     assert leftovers == [], leftovers

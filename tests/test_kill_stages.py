@@ -42,8 +42,13 @@ serialize(cfg, tokenizer_dir=out / "data" / "tokenizer", tokens_path=out / "data
 
 def _start(cfg_path: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", STAGES, str(cfg_path), str(out)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", STAGES, str(cfg_path), str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _snapshot(out: Path) -> dict:
@@ -52,9 +57,11 @@ def _snapshot(out: Path) -> dict:
     tokens = out / "data" / "tokens.h5"
     if tokens.exists():
         meta = read_data_meta(tokens)
-        snap["tokens"] = (meta["config_digest"], meta["vocab_size"],
-                          *(TokenBlocks(tokens, s).tokens().tobytes() for s in
-                            ("train", "validation", "test")))
+        snap["tokens"] = (
+            meta["config_digest"],
+            meta["vocab_size"],
+            *(TokenBlocks(tokens, s).tokens().tobytes() for s in ("train", "validation", "test")),
+        )
     tok = out / "data" / "tokenizer"
     if tok.exists():
         load_tokenizer(tok)
@@ -102,7 +109,8 @@ def test_data_and_model_stages_killed_anywhere(tmp_path):
     last = _start(cfg_path, out)
     assert last.wait(timeout=300) == 0, last.stderr.read()[-3000:]
     assert _snapshot(out) == want
-    dotfiles = [p for d in (out / "data", out / "model") for p in d.iterdir()
-                if p.name.startswith(".")]
+    dotfiles = [
+        p for d in (out / "data", out / "model") for p in d.iterdir() if p.name.startswith(".")
+    ]
     assert dotfiles == []
     assert len(seen) >= 2  # the kills fell at different points of the stages

@@ -18,22 +18,36 @@ from distlm.model import read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY_IGNORE = shutil.ignore_patterns(
-    ".git", "results", "logs", ".snakemake", "__pycache__", "*.egg-info", ".pytest_cache",
+    ".git",
+    "results",
+    "logs",
+    ".snakemake",
+    "__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
     ".ruff_cache",
 )
 
 
 def _snakemake(checkout: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(checkout / "Snakefile"),
-           "--directory", str(work), "--configfile", str(checkout / "tests" / "configs" /
-                                                          "tiny.yaml"),
-           str(work.parent / "prompts override.yaml"), "--profile",
-           str(checkout / "profiles" / "local"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(checkout / "Snakefile"),
+        "--directory",
+        str(work),
+        "--configfile",
+        str(checkout / "tests" / "configs" / "tiny.yaml"),
+        str(work.parent / "prompts override.yaml"),
+        "--profile",
+        str(checkout / "profiles" / "local"),
+        *args,
+    ]
     env = {**os.environ, "PYTHONPATH": str(checkout / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    )
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
 
@@ -50,10 +64,17 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     (base / "prompts override.yaml").write_text(
         yaml.safe_dump({"inference": {"prompts": str(prompts)}})
     )
-    _snakemake(checkout, work, "results/inference/generations.jsonl",
-               "results/broadcast/report.json", "results/eval/trained.json")
-    gens = [json.loads(line) for line in
-            (work / "results" / "inference" / "generations.jsonl").read_text().splitlines()]
+    _snakemake(
+        checkout,
+        work,
+        "results/inference/generations.jsonl",
+        "results/broadcast/report.json",
+        "results/eval/trained.json",
+    )
+    gens = [
+        json.loads(line)
+        for line in (work / "results" / "inference" / "generations.jsonl").read_text().splitlines()
+    ]
     assert [g["prompt"] for g in gens] == ["The quick brown fox", "Once upon a time"]
     assert (work / "results" / "broadcast" / "report.json").is_file()
     assert (work / "results" / "eval" / "trained.json").is_file()

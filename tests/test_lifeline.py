@@ -90,8 +90,11 @@ time.sleep(300)
 
 def _start(target: str) -> tuple[subprocess.Popen, dict]:
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, CHILD, target], stdout=subprocess.PIPE, text=True,
-        env=_env(), start_new_session=True,
+        [sys.executable, "-c", LAUNCHER, CHILD, target],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
     )
     info = json.loads(launcher.stdout.readline())
     return launcher, info
@@ -127,8 +130,14 @@ def test_the_watchdog_alone_ends_a_child_bound_to_another_process():
 
 def test_a_plain_process_is_not_bound():
     code = "from distlm.lifeline import bind_to_launcher; print(bind_to_launcher())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
-                         check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=True,
+        timeout=60,
+    )
     assert out.stdout.strip() == "None"
 
 
@@ -146,29 +155,58 @@ def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
     from distlm.stages import stage_config
 
     inputs = make_inputs(tmp_path / "inputs")
-    cfg = validate_config({
-        "runtime": {"timeout_s": 60},
-        "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
-        "train": {"max_steps": 100000, "micro_batch_size": 4, "warmup_steps": 2,
-                  "ckpt_every": 100000, "eval_every": 100000, "log_every": 1,
-                  "profile": {"enabled": False}},
-    })
-    (tmp_path / "train.json").write_text(
-        json.dumps(stage_config(cfg, "train"))
+    cfg = validate_config(
+        {
+            "runtime": {"timeout_s": 60},
+            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "train": {
+                "max_steps": 100000,
+                "micro_batch_size": 4,
+                "warmup_steps": 2,
+                "ckpt_every": 100000,
+                "eval_every": 100000,
+                "log_every": 1,
+                "profile": {"enabled": False},
+            },
+        }
     )
+    (tmp_path / "train.json").write_text(json.dumps(stage_config(cfg, "train")))
     out = tmp_path / "train"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--monitor-interval=0.2", str(ROOT / "workflow" / "scripts" / "train.py"),
-           "--config", str(tmp_path / "train.json"), "--tokens", str(inputs["tokens"]),
-           "--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"]),
-           "--out", str(out), "--rank-log", str(out / "logs" / "rank{rank}.log")]
-    launcher = subprocess.Popen(cmd, env=_env(), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--monitor-interval=0.2",
+        str(ROOT / "workflow" / "scripts" / "train.py"),
+        "--config",
+        str(tmp_path / "train.json"),
+        "--tokens",
+        str(inputs["tokens"]),
+        "--tokenizer",
+        str(inputs["tokenizer"]),
+        "--model",
+        str(inputs["model"]),
+        "--out",
+        str(out),
+        "--rank-log",
+        str(out / "logs" / "rank{rank}.log"),
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ranks: list[int] = []
     try:
         log0 = out / "logs" / "rank0.log"
-        _wait_for(lambda: log0.is_file() and "step 2/100000" in log0.read_text(),
-                  "the second training step")
+        _wait_for(
+            lambda: log0.is_file() and "step 2/100000" in log0.read_text(),
+            "the second training step",
+        )
         ranks = _children(launcher.pid)
         assert len(ranks) == 2, ranks
         os.killpg(launcher.pid, signal.SIGKILL)  # torchrun's agent; its ranks have own sessions
@@ -183,9 +221,17 @@ def test_mpi_ranks_die_when_mpiexec_and_its_proxy_are_killed(tmp_path):
     """hydra's proxy ends its ranks when mpiexec goes; when the proxy dies too (a node agent
     killed), only the lifeline ends them."""
     launcher = subprocess.Popen(
-        ["mpiexec", "-n", "2", sys.executable,
-         str(ROOT / "tests" / "harness" / "lifeline_rank.py")],
-        env=_env(), start_new_session=True, stdout=subprocess.PIPE, text=True,
+        [
+            "mpiexec",
+            "-n",
+            "2",
+            sys.executable,
+            str(ROOT / "tests" / "harness" / "lifeline_rank.py"),
+        ],
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     ranks: list[int] = []
     try:

@@ -1,7 +1,6 @@
 """Model serialize and pipeline shards: sources, shards that round-trip exactly, corrupt files named."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,19 +10,37 @@ from distlm.config import deep_merge, validate_config
 from distlm.data import prepare
 from distlm.io import read_json
 from distlm.model import (
-    build_model, init_config, load_model_dir, load_safetensors, load_shards, load_source,
-    load_stage_shard, plan_stages, read_manifest, serialize, state_dict_for_save, write_model_dir,
+    build_model,
+    init_config,
+    load_model_dir,
+    load_safetensors,
+    load_shards,
+    load_source,
+    load_stage_shard,
+    plan_stages,
+    read_manifest,
+    serialize,
+    state_dict_for_save,
+    write_model_dir,
     write_pipeline_dir,
 )
 
-BASE = {"data": {"block_size": 32, "tokenizer": {"vocab_size": 400}}, "model": {"init": {"n_layer": 5, "n_head": 2, "n_embd": 32, "n_positions": 64}}}
+BASE = {
+    "data": {"block_size": 32, "tokenizer": {"vocab_size": 400}},
+    "model": {"init": {"n_layer": 5, "n_head": 2, "n_embd": 32, "n_positions": 64}},
+}
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     c = validate_config(BASE)
-    prepare(c, tokens_path=out / "tokens.h5", tokenizer_dir=out / "tokenizer", stats_path=out / "stats.json")
+    prepare(
+        c,
+        tokens_path=out / "tokens.h5",
+        tokenizer_dir=out / "tokenizer",
+        stats_path=out / "stats.json",
+    )
     return out
 
 
@@ -45,16 +62,20 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
     assert set(back) == set(full)
     assert all(torch.equal(back[k], full[k]) and back[k].dtype == full[k].dtype for k in full)
     man = read_manifest(out)
-    assert [s["layers"] for s in man["shards"]][0][0] == 0 and man["shards"][-1]["layers"][1] == 5
+    assert next(s["layers"] for s in man["shards"])[0] == 0 and man["shards"][-1]["layers"][1] == 5
     assert man["shards"][0]["has_embeddings"] and man["shards"][-1]["has_head"]
     # Contiguous, non-empty layer ranges; every block in exactly one shard.
     ranges = [tuple(s["layers"]) for s in man["shards"]]
-    assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    assert all(a < b for a, b in ranges) and all(
+        ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)
+    )
     # The last stage carries its own copy of the tied embedding as lm_head.weight.
     _, last = load_stage_shard(out, stages - 1)
     assert torch.equal(last["lm_head.weight"], full["transformer.wte.weight"])
     assert meta["stages"][0]["layers"] == man["shards"][0]["layers"]
-    assert meta["source_model"] == str(tmp_path / "model") and not (out / "model.safetensors").exists()
+    assert (
+        meta["source_model"] == str(tmp_path / "model") and not (out / "model.safetensors").exists()
+    )
 
 
 def test_serialize_reads_only_the_model_keys(data, tmp_path):
@@ -63,7 +84,9 @@ def test_serialize_reads_only_the_model_keys(data, tmp_path):
 
     c = stage_config(validate_config(BASE), "model")
     assert set(c) == {"model"}
-    meta = serialize(c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=tmp_path / "m")
+    meta = serialize(
+        c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=tmp_path / "m"
+    )
     assert meta["created_by"] == "model" and not (tmp_path / "m" / "shards").exists()
 
 
@@ -94,7 +117,11 @@ def test_model_folder_loads_back_as_the_same_model(tmp_path, data):
 
 def test_balance_by_bytes():
     # GPT-2-small-shaped: embeddings weigh ~5.5 blocks, so the end stages get fewer blocks.
-    cfg = init_config({"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "dropout": 0.0}, 50257, 50256)
+    cfg = init_config(
+        {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "dropout": 0.0},
+        50257,
+        50256,
+    )
     with torch.device("meta"):
         sd = {k: v for k, v in build_model(cfg).state_dict().items() if k != "lm_head.weight"}
     plans = plan_stages(sd, 12, 3)
@@ -123,7 +150,9 @@ def test_corrupt_and_truncated_weights_are_named(tmp_path, data):
     blob = bytearray(shard.read_bytes())
     blob[-3] ^= 0xFF
     shard.write_bytes(bytes(blob))
-    with pytest.raises(DistlmError, match=r"stage-01.safetensors: sha256 .* manifest.* \(stage 1\)"):
+    with pytest.raises(
+        DistlmError, match=r"stage-01.safetensors: sha256 .* manifest.* \(stage 1\)"
+    ):
         load_stage_shard(pipeline, 1)
 
 
@@ -142,13 +171,21 @@ def test_local_model_folder_source(tmp_path, data):
     src = tmp_path / "hf-model"
     from transformers import AutoTokenizer
 
-    cfg = init_config({"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0)
+    cfg = init_config(
+        {"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0
+    )
     model = build_model(cfg, seed=7)
     model.save_pretrained(src)
     AutoTokenizer.from_pretrained(data / "tokenizer").save_pretrained(src)
-    c = validate_config(deep_merge(BASE, {"model": {"source": "local", "name": str(src)}, "inference": {"stages": 3}}))
+    c = validate_config(
+        deep_merge(
+            BASE, {"model": {"source": "local", "name": str(src)}, "inference": {"stages": 3}}
+        )
+    )
     d = tmp_path / "d"
-    stats = prepare(c, tokens_path=d / "tokens.h5", tokenizer_dir=d / "tokenizer", stats_path=d / "stats.json")
+    stats = prepare(
+        c, tokens_path=d / "tokens.h5", tokenizer_dir=d / "tokenizer", stats_path=d / "stats.json"
+    )
     assert stats.tokenizer.startswith("the model's own")
     out = tmp_path / "out"
     meta = serialize(c, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out)
@@ -169,12 +206,16 @@ def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
     make(tmp_path, data, 2)
     out = tmp_path / "model"
     before = (out / "model.safetensors").read_bytes()
-    cfg = init_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0)
+    cfg = init_config(
+        {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0
+    )
     sd = state_dict_for_save(build_model(cfg, seed=1))
     with pytest.raises(DistlmError):
         write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=tmp_path / "nope", meta={})
     with pytest.raises(TypeError):  # fails mid-way: a meta that is not JSON
-        write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", meta={"x": object()})
+        write_model_dir(
+            out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", meta={"x": object()}
+        )
     assert (out / "model.safetensors").read_bytes() == before  # the old folder is intact
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp left behind
     assert read_json(out / "distlm.json")["created_by"] == "model"

@@ -14,6 +14,16 @@ import pytest
 import torch
 from conftest import run_snakemake
 
+from distlm.documents import (
+    BroadcastReport,
+    DataStats,
+    EvalReport,
+    ReceiverStats,
+    SplitEval,
+    SplitStats,
+    TransferStats,
+    write_document,
+)
 from distlm.report import (
     FIGURES,
     ITEMS,
@@ -24,16 +34,6 @@ from distlm.report import (
     build_report,
     category,
     outputs,
-)
-from distlm.documents import (
-    BroadcastReport,
-    DataStats,
-    EvalReport,
-    ReceiverStats,
-    SplitEval,
-    SplitStats,
-    TransferStats,
-    write_document,
 )
 from distlm.report.inputs import collect
 from distlm.train.metrics import Metrics
@@ -123,36 +123,74 @@ def write_eval(results: Path, name: str, ppl: float) -> None:
     write_document(
         results / LAYOUT[f"eval_{name}"],
         EvalReport(
-            name=name, method="sliding window", model={}, data={}, context=64, stride=32,
-            batch_size=8, precision="fp32", device="cpu", world_size=2, config_digest="d",
-            splits=splits, seconds=1.0,
+            name=name,
+            method="sliding window",
+            model={},
+            data={},
+            context=64,
+            stride=32,
+            batch_size=8,
+            precision="fp32",
+            device="cpu",
+            world_size=2,
+            config_digest="d",
+            splits=splits,
+            seconds=1.0,
         ),
     )
 
 
 def write_broadcast(results: Path) -> None:
     """A BroadcastReport through the broadcast stage's writer."""
-    common = dict(
-        transport="torch", backend="gloo", device="cpu", src=0, chain=[0, 1, 2],
-        bytes=4_000_000, stream_bytes=4_000_000, tensors=10, tied_tensors=1, buckets=2,
-        bucket_bytes=2_000_000, chunk_bytes=500_000, metadata_seconds=0.001, mismatches=[],
-    )
+    common = {
+        "transport": "torch",
+        "backend": "gloo",
+        "device": "cpu",
+        "src": 0,
+        "chain": [0, 1, 2],
+        "bytes": 4_000_000,
+        "stream_bytes": 4_000_000,
+        "tensors": 10,
+        "tied_tensors": 1,
+        "buckets": 2,
+        "bucket_bytes": 2_000_000,
+        "chunk_bytes": 500_000,
+        "metadata_seconds": 0.001,
+        "mismatches": [],
+    }
     receivers = [
         ReceiverStats(
-            rank=r, seconds=0.018 + r / 1000, gbps=0.21 - r / 100, verified=True,
-            checksum_seconds=0.001, unpack_seconds=0.001, mismatches=[],
+            rank=r,
+            seconds=0.018 + r / 1000,
+            gbps=0.21 - r / 100,
+            verified=True,
+            checksum_seconds=0.001,
+            unpack_seconds=0.001,
+            mismatches=[],
         )
         for r in (1, 2)
     ]
     stats = TransferStats(
-        **common, rank=0, role="sender", seconds=0.02, gbps=0.2, verified=True,
-        all_verified=True, receivers=receivers,
+        **common,
+        rank=0,
+        role="sender",
+        seconds=0.02,
+        gbps=0.2,
+        verified=True,
+        all_verified=True,
+        receivers=receivers,
     )
     write_document(
         results / LAYOUT["broadcast"],
         BroadcastReport(
-            model="results/model/base", model_sha256="0" * 64, world_size=3,
-            receivers_configured=2, bucket_mb=2, chunk_mb=0.5, timeout_s=60, config_digest="d",
+            model="results/model/base",
+            model_sha256="0" * 64,
+            world_size=3,
+            receivers_configured=2,
+            bucket_mb=2,
+            chunk_mb=0.5,
+            timeout_s=60,
+            config_digest="d",
             stats=stats,
         ),
     )

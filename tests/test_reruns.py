@@ -161,9 +161,21 @@ def planned(workdir: Path, overlay: dict, tmp: Path, name: str, *args: str) -> s
     edit = tmp / f"{name}.yaml"
     edit.write_text(yaml.safe_dump(overlay))
     cmd = [
-        sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory",
-        str(workdir), "--profile", str(ROOT / "profiles/local"), "--configfile", str(TINY),
-        str(edit), "-n", "--nolock", *args,
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--profile",
+        str(ROOT / "profiles/local"),
+        "--configfile",
+        str(TINY),
+        str(edit),
+        "-n",
+        "--nolock",
+        *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
@@ -199,7 +211,9 @@ def test_declarations_agree_with_the_matrix():
 def test_config_readme_table_is_in_sync():
     assert rerun_table(SCHEMA) in (ROOT / "config/README.md").read_text()
     proc = subprocess.run(
-        [sys.executable, "-m", "distlm.stages", "--check"], capture_output=True, text=True,
+        [sys.executable, "-m", "distlm.stages", "--check"],
+        capture_output=True,
+        text=True,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.slurm
 HARNESS = ROOT / "tests" / "harness"
 SLURM_CONFIG = HARNESS / "slurm-config.yaml"
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)")
-tiny_models = test_inference.tiny_models  # the session fixture: tiny model folders, one per stage count
+tiny_models = (
+    test_inference.tiny_models
+)  # the session fixture: tiny model folders, one per stage count
 
 
 @pytest.fixture(scope="module")
@@ -180,16 +182,34 @@ def test_serve_front_under_srun_answers_503_when_a_stage_is_killed(cluster, tiny
     # the pipeline's 3 ranks through srun over 2 nodes (stage 0 on the batch host, talking to the
     # API server over IPC); stage 1 (on the batch host) is killed mid-request
     port = free_port()
-    cfg = write_config(tmp_path / "cfg.json", stages=3, lanes=4, timeout_s=120, serve={"port": port})
+    cfg = write_config(
+        tmp_path / "cfg.json", stages=3, lanes=4, timeout_s=120, serve={"port": port}
+    )
     log = tmp_path / "serve.log"
     script = HARNESS / "serve_killed_stage.py"
-    sh(cluster, [
-        "sbatch", "-W", "-N2", "-n3", "-c1", "--mem=1500", "-t", "5", f"--output={log}", f"-D{tmp_path}",
-        f"--wrap=OMP_NUM_THREADS=1 {sys.executable} {script} {cfg} {tiny_models[3]} {port}",
-    ], timeout=300)
+    sh(
+        cluster,
+        [
+            "sbatch",
+            "-W",
+            "-N2",
+            "-n3",
+            "-c1",
+            "--mem=1500",
+            "-t",
+            "5",
+            f"--output={log}",
+            f"-D{tmp_path}",
+            f"--wrap=OMP_NUM_THREADS=1 {sys.executable} {script} {cfg} {tiny_models[3]} {port}",
+        ],
+        timeout=300,
+    )
     text = log.read_text()
-    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in text.splitlines()
-             if ln.split(" ", 1)[0] in ("HEALTH", "COMPLETION", "AFTER_KILL", "FRONT_RC")}
+    lines = {
+        ln.split(" ", 1)[0]: ln.split(" ", 1)[1]
+        for ln in text.splitlines()
+        if ln.split(" ", 1)[0] in ("HEALTH", "COMPLETION", "AFTER_KILL", "FRONT_RC")
+    }
     assert {h for _, h, _ in json.loads(lines["HEALTH"])} == {"node1", "node2"}, text[-3000:]
     assert lines["COMPLETION"] == "200", text[-3000:]
     seconds, status, body = json.loads(lines["AFTER_KILL"])

@@ -54,10 +54,13 @@ def _string_literals(path: Path) -> set[str]:
         id(n.body[0].value)
         for n in ast.walk(tree)
         if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-        and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
     }
     return {
-        n.value for n in ast.walk(tree)
+        n.value
+        for n in ast.walk(tree)
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
     }
 
@@ -76,7 +79,9 @@ def test_output_file_names_are_written_once():
     code = [p for p in SRC.rglob("*.py") if p.name != "stages.py"]
     for path in [*code, *(ROOT / "workflow/scripts").glob("*.py")]:
         found = [
-            lit for lit in _string_literals(path) for n in names
+            lit
+            for lit in _string_literals(path)
+            for n in names
             if lit == n or lit.endswith("/" + n)
         ]
         assert not found, (path, found)
@@ -93,19 +98,35 @@ def test_declared_documents_are_document_types():
 
 def test_documents_refuse_other_kinds_versions_and_fields(tmp_path):
     doc = EvalReport(
-        name="base", method="m", model={}, data={}, context=8, stride=4, batch_size=1,
-        precision="fp32", device="cpu", world_size=1, config_digest="d", splits={}, seconds=1.0,
+        name="base",
+        method="m",
+        model={},
+        data={},
+        context=8,
+        stride=4,
+        batch_size=1,
+        precision="fp32",
+        device="cpu",
+        world_size=1,
+        config_digest="d",
+        splits={},
+        seconds=1.0,
     )
     path = tmp_path / "e.json"
     write_document(path, doc)
     assert read_document(path, EvalReport) == doc
-    with pytest.raises(DocumentError, match=r"e.json: a 'distlm-eval/2' document where 'distlm-data"):
+    with pytest.raises(
+        DocumentError, match=r"e.json: a 'distlm-eval/2' document where 'distlm-data"
+    ):
         read_document(path, DataStats)
     path.write_text(path.read_text().replace("distlm-eval/2", "distlm-eval/1"))
     with pytest.raises(DocumentError, match="written by another version of distlm"):
         read_document(path, EvalReport)
-    path.write_text(path.read_text().replace("distlm-eval/1", "distlm-eval/2").replace(
-        '"seconds": 1.0', '"seconds": 1.0, "extra": 1'))
+    path.write_text(
+        path.read_text()
+        .replace("distlm-eval/1", "distlm-eval/2")
+        .replace('"seconds": 1.0', '"seconds": 1.0, "extra": 1')
+    )
     with pytest.raises(DocumentError, match="field extra"):
         read_document(path, EvalReport)
     with pytest.raises(DocumentError, match="not found"):
@@ -145,9 +166,7 @@ def test_no_import_cycles():
         rel = p.relative_to(SRC.parent).with_suffix("")
         name = ".".join(rel.parts[:-1] if p.name == "__init__.py" else rel.parts)
         modules[name] = p
-    graph = {
-        m: {i for i in _imports(p, m) if i in modules and i != m} for m, p in modules.items()
-    }
+    graph = {m: {i for i in _imports(p, m) if i in modules and i != m} for m, p in modules.items()}
     # A package's __init__ runs before its submodules: an import of distlm.x.y also runs
     # distlm.x, but that is no edge of the module that asked.
     state: dict[str, int] = {}
@@ -157,7 +176,7 @@ def test_no_import_cycles():
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n] if n in stack else [m, n])
+                cycles.append(stack[stack.index(n) :] + [n] if n in stack else [m, n])
             elif n not in state:
                 visit(n, stack + [n])
         state[m] = 2

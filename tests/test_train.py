@@ -18,6 +18,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.config import validate_config
+from distlm.dist import threads_per_rank
 from distlm.model import load_model_dir, read_meta
 from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
@@ -25,7 +26,6 @@ from distlm.train import checkpoint as ck
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.synthetic import make_inputs
-from distlm.dist import threads_per_rank
 from distlm.train.trainer import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,9 @@ def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
     ref = load_model_dir(inputs["model"]).train()
     fast = load_model_dir(inputs["model"]).train()
     assert fuse_gelu(fast) == fast.config.n_layer
-    x = torch.randint(0, fast.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        0, fast.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0)
+    )
     want = ReferenceLoss(ref)(x)
     want.backward()
     got = CausalLMLoss(fast)
@@ -399,8 +401,12 @@ def test_a_checkpoint_that_fails_its_read_back_prunes_nothing(tmp_path, monkeypa
 def test_leftovers_of_dead_writers_go_at_the_next_start(tmp_path):
     from distlm import io
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     me = f"{io._HOST}-{os.getpid()}"
     gone = f"{io._HOST}-{int(dead.stdout)}"
     (tmp_path / f".step-00000012.{gone}.abc.tmp").mkdir()  # a killed checkpoint write
@@ -410,11 +416,17 @@ def test_leftovers_of_dead_writers_go_at_the_next_start(tmp_path):
     (tmp_path / f".step-00000016.otherhost-{os.getpid()}.abc.tmp").mkdir()  # cannot be asked
     (tmp_path / ".hidden").write_text("not ours")
     removed = sorted(p.name for p in io.remove_leftovers(tmp_path))
-    assert removed == sorted([f".step-00000012.{gone}.abc.tmp", f".final.old-{gone}",
-                              f".metrics.csv.{gone}.xyz.tmp"])
+    assert removed == sorted(
+        [f".step-00000012.{gone}.abc.tmp", f".final.old-{gone}", f".metrics.csv.{gone}.xyz.tmp"]
+    )
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([".hidden", f".step-00000014.{me}.abc.tmp",
-                           f".step-00000016.otherhost-{os.getpid()}.abc.tmp"])
+    assert left == sorted(
+        [
+            ".hidden",
+            f".step-00000014.{me}.abc.tmp",
+            f".step-00000016.otherhost-{os.getpid()}.abc.tmp",
+        ]
+    )
     # another host's leftover goes once nothing in it changed for STALE_AFTER_S
     old = time.time() - io.STALE_AFTER_S - 60
     os.utime(tmp_path / f".step-00000016.otherhost-{os.getpid()}.abc.tmp", (old, old))
@@ -445,5 +457,9 @@ def test_every_file_of_an_atomic_folder_is_fsynced_before_the_rename(tmp_path, m
         (tmp / "sub" / "x.bin").write_bytes(b"x")
     rename_at = events.index(("rename", str(tmp)))
     synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
-    assert {str(tmp / "optimizer.pt"), str(tmp / "sub" / "x.bin"), str(tmp / "sub"),
-            str(tmp)} <= synced
+    assert {
+        str(tmp / "optimizer.pt"),
+        str(tmp / "sub" / "x.bin"),
+        str(tmp / "sub"),
+        str(tmp),
+    } <= synced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 
@@ -49,12 +50,16 @@ def test_plan_covers_every_byte_once_and_splits_tensors_across_buckets():
     for e in unique:
         parts = sorted(owners[e.name])
         assert sum(n for _, n, _ in parts) == e.nbytes
-        assert all(a[0] + a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, no overlap
+        assert all(
+            a[0] + a[1] == b[0] for a, b in itertools.pairwise(parts)
+        )  # contiguous, no overlap
         assert e.start % ALIGN == 0
     assert len({b for _, _, b in owners["emb.weight"]}) > 1  # the big tensor spans buckets
     tied = [e for e in plan.entries if e.alias is not None]
     assert [(e.name, e.alias) for e in tied] == [("head.weight", "emb.weight")]
-    assert plan.payload_bytes == sum(v.numel() * v.element_size() for k, v in sd.items() if k != "head.weight")
+    assert plan.payload_bytes == sum(
+        v.numel() * v.element_size() for k, v in sd.items() if k != "head.weight"
+    )
     assert "emb.weight" in plan.tensors_in(0)
 
 
@@ -88,7 +93,7 @@ def _split_like(expect, covered):
     for name, off, n in expect:
         points = sorted(p for p in cuts.get(name, ()) if off < p < off + n)
         edges = [off, *points, off + n]
-        out += [(name, a, z - a) for a, z in zip(edges, edges[1:])]
+        out += [(name, a, z - a) for a, z in itertools.pairwise(edges)]
     return out
 
 
@@ -106,7 +111,9 @@ def test_check_template_names_the_tensor():
     assert check_template(plan, {"a": torch.ones(3, 4), "b": torch.ones(2)}, "rank 1") == []
     [p] = check_template(plan, {"a": torch.ones(4, 3), "b": torch.ones(2)}, "rank 1")
     assert "'a'" in p and "(4, 3)" in p and "(3, 4)" in p
-    [p] = check_template(plan, {"a": torch.ones(3, 4), "b": torch.ones(2, dtype=torch.int32)}, "rank 2")
+    [p] = check_template(
+        plan, {"a": torch.ones(3, 4), "b": torch.ones(2, dtype=torch.int32)}, "rank 2"
+    )
     assert "'b'" in p and "int32" in p and "float32" in p
     probs = check_template(plan, {"a": torch.ones(3, 4), "c": torch.ones(2)}, "rank 3")
     assert any("'b'" in p for p in probs) and any("'c'" in p for p in probs)
@@ -148,7 +155,9 @@ def test_options_are_validated():
         TransferOptions(transport="rdma")
     with pytest.raises(TransferError, match="broadcast.bucket_mb"):
         TransferOptions(bucket_mb=0)
-    o = TransferOptions.from_config({"transport": "torch", "receivers": 3, "bucket_mb": 8, "chunk_mb": 2, "timeout_s": 9})
+    o = TransferOptions.from_config(
+        {"transport": "torch", "receivers": 3, "bucket_mb": 8, "chunk_mb": 2, "timeout_s": 9}
+    )
     assert (o.bucket_mb, o.chunk_mb, o.timeout_s) == (8, 2, 9)
 
 
@@ -168,9 +177,8 @@ def test_uccl_is_refused_with_the_reasons_here():
     problems = uccl_problems(torch.device("cpu"))
     if not problems:
         pytest.skip("uccl can run on this machine; the refusal is not testable")
-    with distributed(backend="gloo", timeout_s=30):
-        with pytest.raises(TransferError) as err:
-            broadcast_state_dict({"a": torch.ones(2)}, options=TransferOptions(transport="uccl"))
+    with distributed(backend="gloo", timeout_s=30), pytest.raises(TransferError) as err:
+        broadcast_state_dict({"a": torch.ones(2)}, options=TransferOptions(transport="uccl"))
     msg = str(err.value)
     assert "'uccl' cannot run here" in msg
     for p in problems:
@@ -221,7 +229,10 @@ def test_round_trip_is_bit_identical_on_four_ranks():
         assert rep["identical"] == sorted(sd), (rank, set(sd) - set(rep["identical"]))
         assert rep["tied"], rank
         assert rep["in_place"], rank
-    assert out[3][1]["transposed_strides"] == [1, 70]  # its own non-contiguous tensor, filled in place
+    assert out[3][1]["transposed_strides"] == [
+        1,
+        70,
+    ]  # its own non-contiguous tensor, filled in place
     src = out[0][1]["stats"]
     assert src["role"] == "sender" and src["chain"] == [0, 1, 2, 3]
     assert src["buckets"] > 4 and src["tied_tensors"] == 1 and src["tensors"] == len(sd)
@@ -242,12 +253,20 @@ def test_mismatches_and_corruption_fail_every_rank_and_name_the_culprit():
     assert all(kind == "ok" for kind, _ in out.values()), out
     for rank, (_, rep) in out.items():
         # shape on rank 2 and dtype on rank 3: everyone stops with both named
-        assert "tensor 'c.big' has shape (200, 201) here, the sender sends (200, 200)" in rep["mismatch"], rank
-        assert "tensor 'b.bias' has dtype float16 here, the sender sends float32" in rep["mismatch"], rank
+        assert (
+            "tensor 'c.big' has shape (200, 201) here, the sender sends (200, 200)"
+            in rep["mismatch"]
+        ), rank
+        assert (
+            "tensor 'b.bias' has dtype float16 here, the sender sends float32" in rep["mismatch"]
+        ), rank
         assert "rank 1: template tensor 'extra.weight' is not sent" in rep["names"], rank
         # corrupted at rank 2 in bucket 1: rank 2 and its successor rank 3 detect it
         assert "corrupted data" in rep["corrupt"], rank
-        assert "rank 2: bucket 1 chunk 0" in rep["corrupt"] and "rank 3: bucket 1 chunk 0" in rep["corrupt"]
+        assert (
+            "rank 2: bucket 1 chunk 0" in rep["corrupt"]
+            and "rank 3: bucket 1 chunk 0" in rep["corrupt"]
+        )
         assert "c.big" in rep["corrupt"]  # the tensor whose bytes sit there
         assert "rank 1:" not in rep["corrupt"].split("corrupted data")[1]
         assert rep["after"] is True
@@ -264,5 +283,8 @@ def test_a_dead_receiver_fails_the_others_naming_it(mode):
         assert rep["error"] is not None, rank
         # Named either by its missing heartbeat or, when rank 0 (the store's host) has already
         # left after its own error, by the timed-out exchange with it.
-        assert re.search(r"rank 2 stopped|with rank 2 timed out", rep["error"]), (rank, rep["error"])
+        assert re.search(r"rank 2 stopped|with rank 2 timed out", rep["error"]), (
+            rank,
+            rep["error"],
+        )
         assert rep["seconds"] < 90, rank  # timeout_s is 6: a few timeouts and probes, never a hang

@@ -19,8 +19,13 @@ from distlm.transfer import TransferError, TransferOptions, broadcast_state_dict
 
 
 def _entry(fn, rank: int, world: int, port: int, q, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     try:
         with distributed(backend="gloo", timeout_s=60) as topo:
@@ -29,7 +34,9 @@ def _entry(fn, rank: int, world: int, port: int, q, args) -> None:
         q.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
-def launch(fn, world: int, *args, timeout: float = 120, lost: tuple[int, ...] = ()) -> dict[int, tuple[str, object]]:
+def launch(
+    fn, world: int, *args, timeout: float = 120, lost: tuple[int, ...] = ()
+) -> dict[int, tuple[str, object]]:
     """Run fn(topo, *args) on `world` ranks; {rank: ("ok", value) | ("error", msg) | ("died", code)}.
 
     Ranks in `lost` are expected to die or freeze: nobody waits for them, and they are killed.
@@ -53,9 +60,8 @@ def launch(fn, world: int, *args, timeout: float = 120, lost: tuple[int, ...] = 
                     break
     finally:
         for r, p in enumerate(procs):
-            if r in lost or time.monotonic() >= deadline:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
+            if (r in lost or time.monotonic() >= deadline) and p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
             p.join(max(1.0, deadline - time.monotonic()))
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
@@ -97,7 +103,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def _template(sd: dict[str, torch.Tensor], *, noncontig: bool) -> dict[str, torch.Tensor]:
@@ -132,8 +140,11 @@ def round_trips(topo, bucket_mb: float, chunk_mb: float) -> dict:
 def faults(topo) -> dict:
     """Several failing transfers in one process group; each must fail on every rank, cleanly."""
     g = torch.Generator().manual_seed(1)
-    sd = {"a.weight": torch.randn(64, 64, generator=g), "b.bias": torch.randn(64, generator=g),
-          "c.big": torch.randn(200, 200, generator=g)}
+    sd = {
+        "a.weight": torch.randn(64, 64, generator=g),
+        "b.bias": torch.randn(64, generator=g),
+        "c.big": torch.randn(200, 200, generator=g),
+    }
     opts = TransferOptions(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=30)
     out = {}
 
@@ -162,8 +173,11 @@ def faults(topo) -> dict:
         if rank == 2 and bucket == 1 and chunk == 0:
             data[5] ^= 0x40
 
-    attempt("corrupt", sd if topo.is_main else None,
-            TransferOptions(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=30, fault_hook=corrupt))
+    attempt(
+        "corrupt",
+        sd if topo.is_main else None,
+        TransferOptions(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=30, fault_hook=corrupt),
+    )
     # 4. and after all of that the group still works
     res = broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
     out["after"] = all(same_bits(res.tensors[k], sd[k]) for k in sd)
@@ -171,9 +185,13 @@ def faults(topo) -> dict:
     zero = {"z": torch.empty(0), "y": torch.empty(3, 0, dtype=torch.int8)}
     empty = broadcast_state_dict({} if topo.is_main else None, src=0, options=opts)
     zeros = broadcast_state_dict(zero if topo.is_main else None, src=0, options=opts)
-    out["empty"] = (empty.tensors == {} and empty.stats.buckets == 0 and zeros.stats.buckets == 0
-                    and {k: (tuple(v.shape), v.dtype) for k, v in zeros.tensors.items()}
-                    == {k: (tuple(v.shape), v.dtype) for k, v in zero.items()})
+    out["empty"] = (
+        empty.tensors == {}
+        and empty.stats.buckets == 0
+        and zeros.stats.buckets == 0
+        and {k: (tuple(v.shape), v.dtype) for k, v in zeros.tensors.items()}
+        == {k: (tuple(v.shape), v.dtype) for k, v in zero.items()}
+    )
     return out
 
 
@@ -201,6 +219,11 @@ def uccl_round_trip(topo) -> dict:
     dev = torch.device("cuda", topo.rank)
     torch.cuda.set_device(dev)
     sd = {k: v.to(dev) for k, v in mixed_state_dict().items() if k != "head.weight"}
-    opts = TransferOptions(transport="uccl", bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=60, device=dev)
+    opts = TransferOptions(
+        transport="uccl", bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=60, device=dev
+    )
     res = broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
-    return {"stats": res.stats.model_dump(), "identical": all(same_bits(res.tensors[k].cpu(), sd[k].cpu()) for k in sd)}
+    return {
+        "stats": res.stats.model_dump(),
+        "identical": all(same_bits(res.tensors[k].cpu(), sd[k].cpu()) for k in sd),
+    }

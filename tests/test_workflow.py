@@ -6,7 +6,6 @@ import sys
 import time
 
 import yaml
-
 from conftest import ROOT, TINY, run_snakemake
 
 
@@ -33,7 +32,10 @@ def test_second_run_does_nothing(workflow_run):
 def test_forcerun_plans_only_that_stage_and_what_follows(workflow_run):
     proc = run_snakemake(workflow_run, "-n", "--forcerun", "serialize_model")
     out = proc.stdout + proc.stderr
-    assert "serialize_model" in out and "prepare_data " not in out.split("Job stats:")[1].split("Reasons")[0]
+    assert (
+        "serialize_model" in out
+        and "prepare_data " not in out.split("Job stats:")[1].split("Reasons")[0]
+    )
 
 
 def test_bad_config_fails_before_any_job(tmp_path):
@@ -56,10 +58,25 @@ def test_real_setup_plans(tmp_path):
 
 def test_lint_and_format_are_clean(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "--lint"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(ROOT / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "--lint",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert proc.returncode == 0 and "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Congratulations" in proc.stdout + proc.stderr, (
+        proc.stdout + proc.stderr
+    )
     files = [str(ROOT / "Snakefile"), *map(str, sorted((ROOT / "workflow/rules").glob("*.smk")))]
-    fmt = subprocess.run([sys.executable, "-m", "snakefmt", "--check", *files], capture_output=True, text=True)
+    fmt = subprocess.run(
+        [sys.executable, "-m", "snakefmt", "--check", *files], capture_output=True, text=True
+    )
     assert fmt.returncode == 0, fmt.stderr

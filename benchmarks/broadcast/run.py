@@ -34,8 +34,10 @@ WORKER = HERE / "worker.py"
 
 
 def _launch(cmds: list[list[str]], envs: list[dict], timeout: float) -> list[dict]:
-    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for c, e in zip(cmds, envs)]
+    procs = [
+        subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c, e in zip(cmds, envs)
+    ]
     try:
         out, err = procs[0].communicate(timeout=timeout)
         for p in procs[1:]:
@@ -49,21 +51,43 @@ def _launch(cmds: list[list[str]], envs: list[dict], timeout: float) -> list[dic
                 p.wait()
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
-        tails = "\n".join(f"--- rank {r} ---\n{(p.stderr.read() if p.stderr else '')[-3000:]}" for r, p in enumerate(procs) if p.returncode)
+        tails = "\n".join(
+            f"--- rank {r} ---\n{(p.stderr.read() if p.stderr else '')[-3000:]}"
+            for r, p in enumerate(procs)
+            if p.returncode
+        )
         raise SystemExit(f"benchmark ranks failed {bad}:\n{err[-3000:]}\n{tails}")
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def _env(rank: int, world: int, addr: str, port: int, extra: dict | None = None) -> dict:
-    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(extra or {})}
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        **(extra or {}),
+    }
 
 
 def run_world(fabric: str, receivers: int, args, fab=None) -> list[dict]:
     world = receivers + 1
     scale = args.loopback_scale if fabric == "loopback" else args.scale
-    worker = [sys.executable, str(WORKER), "--bucket-mb", str(args.bucket_mb), "--chunk-mb", str(args.chunk_mb),
-              "--scale", str(scale), "--methods", *args.methods]
+    worker = [
+        sys.executable,
+        str(WORKER),
+        "--bucket-mb",
+        str(args.bucket_mb),
+        "--chunk-mb",
+        str(args.chunk_mb),
+        "--scale",
+        str(scale),
+        "--methods",
+        *args.methods,
+    ]
     if fabric == "loopback":
         port = free_port()
         cmds = [worker] * world
@@ -82,13 +106,19 @@ def run_world(fabric: str, receivers: int, args, fab=None) -> list[dict]:
 def link_goodput(fab, mbytes: int = 64) -> float:
     """Raw TCP goodput host 1 -> host 0 in Gbit/s: what the shaped link carries."""
     port = 29500
-    srv = ("import socket,time;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
-           f"s.bind(('0.0.0.0',{port}));s.listen();c,_=s.accept();n=0;t=None\n"
-           "while True:\n b=c.recv(1<<20)\n t=t or time.time()\n if not b: break\n n+=len(b)\n"
-           "print(n*8/(time.time()-t)/1e9)")
-    cli = (f"import socket,time;time.sleep(0.5);s=socket.create_connection(('{fab.address(0)}',{port}));"
-           f"b=bytes(1<<20)\nfor i in range({mbytes}): s.sendall(b)\ns.close()")
-    server = subprocess.Popen(fab.command(0, [sys.executable, "-c", srv]), stdout=subprocess.PIPE, text=True)
+    srv = (
+        "import socket,time;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+        f"s.bind(('0.0.0.0',{port}));s.listen();c,_=s.accept();n=0;t=None\n"
+        "while True:\n b=c.recv(1<<20)\n t=t or time.time()\n if not b: break\n n+=len(b)\n"
+        "print(n*8/(time.time()-t)/1e9)"
+    )
+    cli = (
+        f"import socket,time;time.sleep(0.5);s=socket.create_connection(('{fab.address(0)}',{port}));"
+        f"b=bytes(1<<20)\nfor i in range({mbytes}): s.sendall(b)\ns.close()"
+    )
+    server = subprocess.Popen(
+        fab.command(0, [sys.executable, "-c", srv]), stdout=subprocess.PIPE, text=True
+    )
     subprocess.run(fab.command(1, [sys.executable, "-c", cli]), check=True, timeout=120)
     out, _ = server.communicate(timeout=120)
     return float(out.strip())
@@ -109,13 +139,19 @@ def summarize(rows: list[dict], args, link: dict) -> dict:
         ns = sorted({n for (fb, _, n) in by if fb == fabric})
         lo, hi = ns[0], ns[-1]
         f["time_ratio_most_vs_fewest_receivers"] = {
-            m: round(f["seconds"][m][hi] / f["seconds"][m][lo], 3) for m in f["seconds"] if hi in f["seconds"][m]
+            m: round(f["seconds"][m][hi] / f["seconds"][m][lo], 3)
+            for m in f["seconds"]
+            if hi in f["seconds"][m]
         }
         f["receivers_compared"] = [lo, hi]
         if "distlm" in f["seconds"]:
             f["speedup_distlm_vs"] = {
-                m: {n: round(f["seconds"][m][n] / f["seconds"]["distlm"][n], 3) for n in f["seconds"][m]}
-                for m in f["seconds"] if m != "distlm"
+                m: {
+                    n: round(f["seconds"][m][n] / f["seconds"]["distlm"][n], 3)
+                    for n in f["seconds"][m]
+                }
+                for m in f["seconds"]
+                if m != "distlm"
             }
         out[fabric] = f
     targets = {}
@@ -124,32 +160,64 @@ def summarize(rows: list[dict], args, link: dict) -> dict:
         r = sh["time_ratio_most_vs_fewest_receivers"]
         rate_gbps = args.rate_mbit / 1000
         good = {n: round(g * 8 / rate_gbps, 3) for n, g in sh["gbps"]["distlm"].items()}
-        targets["shaped_distlm_time_ratio"] = {"value": r["distlm"], "target": "<= 1.3", "met": r["distlm"] <= 1.3}
+        targets["shaped_distlm_time_ratio"] = {
+            "value": r["distlm"],
+            "target": "<= 1.3",
+            "met": r["distlm"] <= 1.3,
+        }
         for m in ("seed", "flat"):
             if m in r:
-                targets[f"shaped_{m}_time_ratio"] = {"value": r[m], "target": "about 3 (for 1 vs 3 receivers)"}
+                targets[f"shaped_{m}_time_ratio"] = {
+                    "value": r[m],
+                    "target": "about 3 (for 1 vs 3 receivers)",
+                }
         targets["shaped_distlm_goodput_fraction_of_link"] = {
-            "value": good, "target": ">= 0.85", "met": min(good.values()) >= 0.85,
-            "link_rate_gbit": rate_gbps, "measured_tcp_gbit": link.get("tcp_gbit"),
+            "value": good,
+            "target": ">= 0.85",
+            "met": min(good.values()) >= 0.85,
+            "link_rate_gbit": rate_gbps,
+            "measured_tcp_gbit": link.get("tcp_gbit"),
         }
     if lb and "flat" in lb["seconds"] and 1 in lb["seconds"]["flat"] and "distlm" in lb["seconds"]:
         v = round(lb["seconds"]["flat"][1] / lb["seconds"]["distlm"][1], 3)
-        targets["loopback_1_receiver_distlm_speed_vs_flat"] = {"value": v, "target": ">= 0.9", "met": v >= 0.9}
+        targets["loopback_1_receiver_distlm_speed_vs_flat"] = {
+            "value": v,
+            "target": ">= 0.9",
+            "met": v >= 0.9,
+        }
     out["targets"] = targets
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fabrics", nargs="+", default=["loopback", "shaped"], choices=["loopback", "shaped"])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--fabrics", nargs="+", default=["loopback", "shaped"], choices=["loopback", "shaped"]
+    )
     p.add_argument("--receivers", nargs="+", type=int, default=[1, 2, 3])
-    p.add_argument("--methods", nargs="+", default=["distlm", "seed", "flat"], choices=["distlm", "seed", "flat"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["distlm", "seed", "flat"],
+        choices=["distlm", "seed", "flat"],
+    )
     p.add_argument("--rate-mbit", type=float, default=1000)
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--chunk-mb", type=float, default=4)
-    p.add_argument("--scale", type=float, default=1.0, help="model on the shaped fabric; 1.0: GPT-2 124M (498 MB)")
-    p.add_argument("--loopback-scale", type=float, default=0.25,
-                   help="model on loopback (0.25: 125 MB, so a run on 2 busy cores stays short)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="model on the shaped fabric; 1.0: GPT-2 124M (498 MB)",
+    )
+    p.add_argument(
+        "--loopback-scale",
+        type=float,
+        default=0.25,
+        help="model on loopback (0.25: 125 MB, so a run on 2 busy cores stays short)",
+    )
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--out", default=str(HERE / "results.json"))
     args = p.parse_args()
@@ -160,7 +228,11 @@ def main() -> None:
         if fabric == "loopback":
             for n in args.receivers:
                 rows += run_world("loopback", n, args)
-                print(f"loopback, {n} receivers: done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"loopback, {n} receivers: done ({time.time() - t0:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             continue
         from distlm.fabric import Fabric, unavailable_reason
 
@@ -173,12 +245,21 @@ def main() -> None:
             link["tcp_gbit"] = round(link_goodput(fab), 3)
             for n in args.receivers:
                 rows += run_world("shaped", n, args, fab)
-                print(f"shaped, {n} receivers: done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"shaped, {n} receivers: done ({time.time() - t0:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     result = {
         "benchmark": "distlm weight broadcast",
-        "config": {**vars(args), "model": "GPT-2-124M-shaped fp32 state dict (148 tensors at scale 1)",
-                   "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                   "load_average": os.getloadavg()},
+        "config": {
+            **vars(args),
+            "model": "GPT-2-124M-shaped fp32 state dict (148 tensors at scale 1)",
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_average": os.getloadavg(),
+        },
         "methods": {
             "seed": "per tensor, receiver after receiver (dist.send/recv)",
             "flat": "pack into one flat buffer + dist.broadcast + unpack (buffer preallocated, not timed)",

@@ -26,14 +26,22 @@ def gpt2_shapes(n_layer=12, n_embd=768, vocab=50257, n_pos=1024) -> dict[str, tu
     s = {"transformer.wte.weight": (vocab, n_embd), "transformer.wpe.weight": (n_pos, n_embd)}
     for i in range(n_layer):
         p = f"transformer.h.{i}."
-        s.update({
-            p + "ln_1.weight": (n_embd,), p + "ln_1.bias": (n_embd,),
-            p + "attn.c_attn.weight": (n_embd, 3 * n_embd), p + "attn.c_attn.bias": (3 * n_embd,),
-            p + "attn.c_proj.weight": (n_embd, n_embd), p + "attn.c_proj.bias": (n_embd,),
-            p + "ln_2.weight": (n_embd,), p + "ln_2.bias": (n_embd,),
-            p + "mlp.c_fc.weight": (n_embd, 4 * n_embd), p + "mlp.c_fc.bias": (4 * n_embd,),
-            p + "mlp.c_proj.weight": (4 * n_embd, n_embd), p + "mlp.c_proj.bias": (n_embd,),
-        })
+        s.update(
+            {
+                p + "ln_1.weight": (n_embd,),
+                p + "ln_1.bias": (n_embd,),
+                p + "attn.c_attn.weight": (n_embd, 3 * n_embd),
+                p + "attn.c_attn.bias": (3 * n_embd,),
+                p + "attn.c_proj.weight": (n_embd, n_embd),
+                p + "attn.c_proj.bias": (n_embd,),
+                p + "ln_2.weight": (n_embd,),
+                p + "ln_2.bias": (n_embd,),
+                p + "mlp.c_fc.weight": (n_embd, 4 * n_embd),
+                p + "mlp.c_fc.bias": (4 * n_embd,),
+                p + "mlp.c_proj.weight": (4 * n_embd, n_embd),
+                p + "mlp.c_proj.bias": (n_embd,),
+            }
+        )
     s.update({"transformer.ln_f.weight": (n_embd,), "transformer.ln_f.bias": (n_embd,)})
     return s
 
@@ -82,7 +90,9 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["distlm", "seed", "flat"])
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--chunk-mb", type=float, default=4)
-    p.add_argument("--scale", type=float, default=1.0, help="vocab and layers scaled down for quick runs")
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="vocab and layers scaled down for quick runs"
+    )
     p.add_argument("--timeout-s", type=float, default=300)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -112,9 +122,13 @@ def main() -> None:
             elif method == "flat":
                 flat_method(topo, sd, flat, extra)
             elif method == "distlm":
-                opts = TransferOptions(bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb, timeout_s=args.timeout_s)
+                opts = TransferOptions(
+                    bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb, timeout_s=args.timeout_s
+                )
                 res = broadcast_state_dict(sd, src=0, options=opts)  # receivers: filled in place
-                extra = {k: getattr(res.stats, k) for k in ("buckets", "checksum_seconds", "verified")}
+                extra = {
+                    k: getattr(res.stats, k) for k in ("buckets", "checksum_seconds", "verified")
+                }
                 extra["unpack_seconds"] = res.stats.unpack_seconds
             t1 = time.time()
             peak = peak_mb()
@@ -122,18 +136,38 @@ def main() -> None:
             # Correctness, outside the timed region: every receiver holds the sender's bits.
             fp = torch.tensor(fingerprint(sd), dtype=torch.int64)
             got = [None] * topo.world_size
-            dist.all_gather_object(got, {"rank": topo.rank, "t0": t0, "t1": t1, "peak_mb": peak,
-                                         "fp": fp.tolist(), **extra})
+            dist.all_gather_object(
+                got,
+                {
+                    "rank": topo.rank,
+                    "t0": t0,
+                    "t1": t1,
+                    "peak_mb": peak,
+                    "fp": fp.tolist(),
+                    **extra,
+                },
+            )
             if topo.is_main:
                 ok = all(g_["fp"] == ref for g_ in got[1:])
                 start = got[0]["t0"]
-                print(json.dumps({
-                    "method": method, "receivers": topo.world_size - 1, "bytes": nbytes,
-                    "tensors": len(sd), "seconds": max(g_["t1"] for g_ in got[1:]) - start,
-                    "correct": ok,
-                    "per_rank": [{k: v for k, v in g_.items() if k not in ("fp", "t0")} | {"t1": g_["t1"] - start}
-                                 for g_ in got],
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "method": method,
+                            "receivers": topo.world_size - 1,
+                            "bytes": nbytes,
+                            "tensors": len(sd),
+                            "seconds": max(g_["t1"] for g_ in got[1:]) - start,
+                            "correct": ok,
+                            "per_rank": [
+                                {k: v for k, v in g_.items() if k not in ("fp", "t0")}
+                                | {"t1": g_["t1"] - start}
+                                for g_ in got
+                            ],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

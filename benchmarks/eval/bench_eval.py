@@ -24,12 +24,14 @@ import numpy as np
 import torch
 
 from distlm.dist import Topology
-from distlm.evaluate import evaluate_stream, autocast_dtype_for, sliding_windows
+from distlm.evaluate import autocast_dtype_for, evaluate_stream, sliding_windows
 from distlm.io import write_json
 from distlm.model import build_model
 
 
-def guide_loop(model, ids: torch.Tensor, context: int, stride: int, device, amp) -> tuple[float, int]:
+def guide_loop(
+    model, ids: torch.Tensor, context: int, stride: int, device, amp
+) -> tuple[float, int]:
     """The guide's code, with the exact token count (the guide's weights are off by one)."""
     nll, n, prev_end = 0.0, 0, 0
     seq_len = ids.numel()
@@ -39,7 +41,10 @@ def guide_loop(model, ids: torch.Tensor, context: int, stride: int, device, amp)
         input_ids = ids[begin:end][None].to(device)
         target_ids = input_ids.clone()
         target_ids[:, :-trg_len] = -100
-        with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        with (
+            torch.no_grad(),
+            torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None),
+        ):
             loss = model(input_ids, labels=target_ids).loss
         scored = int((target_ids[:, 1:] != -100).sum())
         nll += float(loss) * scored
@@ -53,7 +58,9 @@ def guide_loop(model, ids: torch.Tensor, context: int, stride: int, device, amp)
 def main() -> None:
     from transformers import GPT2Config
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -71,8 +78,15 @@ def main() -> None:
 
     device = torch.device(a.device)
     amp = autocast_dtype_for(a.precision, device)
-    config = GPT2Config(vocab_size=a.vocab, n_positions=a.n_positions, n_embd=a.n_embd,
-                        n_layer=a.n_layer, n_head=a.n_head, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=a.vocab,
+        n_positions=a.n_positions,
+        n_embd=a.n_embd,
+        n_layer=a.n_layer,
+        n_head=a.n_head,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = build_model(config, seed=0).to(device).eval()
     ids = torch.as_tensor(np.random.default_rng(0).integers(0, a.vocab, a.tokens), dtype=torch.long)
     topo = Topology(rank=0, world_size=1, local_rank=0, device=device, backend="gloo")
@@ -88,30 +102,52 @@ def main() -> None:
             best = min(best, time.perf_counter() - t)
         return best, out
 
-    t_guide, (loss_guide, n_guide) = timed(lambda: guide_loop(model, ids, a.context, a.stride, device, amp))
-    t_ours, res = timed(lambda: evaluate_stream(
-        model, ids, context=a.context, stride=a.stride, batch_size=a.batch_size, topo=topo,
-        autocast_dtype=amp))
+    t_guide, (loss_guide, n_guide) = timed(
+        lambda: guide_loop(model, ids, a.context, a.stride, device, amp)
+    )
+    t_ours, res = timed(
+        lambda: evaluate_stream(
+            model,
+            ids,
+            context=a.context,
+            stride=a.stride,
+            batch_size=a.batch_size,
+            topo=topo,
+            autocast_dtype=amp,
+        )
+    )
     assert res["tokens_scored"] == n_guide
     result = {
         "what": "sliding-window perplexity, one process: HF guide loop vs distlm.evaluate",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_avg_1min": os.getloadavg()[0],  # other work on the machine slows both sides alike
         "settings": vars(a),
         "windows": len(sliding_windows(a.tokens, a.context, a.stride)),
         "tokens_scored": n_guide,
-        "guide": {"seconds": round(t_guide, 4), "tokens_per_s": round(n_guide / t_guide, 1),
-                  "mean_loss": loss_guide},
-        "distlm": {"seconds": round(t_ours, 4), "tokens_per_s": round(n_guide / t_ours, 1),
-                   "mean_loss": res["mean_loss"]},
+        "guide": {
+            "seconds": round(t_guide, 4),
+            "tokens_per_s": round(n_guide / t_guide, 1),
+            "mean_loss": loss_guide,
+        },
+        "distlm": {
+            "seconds": round(t_ours, 4),
+            "tokens_per_s": round(n_guide / t_ours, 1),
+            "mean_loss": res["mean_loss"],
+        },
         "speedup": round(t_guide / t_ours, 3),
         "loss_rel_diff": abs(res["mean_loss"] - loss_guide) / abs(loss_guide),
     }
     out = Path(a.out or Path(__file__).with_name(f"results-{device.type}.json"))
     write_json(out, result)
-    print(json.dumps({k: result[k] for k in ("guide", "distlm", "speedup", "loss_rel_diff")}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("guide", "distlm", "speedup", "loss_rel_diff")}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

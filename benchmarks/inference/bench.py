@@ -34,16 +34,22 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (default: a seeded init, see --layers/--embd)")
     p.add_argument("--prompts", default=str(ROOT / "config" / "prompts.txt"))
-    p.add_argument("--m", type=int, default=6, help="prompts in flight (cycled from the prompt file)")
+    p.add_argument(
+        "--m", type=int, default=6, help="prompts in flight (cycled from the prompt file)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of hf_generate and of every pipeline rank (a shared machine "
-                        "punishes oversubscribed thread pools; the same count keeps rows comparable)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of hf_generate and of every pipeline rank (a shared machine "
+        "punishes oversubscribed thread pools; the same count keeps rows comparable)",
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -61,12 +67,24 @@ def seeded_model(folder: Path, args) -> Path:
     tokdir = folder / "tokenizer"
     tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
     cfg = init_config(
-        {"n_positions": 256, "n_embd": args.embd, "n_layer": args.layers, "n_head": args.heads, "dropout": 0.0},
-        len(tok), tok.eos_token_id,
+        {
+            "n_positions": 256,
+            "n_embd": args.embd,
+            "n_layer": args.layers,
+            "n_head": args.heads,
+            "dropout": 0.0,
+        },
+        len(tok),
+        tok.eos_token_id,
     )
     sd = state_dict_for_save(build_model(cfg, seed=0))
-    write_model_dir(folder / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir,
-                    meta={"source": {"kind": "init", "seed": 0}})
+    write_model_dir(
+        folder / "model",
+        state_dict=sd,
+        config=cfg,
+        tokenizer_dir=tokdir,
+        meta={"source": {"kind": "init", "seed": 0}},
+    )
     return folder / "model"
 
 
@@ -101,8 +119,13 @@ def hf_runner(model_dir: Path, texts: list[str], n: int):
     model = load_model_dir(model_dir)
     ids = [torch.tensor([tok(t, add_special_tokens=False)["input_ids"]]) for t in texts]
     # no EOS stop: every prompt makes exactly n tokens, as in the pipeline runs
-    kw = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "use_cache": True,
-          "pad_token_id": tok.eos_token_id}
+    kw = {
+        "max_new_tokens": n,
+        "min_new_tokens": n,
+        "do_sample": False,
+        "use_cache": True,
+        "pad_token_id": tok.eos_token_id,
+    }
 
     def run() -> dict:
         t0, total = time.perf_counter(), 0
@@ -110,7 +133,12 @@ def hf_runner(model_dir: Path, texts: list[str], n: int):
             for x in ids:
                 total += model.generate(x, **kw).shape[1] - x.shape[1]
         wall = time.perf_counter() - t0
-        return {"tokens": total, "wall_s": wall, "tokens_per_s": total / wall, "threads": torch.get_num_threads()}
+        return {
+            "tokens": total,
+            "wall_s": wall,
+            "tokens_per_s": total / wall,
+            "threads": torch.get_num_threads(),
+        }
 
     return run
 
@@ -132,18 +160,27 @@ def worker(spec_path: str, out_path: str) -> None:
         def pipeline(lanes: int):
             def run() -> dict:
                 pipe.scheduler = Scheduler(
-                    pipe.model, pipe.ring, pipe.topo, lanes=lanes, eos_token_id=None,  # no EOS stop
-                    context=pipe.context, timeout_s=icfg["timeout_s"], stats=pipe.stats,
+                    pipe.model,
+                    pipe.ring,
+                    pipe.topo,
+                    lanes=lanes,
+                    eos_token_id=None,  # no EOS stop
+                    context=pipe.context,
+                    timeout_s=icfg["timeout_s"],
+                    stats=pipe.stats,
                 )
                 pipe.stats.reset()
                 _, t = generate_batch(pipe, spec["prompts"], {**icfg, "lanes": lanes})
                 keep = ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")
                 return {**{k: t[k] for k in keep}, "ttft_mean_s": t["ttft_s"]["mean"]}
+
             return run
 
         modes = {"one_at_a_time": pipeline(1), "in_flight": pipeline(len(spec["prompts"]))}
         if spec["hf"]:
-            modes["hf_generate"] = hf_runner(spec["hf_model"], spec["prompts"], icfg["max_new_tokens"])
+            modes["hf_generate"] = hf_runner(
+                spec["hf_model"], spec["prompts"], icfg["max_new_tokens"]
+            )
         runs = {name: [] for name in modes}
         for r in range(spec["repeats"] + 1):  # the first round is a warm-up
             for name, run in modes.items():
@@ -157,19 +194,44 @@ def worker(spec_path: str, out_path: str) -> None:
         Path(out_path).write_text(json.dumps(results))
 
 
-def distlm_run(model_dir: Path, stages: int, texts: list[str], n: int, repeats: int, work: Path, timeout: float,
-               threads: int, hf_model: Path | None) -> dict:
+def distlm_run(
+    model_dir: Path,
+    stages: int,
+    texts: list[str],
+    n: int,
+    repeats: int,
+    work: Path,
+    timeout: float,
+    threads: int,
+    hf_model: Path | None,
+) -> dict:
     from distlm.config import validate_config
 
-    icfg = validate_config({"inference": {"stages": stages, "max_new_tokens": n, "greedy": True,
-                                          "timeout_s": 120}})["inference"]
+    icfg = validate_config(
+        {"inference": {"stages": stages, "max_new_tokens": n, "greedy": True, "timeout_s": 120}}
+    )["inference"]
     spec = work / f"spec-{stages}.json"
     out = work / f"out-{stages}.json"
-    spec.write_text(json.dumps({"inference": icfg, "model": str(model_dir), "prompts": texts, "repeats": repeats,
-                                "hf": hf_model is not None, "hf_model": str(hf_model)}))
+    spec.write_text(
+        json.dumps(
+            {
+                "inference": icfg,
+                "model": str(model_dir),
+                "prompts": texts,
+                "repeats": repeats,
+                "hf": hf_model is not None,
+                "hf_model": str(hf_model),
+            }
+        )
+    )
     cmd = ["mpiexec", "-n", str(stages), sys.executable, __file__, "--worker", str(spec), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads * stages)}  # the ranks share it out: `threads` each
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads * stages),
+    }  # the ranks share it out: `threads` each
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env
+    )
     if proc.returncode != 0:
         raise SystemExit(f"distlm S={stages} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -193,35 +255,72 @@ def main() -> None:
         texts = prompts(args.prompts, args.m)
         stages = [int(s) for s in args.stages.split(",")]
         if args.m < max(stages):
-            raise SystemExit(f"--m {args.m}: need at least as many prompts as stages ({max(stages)})")
+            raise SystemExit(
+                f"--m {args.m}: need at least as many prompts as stages ({max(stages)})"
+            )
         n = args.max_new_tokens
         if 1 not in stages:
-            raise SystemExit("--stages must include 1: Hugging Face generate runs beside the one-stage pipeline")
+            raise SystemExit(
+                "--stages must include 1: Hugging Face generate runs beside the one-stage pipeline"
+            )
         rows = {}
         for s in stages:
-            rows[str(s)] = distlm_run(sharded(model, s, work), s, texts, n, args.repeats, work, args.timeout,
-                                      args.threads, model if s == 1 else None)
+            rows[str(s)] = distlm_run(
+                sharded(model, s, work),
+                s,
+                texts,
+                n,
+                args.repeats,
+                work,
+                args.timeout,
+                args.threads,
+                model if s == 1 else None,
+            )
             r = rows[str(s)]
-            print(f"distlm S={s}: one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
-                  f"{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} tokens/s", flush=True)
+            print(
+                f"distlm S={s}: one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
+                f"{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} tokens/s",
+                flush=True,
+            )
         hf = rows["1"].pop("hf_generate")
         print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
         cfg = load_config_json(model)
-        ratios = {"s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]}
+        ratios = {
+            "s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]
+        }
         for s, r in rows.items():
-            ratios[f"s{s}_in_flight_vs_one_at_a_time"] = r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
+            ratios[f"s{s}_in_flight_vs_one_at_a_time"] = (
+                r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
+            )
         targets = {}
         if "s1_vs_hf_generate" in ratios:
             targets["s1 >= 0.8x hf_generate"] = ratios["s1_vs_hf_generate"] >= 0.8
         if "s3_in_flight_vs_one_at_a_time" in ratios:
-            targets["s3 in flight >= 1.5x one at a time"] = ratios["s3_in_flight_vs_one_at_a_time"] >= 1.5
+            targets["s3 in flight >= 1.5x one at a time"] = (
+                ratios["s3_in_flight_vs_one_at_a_time"] >= 1.5
+            )
         result = {
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                        "load_avg_1m": os.getloadavg()[0]},
-            "model": {"folder": str(args.model or "seeded init"), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-                      "n_head": cfg.n_head, "vocab_size": cfg.vocab_size},
-            "prompts": len(texts), "max_new_tokens": n, "repeats": args.repeats, "threads": args.threads,
-            "hf_generate": hf, "distlm": rows, "ratios": ratios, "targets_met": targets,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "load_avg_1m": os.getloadavg()[0],
+            },
+            "model": {
+                "folder": str(args.model or "seeded init"),
+                "n_layer": cfg.n_layer,
+                "n_embd": cfg.n_embd,
+                "n_head": cfg.n_head,
+                "vocab_size": cfg.vocab_size,
+            },
+            "prompts": len(texts),
+            "max_new_tokens": n,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "hf_generate": hf,
+            "distlm": rows,
+            "ratios": ratios,
+            "targets_met": targets,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

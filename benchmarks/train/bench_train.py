@@ -365,7 +365,9 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
         str(work / f"distlm-{n}-rank{{rank}}.log"),
     ]
     torchrun(a, script, env, work / f"distlm-{n}.log")
-    paths = TrainPaths(tokens=inputs["tokens"], model=inputs["model"], tokenizer=inputs["tokenizer"], out=out)
+    paths = TrainPaths(
+        tokens=inputs["tokens"], model=inputs["model"], tokenizer=inputs["tokenizer"], out=out
+    )
     with paths.metrics_csv.open() as f:
         rows = list(csv.DictReader(f))
     final = json.loads((paths.final / "distlm.json").read_text())

@@ -8,8 +8,9 @@ rank through distlm.transfer, every receiver verifies, rank 0 writes the Broadca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from distlm.documents import BroadcastReport, write_document
 from distlm.io import sha256_file
@@ -48,15 +49,23 @@ def run_broadcast_stage(
     if topo.is_main:
         log.info(
             "sending %s: %d tensors, %.1f MB to %d receivers over %s (buckets %s MB, chunks %s MB)",
-            weights, len(tensors),
+            weights,
+            len(tensors),
             sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
-            bcfg["receivers"], opts.transport, opts.bucket_mb, opts.chunk_mb,
+            bcfg["receivers"],
+            opts.transport,
+            opts.bucket_mb,
+            opts.chunk_mb,
         )
     s = broadcast_state_dict(tensors, src=0, options=opts).stats
     log.info(
         "%s %.1f MB in %.3f s (%.3f GB/s), %d buckets, verified: %s",
-        "sent" if topo.is_main else "received", s.bytes / 1e6, s.seconds, s.gbps or 0.0,
-        s.buckets, s.all_verified,
+        "sent" if topo.is_main else "received",
+        s.bytes / 1e6,
+        s.seconds,
+        s.gbps or 0.0,
+        s.buckets,
+        s.all_verified,
     )
     if not topo.is_main:
         return None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import jsonschema
 import yaml
@@ -98,7 +99,9 @@ def validate_config(config: Mapping, *, schema: dict | None = None, source: str 
                 extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
                 known = ", ".join(sorted(e.schema.get("properties", {})))
                 for k in extra:
-                    lines.append(f"{_key([*e.absolute_path, k])}: unknown key (known here: {known})")
+                    lines.append(
+                        f"{_key([*e.absolute_path, k])}: unknown key (known here: {known})"
+                    )
             else:
                 lines.append(f"{where}: {e.message}")
         raise ConfigError(f"{source} is invalid:\n  " + "\n  ".join(lines))
@@ -135,7 +138,9 @@ def check_consistency(cfg: dict, *, source: str = "config") -> None:
     if ev["context"] is not None and ev["stride"] is not None and ev["stride"] > ev["context"]:
         problems.append(f"eval.stride: {ev['stride']} is larger than eval.context {ev['context']}")
     if cfg["runtime"]["backend"] == "nccl" and cfg["runtime"]["device"] == "cpu":
-        problems.append("runtime.backend: nccl needs runtime.device cuda (or auto); use gloo on cpu")
+        problems.append(
+            "runtime.backend: nccl needs runtime.device cuda (or auto); use gloo on cpu"
+        )
     m = cfg["model"]
     if m["source"] in ("hub", "local") and not m["name"]:
         problems.append(f"model.name: required when model.source is {m['source']}")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import h5py
 import numpy as np
@@ -142,18 +142,27 @@ def load_local(cfg: dict) -> dict[str, Split]:
             for i, r in enumerate(read_local_file(p, cfg["text_field"])):
                 docs.append((f"{p}#{i}", r))
         carved = split_documents(
-            docs, cfg["validation_fraction"], cfg["test_fraction"], f"data.local.train {files['train']}"
+            docs,
+            cfg["validation_fraction"],
+            cfg["test_fraction"],
+            f"data.local.train {files['train']}",
         )
         out = {"train": carved["train"]}
         for s in ("validation", "test"):
             out[s] = (
-                Split(s, [r for p in files[s] for r in read_local_file(p, cfg["text_field"])], str(files[s]))
+                Split(
+                    s,
+                    [r for p in files[s] for r in read_local_file(p, cfg["text_field"])],
+                    str(files[s]),
+                )
                 if files[s]
                 else carved[s]
             )
         return out
     return {
-        s: Split(s, [r for p in files[s] for r in read_local_file(p, cfg["text_field"])], str(files[s]))
+        s: Split(
+            s, [r for p in files[s] for r in read_local_file(p, cfg["text_field"])], str(files[s])
+        )
         for s in SPLITS
     }
 
@@ -212,7 +221,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int, o
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS],
+        texts,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS],
         show_progress=False,
     )
     tok = PreTrainedTokenizerFast(
@@ -249,7 +261,9 @@ def load_tokenizer(path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
-        raise DistlmError(f"tokenizer folder {path} cannot be loaded ({type(e).__name__}: {e})") from None
+        raise DistlmError(
+            f"tokenizer folder {path} cannot be loaded ({type(e).__name__}: {e})"
+        ) from None
 
 
 def encode(tok, split: Split, separator: str, *, show: bool = True) -> np.ndarray:
@@ -257,7 +271,9 @@ def encode(tok, split: Split, separator: str, *, show: bool = True) -> np.ndarra
     pieces = [r + separator for r in split.records[:-1]] + split.records[-1:]
     ids: list[np.ndarray] = []
     batch = 256
-    bar = progress(range(0, len(pieces), batch), enabled=show, desc=f"tokenize {split.name}", unit="batch")
+    bar = progress(
+        range(0, len(pieces), batch), enabled=show, desc=f"tokenize {split.name}", unit="batch"
+    )
     for i in bar:
         enc = tok(pieces[i : i + batch], add_special_tokens=False)["input_ids"]
         ids.extend(np.asarray(e, dtype=np.int64) for e in enc if len(e))
@@ -271,35 +287,39 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 
 
-def write_tokens(path: Path, streams: dict[str, np.ndarray], block_size: int, vocab_size: int, meta: dict):
+def write_tokens(
+    path: Path, streams: dict[str, np.ndarray], block_size: int, vocab_size: int, meta: dict
+):
     dtype = token_dtype(vocab_size)
-    with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["block_size"] = block_size
-            f.attrs["vocab_size"] = vocab_size
-            f.attrs["meta"] = json.dumps(meta, sort_keys=True)
-            for name, ids in streams.items():
-                n_blocks = len(ids) // block_size
-                g = f.create_group(name)
-                g.attrs["n_tokens"] = len(ids)
-                g.attrs["n_blocks"] = n_blocks
-                g.create_dataset(
-                    "tokens", data=ids.astype(dtype), chunks=(min(len(ids), 1 << 16),),
-                    compression=None,
-                )
-                rows = max(1, min(n_blocks, (1 << 16) // block_size))
-                g.create_dataset(
-                    "blocks", data=ids[: n_blocks * block_size].astype(dtype).reshape(n_blocks, block_size),
-                    chunks=(rows, block_size),
-                )
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["block_size"] = block_size
+        f.attrs["vocab_size"] = vocab_size
+        f.attrs["meta"] = json.dumps(meta, sort_keys=True)
+        for name, ids in streams.items():
+            n_blocks = len(ids) // block_size
+            g = f.create_group(name)
+            g.attrs["n_tokens"] = len(ids)
+            g.attrs["n_blocks"] = n_blocks
+            g.create_dataset(
+                "tokens",
+                data=ids.astype(dtype),
+                chunks=(min(len(ids), 1 << 16),),
+                compression=None,
+            )
+            rows = max(1, min(n_blocks, (1 << 16) // block_size))
+            g.create_dataset(
+                "blocks",
+                data=ids[: n_blocks * block_size].astype(dtype).reshape(n_blocks, block_size),
+                chunks=(rows, block_size),
+            )
 
 
 class TokenBlocks:
     """Random access to one split's blocks, read from disk on demand (open lazily, per process).
 
-        blocks = TokenBlocks("results/data/tokens.h5", "train")
-        x = blocks[[3, 17, 42]]   # (3, block_size) int64, only those rows read
+    blocks = TokenBlocks("results/data/tokens.h5", "train")
+    x = blocks[[3, 17, 42]]   # (3, block_size) int64, only those rows read
     """
 
     def __init__(self, path: str | Path, split: str) -> None:
@@ -369,7 +389,9 @@ def read_tokens_meta(path: str | Path) -> dict:
 # ----------------------------------------------------------------------------- stage
 
 
-def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, stats_path: str | Path) -> DataStats:
+def prepare(
+    cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, stats_path: str | Path
+) -> DataStats:
     """Run the dataset-prep stage for the validated config `cfg`; returns the stats written."""
     t0 = time.perf_counter()
     dcfg, mcfg = cfg["data"], cfg["model"]
@@ -389,15 +411,21 @@ def prepare(cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, st
     return stats
 
 
-def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, t0) -> DataStats:
+def _tokenize_and_write(
+    cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, t0
+) -> DataStats:
     dcfg, mcfg = cfg["data"], cfg["model"]
     tok = model_tokenizer(mcfg)
     if tok is None:
-        log.info("training a byte-level BPE tokenizer (vocab %d) on the train split",
-                 dcfg["tokenizer"]["vocab_size"])
+        log.info(
+            "training a byte-level BPE tokenizer (vocab %d) on the train split",
+            dcfg["tokenizer"]["vocab_size"],
+        )
         tok = train_tokenizer(
-            splits["train"].records, dcfg["tokenizer"]["vocab_size"],
-            dcfg["tokenizer"]["min_frequency"], tok_tmp,
+            splits["train"].records,
+            dcfg["tokenizer"]["vocab_size"],
+            dcfg["tokenizer"]["min_frequency"],
+            tok_tmp,
         )
         tok_kind = "byte-level BPE trained on the train split"
     else:
@@ -434,7 +462,7 @@ def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path
         splits={
             s: SplitStats(
                 documents=splits[s].documents,
-                tokens=int(len(ids)),
+                tokens=len(ids),
                 blocks=int(len(ids) // bs),
                 tail_tokens_not_in_blocks=int(len(ids) % bs),
                 tokens_sha256=hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest(),
@@ -444,7 +472,8 @@ def _tokenize_and_write(cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path
         seconds=round(time.perf_counter() - t0, 3),
     )
     log.info(
-        "wrote %s: %s", tokens_path,
+        "wrote %s: %s",
+        tokens_path,
         ", ".join(f"{s} {v.blocks} blocks/{v.tokens} tokens" for s, v in stats.splits.items()),
     )
     return stats

@@ -121,7 +121,9 @@ def share_threads(device: torch.device) -> int:
     torch.set_num_threads(threads)
     log.info(
         "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
-        threads, os.environ.get("OMP_NUM_THREADS", "unset"), cpus,
+        threads,
+        os.environ.get("OMP_NUM_THREADS", "unset"),
+        cpus,
         os.environ.get("LOCAL_WORLD_SIZE", "1"),
     )
     return threads
@@ -160,8 +162,11 @@ def distributed(
         # (gloo/NCCL peer addresses): without a fresh prefix the new workers dial dead ones.
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-            is_master=rank == 0 and not use_agent, timeout=_dt.timedelta(seconds=timeout_s),
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and not use_agent,
+            timeout=_dt.timedelta(seconds=timeout_s),
         )
         kwargs["store"] = dist.PrefixStore(f"distlm/attempt-{restart}", store)
     dist.init_process_group(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -43,7 +43,7 @@ class Document(BaseModel):
         return {"format": self.tag(), **self.model_dump(mode="json")}
 
     @classmethod
-    def from_json(cls: type[D], obj: object, where: str) -> D:
+    def from_json(cls, obj: object, where: str) -> Self:
         """Check the format tag, then every field; errors name `where` and the field."""
         if not isinstance(obj, dict):
             raise DocumentError(f"{where}: expected a {cls.tag()} object, got {type(obj).__name__}")
@@ -52,8 +52,11 @@ class Document(BaseModel):
             what = "no format tag" if found is None else f"a {found!r} document"
             raise DocumentError(
                 f"{where}: {what} where {cls.tag()!r} ({cls.__name__}) was expected"
-                + ("; it was written by another version of distlm: rerun the stage that wrote it"
-                   if isinstance(found, str) and found.split("/")[0] == cls.KIND else "")
+                + (
+                    "; it was written by another version of distlm: rerun the stage that wrote it"
+                    if isinstance(found, str) and found.split("/")[0] == cls.KIND
+                    else ""
+                )
             )
         body = {k: v for k, v in obj.items() if k != "format"}
         try:

@@ -57,7 +57,9 @@ class Window:
         return self.end - self.target
 
 
-def sliding_windows(n_tokens: int, context: int, stride: int, *, where: str = "split") -> list[Window]:
+def sliding_windows(
+    n_tokens: int, context: int, stride: int, *, where: str = "split"
+) -> list[Window]:
     """The windows of a stream of `n_tokens` tokens (HF guide's loop, token 0 never scored)."""
     if context < 2:
         raise DistlmError(f"eval.context: {context} tokens; at least 2 are needed to score one")
@@ -97,9 +99,13 @@ def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | No
     if precision == "fp32":
         return None
     if precision not in _AUTOCAST:
-        raise DistlmError(f"eval.precision: unknown precision {precision!r} (auto, fp32, bf16, fp16)")
+        raise DistlmError(
+            f"eval.precision: unknown precision {precision!r} (auto, fp32, bf16, fp16)"
+        )
     if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise DistlmError(f"eval.precision: bf16 requested but {torch.cuda.get_device_name()} lacks it")
+        raise DistlmError(
+            f"eval.precision: bf16 requested but {torch.cuda.get_device_name()} lacks it"
+        )
     return _AUTOCAST[precision]
 
 
@@ -150,7 +156,9 @@ def score_windows(
         ids, scored, labels = _batch(tokens, windows[i : i + batch_size])
         ids, scored, labels = ids.to(device), scored.to(device), labels.to(device)
         with amp:
-            hidden = model.transformer(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+            hidden = model.transformer(
+                input_ids=ids, use_cache=False
+            ).last_hidden_state  # (B, T, C)
             logits = model.lm_head(hidden[scored])  # (n_scored, V)
         nll = F.cross_entropy(logits.float(), labels[scored], reduction="none")  # (n_scored,)
         total += nll.double().sum()
@@ -180,14 +188,20 @@ def evaluate_stream(
     topo.barrier()
     t0 = time.perf_counter()
     total, count = score_windows(
-        model, tokens, mine, batch_size=batch_size, device=topo.device,
-        autocast_dtype=autocast_dtype, show_progress=topo.is_main, desc=where,
+        model,
+        tokens,
+        mine,
+        batch_size=batch_size,
+        device=topo.device,
+        autocast_dtype=autocast_dtype,
+        show_progress=topo.is_main,
+        desc=where,
     )
     sums = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=topo.device)])
     if dist.is_initialized() and topo.world_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     seconds = time.perf_counter() - t0  # the all-reduce waits for the slowest rank
-    nll_sum, n_scored = float(sums[0]), int(round(float(sums[1])))
+    nll_sum, n_scored = float(sums[0]), round(float(sums[1]))
     expected = sum(w.n_scored for w in windows)
     if n_scored != expected:  # every window scored exactly once, across all ranks
         raise DistlmError(f"{where}: {n_scored} tokens scored across ranks, expected {expected}")
@@ -201,7 +215,7 @@ def evaluate_stream(
         mean_loss=mean,
         perplexity=math.exp(mean),
         tokens_scored=n_scored,
-        tokens=int(len(tokens)),
+        tokens=len(tokens),
         windows=len(windows),
         context=context,
         stride=stride,
@@ -230,7 +244,9 @@ def load_model(model_dir: str | Path, device: torch.device):
     return model, meta
 
 
-def check_data_matches(model_meta: dict, data_meta: dict, model_dir: Path, tokens_path: Path) -> None:
+def check_data_matches(
+    model_meta: dict, data_meta: dict, model_dir: Path, tokens_path: Path
+) -> None:
     """A model made from other token blocks (another tokenizer) would be scored on the wrong ids."""
     want = model_meta.get("data_config_digest")
     have = data_meta.get("config_digest")
@@ -264,28 +280,47 @@ def evaluate_model(
     amp = autocast_dtype_for(ecfg["precision"], topo.device)
     log.info(
         "%s (%s): context %d, stride %d, batch %d windows, %s on %s, %d rank(s)",
-        name, model_dir, context, stride, ecfg["batch_size"], precision_name(amp), topo.device,
+        name,
+        model_dir,
+        context,
+        stride,
+        ecfg["batch_size"],
+        precision_name(amp),
+        topo.device,
         topo.world_size,
     )
     splits = {}
     for split in ecfg["splits"]:
         tokens = TokenBlocks(tokens_path, split).tokens()
         res = evaluate_stream(
-            model, tokens, context=context, stride=stride, batch_size=ecfg["batch_size"],
-            topo=topo, autocast_dtype=amp, where=f"{tokens_path} split {split!r}",
+            model,
+            tokens,
+            context=context,
+            stride=stride,
+            batch_size=ecfg["batch_size"],
+            topo=topo,
+            autocast_dtype=amp,
+            where=f"{tokens_path} split {split!r}",
         )
         res = res.model_copy(update={"model_sha256": meta.get("model_sha256")})
         splits[split] = res
         if topo.is_main:
             log.info(
                 "%s %s: loss %.4f, perplexity %.3f over %d tokens (%d windows) in %.2f s, "
-                "%s tokens/s", name, split, res.mean_loss, res.perplexity,
-                res.tokens_scored, res.windows, res.seconds, res.tokens_per_s,
+                "%s tokens/s",
+                name,
+                split,
+                res.mean_loss,
+                res.perplexity,
+                res.tokens_scored,
+                res.windows,
+                res.seconds,
+                res.tokens_per_s,
             )
-    result = dict(
-        name=name,
-        method=METHOD,
-        model={
+    result = {
+        "name": name,
+        "method": METHOD,
+        "model": {
             "path": str(model_dir),
             "model_sha256": meta.get("model_sha256"),
             "arch_digest": meta.get("arch_digest"),
@@ -293,20 +328,21 @@ def evaluate_model(
             "parameters": meta.get("parameters"),
             "n_positions": model.config.n_positions,
         },
-        data={
+        "data": {
             "path": str(tokens_path),
             "config_digest": data_meta.get("config_digest"),
             "vocab_size": data_meta.get("vocab_size"),
         },
-        context=context,
-        stride=stride,
-        batch_size=ecfg["batch_size"],
-        precision=precision_name(amp),
-        device=str(topo.device.type),
-        world_size=topo.world_size,
-        config_digest=cfg.get("_digest") or digest({k: v for k, v in cfg.items() if k != "_digest"}),
-        splits=splits,
-    )
+        "context": context,
+        "stride": stride,
+        "batch_size": ecfg["batch_size"],
+        "precision": precision_name(amp),
+        "device": str(topo.device.type),
+        "world_size": topo.world_size,
+        "config_digest": cfg.get("_digest")
+        or digest({k: v for k, v in cfg.items() if k != "_digest"}),
+        "splits": splits,
+    }
     report = None
     if topo.is_main:
         result["data"]["sha256"] = sha256_file(tokens_path)

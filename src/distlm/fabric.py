@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 from functools import lru_cache
+from typing import Self
 
 from distlm import DistlmError
 from distlm.io import pid_alive
@@ -39,9 +40,11 @@ class FabricError(DistlmError):
 
 
 def _run(cmd: list[str], what: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
-        raise FabricError(f"{what} failed: `{' '.join(cmd)}` -> {proc.stderr.strip() or proc.returncode}")
+        raise FabricError(
+            f"{what} failed: `{' '.join(cmd)}` -> {proc.stderr.strip() or proc.returncode}"
+        )
     return proc.stdout
 
 
@@ -49,7 +52,7 @@ def _run(cmd: list[str], what: str) -> str:
 def unavailable_reason() -> str | None:
     """Why a fabric cannot be built here (None: it can): root, iproute2, tc, netns support."""
     if os.geteuid() != 0:
-        return "network namespaces need root (this process runs as uid %d)" % os.geteuid()
+        return f"network namespaces need root (this process runs as uid {os.geteuid()})"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
@@ -60,20 +63,59 @@ def unavailable_reason() -> str | None:
     try:
         try:
             _run(["ip", "netns", "add", probe], "creating a network namespace")
-            _run(["ip", "-n", probe, "link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"], "creating a veth pair")
-            _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "pa", "root", "tbf",
-                  "rate", "100mbit", "burst", "64kb", "latency", "50ms"], "shaping a veth with tc tbf")
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    probe,
+                    "link",
+                    "add",
+                    "name",
+                    "pa",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "pb",
+                ],
+                "creating a veth pair",
+            )
+            _run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    probe,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "pa",
+                    "root",
+                    "tbf",
+                    "rate",
+                    "100mbit",
+                    "burst",
+                    "64kb",
+                    "latency",
+                    "50ms",
+                ],
+                "shaping a veth with tc tbf",
+            )
         finally:
             # also when `add` timed out or failed halfway: deleting an absent namespace is harmless
-            subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True,
-                           timeout=30)
+            subprocess.run(
+                ["ip", "netns", "del", probe], check=False, capture_output=True, timeout=30
+            )
     except (FabricError, OSError, subprocess.TimeoutExpired) as e:
         return f"`ip netns` is unavailable: {e}"
     return None
 
 
 def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -85,7 +127,7 @@ def cleanup_stale() -> list[str]:
         # dlmfab-PID-...; dlmfab-probe-PID is the probe's name before the pid came first
         pid = parts[1] if len(parts) >= 3 and parts[1] != "probe" else parts[-1]
         if len(parts) >= 3 and parts[0] == PREFIX and pid.isdigit() and not pid_alive(int(pid)):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
             removed.append(ns)
     if removed:
         log.info("removed %d stale fabric namespaces: %s", len(removed), ", ".join(removed))
@@ -98,7 +140,9 @@ _COUNTER = iter(range(1 << 30))
 class Fabric:
     """`hosts` network namespaces on a shaped bridge; see the module docstring."""
 
-    def __init__(self, hosts: int, *, rate_mbit: float | None = 1000.0, latency_ms: float = 50.0) -> None:
+    def __init__(
+        self, hosts: int, *, rate_mbit: float | None = 1000.0, latency_ms: float = 50.0
+    ) -> None:
         if hosts < 1:
             raise FabricError(f"a fabric needs at least one host, got {hosts}")
         if hosts > 250:
@@ -122,9 +166,13 @@ class Fabric:
 
     def env(self, host: int) -> dict[str, str]:
         """Environment for a torch.distributed process on `host` (gloo on the fabric's link)."""
-        return {"GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME}
+        return {
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "TP_SOCKET_IFNAME": IFNAME,
+            "NCCL_SOCKET_IFNAME": IFNAME,
+        }
 
-    def __enter__(self) -> "Fabric":
+    def __enter__(self) -> Self:
         reason = unavailable_reason()
         if reason:
             raise FabricError(f"cannot build the fabric: {reason}")
@@ -150,32 +198,81 @@ class Fabric:
             return
         # burst: at least 1 ms of traffic at the link rate, and at least 64 KB so GSO frames pass.
         burst_kb = max(64, int(self.rate_mbit * 1000 / 8 / 1000))
-        _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-              "rate", f"{self.rate_mbit}mbit", "burst", f"{burst_kb}kb", "latency", f"{self.latency_ms}ms"],
-             f"shaping {dev} in {ns}")
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{self.rate_mbit}mbit",
+                "burst",
+                f"{burst_kb}kb",
+                "latency",
+                f"{self.latency_ms}ms",
+            ],
+            f"shaping {dev} in {ns}",
+        )
 
     def _build(self) -> None:
         self._add_ns(self.switch)
-        _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"], "creating the bridge")
+        _run(
+            ["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"], "creating the bridge"
+        )
         _run(["ip", "-n", self.switch, "link", "set", "br0", "up"], "bringing up the bridge")
         for h in range(self.hosts):
             ns, port = self.ns(h), f"p{h}"
             self._add_ns(ns)
-            _run(["ip", "link", "add", "name", IFNAME, "netns", ns, "type", "veth", "peer", "name", port,
-                  "netns", self.switch], f"creating the veth of host {h}")
-            _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"], f"plugging host {h} in")
-            _run(["ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", IFNAME], f"addressing host {h}")
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    "name",
+                    IFNAME,
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "netns",
+                    self.switch,
+                ],
+                f"creating the veth of host {h}",
+            )
+            _run(
+                ["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"],
+                f"plugging host {h} in",
+            )
+            _run(
+                ["ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", IFNAME],
+                f"addressing host {h}",
+            )
             _run(["ip", "-n", ns, "link", "set", IFNAME, "up"], f"bringing up host {h}")
             self._shape(ns, IFNAME)  # what the host sends
             self._shape(self.switch, port)  # what the host receives
-        log.info("fabric %s: %d hosts on %s/24, links %s", self.tag, self.hosts, self.address(0),
-                 f"{self.rate_mbit} Mbit/s" if self.rate_mbit else "unshaped")
+        log.info(
+            "fabric %s: %d hosts on %s/24, links %s",
+            self.tag,
+            self.hosts,
+            self.address(0),
+            f"{self.rate_mbit} Mbit/s" if self.rate_mbit else "unshaped",
+        )
 
     def close(self) -> None:
         """Delete every namespace this fabric created (idempotent)."""
         while self.created:
             ns = self.created.pop()
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
         atexit.unregister(self.close)
 
     def exists(self) -> list[str]:

@@ -122,7 +122,9 @@ def remove_leftovers(folder: str | os.PathLike, name: str | None = None) -> list
 
         get_logger(__name__).info(
             "removed %d leftovers of interrupted writes in %s: %s",
-            len(removed), folder, ", ".join(p.name for p in removed),
+            len(removed),
+            folder,
+            ", ".join(p.name for p in removed),
         )
     return removed
 

@@ -136,7 +136,9 @@ def bind_to_launcher(
         if not is_parent and started is None:
             _die(f"launcher pid {pid} is not running")
         threading.Thread(
-            target=_watch, args=(pid, is_parent, started, poll_s), name="distlm-lifeline",
+            target=_watch,
+            args=(pid, is_parent, started, poll_s),
+            name="distlm-lifeline",
             daemon=True,
         ).start()
         _bound = Lifeline(launcher_pid=pid, pdeathsig=pdeathsig, poll_s=poll_s)

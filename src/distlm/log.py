@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 _FORMAT = "%(asctime)s.%(msecs)03d [rank %(rank)s] %(levelname)s %(name)s: %(message)s"

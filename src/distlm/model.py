@@ -19,7 +19,6 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -78,8 +77,11 @@ def load_source(mcfg: dict):
         raise DistlmError(f"model.name: model folder not found: {name}")
     try:
         model = GPT2LMHeadModel.from_pretrained(
-            name, revision=mcfg["revision"], local_files_only=local,
-            torch_dtype=torch.float32, attn_implementation="sdpa",
+            name,
+            revision=mcfg["revision"],
+            local_files_only=local,
+            torch_dtype=torch.float32,
+            attn_implementation="sdpa",
         )
     except Exception as e:
         hint = "" if local else " Unknown model id, or offline without a cached copy?"
@@ -115,7 +117,9 @@ def load_safetensors(path: str | Path, *, device: str = "cpu") -> dict[str, torc
         ) from None
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None
+) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
@@ -133,7 +137,9 @@ def load_config_json(folder: str | Path):
         raise DistlmError(f"{p}: not a readable GPT-2 config ({e})") from None
 
 
-def check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str) -> None:
+def check_state_dict(
+    sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str
+) -> None:
     """Names, shapes and dtypes of `sd` must match `expected`; the error names the tensor."""
     missing = sorted(set(expected) - set(sd))
     extra = sorted(set(sd) - set(expected))
@@ -148,7 +154,9 @@ def check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Tens
             )
 
 
-def load_model_dir(folder: str | Path, *, device: str | torch.device = "cpu", dtype=None, verify: bool = True):
+def load_model_dir(
+    folder: str | Path, *, device: str | torch.device = "cpu", dtype=None, verify: bool = True
+):
     """Load a model folder into a GPT2LMHeadModel (eval mode); checks digest and tensor shapes."""
     folder = Path(folder)
     config = load_config_json(folder)
@@ -164,7 +172,9 @@ def load_model_dir(folder: str | Path, *, device: str | torch.device = "cpu", dt
     with torch.device("meta"):
         model = build_model(config)
     expected = {
-        k: v for k, v in model.state_dict().items() if not (k in TIED and config.tie_word_embeddings)
+        k: v
+        for k, v in model.state_dict().items()
+        if not (k in TIED and config.tie_word_embeddings)
     }
     check_state_dict(sd, expected, str(weights))
     model = build_model(config)
@@ -223,7 +233,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def plan_stages(sd: dict[str, torch.Tensor], n_layer: int, stages: int, *, tied: bool = True) -> list[StagePlan]:
+def plan_stages(
+    sd: dict[str, torch.Tensor], n_layer: int, stages: int, *, tied: bool = True
+) -> list[StagePlan]:
     """Split blocks into `stages` contiguous ranges minimising the largest stage's bytes.
 
     Stage 0 also holds the embeddings (wte, wpe); the last stage the final norm and the LM head
@@ -286,7 +298,9 @@ def plan_stages(sd: dict[str, torch.Tensor], n_layer: int, stages: int, *, tied:
         if s == 0:
             names = embed + names
         if s == S - 1:
-            names = names + head + (["lm_head.weight"] if tied and "lm_head.weight" not in sd else [])
+            names = (
+                names + head + (["lm_head.weight"] if tied and "lm_head.weight" not in sd else [])
+            )
         plans.append(StagePlan(s, i, j, tuple(names), cost(s, i, j)))
     return plans
 
@@ -333,7 +347,9 @@ def write_model_dir(
         }
         write_json(tmp / META, full_meta)
     log.info(
-        "wrote %s: %d tensors, %.1f MB", out_dir, len(state_dict),
+        "wrote %s: %d tensors, %.1f MB",
+        out_dir,
+        len(state_dict),
         sum(_nbytes(t) for t in state_dict.values()) / 1e6,
     )
     return full_meta
@@ -370,16 +386,18 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
         for p in plans:
             fname = f"stage-{p.stage:02d}.safetensors"
             save_safetensors(_shard_tensors(state_dict, p), tmp / SHARDS / fname)
-            shards.append({
-                "stage": p.stage,
-                "file": fname,
-                "layers": [p.layer_start, p.layer_end],
-                "has_embeddings": p.has_embeddings,
-                "has_head": p.has_head,
-                "tensors": list(p.tensors),
-                "bytes": p.nbytes,
-                "sha256": sha256_file(tmp / SHARDS / fname),
-            })
+            shards.append(
+                {
+                    "stage": p.stage,
+                    "file": fname,
+                    "layers": [p.layer_start, p.layer_end],
+                    "has_embeddings": p.has_embeddings,
+                    "has_head": p.has_head,
+                    "tensors": list(p.tensors),
+                    "bytes": p.nbytes,
+                    "sha256": sha256_file(tmp / SHARDS / fname),
+                }
+            )
         manifest = {
             "format": SHARDS_FORMAT,
             "stages": stages,
@@ -389,16 +407,23 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
             "shards": shards,
         }
         write_json(tmp / SHARDS / MANIFEST, manifest)
-        write_json(tmp / META, {
-            **meta,
-            "format": PIPELINE_FORMAT,
-            "source_model": str(model_dir),
-            "stages": [
-                {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]} for s in shards
-            ],
-        })
+        write_json(
+            tmp / META,
+            {
+                **meta,
+                "format": PIPELINE_FORMAT,
+                "source_model": str(model_dir),
+                "stages": [
+                    {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]}
+                    for s in shards
+                ],
+            },
+        )
     log.info(
-        "wrote %s: %d stage shards of %s (layers %s)", out_dir, stages, model_dir,
+        "wrote %s: %d stage shards of %s (layers %s)",
+        out_dir,
+        stages,
+        model_dir,
         ", ".join(f"{s['layers'][0]}-{s['layers'][1] - 1}" for s in shards),
     )
     return manifest
@@ -406,7 +431,9 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
 
 def arch_signature(config) -> dict:
     """What must agree between a checkpoint and the model it claims to be."""
-    return {k: getattr(config, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
+    return {
+        k: getattr(config, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+    }
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -414,13 +441,17 @@ def read_manifest(folder: str | Path) -> dict:
     return _checked(Path(folder) / SHARDS / MANIFEST, "shard manifest", SHARDS_FORMAT)
 
 
-def load_stage_shard(folder: str | Path, stage: int, *, device: str = "cpu") -> tuple[dict, dict[str, torch.Tensor]]:
+def load_stage_shard(
+    folder: str | Path, stage: int, *, device: str = "cpu"
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest entry, tensors) of one stage, after checking the shard's sha256."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     entries = [s for s in manifest["shards"] if s["stage"] == stage]
     if not entries:
-        raise DistlmError(f"{folder / SHARDS / MANIFEST}: no stage {stage} (has {manifest['stages']})")
+        raise DistlmError(
+            f"{folder / SHARDS / MANIFEST}: no stage {stage} (has {manifest['stages']})"
+        )
     entry = entries[0]
     path = folder / SHARDS / entry["file"]
     if not path.is_file():
@@ -485,4 +516,6 @@ def serialize(cfg: dict, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Pat
         "data_config_digest": data_meta["config_digest"],
         "dtype": mcfg["dtype"],
     }
-    return write_model_dir(out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir, meta=meta)
+    return write_model_dir(
+        out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir, meta=meta
+    )

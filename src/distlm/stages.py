@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 RESULTS = "results"
 BENCHMARKS = f"{RESULTS}/benchmarks"  # Snakemake `benchmark:` TSVs, one per job, {job}.tsv
@@ -77,13 +78,16 @@ class Stage:
 
 
 def _outputs(**outs: str | tuple[str, bool]) -> dict[str, Output]:
-    return {
-        k: Output(*v) if isinstance(v, tuple) else Output(v) for k, v in outs.items()
-    }
+    return {k: Output(*v) if isinstance(v, tuple) else Output(v) for k, v in outs.items()}
 
 
 _DEVICE = ("runtime.device", "runtime.backend", "runtime.timeout_s")
-_TRANSFER = ("broadcast.transport", "broadcast.bucket_mb", "broadcast.chunk_mb", "broadcast.timeout_s")
+_TRANSFER = (
+    "broadcast.transport",
+    "broadcast.bucket_mb",
+    "broadcast.chunk_mb",
+    "broadcast.timeout_s",
+)
 _SAMPLING = (
     "inference.greedy",
     "inference.temperature",
@@ -123,7 +127,7 @@ STAGES: dict[str, Stage] = {
             "pipeline",
             keys=("inference.stages",),
             outputs=_outputs(pipeline=("{model}", True)),
-                        summary="a model folder -> one shard per pipeline stage, with a sha256 manifest",
+            summary="a model folder -> one shard per pipeline stage, with a sha256 manifest",
         ),
         Stage(
             "broadcast",
@@ -172,7 +176,7 @@ STAGES: dict[str, Stage] = {
                 *_SAMPLING,
             ),
             outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
-                        consumes=("shard[trained]",),
+            consumes=("shard[trained]",),
             summary="prompts through the pipeline-parallel trained model -> generations, timing",
         ),
         Stage(
@@ -196,7 +200,7 @@ STAGES: dict[str, Stage] = {
             "report",
             keys=("report",),
             outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
-                        consumes=(
+            consumes=(
                 "prepare_data",
                 "broadcast",
                 "train",
@@ -319,7 +323,7 @@ TABLE_END = "<!-- /rerun-table -->"
 
 def with_table(readme: str, table: str) -> str:
     """`readme` with the text between the table markers replaced by `table`."""
-    pattern = re.compile(re.escape(TABLE_BEGIN) + r".*?" + re.escape(TABLE_END), re.S)
+    pattern = re.compile(re.escape(TABLE_BEGIN) + r".*?" + re.escape(TABLE_END), re.DOTALL)
     if not pattern.search(readme):
         raise ValueError(f"config/README.md has no {TABLE_BEGIN!r} ... {TABLE_END!r} block")
     return pattern.sub(lambda _: f"{TABLE_BEGIN}\n{table}{TABLE_END}", readme)
@@ -346,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
             readme_path.write_text(new, encoding="utf-8")
         return 0
     if args.check and new != readme:
-        print(f"{readme_path}: the rerun table is out of date; run "
-              "`python -m distlm.stages --write`", file=sys.stderr)
+        print(
+            f"{readme_path}: the rerun table is out of date; run `python -m distlm.stages --write`",
+            file=sys.stderr,
+        )
         return 1
     print(rerun_table(schema), end="")
     return 0

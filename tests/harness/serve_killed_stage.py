@@ -25,7 +25,9 @@ base = f"http://127.0.0.1:{port}"
 
 
 def request(method, path, body=None, timeout=60):
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode() if body else None, method=method)
+    req = urllib.request.Request(
+        base + path, data=json.dumps(body).encode() if body else None, method=method
+    )
     req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -34,8 +36,18 @@ def request(method, path, body=None, timeout=60):
         return e.code, e.read().decode()
 
 
-front = subprocess.Popen([sys.executable, str(SERVE), "--launcher", "srun --mpi=pmi2 -n 3",
-                          "--config", config, "--model", model])
+front = subprocess.Popen(
+    [
+        sys.executable,
+        str(SERVE),
+        "--launcher",
+        "srun --mpi=pmi2 -n 3",
+        "--config",
+        config,
+        "--model",
+        model,
+    ]
+)
 deadline = time.monotonic() + 180
 while True:
     try:
@@ -49,7 +61,11 @@ while True:
     time.sleep(0.5)
 stages = json.loads(text)["pipeline"]
 print("HEALTH", json.dumps([[s["stage"], s["host"], s["pid"]] for s in stages]), flush=True)
-print("COMPLETION", request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 5})[0], flush=True)
+print(
+    "COMPLETION",
+    request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 5})[0],
+    flush=True,
+)
 victim = stages[1]
 if victim["host"] != os.uname().nodename:
     sys.exit(f"stage 1 runs on {victim['host']}, not on the batch host {os.uname().nodename}")

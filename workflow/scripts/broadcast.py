@@ -10,16 +10,20 @@ import argparse
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from distlm.broadcast import run_broadcast_stage
 from distlm.config import read_resolved
 from distlm.dist import distributed
 from distlm.log import setup_logging
-from distlm.broadcast import run_broadcast_stage
 
 
 @record
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="resolved config (results/config/broadcast.json)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", required=True, help="resolved config (results/config/broadcast.json)"
+    )
     p.add_argument("--model", required=True, help="model folder of the model stage")
     p.add_argument("--report", required=True, help="output JSON report (written by rank 0)")
     p.add_argument("--rank-log", required=True, help="per-rank log file; {rank} is filled in")

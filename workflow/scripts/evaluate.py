@@ -18,7 +18,9 @@ from distlm.log import setup_logging
 
 @record
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="resolved config (results/config/eval.json)")
     p.add_argument("--model", required=True, help="model folder")
     p.add_argument("--tokens", required=True, help="HDF5 token file of the data stage")
@@ -31,7 +33,11 @@ def main() -> None:
     rt = cfg["runtime"]
     with distributed(backend=rt["backend"], device=rt["device"], timeout_s=rt["timeout_s"]) as topo:
         evaluate_model(
-            cfg, topo=topo, model_dir=args.model, tokens_path=args.tokens, name=args.name,
+            cfg,
+            topo=topo,
+            model_dir=args.model,
+            tokens_path=args.tokens,
+            name=args.name,
             out_path=args.out,
         )
 

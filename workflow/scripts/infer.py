@@ -12,7 +12,9 @@ from distlm.inference.pipeline import run_batch
 from distlm.log import setup_logging
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--config", required=True, help="resolved config (results/config/inference.json)")
+parser.add_argument(
+    "--config", required=True, help="resolved config (results/config/inference.json)"
+)
 parser.add_argument("--model", required=True, help="model folder with shards/ (one shard per rank)")
 parser.add_argument("--prompts", required=True, help="prompt file, one prompt per line")
 parser.add_argument("--generations", required=True, help="output JSONL")

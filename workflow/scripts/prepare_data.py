@@ -3,7 +3,7 @@
 from distlm.data import prepare
 from distlm.log import setup_logging
 
-snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+snakemake = snakemake
 setup_logging(snakemake.log[0])
 prepare(
     snakemake.params.cfg,

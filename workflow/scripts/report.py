@@ -6,7 +6,7 @@ from distlm.log import setup_logging
 from distlm.report import build_report
 from distlm.stages import RESULTS
 
-snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+snakemake = snakemake
 log = setup_logging(snakemake.log[0])
 try:
     written = build_report(

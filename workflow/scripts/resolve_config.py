@@ -3,7 +3,7 @@
 from distlm.config import write_resolved
 from distlm.log import get_logger, setup_logging
 
-snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+snakemake = snakemake
 setup_logging(snakemake.log[0])
 digest = write_resolved(snakemake.params.cfg, snakemake.output[0])
 get_logger("config").info(

@@ -5,7 +5,7 @@ from pathlib import Path
 from distlm.log import setup_logging
 from distlm.model import serialize
 
-snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+snakemake = snakemake
 setup_logging(snakemake.log[0])
 serialize(
     snakemake.params.cfg,

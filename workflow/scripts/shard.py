@@ -3,7 +3,7 @@
 from distlm.log import setup_logging
 from distlm.model import write_pipeline_dir
 
-snakemake = snakemake  # noqa: F821  (injected by Snakemake)
+snakemake = snakemake
 setup_logging(snakemake.log[0])
 write_pipeline_dir(
     snakemake.input.model,

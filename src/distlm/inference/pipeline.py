@@ -109,8 +109,12 @@ class StageStats:
 
     def brief(self) -> dict:
         """What /metrics shows per stage (cumulative seconds)."""
-        return {"stage": self.stage, "compute_s": self.compute_s, "send_s": self.send_s,
-                "recv_wait_s": self.recv_wait_s}
+        return {
+            "stage": self.stage,
+            "compute_s": self.compute_s,
+            "send_s": self.send_s,
+            "recv_wait_s": self.recv_wait_s,
+        }
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -139,7 +143,9 @@ class Ring:
     An MPI error (returned, not fatal: see mpi_pipeline) becomes a PipelineError naming both stages.
     """
 
-    def __init__(self, comm, topo: PipelineTopology, *, timeout_s: float, stats: StageStats) -> None:
+    def __init__(
+        self, comm, topo: PipelineTopology, *, timeout_s: float, stats: StageStats
+    ) -> None:
         from mpi4py import MPI
 
         self.comm = comm
@@ -317,7 +323,9 @@ class Sequence:
             "total_s": self.t_done - self.t_submit,
             "tokens": len(self.tokens),
             # decode rate after the first token; a single token has none
-            "decode_tokens_per_s": (len(self.tokens) - 1) / gen_s if len(self.tokens) > 1 and gen_s > 0 else None,
+            "decode_tokens_per_s": (len(self.tokens) - 1) / gen_s
+            if len(self.tokens) > 1 and gen_s > 0
+            else None,
             "tokens_per_s": len(self.tokens) / (self.t_done - self.t_submit),
         }
 
@@ -340,7 +348,7 @@ class Sampler:
                 return Pick(seq, token)
             lp, top = top_logprobs(logits, token, params.logprobs)
             return Pick(seq, token, lp, tuple(top))
-        except Exception as e:  # noqa: BLE001 (any failure here is this sequence's alone)
+        except Exception as e:
             log.error("sequence %d (lane %d): sampling failed: %s", seq, lane, e)
             return Pick(seq, error=f"sampling failed: {e}")
 
@@ -349,7 +357,8 @@ def _slots(items: list[Item], seqs: list[Sequence]) -> tuple[Slot, ...]:
     # Sampling parameters travel with a sequence's prefill, once; the last stage keeps them per lane.
     return tuple(
         Slot(it, s.params, tuple(Fork(f.id, f.lane, f.params) for f in s.forks))
-        if it.pos == 0 else Slot(it)
+        if it.pos == 0
+        else Slot(it)
         for it, s in zip(items, seqs)
     )
 
@@ -583,7 +592,10 @@ class Scheduler:
         reason = None
         if self.eos is not None and token == self.eos:
             reason = "stop"
-        elif len(seq.tokens) >= seq.params.max_new_tokens or len(seq.prompt_ids) + len(seq.tokens) >= self.context:
+        elif (
+            len(seq.tokens) >= seq.params.max_new_tokens
+            or len(seq.prompt_ids) + len(seq.tokens) >= self.context
+        ):
             reason = "length"
         elif seq.cancelled:
             reason = "cancelled"
@@ -708,7 +720,9 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> I
         local_rank, local_size = host_ranks(comm)
         set_threads(local_size)
         stats = StageStats(stage=topo.rank)
-        model = load_stage(model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank))
+        model = load_stage(
+            model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank)
+        )
         # Stage 0 gives up first (its engine tells the API server, which answers 503); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
         wait_s = icfg["timeout_s"] * (1 if topo.is_first else 2)
@@ -721,8 +735,14 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> I
             pipe.context = model.config.n_positions
             pipe.eos_token_id = pipe.tokenizer.eos_token_id
             pipe.scheduler = Scheduler(
-                model, ring, topo, lanes=icfg["lanes"], eos_token_id=pipe.eos_token_id,
-                context=pipe.context, timeout_s=icfg["timeout_s"], stats=stats,
+                model,
+                ring,
+                topo,
+                lanes=icfg["lanes"],
+                eos_token_id=pipe.eos_token_id,
+                context=pipe.context,
+                timeout_s=icfg["timeout_s"],
+                stats=stats,
             )
             pipe.infos = pipe.scheduler.hello()
             stats.reset()
@@ -750,7 +770,9 @@ def run_workers(pipe: Pipeline) -> bool:
     return False
 
 
-def drive(sched: Scheduler, more: Callable[[], bool], *, on_idle: Callable[[], None] | None = None) -> None:
+def drive(
+    sched: Scheduler, more: Callable[[], bool], *, on_idle: Callable[[], None] | None = None
+) -> None:
     """Step the scheduler while `more()`; time spent waiting for tokens counts as stage 0's recv wait."""
     backoff = Backoff()
     while more():
@@ -766,7 +788,9 @@ def drive(sched: Scheduler, more: Callable[[], bool], *, on_idle: Callable[[], N
             sched.stats.recv_wait_s += time.perf_counter() - t0
 
 
-def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: str = "prompts") -> tuple[list[dict], dict]:
+def generate_batch(
+    pipe: Pipeline, prompts: list[str], icfg: dict, *, source: str = "prompts"
+) -> tuple[list[dict], dict]:
     """Stage 0: run every prompt through the pipeline; (generation records, timing summary)."""
     sched, tok = pipe.scheduler, pipe.tokenizer
     seqs, dropped = [], []
@@ -774,16 +798,23 @@ def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: st
         try:
             params = params_from_config(icfg, context=pipe.context, seed_offset=i)
         except RequestError as e:  # named as the request field; say which config key it is
-            raise DistlmError(f"config inference.{str(e).replace('max_tokens', 'max_new_tokens')}") from None
+            raise DistlmError(
+                f"config inference.{str(e).replace('max_tokens', 'max_new_tokens')}"
+            ) from None
         try:
             ids, cut = encode_prompt(
-                tok, text, context=pipe.context, max_new_tokens=params.max_new_tokens,
+                tok,
+                text,
+                context=pipe.context,
+                max_new_tokens=params.max_new_tokens,
                 overflow=icfg["prompt_overflow"],
             )
         except RequestError as e:
             raise DistlmError(f"{source}: prompt {i + 1}: {e}") from None
         if cut:
-            log.warning("%s: prompt %d: dropped its first %d tokens to fit the context", source, i + 1, cut)
+            log.warning(
+                "%s: prompt %d: dropped its first %d tokens to fit the context", source, i + 1, cut
+            )
         seqs.append(Sequence(sched.new_id(), ids, params))
         dropped.append(cut)
     t0 = time.perf_counter()
@@ -794,17 +825,19 @@ def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: st
     wall = time.perf_counter() - t0
     records = []
     for i, (text, s, cut) in enumerate(zip(prompts, seqs, dropped)):
-        records.append({
-            "index": i,
-            "prompt": text,
-            "text": tok.decode(s.tokens, skip_special_tokens=True),
-            "tokens": len(s.tokens),
-            "token_ids": s.tokens,
-            "finish_reason": s.finish_reason,
-            "prompt_tokens": len(s.prompt_ids),
-            "prompt_truncated_tokens": cut,
-            **{k: v for k, v in s.timing().items() if k != "tokens"},
-        })
+        records.append(
+            {
+                "index": i,
+                "prompt": text,
+                "text": tok.decode(s.tokens, skip_special_tokens=True),
+                "tokens": len(s.tokens),
+                "token_ids": s.tokens,
+                "finish_reason": s.finish_reason,
+                "prompt_tokens": len(s.prompt_ids),
+                "prompt_truncated_tokens": cut,
+                **{k: v for k, v in s.timing().items() if k != "tokens"},
+            }
+        )
     total = sum(len(s.tokens) for s in seqs)
     timing = {
         "stages": pipe.topo.stages,
@@ -823,7 +856,9 @@ def generate_batch(pipe: Pipeline, prompts: list[str], icfg: dict, *, source: st
     return records, timing
 
 
-def run_batch(icfg: dict, *, model_dir, prompts_path, generations_path, timing_path, device: str = "cpu") -> None:
+def run_batch(
+    icfg: dict, *, model_dir, prompts_path, generations_path, timing_path, device: str = "cpu"
+) -> None:
     """The inference stage: every rank calls this; stage 0 writes the generations and the timing."""
     with mpi_pipeline(icfg, model_dir, device=device) as pipe:
         if not run_workers(pipe):
@@ -838,5 +873,9 @@ def run_batch(icfg: dict, *, model_dir, prompts_path, generations_path, timing_p
         write_json(timing_path, timing)
         log.info(
             "%d prompts, %d tokens in %.2f s: %.1f tokens/s over %d stages",
-            timing["prompts"], timing["tokens"], timing["wall_s"], timing["tokens_per_s"] or 0, timing["stages"],
+            timing["prompts"],
+            timing["tokens"],
+            timing["wall_s"],
+            timing["tokens_per_s"] or 0,
+            timing["stages"],
         )

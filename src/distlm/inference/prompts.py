@@ -19,7 +19,9 @@ class RequestError(DistlmError):
         self.status = status
 
 
-def encode_prompt(tok, text: str, *, context: int, max_new_tokens: int, overflow: str) -> tuple[list[int], int]:
+def encode_prompt(
+    tok, text: str, *, context: int, max_new_tokens: int, overflow: str
+) -> tuple[list[int], int]:
     """Token ids of a prompt and how many leading tokens were dropped to fit the context."""
     if not isinstance(text, str) or not text:
         raise RequestError("prompt: empty prompt", param="prompt")
@@ -50,7 +52,8 @@ def resolve_prompts_path(path: str | Path, root: str | Path) -> Path:
             return c.resolve()
     raise DistlmError(
         f"inference.prompts: prompt file {str(path)!r} not found (looked in "
-        + ", ".join(str(c) for c in candidates) + ")"
+        + ", ".join(str(c) for c in candidates)
+        + ")"
     )
 
 

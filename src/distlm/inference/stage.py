@@ -120,7 +120,9 @@ class StageModel(nn.Module):
             if it.pos == 0:
                 self.cache[it.lane] = [[None, None] for _ in self.h]
             elif it.lane not in self.cache:
-                raise DistlmError(f"stage {self.stage}: lane {it.lane} has no KV cache at position {it.pos}")
+                raise DistlmError(
+                    f"stage {self.stage}: lane {it.lane} has no KV cache at position {it.pos}"
+                )
         for j, block in enumerate(self.h):
             x = self._block(j, block, items, x)
         x = x.squeeze(0)  # (N, C)
@@ -157,7 +159,9 @@ class StageModel(nn.Module):
         return x + block.mlp(block.ln_2(x))
 
 
-def load_stage(folder: str | Path, stage: int, *, world: int, device: str | torch.device = "cpu") -> StageModel:
+def load_stage(
+    folder: str | Path, stage: int, *, world: int, device: str | torch.device = "cpu"
+) -> StageModel:
     """This rank's stage from a model folder's shards (sha256 checked against the manifest)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -172,8 +176,13 @@ def load_stage(folder: str | Path, stage: int, *, world: int, device: str | torc
     model.load_shard(tensors, f"{folder}/shards/{entry['file']}")
     model.to(device)
     log.info(
-        "stage %d on %s: layers %d-%d%s%s, %.1f MB", stage, device, model.start, model.end - 1,
-        ", embeddings" if model.first else "", ", head" if model.last else "",
+        "stage %d on %s: layers %d-%d%s%s, %.1f MB",
+        stage,
+        device,
+        model.start,
+        model.end - 1,
+        ", embeddings" if model.first else "",
+        ", head" if model.last else "",
         sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
     )
     return model

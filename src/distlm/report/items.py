@@ -44,84 +44,55 @@ ITEMS = (
         "figure",
         "broadcast",
         "Broadcast GB/s per receiver and transport",
-        ("broadcast",)),
-    Item(
-        "broadcast_receivers",
-        "table",
-        "broadcast",
-        "Broadcast per receiver",
-        ("broadcast",)),
-    Item(
-        "train_loss", "figure", "train", "Training loss and perplexity", ("metrics",)),
-    Item(
-        "train_schedule",
-        "figure",
-        "train",
-        "Learning rate and gradient norm",
-        ("metrics",)),
+        ("broadcast",),
+    ),
+    Item("broadcast_receivers", "table", "broadcast", "Broadcast per receiver", ("broadcast",)),
+    Item("train_loss", "figure", "train", "Training loss and perplexity", ("metrics",)),
+    Item("train_schedule", "figure", "train", "Learning rate and gradient norm", ("metrics",)),
     Item("val_loss", "figure", "train", "Validation loss", ("val",)),
     Item(
-        "train_summary",
-        "table",
-        "train",
-        "Training metrics: first, last, min, max",
-        ("metrics",)),
-    Item(
-        "profile_ops", "figure", "train", "Top operators by self time", ("profile",)),
+        "train_summary", "table", "train", "Training metrics: first, last, min, max", ("metrics",)
+    ),
+    Item("profile_ops", "figure", "train", "Top operators by self time", ("profile",)),
     Item(
         "profile_top_ops",
         "table",
         "train",
         "Profiler: top operators of the first rank",
-        ("profile",)),
+        ("profile",),
+    ),
     Item(
         "perplexity",
         "figure",
         "eval",
         "Base against trained perplexity",
-        ("eval_base", "eval_trained")),
+        ("eval_base", "eval_trained"),
+    ),
     Item(
         "eval_perplexity",
         "table",
         "eval",
         "Perplexity per model and split",
-        ("eval_base", "eval_trained")),
-    Item(
-        "inference",
-        "figure",
-        "inference",
-        "Tokens/s and time to first token",
-        ("timing",)),
-    Item(
-        "inference_timing",
-        "table",
-        "inference",
-        "Inference timing per run",
-        ("timing",)),
+        ("eval_base", "eval_trained"),
+    ),
+    Item("inference", "figure", "inference", "Tokens/s and time to first token", ("timing",)),
+    Item("inference_timing", "table", "inference", "Inference timing per run", ("timing",)),
     Item(
         "inference_stages",
         "table",
         "inference",
         "Inference: where each stage's time went",
-        ("timing",)),
-    Item(
-        "generations",
-        "table",
-        "inference",
-        "Generated text (first prompts)",
-        ("generations",)),
+        ("timing",),
+    ),
+    Item("generations", "table", "inference", "Generated text (first prompts)", ("generations",)),
     Item(
         "rule_resources",
         "figure",
         "resources",
         "Wall time and peak memory per rule",
-        ("benchmarks",)),
-    Item(
-        "rule_benchmarks",
-        "table",
-        "resources",
-        "Snakemake benchmark per rule",
-        ("benchmarks",)),
+        ("benchmarks",),
+    ),
+    Item("rule_benchmarks", "table", "resources", "Snakemake benchmark per rule", ("benchmarks",)),
 )
 FIGURES = tuple(i for i in ITEMS if i.kind == "figure")
 TABLES = tuple(i for i in ITEMS if i.kind == "table")
@@ -140,5 +111,3 @@ def outputs(formats=("png",)) -> list[tuple[Item, str]]:
         for item in ITEMS
         for fmt in (formats if item.kind == "figure" else ("html",))
     ]
-
-

@@ -397,7 +397,9 @@ class Trainer:
             log.info(
                 "%s is this run's finished work (step %d of %d): the final folder is written "
                 "from it, no training step runs",
-                found.path, found.step, max_steps,
+                found.path,
+                found.step,
+                max_steps,
             )
         return (str(found.path), found.step)
 

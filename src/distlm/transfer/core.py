@@ -9,8 +9,9 @@ import json
 import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -202,8 +203,12 @@ class Plan:
         base = b * self.bucket_bytes
         hi = self.bucket_range(b)[1] - base if hi is None else hi
         return [
-            e.name for e in self.entries
-            if e.alias is None and e.nbytes and e.start < base + hi and e.start + e.nbytes > base + lo
+            e.name
+            for e in self.entries
+            if e.alias is None
+            and e.nbytes
+            and e.start < base + hi
+            and e.start + e.nbytes > base + lo
         ]
 
     def to_json(self) -> dict:
@@ -212,11 +217,13 @@ class Plan:
             "stream_bytes": self.stream_bytes,
             "bucket_bytes": self.bucket_bytes,
             "chunk_bytes": self.chunk_bytes,
-            "entries": [[e.name, list(e.shape), e.dtype, e.start, e.nbytes, e.alias] for e in self.entries],
+            "entries": [
+                [e.name, list(e.shape), e.dtype, e.start, e.nbytes, e.alias] for e in self.entries
+            ],
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "Plan":
+    def from_json(cls, d: dict) -> Plan:
         if d.get("protocol") != _PROTOCOL:
             raise TransferError(f"sender speaks {d.get('protocol')!r}, this rank {_PROTOCOL!r}")
         entries = tuple(Entry(n, tuple(s), t, a, nb, al) for n, s, t, a, nb, al in d["entries"])
@@ -228,7 +235,14 @@ def _align(n: int) -> int:
 
 
 def _storage_key(t: torch.Tensor):
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+    )
 
 
 def make_plan(tensors: Mapping[str, torch.Tensor], *, bucket_mb: float, chunk_mb: float) -> Plan:
@@ -242,7 +256,16 @@ def make_plan(tensors: Mapping[str, torch.Tensor], *, bucket_mb: float, chunk_mb
         nbytes = t.numel() * t.element_size()
         key = _storage_key(t) if nbytes else None
         if key is not None and key in seen:
-            entries.append(Entry(name, tuple(t.shape), _dtype_name(t.dtype), seen[key].start, nbytes, seen[key].name))
+            entries.append(
+                Entry(
+                    name,
+                    tuple(t.shape),
+                    _dtype_name(t.dtype),
+                    seen[key].start,
+                    nbytes,
+                    seen[key].name,
+                )
+            )
             continue
         e = Entry(name, tuple(t.shape), _dtype_name(t.dtype), pos, nbytes)
         entries.append(e)
@@ -275,7 +298,9 @@ def check_template(plan: Plan, template: Mapping[str, torch.Tensor], where: str)
     missing = [n for n in names if n not in template]
     extra = [n for n in template if n not in set(names)]
     if missing:
-        problems.append(f"{where}: the sender sends tensor {missing[0]!r} which the template lacks ({len(missing)} such)")
+        problems.append(
+            f"{where}: the sender sends tensor {missing[0]!r} which the template lacks ({len(missing)} such)"
+        )
     if extra:
         problems.append(f"{where}: template tensor {extra[0]!r} is not sent ({len(extra)} such)")
     for e in plan.entries:
@@ -283,12 +308,18 @@ def check_template(plan: Plan, template: Mapping[str, torch.Tensor], where: str)
         if t is None:
             continue
         if tuple(t.shape) != e.shape:
-            problems.append(f"{where}: tensor {e.name!r} has shape {tuple(t.shape)} here, the sender sends {e.shape}")
+            problems.append(
+                f"{where}: tensor {e.name!r} has shape {tuple(t.shape)} here, the sender sends {e.shape}"
+            )
         elif _dtype_name(t.dtype) != e.dtype:
-            problems.append(f"{where}: tensor {e.name!r} has dtype {_dtype_name(t.dtype)} here, the sender sends {e.dtype}")
+            problems.append(
+                f"{where}: tensor {e.name!r} has dtype {_dtype_name(t.dtype)} here, the sender sends {e.dtype}"
+            )
     devices = {t.device for t in template.values()}
     if len(devices) > 1:
-        problems.append(f"{where}: template tensors are on several devices {sorted(map(str, devices))}")
+        problems.append(
+            f"{where}: template tensors are on several devices {sorted(map(str, devices))}"
+        )
     return problems
 
 
@@ -344,7 +375,7 @@ class Pending(NamedTuple):
 class _Link:
     """Point-to-point messages over a torch.distributed group, each wait bounded by timeout_s."""
 
-    def __init__(self, group, device: torch.device, timeout_s: float, watch: "_Watch") -> None:
+    def __init__(self, group, device: torch.device, timeout_s: float, watch: _Watch) -> None:
         self.group = group
         self.device = device  # where control tensors live (cuda for NCCL)
         self.timeout = _dt.timedelta(seconds=timeout_s)
@@ -406,7 +437,9 @@ class _Watch:
         self._thread = None
         self.probe_s = max(2.5 * _HEARTBEAT_S, min(5.0, timeout_s / 4))
         if self.store is not None:
-            self._thread = threading.Thread(target=self._beat, name="distlm-transfer-heartbeat", daemon=True)
+            self._thread = threading.Thread(
+                target=self._beat, name="distlm-transfer-heartbeat", daemon=True
+            )
             self._thread.start()
 
     def _key(self, kind: str, rank: int) -> str:
@@ -443,7 +476,9 @@ class _Watch:
         if self.store is None:
             return ""
         try:
-            before = {r: self.store.add(self._key("hb", r), 0) for r in self.ranks if r != self.rank}
+            before = {
+                r: self.store.add(self._key("hb", r), 0) for r in self.ranks if r != self.rank
+            }
             time.sleep(self.probe_s)
             after = {r: self.store.add(self._key("hb", r), 0) for r in before}
             done = {r for r in before if self.store.check([self._key("done", r)])}
@@ -451,7 +486,11 @@ class _Watch:
             return f"the torch.distributed store is unreachable ({type(e).__name__}), so rank 0's host may be gone"
         dead = [r for r in before if after[r] == before[r] and r not in done]
         if dead:
-            return "rank " + ", ".join(map(str, dead)) + f" stopped (no heartbeat for {self.probe_s:.1f} s)"
+            return (
+                "rank "
+                + ", ".join(map(str, dead))
+                + f" stopped (no heartbeat for {self.probe_s:.1f} s)"
+            )
         reported = {r: why for r, why in self._reported().items() if r != self.rank}
         return "; ".join(f"rank {r} failed: {why}" for r, why in reported.items())
 
@@ -522,9 +561,13 @@ def check_transport(transport: str, device: torch.device, backend: str) -> None:
     """Raise TransferError saying why `transport` cannot run here; never substitutes another."""
     if transport == "torch":
         if backend == "nccl" and device.type != "cuda":
-            raise TransferError(f"transport torch with backend nccl needs CUDA tensors, these are on {device}")
+            raise TransferError(
+                f"transport torch with backend nccl needs CUDA tensors, these are on {device}"
+            )
         if backend == "gloo" and device.type != "cpu":
-            raise TransferError(f"transport torch with backend gloo moves CPU tensors; these are on {device} (use nccl)")
+            raise TransferError(
+                f"transport torch with backend gloo moves CPU tensors; these are on {device} (use nccl)"
+            )
         return
     if transport == "uccl":
         check_uccl(device)
@@ -557,9 +600,15 @@ def broadcast_state_dict(
     """
     opts = options or TransferOptions()
     if not dist.is_initialized():
-        raise TransferError("broadcast_state_dict needs an initialised torch.distributed process group")
+        raise TransferError(
+            "broadcast_state_dict needs an initialised torch.distributed process group"
+        )
     rank = dist.get_rank()
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
     if src not in ranks:
         raise TransferError(f"src rank {src} is not in the group (ranks {ranks})")
     if rank not in ranks:
@@ -582,21 +631,32 @@ def broadcast_state_dict(
     plane = None
     try:
         t0 = time.perf_counter()
-        plan = make_plan(tensors, bucket_mb=opts.bucket_mb, chunk_mb=opts.chunk_mb) if is_src else None
+        plan = (
+            make_plan(tensors, bucket_mb=opts.bucket_mb, chunk_mb=opts.chunk_mb) if is_src else None
+        )
         plan, dest, staged = _exchange_metadata(link, plan, tensors, chain, rank, device)
         t_meta = time.perf_counter() - t0
         nbuf = min(2, plan.buckets)
         size = min(plan.bucket_bytes, plan.stream_bytes)
         buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-        plane = _make_plane(opts.transport, link, store=watch.store, prefix=prefix, rank=rank, device=device,
-                            timeout_s=opts.timeout_s)
+        plane = _make_plane(
+            opts.transport,
+            link,
+            store=watch.store,
+            prefix=prefix,
+            rank=rank,
+            device=device,
+            timeout_s=opts.timeout_s,
+        )
         plane.setup(buffers, prev, nxt)
         checksum = _Checksum(plan.chunk_bytes, device)
         t1 = time.perf_counter()
         if is_src:
             timing = _send(plan, dest, buffers, plane, link, checksum, nxt)
         else:
-            timing = _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, opts.fault_hook)
+            timing = _relay(
+                plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, opts.fault_hook
+            )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t1
@@ -665,7 +725,10 @@ def _exchange_metadata(link: _Link, plan, tensors, chain, rank, device):
 def _raise_problems(problems: dict[int, list[str]], what: str) -> None:
     if problems:
         lines = [p for r in sorted(problems) for p in problems[r]]
-        raise TransferError(f"{what} check failed on rank {', '.join(map(str, sorted(problems)))}:\n  " + "\n  ".join(lines))
+        raise TransferError(
+            f"{what} check failed on rank {', '.join(map(str, sorted(problems)))}:\n  "
+            + "\n  ".join(lines)
+        )
 
 
 def _destination(plan: Plan, template, device):
@@ -681,7 +744,9 @@ def _destination(plan: Plan, template, device):
         else:
             t = template[e.name]
             dest[e.name] = t
-            staged[e.name] = t if t.is_contiguous() else torch.empty(e.shape, dtype=t.dtype, device=t.device)
+            staged[e.name] = (
+                t if t.is_contiguous() else torch.empty(e.shape, dtype=t.dtype, device=t.device)
+            )
     for e in plan.entries:
         if e.alias is not None:
             dest[e.name] = dest[e.alias] if template is None else template[e.name]
@@ -799,10 +864,14 @@ def _relay(plan, dest, staged, buffers, plane, link, checksum, prev, nxt, rank, 
         for c in bad:
             lo, hi = views[c].message.lo, views[c].message.hi
             base = b * plan.bucket_bytes
-            mismatches.append({
-                "bucket": b, "chunk": c, "bytes": [base + lo, base + hi],
-                "tensors": plan.tensors_in(b, lo, hi),
-            })
+            mismatches.append(
+                {
+                    "bucket": b,
+                    "chunk": c,
+                    "bytes": [base + lo, base + hi],
+                    "tensors": plan.tensors_in(b, lo, hi),
+                }
+            )
         t = time.perf_counter()
         for view, m in views:
             for e, off, n, at in m.pieces:
@@ -875,17 +944,23 @@ def _finish(
         link.send_bytes(encode(TransferVerdict(ok=not bad, error=error)), r, "transfer verdict")
     if bad:
         raise TransferError(error)
-    return stats.model_copy(update={
-        "seconds": round(seconds, 6),
-        "gbps": round(stats.bytes / seconds / 1e9, 4) if seconds > 0 else None,
-        "receivers": [
-            ReceiverStats(
-                rank=r.rank, seconds=r.seconds, gbps=r.gbps, verified=bool(r.verified),
-                checksum_seconds=r.checksum_seconds, unpack_seconds=r.unpack_seconds,
-                mismatches=r.mismatches,
-            )
-            for r in receivers
-        ],
-        "verified": True,
-        "all_verified": True,
-    })
+    return stats.model_copy(
+        update={
+            "seconds": round(seconds, 6),
+            "gbps": round(stats.bytes / seconds / 1e9, 4) if seconds > 0 else None,
+            "receivers": [
+                ReceiverStats(
+                    rank=r.rank,
+                    seconds=r.seconds,
+                    gbps=r.gbps,
+                    verified=bool(r.verified),
+                    checksum_seconds=r.checksum_seconds,
+                    unpack_seconds=r.unpack_seconds,
+                    mismatches=r.mismatches,
+                )
+                for r in receivers
+            ],
+            "verified": True,
+            "all_verified": True,
+        }
+    )

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -34,16 +35,16 @@ class TransferOptions:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise TransferError(f"broadcast.transport: unknown transport {self.transport!r} ({', '.join(TRANSPORTS)})")
+            raise TransferError(
+                f"broadcast.transport: unknown transport {self.transport!r} ({', '.join(TRANSPORTS)})"
+            )
         for name in ("bucket_mb", "chunk_mb", "timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise TransferError(f"broadcast.{name}: must be a positive number, got {v!r}")
 
     @classmethod
-    def from_config(cls, section: Mapping[str, Any], **kw) -> "TransferOptions":
+    def from_config(cls, section: Mapping[str, Any], **kw) -> TransferOptions:
         """From the config's `broadcast:` section (transport, bucket_mb, chunk_mb, timeout_s)."""
         keys = ("transport", "bucket_mb", "chunk_mb", "timeout_s")
         return cls(**{k: section[k] for k in keys if k in section}, **kw)
-
-

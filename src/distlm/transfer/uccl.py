@@ -57,9 +57,13 @@ def uccl_problems(device: torch.device) -> list[str]:
                     f"(two-sided send/recv, removed later): pip install 'uccl=={UCCL_VERSION}'"
                 )
         except Exception as e:  # ImportError, or a missing CUDA/RDMA library behind it
-            problems.append(f"`from uccl import p2p` failed ({type(e).__name__}: {e}); pip install 'distlm[uccl]'")
+            problems.append(
+                f"`from uccl import p2p` failed ({type(e).__name__}: {e}); pip install 'distlm[uccl]'"
+            )
     if not torch.cuda.is_available():
-        problems.append(f"no GPU: torch {torch.__version__} sees no CUDA device (uccl.p2p.Endpoint needs one)")
+        problems.append(
+            f"no GPU: torch {torch.__version__} sees no CUDA device (uccl.p2p.Endpoint needs one)"
+        )
     elif device.type != "cuda":
         problems.append(f"the tensors are on {device}; the uccl transport moves CUDA tensors")
     transport = os.environ.get("UCCL_P2P_TRANSPORT", "ib")
@@ -76,7 +80,9 @@ def uccl_problems(device: torch.device) -> list[str]:
 def check_uccl(device: torch.device) -> None:
     problems = uccl_problems(device)
     if problems:
-        raise TransferError("broadcast.transport 'uccl' cannot run here:\n  " + "\n  ".join(problems))
+        raise TransferError(
+            "broadcast.transport 'uccl' cannot run here:\n  " + "\n  ".join(problems)
+        )
 
 
 class UcclPlane:
@@ -85,13 +91,19 @@ class UcclPlane:
     name = "uccl"
     zero_copy = False  # only the registered bucket buffers travel: every chunk is packed
 
-    def __init__(self, link, *, store, prefix: str, rank: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, link, *, store, prefix: str, rank: int, device: torch.device, timeout_s: float
+    ) -> None:
         if store is None:
-            raise TransferError("the uccl transport needs the torch.distributed store to exchange endpoints")
+            raise TransferError(
+                "the uccl transport needs the torch.distributed store to exchange endpoints"
+            )
         _, self.p2p = _import_p2p()
         self.link, self.store, self.prefix, self.rank = link, store, prefix, rank
         self.timeout_s = timeout_s
-        self.ep = self.p2p.Endpoint(device.index if device.index is not None else torch.cuda.current_device())
+        self.ep = self.p2p.Endpoint(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
         self.store.set(f"{prefix}/uccl/{rank}", self.ep.get_metadata())
         self.mrs: list[int] = []
         self.conn: dict[int, int] = {}
@@ -104,12 +116,18 @@ class UcclPlane:
         self.buffers = buffers
         accepted: list = []
         acceptor = None
-        if prev is not None:  # accept the predecessor while connecting to the successor: no deadlock
-            acceptor = threading.Thread(target=lambda: accepted.append(self.ep.accept()), daemon=True)
+        if (
+            prev is not None
+        ):  # accept the predecessor while connecting to the successor: no deadlock
+            acceptor = threading.Thread(
+                target=lambda: accepted.append(self.ep.accept()), daemon=True
+            )
             acceptor.start()
         if nxt is not None:
             self.store.wait([f"{self.prefix}/uccl/{nxt}"])
-            ip, port, gpu_bdf = self.p2p.Endpoint.parse_metadata(self.store.get(f"{self.prefix}/uccl/{nxt}"))
+            ip, port, gpu_bdf = self.p2p.Endpoint.parse_metadata(
+                self.store.get(f"{self.prefix}/uccl/{nxt}")
+            )
             ok, conn_id = self.ep.connect(ip, gpu_bdf, port)
             if not ok:
                 self._fail(f"connect to {ip}:{port}", nxt)
@@ -124,7 +142,9 @@ class UcclPlane:
             if not ok:
                 self._fail(f"registering a {buf.numel()}-byte bucket buffer")
             self.mrs.append(mr_id)
-        log.info("uccl endpoints up: connections %s, %d buffers registered", self.conn, len(self.mrs))
+        log.info(
+            "uccl endpoints up: connections %s, %d buffers registered", self.conn, len(self.mrs)
+        )
 
     def _mr(self, view: torch.Tensor) -> int:
         ptr = view.data_ptr()
@@ -162,7 +182,9 @@ class UcclPlane:
             if done:
                 return
             if time.monotonic() > deadline:
-                self.link.watch.fail(peer, what, TimeoutError(f"timed out after {self.timeout_s} s"))
+                self.link.watch.fail(
+                    peer, what, TimeoutError(f"timed out after {self.timeout_s} s")
+                )
             time.sleep(0)
 
     def close(self) -> None:
