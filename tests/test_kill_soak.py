@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import alive, children
 
 from distlm.config import validate_config
 from distlm.model import load_model_dir, read_meta
@@ -51,27 +52,6 @@ def _cfg() -> dict:
         }
     )
     return stage_config(cfg, "train")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
 
 
 class Job:
@@ -124,19 +104,19 @@ class Job:
         return [line.split()[0] for line in lines[self.seen :]]
 
     def poll(self) -> int | None:
-        self.ranks.update(_children(self.proc.pid))
+        self.ranks.update(children(self.proc.pid))
         return self.proc.poll()
 
     def kill(self) -> None:
-        self.ranks.update(_children(self.proc.pid))
+        self.ranks.update(children(self.proc.pid))
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def survivors(self, bound_s: float = 10.0) -> list[int]:
         deadline = time.monotonic() + bound_s
-        while time.monotonic() < deadline and any(_alive(p) for p in self.ranks):
+        while time.monotonic() < deadline and any(alive(p) for p in self.ranks):
             time.sleep(0.1)
-        return [p for p in self.ranks if _alive(p)]
+        return [p for p in self.ranks if alive(p)]
 
 
 def _run_until(job: Job, trigger: tuple) -> bool:

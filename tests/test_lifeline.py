@@ -13,44 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive, children
 
-from distlm.io import pid_alive
 from distlm.train.synthetic import make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 10.0
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its reaper counts as dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return pid_alive(pid)
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _survivors(pids: list[int], bound_s: float = BOUND_S) -> list[int]:
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if alive(p)]
         if not left:
             return []
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
+    return [p for p in pids if alive(p)]
 
 
 def _env(**extra) -> dict:
@@ -104,7 +82,7 @@ def test_a_child_dies_with_its_parent():
     launcher, info = _start("parent")
     try:
         assert info["pdeathsig"] and info["launcher"] == launcher.pid
-        assert _alive(info["pid"])
+        assert alive(info["pid"])
         os.killpg(launcher.pid, signal.SIGKILL)  # the child has a session of its own
         launcher.wait(timeout=30)
         assert _survivors([info["pid"]]) == []
@@ -119,7 +97,7 @@ def test_the_watchdog_alone_ends_a_child_bound_to_another_process():
     try:
         assert not info["pdeathsig"] and info["launcher"] == other.pid
         time.sleep(0.5)
-        assert _alive(info["pid"])  # the bound process lives: the child stays
+        assert alive(info["pid"])  # the bound process lives: the child stays
         other.kill()
         other.wait(timeout=30)
         assert _survivors([info["pid"]]) == []
@@ -207,7 +185,7 @@ def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
             lambda: log0.is_file() and "step 2/100000" in log0.read_text(),
             "the second training step",
         )
-        ranks = _children(launcher.pid)
+        ranks = children(launcher.pid)
         assert len(ranks) == 2, ranks
         os.killpg(launcher.pid, signal.SIGKILL)  # torchrun's agent; its ranks have own sessions
         launcher.wait(timeout=30)
@@ -241,8 +219,8 @@ def test_mpi_ranks_die_when_mpiexec_and_its_proxy_are_killed(tmp_path):
             if len(ranks) == 2:
                 break
         assert len(ranks) == 2, f"mpiexec ended (rc {launcher.poll()}) before both ranks were up"
-        proxies = [p for p in _children(launcher.pid) if p not in ranks]
-        assert proxies and all(set(_children(p)) <= set(ranks) for p in proxies)
+        proxies = [p for p in children(launcher.pid) if p not in ranks]
+        assert proxies and all(set(children(p)) <= set(ranks) for p in proxies)
         _kill_all(proxies)  # first, as when a node's agent dies (in sessions of their own)
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
