@@ -409,7 +409,7 @@ def test_inference_stage_in_workflow(workflow_run):
         assert r["tokens"] == len(r["token_ids"]) and isinstance(r["text"], str)
     t = json.loads((out / "timing.json").read_text())
     assert t["stages"] == cfg["stages"] == len(t["per_stage"]) == len(t["hosts"])
-    assert t["model"].endswith("results/train/final")
+    assert t["model"].endswith("results/pipeline/trained")
     assert t["tokens"] == sum(r["tokens"] for r in recs) and t["tokens_per_s"] > 0
     log = (workflow_run / "logs" / "inference" / "infer.log").read_text()
     assert f"[rank {cfg['stages'] - 1}]" in log

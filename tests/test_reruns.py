@@ -120,7 +120,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "inference.stages": ({"inference": {"stages": 2}}, {"shard[trained]"} | INFER | REPORT),
     "inference.prompts": ({"inference": {"prompts": "tests/configs/tiny.yaml"}}, INFER | REPORT),
     "inference.max_new_tokens": ({"inference": {"max_new_tokens": 4}}, INFER | REPORT),
-    "inference.greedy": ({"inference": {"greedy": False}}, INFER | REPORT),
+    "inference.greedy": ({"inference": {"greedy": True}}, INFER | REPORT),  # config.yaml: false
     "inference.temperature": ({"inference": {"temperature": 0.31}}, INFER | REPORT),
     "inference.top_k": ({"inference": {"top_k": 5}}, INFER | REPORT),
     "inference.top_p": ({"inference": {"top_p": 0.5}}, INFER | REPORT),
