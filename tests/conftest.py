@@ -75,7 +75,7 @@ def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 1
 
 
 # Fixtures that run the whole workflow or a cluster: a test that uses one is slow by definition.
-_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster"}
+_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "runs"}  # runs: gloo ranks
 
 
 def pytest_collection_modifyitems(config, items):

@@ -317,6 +317,7 @@ def mpiexec(n: int, script: Path, *args, timeout: float = 240) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages,lanes", [(1, 2), (2, 1), (3, 4)])
 def test_mpi_pipeline_greedy_equals_generate(tiny_models, hf_reference, tmp_path, stages, lanes):
     prompts = tmp_path / "prompts.txt"

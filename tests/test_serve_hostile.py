@@ -18,6 +18,9 @@ import pytest
 import test_server
 from test_server import LIMITS, TOKEN, Server
 
+# Every test here talks to a real server and its MPI job: not in the fast loop.
+pytestmark = pytest.mark.slow
+
 tiny_models = test_server.tiny_models
 hf_reference = test_server.hf_reference
 server = test_server.server

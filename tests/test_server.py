@@ -22,6 +22,9 @@ from test_inference import PROMPTS, write_config
 
 from distlm.dist import free_port
 
+# Every test here talks to a real server and its MPI job: not in the fast loop.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "workflow" / "scripts" / "serve.py"
 # the session fixtures of test_inference.py: the tiny model folders and the `generate` reference

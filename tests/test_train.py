@@ -274,6 +274,7 @@ def _torchrun(cfg: dict, inputs, out: Path, *, restarts: int = 0) -> subprocess.
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path):
     cfg = train_cfg(profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1})
     a = _torchrun(cfg, inputs, tmp_path / "a")

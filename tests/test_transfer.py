@@ -221,6 +221,7 @@ def test_uccl_round_trip_where_it_runs():
 # ----------------------------------------------------------------------------- multi-process (gloo)
 
 
+@pytest.mark.slow
 def test_round_trip_is_bit_identical_on_four_ranks():
     out = launch(round_trips, 4, 0.0625, 0.015625)
     assert all(kind == "ok" for kind, _ in out.values()), out
@@ -248,6 +249,7 @@ def test_one_receiver_with_a_single_bucket():
     assert out[1][1]["identical"] == sorted(mixed_state_dict())
 
 
+@pytest.mark.slow
 def test_mismatches_and_corruption_fail_every_rank_and_name_the_culprit():
     out = launch(faults, 4)
     assert all(kind == "ok" for kind, _ in out.values()), out
@@ -273,6 +275,7 @@ def test_mismatches_and_corruption_fail_every_rank_and_name_the_culprit():
         assert rep["empty"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exit", "freeze"])
 def test_a_dead_receiver_fails_the_others_naming_it(mode):
     out = launch(dies, 4, mode, lost=(2,), timeout=240)
