@@ -27,6 +27,7 @@ from harness import slurm_cluster as sc
 from harness.profile import write_test_profile
 
 from distlm.dist import free_port
+from distlm.documents import BroadcastReport, read_document
 
 pytestmark = pytest.mark.slurm
 HARNESS = ROOT / "tests" / "harness"
@@ -284,9 +285,9 @@ def test_same_results_as_the_local_profile(slurm_run, workflow_run):
         == json.loads((remote / "model/base/distlm.json").read_text())["model_sha256"]
     )
     # broadcast: 3 ranks both ways (one node / spread 2 + 1 over two), every bucket verified
-    ba, bb = (json.loads((r / "broadcast/report.json").read_text()) for r in (local, remote))
-    assert ba["world_size"] == bb["world_size"] and bb["all_verified"] and ba["all_verified"]
-    assert ba["model_sha256"] == bb["model_sha256"]
+    ba, bb = (read_document(r / "broadcast/report.json", BroadcastReport) for r in (local, remote))
+    assert ba.world_size == bb.world_size and bb.stats.all_verified and ba.stats.all_verified
+    assert ba.model_sha256 == bb.model_sha256
     # training: world size 2 both ways (2 ranks on one node / 1 rank on each of 2 nodes). Losses
     # agree to float32 rounding (measured: bit-equal at most steps, <1e-7 relative at the others),
     # the weights after AdamW to ~1e-6 absolute.
