@@ -31,11 +31,6 @@ include: "workflow/rules/serve.smk"
 include: "workflow/rules/report.smk"
 
 
-# A forced train job is a request for a fresh run (common.smk); a plain rerun resumes.
-onstart:
-    request_fresh_training()
-
-
 # Every declared output of every stage in the DAG, the report's figures and tables included (so a
 # report.formats edit that adds a format asks for the new files and reruns the report).
 rule all:

@@ -65,6 +65,12 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     return make_inputs(tmp_path_factory.mktemp("train-inputs"))
 
 
+def only_run(out: Path) -> Path:
+    """The one run folder (run identity) under a stage folder's checkpoints."""
+    (run,) = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    return run
+
+
 def paths(inputs, out: Path, **over) -> TrainPaths:
     return TrainPaths(
         tokens=over.get("tokens", inputs["tokens"]),
@@ -201,8 +207,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(inputs, tmp_path):
     out = tmp_path / "train"
     with pytest.raises(TrainingDiverged, match="step 3: loss nan"):
         run_training(train_cfg(fault={"nan_at_step": 3}), paths(inputs, out))
-    assert [c.step for c in ck.list_checkpoints(out / "checkpoints")] == [2]
-    ck.verify(ck.latest_good(out / "checkpoints"))
+    assert [c.step for c in ck.list_checkpoints(only_run(out))] == [2]
+    ck.verify(ck.latest_good(only_run(out)))
     assert not (out / "final").exists()
 
 
@@ -217,19 +223,46 @@ def test_reference_kernels_train_to_the_same_losses(inputs, tmp_path):
     assert rows[True] == pytest.approx(rows[False], rel=1e-4)
 
 
-def test_mismatched_checkpoint_is_refused(inputs, tmp_path):
+def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_path, caplog):
+    """Checkpoints belong to a run identity: an edit that changes it (model, lr, max_steps)
+    trains in a folder of its own and deletes nothing; reverting finds the finished run again
+    (no step runs); a larger max_steps extends a finished run; keep_runs prunes the oldest."""
     out = tmp_path / "train"
-    run_training(train_cfg(max_steps=2), paths(inputs, out))
+    run_training(train_cfg(max_steps=2, keep_runs=5), paths(inputs, out))
+    first = (out / "final" / "model.safetensors").read_bytes()
+    (run_a,) = [r for r, _ in ck.list_runs(out / "checkpoints")]
     other = make_inputs(tmp_path / "other", n_embd=48, seed=1)  # another architecture, same data
-    with pytest.raises(ck.CheckpointMismatch) as e:
-        run_training(train_cfg(max_steps=2), paths(inputs, out, model=other["model"]))
-    assert "model.arch_digest" in str(e.value) and "model.base_model_sha256" in str(e.value)
-    assert "data." not in str(e.value)
-    with pytest.raises(ck.CheckpointMismatch, match=r"optim.lr: checkpoint 0.01, this run 0.02"):
-        run_training(train_cfg(max_steps=2, lr=0.02), paths(inputs, out))
-    # resume: never starts afresh instead
-    run_training(train_cfg(max_steps=2, lr=0.02, resume="never"), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["resumed_from"] is None
+    for cfg, p in (
+        (train_cfg(max_steps=2, keep_runs=5), paths(inputs, out, model=other["model"])),
+        (train_cfg(max_steps=2, lr=0.02, keep_runs=5), paths(inputs, out)),
+        (train_cfg(max_steps=1, keep_runs=5), paths(inputs, out)),  # fewer steps: another schedule
+    ):
+        run_training(cfg, p)
+        meta = read_meta(out / "final")["training"]
+        assert meta["resumed_from"] is None and meta["steps_this_run"] == meta["steps"]
+    runs = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    assert len(runs) == 4 and run_a in runs
+    assert [c.step for c in ck.list_checkpoints(run_a)] == [2]  # untouched
+    # the revert: the finished run is found, no step runs, the same bytes
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        run_training(train_cfg(max_steps=2, keep_runs=5), paths(inputs, out))
+    meta = read_meta(out / "final")["training"]
+    assert meta["steps_this_run"] == 0 and meta["resumed_from"] == str(run_a / "step-00000002")
+    assert (out / "final" / "model.safetensors").read_bytes() == first
+    # more steps extend the finished run (a documented exception): from step 2, one more step
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        run_training(train_cfg(max_steps=3, keep_runs=3), paths(inputs, out))
+    meta = read_meta(out / "final")["training"]
+    assert meta["steps_this_run"] == 1 and meta["resumed_from"] == str(run_a / "step-00000002")
+    assert "extending the finished run" in caplog.text
+    # keep_runs 3 kept the three most recently used (the extension's, run_a and max_steps 1's):
+    # the model and lr edits' runs are gone
+    runs = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    assert len(runs) == 3 and run_a in runs
+    # resume: never starts this identity afresh and leaves the others alone
+    run_training(train_cfg(max_steps=2, resume="never", keep_runs=3), paths(inputs, out))
+    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    assert len(ck.list_runs(out / "checkpoints")) == 3
 
 
 def test_bad_inputs_are_refused(tmp_path):
@@ -298,11 +331,10 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     meta = read_meta(tmp_path / "b" / "final")
     assert meta["created_by"] == "train" and meta["training"]["restart_count"] == 1
     assert meta["training"]["resumed_from"].endswith("step-00000002")
-    # a world of one cannot resume the 2-rank checkpoint: refused, naming the world size
-    with pytest.raises(
-        ck.CheckpointMismatch, match=r"topology.world_size: checkpoint 2, this run 1"
-    ):
-        run_training(cfg, paths(inputs, tmp_path / "a"))
+    # a world of one is another run (topology): it trains in its own folder, the 2-rank one stays
+    run_training(cfg, paths(inputs, tmp_path / "a"))
+    assert len(ck.list_runs(tmp_path / "a" / "checkpoints")) == 2
+    assert read_meta(tmp_path / "a" / "final")["training"]["world_size"] == 1
     for r in (0, 1):
         line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
         assert f"[rank {r}]" in line and line[:4].isdigit()
@@ -335,12 +367,12 @@ def test_train_stage_in_tiny_workflow(workflow_run):
         top = json.loads((res / "profile" / f"top-ops-rank{r}.json").read_text())
         assert top["ops"] and top["ops"][0]["self_cpu_us"] >= top["ops"][-1]["self_cpu_us"]
         assert f"[rank {r}]" in (workflow_run / "logs" / "train" / f"rank{r}.log").read_text()
-    assert [c.step for c in ck.list_checkpoints(res / "checkpoints")] == [4, 8]
+    assert [c.step for c in ck.list_checkpoints(only_run(res))] == [4, 8]
 
 
-def test_finished_work_is_reused_and_a_fresh_run_is_asked_for(inputs, tmp_path, caplog):
-    """A job killed after its last checkpoint (final/ missing): the rerun writes final/ from that
-    checkpoint, no step runs. --forcerun's request (and resume: never) train afresh."""
+def test_finished_work_is_reused(inputs, tmp_path, caplog):
+    """A job killed after its last checkpoint (final/ missing), or forced: the rerun writes final/
+    from that checkpoint, no step runs, the metrics history is kept."""
     out = tmp_path / "train"
     run_training(train_cfg(max_steps=2), paths(inputs, out))
     first = (out / "final" / "model.safetensors").read_bytes()
@@ -357,18 +389,58 @@ def test_finished_work_is_reused_and_a_fresh_run_is_asked_for(inputs, tmp_path, 
     assert not [r for r in caplog.records if " loss " in r.getMessage()]  # no step, no eval
     assert (out / "final" / "model.safetensors").read_bytes() == first
     assert len((out / "metrics.csv").read_text().splitlines()) == 3  # history kept: 2 steps
-    # the workflow's request for a fresh run (--forcerun train): checkpoints go, training runs
-    ck.request_fresh_run(out / "checkpoints", "test")
+    assert not (out / "checkpoints" / "trainer.lease.json").exists()  # released
+
+
+def test_checkpoints_of_the_layout_before_run_folders_are_adopted(inputs, tmp_path, caplog):
+    """An upgrade reuses the finished work of the old layout (checkpoints/step-*)."""
+    out = tmp_path / "train"
     run_training(train_cfg(max_steps=2), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
-    assert meta["steps_this_run"] == 2 and meta["resumed_from"] is None
-    assert not (out / "checkpoints" / ck.FRESH_REQUEST).exists()  # taken once
-    assert (out / "final" / "model.safetensors").read_bytes() == first  # and reproducible
-    run_training(train_cfg(max_steps=2, resume="never"), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
-    # a checkpoint beyond max_steps is refused, naming it and the way out
-    with pytest.raises(ck.CheckpointMismatch, match=r"step 2, beyond train.max_steps 1"):
-        run_training(train_cfg(max_steps=1), paths(inputs, out))
+    run = only_run(out)
+    for c in ck.list_checkpoints(run):
+        c.path.rename(out / "checkpoints" / c.path.name)
+    (run / ck.IDENTITY).unlink()
+    run.rmdir()
+    (out / "checkpoints" / ck.LEGACY_REQUEST).write_text("{}")
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        run_training(train_cfg(max_steps=2), paths(inputs, out))
+    assert read_meta(out / "final")["training"]["steps_this_run"] == 0
+    assert "moved legacy checkpoint" in caplog.text
+    assert not (out / "checkpoints" / ck.LEGACY_REQUEST).exists()
+
+
+def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
+    inputs, tmp_path, monkeypatch
+):
+    """SIGUSR1 (or SIGTERM) mid-run: the ranks finish the step, write its checkpoint (step 3,
+    between the periodic 2 and 4), stop with TrainingStopped; the rerun resumes from step 3 and
+    ends bit-identical to an uninterrupted run."""
+    import signal
+
+    from distlm.train import trainer as trainer_mod
+
+    ref = tmp_path / "ref"
+    run_training(train_cfg(), paths(inputs, ref))
+    real = trainer_mod.Trainer.train_step
+
+    def step_then_signal(self):
+        row = real(self)
+        if self.step == 2:  # arrives during step 3's work: acted on at step 3's end
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return row
+
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_signal)
+    out = tmp_path / "train"
+    with pytest.raises(trainer_mod.TrainingStopped, match=r"stopped at step 3 of 6 \(SIGUSR1"):
+        run_training(train_cfg(), paths(inputs, out))
+    assert [c.step for c in ck.list_checkpoints(only_run(out))] == [2, 3]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", real)
+    run_training(train_cfg(), paths(inputs, out))
+    assert read_meta(out / "final")["training"]["resumed_from"].endswith("step-00000003")
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        ref / "final" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_prune_counts_only_verified_checkpoints(tmp_path):

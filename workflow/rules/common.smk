@@ -1,4 +1,5 @@
 # Shared helpers: config validation, each stage's declared keys and outputs (src/distlm/stages.py).
+import os
 import sys
 from pathlib import Path
 
@@ -47,28 +48,23 @@ def resolved_config(stage):
     return f"{CONFIGS}/{stage}.json"
 
 
+def tracked_path(path):
+    """`path` relative to the working directory when it lies there or in the checkout, so that no
+    tracked input or param holds an absolute path that a moved project would change; a path
+    elsewhere (the user's own absolute path) stays as it is."""
+    path = Path(path).resolve()
+    for base in (Path.cwd().resolve(), ROOT.resolve()):
+        if path.is_relative_to(base):
+            return os.path.relpath(path)
+    return str(path)
+
+
 def benchmark_of(job):
     return f"{BENCHMARKS}/{job}.tsv"
 
 
 def entry_point(name):
-    """Absolute path of a stage entry point, for rules that start it through a launcher."""
-    return str(ROOT / "workflow" / "scripts" / name)
-
-
-def request_fresh_training():
-    """A forced train job (--forcerun train, --forceall, -f on its outputs) is a request for a
-    fresh run: leave one for the stage, which then discards its checkpoints. A plain rerun (after
-    a kill, or a deleted output) leaves none and reuses them. Runs in the main Snakemake process
-    only (onstart; never in a cluster job's inner Snakemake, which is forced by design).
+    """A stage entry point, relative to the working directory (the shell runs there). Relative,
+    so no tracked param holds an absolute path: a moved or re-cloned project reruns nothing.
     """
-    from distlm.train.checkpoint import request_fresh_run
-
-    if workflow.touch:
-        return
-    for job in workflow.dag.needrun_jobs():
-        if job.rule.name == "train" and workflow.dag.reason(job).forced:
-            out = Path(STAGES["train"].dir) / STAGES["train"].scratch["checkpoints"]
-            request_fresh_run(
-                out, "Snakemake forced the train job (--forcerun, --forceall)"
-            )
+    return os.path.relpath(ROOT / "workflow" / "scripts" / name)

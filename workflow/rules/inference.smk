@@ -9,7 +9,7 @@ rule inference:
         cfg=resolved_config("inference"),
         model=STAGES["shard"].path("pipeline", model="trained"),
         # relative to the working directory first, then the repository root
-        prompts=lambda wc: str(
+        prompts=lambda wc: tracked_path(
             resolve_prompts_path(config["inference"]["prompts"], ROOT)
         ),
     output:

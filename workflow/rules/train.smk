@@ -1,7 +1,8 @@
 # DDP training (torchrun): token blocks + serialized model -> final model folder, metrics, profile.
-# Checkpoints live in results/train/checkpoints (not a declared output, so that a killed or
-# restarted job resumes from them, and a job killed after its last checkpoint writes final/ from
-# it without training); train.resume: never, or forcing the rule (--forcerun train), starts afresh.
+# Checkpoints live in results/train/checkpoints/<run identity>/ (not a declared output, so that a
+# killed or forced job resumes from them, and one whose identity is finished writes final/ from it
+# without training); train.resume: never starts that identity afresh. The log is appended to:
+# two attempts (a rerun beside a job Snakemake lost) never overwrite each other's.
 rule train:
     input:
         cfg=resolved_config("train"),
@@ -28,4 +29,4 @@ rule train:
         " --max-restarts={params.max_restarts} {params.script:q}"
         " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
         " --model {input.model:q} --out {params.out:q}"
-        " --rank-log 'logs/train/rank{{rank}}.log' > {log:q} 2>&1"
+        " --rank-log 'logs/train/rank{{rank}}.log' >> {log:q} 2>&1"

@@ -19,8 +19,14 @@ Loading verifies checkpoint.json and every sha256; a corrupt or partial checkpoi
 a warning naming it) for the previous good one. A checkpoint whose identity differs from this run's
 is refused with a message listing what differs.
 
-A fresh run is asked for with a request file in the checkpoint folder (`request_fresh_run`, written
-by the workflow for `--forcerun train`): the next start removes every checkpoint, then the request.
+Checkpoints belong to a run identity (what changes the weights: model, data, topology, optimiser
+and schedule, `Trainer.identity`): each identity has its own folder `<root>/<run id>/`, the first
+16 hex digits of the identity's sha256, with `identity.json` beside its `step-*` folders. A rerun
+resumes only its own identity's newest verified checkpoint; an edit that changes the identity
+starts a run in another folder and deletes nothing of the others (`prune_runs` keeps the
+`keep_runs` most recently used once a run has finished), so reverting an edit finds its finished
+work again. The one exception: a run whose identity differs from a *finished* one only in
+`max_steps` (more steps) extends it (`extension_source`), as `train.resume: auto` always has.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import os
 import random
 import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +42,7 @@ from typing import Any
 import torch
 
 from distlm import DistlmError
-from distlm.io import atomic_dir, read_json, remove_leftovers, sha256_file, write_json
+from distlm.io import atomic_dir, digest, read_json, remove_leftovers, sha256_file, write_json
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
 
@@ -46,7 +51,8 @@ log = get_logger(__name__)
 FORMAT = "distlm-checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
-FRESH_REQUEST = "fresh-run-requested.json"
+IDENTITY = "identity.json"  # in each run folder: the identity its checkpoints belong to
+LEGACY_REQUEST = "fresh-run-requested.json"  # written by distlm before run folders; removed
 # Identity keys whose difference is tolerated on resume (logged): extending a run is allowed.
 TOLERATED = {"optim.max_steps"}
 
@@ -162,24 +168,96 @@ def clean_leftovers(ckpt_dir: str | Path) -> None:
     remove_leftovers(ckpt_dir)
 
 
-def request_fresh_run(ckpt_dir: str | Path, reason: str) -> Path:
-    """Ask the next start of the training stage to discard every checkpoint and train afresh."""
-    path = Path(ckpt_dir) / FRESH_REQUEST
-    write_json(path, {"reason": reason, "requested_at": time.time(), "by_pid": os.getpid()})
-    return path
+# ----------------------------------------------------------------------------- run folders
 
 
-def take_fresh_request(ckpt_dir: str | Path) -> dict | None:
-    """The pending fresh-run request, if any; the caller removes the checkpoints, then calls
-    `drop_fresh_request` (a kill in between repeats the removal, never skips it)."""
-    path = Path(ckpt_dir) / FRESH_REQUEST
-    if not path.is_file():
-        return None
-    return read_json(path, what="fresh-run request")
+def run_id(identity: dict) -> str:
+    """The folder name of an identity's checkpoints."""
+    return digest(identity)[:16]
 
 
-def drop_fresh_request(ckpt_dir: str | Path) -> None:
-    (Path(ckpt_dir) / FRESH_REQUEST).unlink(missing_ok=True)
+def open_run(root: str | Path, identity: dict) -> Path:
+    """The identity's run folder under `root`, created with its identity.json; marked as used now
+    (its mtime), which is what `prune_runs` orders by."""
+    run = Path(root) / run_id(identity)
+    meta = run / IDENTITY
+    if meta.is_file():
+        saved = read_json(meta, what="run identity")
+        if saved != identity:  # a digest collision, or a hand-edited file: never mix runs
+            raise CheckpointMismatch(
+                f"{meta} holds another identity than its folder name says:\n  "
+                + "\n  ".join(identity_diff(saved, identity))
+            )
+        os.utime(meta)
+    else:
+        write_json(meta, identity)
+    return run
+
+
+def list_runs(root: str | Path) -> list[tuple[Path, dict]]:
+    """Run folders under `root` with their identities, most recently used first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        meta = p / IDENTITY
+        if p.is_dir() and not p.name.startswith(".") and meta.is_file():
+            try:
+                found.append((meta.stat().st_mtime, p, read_json(meta, what="run identity")))
+            except (OSError, DistlmError) as e:
+                log.warning("ignoring run folder %s: %s", p, e)
+    return [(p, ident) for _, p, ident in sorted(found, key=lambda t: -t[0])]
+
+
+def migrate_legacy(root: str | Path) -> None:
+    """Move checkpoints of the layout before run folders (`<root>/step-*`) into their identity's
+    folder, so an upgrade resumes (or reuses finished work) instead of training again."""
+    root = Path(root)
+    for c in list_checkpoints(root):
+        try:
+            identity = read_state(c)["identity"]
+        except (DistlmError, KeyError) as e:
+            log.warning("legacy checkpoint %s has no readable identity, left alone: %s", c.path, e)
+            continue
+        run = open_run(root, identity)
+        os.replace(c.path, run / c.path.name)
+        log.info("moved legacy checkpoint %s into its run folder %s", c.path, run)
+    if (root / LEGACY_REQUEST).exists():
+        log.warning(
+            "ignoring %s (fresh-run requests are gone: set train.resume: never)",
+            root / LEGACY_REQUEST,
+        )
+        (root / LEGACY_REQUEST).unlink(missing_ok=True)
+
+
+def extension_source(root: str | Path, identity: dict) -> Checkpoint | None:
+    """The newest finished checkpoint of another run that this one may extend: its identity
+    differs only in TOLERATED keys (max_steps) and it stopped at its own max_steps, below ours."""
+    target = identity["optim"]["max_steps"]
+    best = None
+    for run, other in list_runs(root):
+        if run.name == run_id(identity) or not identity_diff(other, identity):
+            continue
+        if hard_diffs(other, identity):
+            continue
+        found = latest_good(run)
+        done = other.get("optim", {}).get("max_steps")
+        if found is None or found.step != done or found.step >= target:
+            continue
+        if best is None or found.step > best.step:
+            best = found
+    return best
+
+
+def prune_runs(root: str | Path, keep_runs: int, current: Path) -> None:
+    """Keep the `keep_runs` most recently used run folders (`current` always); delete the rest."""
+    others = [run for run, _ in list_runs(root) if run.resolve() != current.resolve()]
+    for run in others[max(0, keep_runs - 1) :]:
+        for c in list_checkpoints(run):
+            remove_checkpoint(c)
+        shutil.rmtree(run, ignore_errors=True)
+        log.info("removed the checkpoints of an older run %s (train.keep_runs %d)", run, keep_runs)
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Checkpoint]:

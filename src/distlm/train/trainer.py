@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from distlm.data import TokenBlocks
 from distlm.data import read_tokens_meta as read_data_meta
 from distlm.dist import Topology
 from distlm.io import digest, remove_leftovers
+from distlm.lease import Lease
 from distlm.log import get_logger, progress
 from distlm.model import (
     DTYPES,
@@ -56,6 +58,17 @@ log = get_logger(__name__)
 
 class TrainingDiverged(DistlmError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class TrainingStopped(DistlmError):
+    """A signal (a SLURM time limit or preemption, scancel, a kill) asked the ranks to stop: they
+    wrote a checkpoint at the step boundary and exit non-zero; a rerun resumes from it."""
+
+
+# Signals that ask for a checkpoint and a clean stop at the next step boundary: SIGTERM (SLURM's
+# time limit, preemption and scancel send it, torchrun forwards it) and SIGUSR1 (sent ahead of the
+# time limit by `distlm-launch srun-torchrun --signal-before`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 _STAGE = STAGES["train"]
@@ -92,7 +105,13 @@ class TrainPaths:
 
     @property
     def checkpoints(self) -> Path:
+        """The root of the run folders (one per run identity; distlm.train.checkpoint)."""
         return self.out / _STAGE.scratch["checkpoints"]
+
+    @property
+    def lease(self) -> Path:
+        """One trainer per stage folder at a time (distlm.lease)."""
+        return self.checkpoints / "trainer.lease.json"
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -179,10 +198,26 @@ class Trainer:
         self.resumed_from: str | None = None
         self._closed = False
         self._last_step_end: float | None = None  # perf_counter() when the last step ended
+        self.lease: Lease | None = None  # rank 0's hold on the stage folder
+        self.run_dir: Path | None = None  # rank 0: this run identity's checkpoint folder
+        self._stop_signal: int | None = None  # set by the signal handler, read at step ends
+        self.stop_requested: str | None = None  # agreed by every rank at the last step end
 
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> Trainer:
+        if self.topo.is_main:
+            # Before anything is written: a second trainer for this folder (a rerun after
+            # Snakemake was killed while this job runs on, a second user) stops here, naming us.
+            self.lease = Lease(self.paths.lease, what=f"training in {self.paths.out}")
+            self.lease.acquire()
+            log.info(
+                "attempt: host %s, pid %d, SLURM job %s, torchrun restart %s",
+                socket.gethostname(),
+                os.getpid(),
+                os.environ.get("SLURM_JOB_ID", "-"),
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            )
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
@@ -338,12 +373,6 @@ class Trainer:
         rng_state = None
         if choice[0] is not None:
             ck = ckpt_mod.Checkpoint(Path(choice[0][0]), choice[0][1])
-            if ck.step > self.tcfg["max_steps"]:  # every rank raises: none waits on the others
-                raise ckpt_mod.CheckpointMismatch(
-                    f"checkpoint {ck.path} is at step {ck.step}, beyond train.max_steps "
-                    f"{self.tcfg['max_steps']}; raise max_steps to extend that run, or remove "
-                    f"{ck.path.parent} (or set train.resume: never) to start afresh"
-                )
             state = ckpt_mod.read_state(ck)
             ckpt_mod.check_identity(ck, state["identity"], self.identity())
             rng_state = ckpt_mod.load_rng_state(ck, self.topo.rank, self.topo.world_size)
@@ -370,30 +399,39 @@ class Trainer:
             torch.manual_seed(self.cfg["runtime"]["seed"] + 1000 * self.topo.rank)
 
     def _choose_checkpoint(self) -> tuple[str, int] | None:
-        """Rank 0: clear leftovers of killed writes, honour a request for a fresh run
-        (train.resume: never, or the workflow's request for --forcerun train), then pick the
-        newest checkpoint that verifies."""
-        ckpt_dir = self.paths.checkpoints
+        """Rank 0: clear leftovers of killed writes, open this identity's run folder, then pick
+        its newest checkpoint that verifies (or, with none, a finished run this one extends).
+        `train.resume: never` removes this identity's checkpoints first, no other's."""
+        root = self.paths.checkpoints
         remove_leftovers(self.paths.out)
-        ckpt_mod.clean_leftovers(ckpt_dir)
-        request = ckpt_mod.take_fresh_request(ckpt_dir)
-        if self.tcfg["resume"] == "never" or request is not None:
-            why = (
-                "train.resume is never"
-                if request is None
-                else f"a fresh run was requested ({request.get('reason', 'no reason given')})"
+        ckpt_mod.clean_leftovers(root)
+        ckpt_mod.migrate_legacy(root)
+        identity = self.identity()
+        self.run_dir = ckpt_mod.open_run(root, identity)
+        ckpt_mod.clean_leftovers(self.run_dir)
+        log.info("run identity %s: checkpoints in %s", self.run_dir.name, self.run_dir)
+        if self.tcfg["resume"] == "never":
+            log.warning(
+                "train.resume is never: removing this run's checkpoints in %s", self.run_dir
             )
-            log.warning("%s: removing earlier checkpoints in %s", why, ckpt_dir)
-            ckpt_mod.prune(ckpt_dir, 0)
-            ckpt_mod.drop_fresh_request(ckpt_dir)  # only once the checkpoints are gone
+            ckpt_mod.prune(self.run_dir, 0)
             return None
-        found = ckpt_mod.latest_good(ckpt_dir)
-        if found is None:
-            return None
+        found = ckpt_mod.latest_good(self.run_dir)
         max_steps = self.tcfg["max_steps"]
-        if found.step == max_steps and not ckpt_mod.identity_diff(
-            ckpt_mod.read_state(found)["identity"], self.identity()
-        ):
+        if found is None:
+            found = ckpt_mod.extension_source(root, identity)
+            if found is None:
+                log.info("no checkpoint of this run yet: training from step 0")
+                return None
+            log.warning(
+                "extending the finished run %s (step %d) to train.max_steps %d: the learning-rate "
+                "schedule continues as if it had been planned for %d steps",
+                found.path.parent,
+                found.step,
+                max_steps,
+                max_steps,
+            )
+        elif found.step == max_steps:
             log.info(
                 "%s is this run's finished work (step %d of %d): the final folder is written "
                 "from it, no training step runs",
@@ -496,21 +534,35 @@ class Trainer:
         # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any rank
         # makes the all-reduced gradients, hence the (global) norm, non-finite on every rank: all
         # ranks stop together, before the step (with fp16 the scaler skips such steps instead).
-        loss_red = loss_sum.float().reshape(1)
+        # A stop request (a signal on any rank, or rank 0's lease lost) travels with the loss, so
+        # every rank learns it at this step's end without a collective of its own.
+        loss_red = torch.zeros(3, device=self.device)
+        loss_red[0] = loss_sum.float()
+        loss_red[1] = float(self._stop_signal is not None)
+        loss_red[2] = float(self.lease is not None and self.lease.lost is not None)
         work = dist.all_reduce(loss_red, async_op=True)
         gnorm_v = gnorm.item()
         if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
             work.wait()
-            self._diverged(step, loss_red.item() / self.topo.world_size, gnorm_v)
+            self._diverged(step, loss_red[0].item() / self.topo.world_size, gnorm_v)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         work.wait()
-        loss_v = loss_red.item() / self.topo.world_size
+        loss_v, signalled, lost = loss_red.tolist()
+        loss_v /= self.topo.world_size
         if not math.isfinite(loss_v):
             self._diverged(step, loss_v, gnorm_v)
         self.step = step + 1
+        if lost:
+            raise DistlmError(
+                f"step {self.step}: stopping without a checkpoint: another trainer took over "
+                f"{self.paths.lease} (this one was judged dead); see its log"
+            )
+        if signalled and self.stop_requested is None:
+            name = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal"
+            self.stop_requested = f"{name} on {'this' if self._stop_signal else 'another'} rank"
         # No device synchronize: the .item() above already waited for forward and backward, and
         # the optimizer kernels overlap the next step's launches (counted in the next step time).
         # The step time runs from the end of the previous step, so it holds everything the loop
@@ -532,7 +584,7 @@ class Trainer:
     def _diverged(self, step: int, loss: float, gnorm: float) -> None:
         raise TrainingDiverged(
             f"step {step + 1}: loss {loss}, gradient norm {gnorm}: training diverged; "
-            f"the last good checkpoint is kept in {self.paths.checkpoints}"
+            f"the last good checkpoint is kept in {self.run_dir or self.paths.checkpoints}"
         )
 
     @torch.no_grad()
@@ -591,8 +643,9 @@ class Trainer:
                 "metrics": self.metrics.history(),
                 "distlm_version": __version__,
             }
+            assert self.run_dir is not None  # rank 0 opened it in _choose_checkpoint
             path = ckpt_mod.save_checkpoint(
-                self.paths.checkpoints,
+                self.run_dir,
                 self.step,
                 weights={k: v.detach().cpu() for k, v in weights_of(self.model).items()},
                 optimizer_state=self.optimizer.state_dict(),
@@ -693,6 +746,7 @@ class Trainer:
             unit="step",
         )
         last_ckpt = start if self.resumed_from else -1
+        handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
         if start >= t["max_steps"]:
             log.info("step %d of %d reached already: the final folder only", start, t["max_steps"])
         try:
@@ -705,10 +759,21 @@ class Trainer:
                     if self.step % t["ckpt_every"] == 0 or self.step == t["max_steps"]:
                         self.save_checkpoint()
                         last_ckpt = self.step
+                    if self.stop_requested is not None:
+                        if last_ckpt != self.step:
+                            self.save_checkpoint()
+                        raise TrainingStopped(
+                            f"stopped at step {self.step} of {t['max_steps']} "
+                            f"({self.stop_requested}: a SLURM time limit or preemption, scancel, "
+                            "or a kill); the checkpoint of this step is written: run the same "
+                            "command again to resume from it"
+                        )
                     if self.kill_after is not None:
                         self._fault_kill()
         finally:
             bar.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
         if self.topo.is_main:
             profiler.write_summary(self.step - start)
         if not self.metrics.val_rows or self.metrics.val_rows[-1]["step"] != self.step:
@@ -716,7 +781,14 @@ class Trainer:
         if last_ckpt != self.step:
             self.save_checkpoint()
         self.metrics.flush()
-        return self.write_final(time.perf_counter() - t_start, steps_run=self.step - start)
+        meta = self.write_final(time.perf_counter() - t_start, steps_run=self.step - start)
+        if self.topo.is_main and self.run_dir is not None:
+            ckpt_mod.prune_runs(self.paths.checkpoints, t["keep_runs"], self.run_dir)
+        return meta
+
+    def _on_stop_signal(self, signum: int, _frame) -> None:
+        # Only a flag: the step boundary acts on it (checkpoint, then TrainingStopped).
+        self._stop_signal = signum
 
     def step_and_log(self, *, profiler: StepProfiler | None = None, bar=None) -> dict:
         """One optimizer step with its bookkeeping (profiler, metrics, progress bar, log line)."""
@@ -761,6 +833,8 @@ class Trainer:
         for b in ("train_blocks", "val_blocks"):
             if hasattr(self, b):
                 getattr(self, b).close()
+        if self.lease is not None:
+            self.lease.release()
 
 
 def run_training(cfg: dict, paths: TrainPaths) -> dict | None:
