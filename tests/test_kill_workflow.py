@@ -1,6 +1,8 @@
 """The workflow from a checkout, a working directory and a prompt file whose paths hold spaces
-(every config-derived path in the rules is quoted); then finished training is reused when its final
-folder is gone (no step runs, bit-identical weights) and `--forcerun train` trains afresh."""
+(every config-derived path in the rules is quoted); then, through the user's commands: finished
+training is reused when its final folder is gone; the forced-rerun table (what each way of forcing
+or editing reruns, and whether it trains); a copy of the whole project at another path plans
+nothing."""
 
 from __future__ import annotations
 
@@ -29,7 +31,11 @@ COPY_IGNORE = shutil.ignore_patterns(
 )
 
 
-def _snakemake(checkout: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
+def _snakemake(checkout: Path, work: Path, *args: str, edit: dict | None = None):
+    extra = []
+    if edit is not None:
+        (work.parent / "edit.yaml").write_text(yaml.safe_dump(edit))
+        extra = [str(work.parent / "edit.yaml")]
     cmd = [
         sys.executable,
         "-m",
@@ -41,6 +47,7 @@ def _snakemake(checkout: Path, work: Path, *args: str) -> subprocess.CompletedPr
         "--configfile",
         str(checkout / "tests" / "configs" / "tiny.yaml"),
         str(work.parent / "prompts override.yaml"),
+        *extra,
         "--profile",
         str(checkout / "profiles" / "local"),
         *args,
@@ -49,6 +56,21 @@ def _snakemake(checkout: Path, work: Path, *args: str) -> subprocess.CompletedPr
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
+
+
+def job_counts(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    """Snakemake's "Job stats" table (rule -> jobs), rule all left out."""
+    counts: dict[str, int] = {}
+    lines = (proc.stdout + proc.stderr).splitlines()
+    if "Job stats:" not in lines:
+        return counts
+    for line in lines[lines.index("Job stats:") + 3 :]:
+        parts = line.split()
+        if len(parts) != 2 or parts[0] == "total":
+            break
+        if parts[0] != "all":
+            counts[parts[0]] = int(parts[1])
+    return counts
 
 
 @pytest.mark.slow
@@ -82,6 +104,22 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     weights = (final / "model.safetensors").read_bytes()
     steps = read_meta(final)["training"]["steps"]
 
+    # The whole project copied to another path (checkout, work dir, prompts; mtimes kept):
+    # nothing is planned there. No tracked param or shell command holds an absolute path.
+    moved = tmp_path / "moved elsewhere"
+    shutil.copytree(base, moved, symlinks=True)
+    proc = _snakemake(
+        moved / "check out",
+        moved / "work dir",
+        "results/inference/generations.jsonl",
+        "results/broadcast/report.json",
+        "results/eval/trained.json",
+        "-n",
+    )
+    assert job_counts(proc) == {} and "Nothing to be done" in proc.stdout + proc.stderr, (
+        proc.stdout[-3000:]
+    )
+
     # a job killed after its last checkpoint (final/ gone): the rerun writes final/ from it
     shutil.rmtree(final)
     _snakemake(checkout, work, "results/train/final")
@@ -90,10 +128,39 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     assert (final / "model.safetensors").read_bytes() == weights
     assert "is this run's finished work" in (work / "logs" / "train" / "rank0.log").read_text()
 
-    # --forcerun train asks for a fresh run: the checkpoints go, every step runs again
-    _snakemake(checkout, work, "results/train/final", "--forcerun", "train")
-    meta = read_meta(final)["training"]
-    assert meta["steps_this_run"] == steps and meta["resumed_from"] is None
-    assert "a fresh run was requested" in (work / "logs" / "train" / "rank0.log").read_text()
-    assert (final / "model.safetensors").read_bytes() == weights  # and reproducible
-    assert not (work / "results" / "train" / "checkpoints" / "fresh-run-requested.json").exists()
+    # The forced-rerun table: what each way of asking runs, and whether the train job trains.
+    # Checkpoints belong to the run identity: forcing reuses a finished identity (on the CPU the
+    # bits are the same); train.resume: never, or an edit of the identity, trains; a revert
+    # finds the finished run again.
+    target = "results/train/final"
+    table = [
+        ("--forcerun train", ("--forcerun", "train"), None, False),
+        ("--forceall (train's ancestors)", ("--forceall",), None, False),
+        ("-f results/train/final", ("-f",), None, False),
+        ("train.resume: never", (), {"train": {"resume": "never"}}, True),
+        ("edit train.lr", (), {"train": {"lr": 0.002}}, True),
+        ("revert the edit", (), None, False),
+    ]
+    rows = []
+    for name, args, edit, trains in table:
+        proc = _snakemake(checkout, work, target, *args, edit=edit)
+        meta = read_meta(final)["training"]
+        ran = sorted(job_counts(proc))
+        trained = meta["steps_this_run"] == steps
+        rows.append(f"| {name} | {', '.join(ran)} | {'trains' if trained else 'reuses'} |")
+        assert "train" in ran, (name, ran)
+        assert trained == trains, (name, meta)
+        if not trained:
+            assert meta["steps_this_run"] == 0 and meta["resumed_from"].endswith(f"{steps:08d}")
+            assert (final / "model.safetensors").read_bytes() == weights
+        if name == "--forceall (train's ancestors)":
+            assert {"prepare_data", "serialize_model"} <= set(ran)
+        elif name != "edit train.lr":
+            assert set(ran) <= {"train", "resolve_config"}, (name, ran)
+    print("\n".join(["| command | jobs | train job |", "| --- | --- | --- |", *rows]))
+    runs = [p.name for p in (work / "results" / "train" / "checkpoints").iterdir() if p.is_dir()]
+    assert len(runs) == 2  # the edit's run and the original, both kept (keep_runs 3)
+    # every attempt appended to the logs: 1 run, 1 reuse, 6 rows
+    assert (work / "logs" / "train" / "rank0.log").read_text().count(
+        "] INFO distlm.train.trainer: attempt:"
+    ) == 8

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,31 @@ def test_harness_slurm_conf_has_one_line_per_node_and_no_accounting():
     assert "AccountingStorageType=accounting_storage/none" in conf and "MinJobAge=3600" in conf
     assert "SlurmctldHost=ctl(10.9.0.1)" in conf
     assert sc.hosts_file(c).splitlines()[-1] == "10.9.0.13 node3"
+
+
+def test_launcher_options_and_the_time_limit_warning(monkeypatch):
+    assert launch._launcher_options(["--signal-before=120", "--spread-procs", "t.py"]) == (
+        True,
+        120.0,
+        ["t.py"],
+    )
+    assert launch._launcher_options(["--signal-before", "30", "--nproc-per-node=2", "t.py"]) == (
+        False,
+        30.0,
+        ["--nproc-per-node=2", "t.py"],
+    )
+    with pytest.raises(DistlmError, match="--signal-before needs a positive number"):
+        launch._launcher_options(["--signal-before=soon", "t.py"])
+    assert launch.parse_end_time("Unknown") is None
+    end = launch.parse_end_time("2026-11-22T19:30:00")
+    assert end is not None and time.localtime(end).tm_hour == 19
+    # 0.5 s before a limit 1 s away: scancel --signal=USR1 for the job, once, after ~0.5 s
+    calls = []
+    monkeypatch.setattr(launch, "_scontrol", lambda *a, **k: "JobId=9 EndTime=Unknown")
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **k: calls.append(cmd))
+    alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, end_time=time.time() + 1)
+    warning = launch.LimitWarning(alloc, 0.5)
+    t0 = time.monotonic()
+    warning.start()
+    warning._thread.join(timeout=5)
+    assert calls == [["scancel", "--signal=USR1", "9"]] and time.monotonic() - t0 >= 0.4

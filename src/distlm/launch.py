@@ -9,6 +9,15 @@ inside a job of N nodes runs
         python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
         --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
 
+With `srun-torchrun --signal-before=SECONDS`, the launcher reads the job's end time (its time limit)
+from `scontrol show job` and, SECONDS before it, sends SIGUSR1 to the job's steps (`scancel
+--signal=USR1 JOBID`: every process of every step, never the batch shell where Snakemake runs).
+The training ranks then write a checkpoint at the next step boundary and stop (distlm.train);
+torchrun's agents ignore SIGUSR1 (set before they start). This does not depend on the Snakemake
+SLURM plugin passing `--signal` to sbatch, nor on SLURM's coarse timing of it (up to a minute
+early), and it works for a job whose time limit is raised while it runs (read again before
+sending).
+
 With `srun-torchrun --spread-procs`, --nproc-per-node is the job's TOTAL process count, spread over
 the nodes as evenly as possible (3 on 2 nodes: 2 + 1): for stages whose world size is fixed by the
 config (the weight broadcast: 1 sender + receivers), not by the hardware.
@@ -31,9 +40,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 from distlm import DistlmError
@@ -69,6 +81,7 @@ class Allocation:
     job_id: str
     hosts: tuple[str, ...]
     cpus_per_task: int
+    end_time: float | None = None  # epoch seconds the time limit ends the job; None: no limit
 
     @property
     def head(self) -> str:
@@ -80,16 +93,30 @@ def parse_job(text: str) -> dict[str, str]:
     return dict(re.findall(r"(?:^|\s)([A-Za-z/:]+)=(\S*)", text))
 
 
+def parse_end_time(value: str | None) -> float | None:
+    """`EndTime=2026-11-22T19:30:00` (the controller's local time) -> epoch seconds."""
+    if not value or value in ("Unknown", "None", "(null)"):
+        return None
+    try:
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def _scontrol(*args: str, run=subprocess.run) -> str:
+    cmd = ["scontrol", *args]
+    try:
+        proc = run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as e:
+        raise DistlmError(f"distlm-launch: `scontrol` not found on PATH ({e})") from e
+    if proc.returncode != 0:
+        raise DistlmError(f"distlm-launch: `{shlex.join(cmd)}` failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
 def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
     def scontrol(*args: str) -> str:
-        cmd = ["scontrol", *args]
-        try:
-            proc = run(cmd, capture_output=True, text=True, timeout=60)
-        except FileNotFoundError as e:
-            raise DistlmError(f"distlm-launch: `scontrol` not found on PATH ({e})") from e
-        if proc.returncode != 0:
-            raise DistlmError(f"distlm-launch: `{shlex.join(cmd)}` failed: {proc.stderr.strip()}")
-        return proc.stdout
+        return _scontrol(*args, run=run)
 
     fields = parse_job(scontrol("show", "job", "-o", job_id))
     nodelist = fields.get("NodeList", "")
@@ -97,7 +124,12 @@ def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
         raise DistlmError(f"distlm-launch: SLURM job {job_id} has no NodeList (is it running?)")
     hosts = tuple(scontrol("show", "hostnames", nodelist).split())
     cpus = fields.get("CPUs/Task", "1")
-    return Allocation(job_id=job_id, hosts=hosts, cpus_per_task=int(cpus) if cpus.isdigit() else 1)
+    return Allocation(
+        job_id=job_id,
+        hosts=hosts,
+        cpus_per_task=int(cpus) if cpus.isdigit() else 1,
+        end_time=parse_end_time(fields.get("EndTime")),
+    )
 
 
 def check_torchrun_args(args: list[str]) -> None:
@@ -285,9 +317,82 @@ def node_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
     return out
 
 
+class LimitWarning:
+    """SIGUSR1 to the job's steps `before_s` seconds before its time limit (see the docstring)."""
+
+    def __init__(self, alloc: Allocation, before_s: float) -> None:
+        self.alloc = alloc
+        self.before_s = before_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="limit-warning")
+
+    def start(self) -> None:
+        if self.alloc.end_time is None:
+            print(
+                f"distlm-launch: job {self.alloc.job_id} has no time limit: no SIGUSR1 to send",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        self._thread.start()
+
+    def _run(self) -> None:
+        end = self.alloc.end_time
+        while end is not None:
+            if self._done.wait(max(0.0, min(60.0, end - self.before_s - time.time()))):
+                return
+            if time.time() < end - self.before_s:
+                continue
+            try:  # the limit may have been raised meanwhile
+                fresh = parse_job(_scontrol("show", "job", "-o", self.alloc.job_id))
+                end_now = parse_end_time(fresh.get("EndTime"))
+            except DistlmError:
+                end_now = end
+            if end_now is not None and end_now > end + 1:
+                end = end_now
+                continue
+            left = end - time.time()
+            print(
+                f"distlm-launch: job {self.alloc.job_id} reaches its time limit in {left:.0f} s: "
+                "SIGUSR1 to its steps (the training ranks checkpoint and stop)",
+                file=sys.stderr,
+                flush=True,
+            )
+            subprocess.run(["scancel", "--signal=USR1", self.alloc.job_id], check=False, timeout=60)
+            return
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def _launcher_options(args: list[str]) -> tuple[bool, float | None, list[str]]:
+    """(--spread-procs, --signal-before seconds, the torchrun args after them)."""
+    spread_procs, before = False, None
+    while args and args[0].startswith(("--spread-procs", "--signal-before")):
+        opt, eq, value = args[0].partition("=")
+        if opt == "--spread-procs" and not eq:
+            spread_procs, args = True, args[1:]
+            continue
+        if opt == "--signal-before":
+            if not eq and len(args) > 1:
+                value, args = args[1], args[1:]
+            try:
+                before = float(value)
+            except ValueError:
+                before = -1.0
+            if not before > 0:
+                raise DistlmError(
+                    f"distlm-launch: --signal-before needs a positive number of seconds, got "
+                    f"{value!r}"
+                )
+            args = args[1:]
+            continue
+        break
+    return spread_procs, before, args
+
+
 def srun_torchrun(args: list[str]) -> int:
-    spread_procs = bool(args) and args[0] == "--spread-procs"
-    args = args[1:] if spread_procs else args
+    spread_procs, signal_before, args = _launcher_options(args)
     check_torchrun_args(args)
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
@@ -297,11 +402,17 @@ def srun_torchrun(args: list[str]) -> int:
         )
     alloc = read_allocation(job_id)
     port, holder = rendezvous_port(alloc, socket.gethostname())
+    warning = LimitWarning(alloc, signal_before) if signal_before else None
     try:
         cmd = srun_command(alloc, args, port=port, spread_procs=spread_procs)
         print(f"distlm-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        return subprocess.call(cmd)
+        proc = subprocess.Popen(cmd)
+        if warning is not None:
+            warning.start()
+        return proc.wait()
     finally:
+        if warning is not None:
+            warning.stop()
         if holder is not None:
             holder.close()
 
@@ -309,7 +420,8 @@ def srun_torchrun(args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = (
-        "usage: distlm-launch srun-torchrun [--spread-procs] [torchrun options] script.py "
+        "usage: distlm-launch srun-torchrun [--spread-procs] [--signal-before=SECONDS] "
+        "[torchrun options] script.py "
         "[script args]\n"
         "       (inside a SLURM job: one srun task per node, c10d rendezvous on the first)"
     )
@@ -322,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "torchrun-node":
             cmd = node_command(argv[1:], dict(os.environ))
             os.environ.update(node_env(cmd, dict(os.environ)))
+            # torchrun's agent would die of SIGUSR1 (the time-limit warning): ignored here, the
+            # disposition survives exec; the training ranks install their own handler.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             os.execv(cmd[0], cmd)
         raise DistlmError(f"distlm-launch: unknown command {argv[0]!r}\n{usage}")
     except DistlmError as e:

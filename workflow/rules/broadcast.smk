@@ -15,8 +15,8 @@ rule broadcast:
         "../envs/torch.yaml"
     threads: 1 + config["broadcast"]["receivers"]
     params:
-        cfg=params_of("broadcast"),
         script=entry_point("broadcast.py"),
+        cfg=params_of("broadcast"),
         nproc=1 + config["broadcast"]["receivers"],
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"

@@ -64,7 +64,10 @@ def benchmark_of(job):
 
 
 def entry_point(name):
-    """A stage entry point, relative to the working directory (the shell runs there). Relative,
-    so no tracked param holds an absolute path: a moved or re-cloned project reruns nothing.
+    """A stage entry point that a launcher starts (a rule's `script` param): its absolute path,
+    as a param derived from the job's input. Snakemake leaves params derived from input or output
+    out of its params trigger (the input trigger covers them), so no tracked value holds this
+    path, and a moved or re-cloned project (or another --directory) reruns nothing.
     """
-    return os.path.relpath(ROOT / "workflow" / "scripts" / name)
+    path = str(ROOT / "workflow" / "scripts" / name)
+    return lambda wildcards, input: path

@@ -15,8 +15,8 @@ rule evaluate:
         "../envs/torch.yaml"
     threads: config["eval"]["nproc_per_node"]
     params:
-        cfg=params_of("eval"),
         script=entry_point("evaluate.py"),
+        cfg=params_of("eval"),
         nproc=config["eval"]["nproc_per_node"],
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"

@@ -22,8 +22,8 @@ rule inference:
         "../envs/mpi.yaml"
     threads: config["inference"]["stages"]
     params:
-        cfg=params_of("inference"),
         script=entry_point("infer.py"),
+        cfg=params_of("inference"),
         stages=config["inference"]["stages"],
     shell:
         "{resources.mpi} -n {params.stages} python {params.script:q} --config {input.cfg:q}"

@@ -10,8 +10,8 @@ rule serve:
         "../envs/serve.yaml"
     threads: config["inference"]["stages"]
     params:
-        cfg=params_of("serve"),
         script=entry_point("serve.py"),
+        cfg=params_of("serve"),
         stages=config["inference"]["stages"],
     shell:
         # The API server (this process, uvicorn) starts the MPI job with the profile's launcher and

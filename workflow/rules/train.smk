@@ -19,8 +19,8 @@ rule train:
         "../envs/torch.yaml"
     threads: config["train"]["nproc_per_node"]
     params:
-        cfg=params_of("train"),
         script=entry_point("train.py"),
+        cfg=params_of("train"),
         nproc=config["train"]["nproc_per_node"],
         max_restarts=config["train"]["max_restarts"],
         out=lambda wildcards, output: str(Path(output.metrics).parent),

@@ -1,0 +1,28 @@
+"""Windows for tests/test_kill_soak.py inside every checkpoint write and the final write of the
+training stage, so the soak can kill the user's command there, not only wherever a random moment
+falls. Python imports this module at start-up when its folder is on PYTHONPATH (the soak puts it
+there); it acts only in a training rank (RANK set) of a soak (DISTLM_SOAK_EVENTS set). Rank 0
+appends `ckpt-write PATH` / `final-write PATH` to that file once the weights file is written and
+the folder not yet renamed, then waits DISTLM_SOAK_WINDOW_S seconds; nothing else changes."""
+
+import os
+import time
+
+EVENTS = os.environ.get("DISTLM_SOAK_EVENTS")
+if EVENTS and "RANK" in os.environ:
+    import distlm.model as model_mod
+    import distlm.train.checkpoint as ckpt_mod
+
+    WINDOW_S = float(os.environ.get("DISTLM_SOAK_WINDOW_S", "0.3"))
+
+    def windowed(real, what: str):
+        def save(tensors, path, metadata=None):
+            real(tensors, path, metadata)
+            with open(EVENTS, "a", encoding="utf-8") as f:
+                f.write(f"{what} {path}\n")
+            time.sleep(WINDOW_S)
+
+        return save
+
+    ckpt_mod.save_safetensors = windowed(ckpt_mod.save_safetensors, "ckpt-write")
+    model_mod.save_safetensors = windowed(model_mod.save_safetensors, "final-write")

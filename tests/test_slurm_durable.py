@@ -1,0 +1,207 @@
+"""Finished work survives SLURM's everyday events, through `snakemake --profile <the SLURM
+profile>` on the local cluster (tests/harness/slurm_cluster.py):
+
+- a train job whose time limit comes before the end: 30 s before it the launcher's SIGUSR1 makes
+  the ranks checkpoint at the step boundary and stop; the rerun resumes from that step;
+- an `scancel` of the rerun: SIGTERM, the same;
+- Snakemake killed while its train job runs, `--unlock`, the same command: the second train job
+  stops at once naming the first (no second trainer), no checkpoint is deleted, and once the first
+  has ended the same command writes final/ from its finished checkpoint without a training step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_slurm
+import yaml
+from conftest import ROOT, TINY, run_snakemake
+from test_slurm import sh, submissions
+
+from distlm.model import read_meta
+from distlm.train import checkpoint as ck
+
+pytestmark = pytest.mark.slurm
+cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profile
+profile = test_slurm.profile
+TARGET = "results/train/final"
+# Long enough that the first attempt is still training when its limit's warning comes.
+STEPS = 3000
+LONG = {
+    "train": {
+        "max_steps": STEPS,
+        "ckpt_every": 1000,
+        "eval_every": STEPS,
+        "log_every": 50,
+        "profile": {"enabled": False},
+    }
+}
+
+
+def _args(overlay: Path) -> list[str]:
+    return ["--configfile", str(TINY), str(overlay)]
+
+
+def _prepared(tmp_path: Path) -> tuple[Path, Path]:
+    """A work dir whose data and base model exist (built with the local profile: the files and
+    Snakemake's records are the same whichever profile ran them)."""
+    wd = tmp_path / "work"
+    wd.mkdir()
+    overlay = tmp_path / "long.yaml"
+    overlay.write_text(yaml.safe_dump(LONG))
+    run_snakemake(
+        wd, *_args(overlay), "results/model/base", "results/data/tokens.h5", configfile=None
+    )
+    return wd, overlay
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [c.step for c in ck.list_checkpoints(run_dir)]
+
+
+def _run_dir(wd: Path) -> Path:
+    (run,) = [r for r, _ in ck.list_runs(wd / "results" / "train" / "checkpoints")]
+    return run
+
+
+def _stopped_at(wd: Path, how: str) -> int:
+    log = (wd / "logs" / "train" / "rank0.log").read_text()
+    found = re.findall(rf"stopped at step (\d+) of {STEPS} \({how}", log)
+    assert found, log[-3000:]
+    return int(found[-1])
+
+
+def _wait_for(pred, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _training(wd: Path, since: int = 0) -> bool:
+    p = wd / "logs" / "train" / "rank0.log"
+    return p.exists() and len(re.findall(r" step \d+/\d+ loss", p.read_text())) > since
+
+
+@pytest.mark.timeout(900)
+def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profile, tmp_path):
+    wd, overlay = _prepared(tmp_path)
+    env = cluster.env()
+    # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
+    limited = run_snakemake(
+        wd,
+        *_args(overlay),
+        TARGET,
+        "--set-resources",
+        "train:runtime=1",
+        "--set-resources",
+        "train:torchrun='distlm-launch srun-torchrun --signal-before=30'",
+        configfile=None,
+        profile=profile,
+        env=env,
+        check=False,
+    )
+    assert limited.returncode != 0
+    first = _stopped_at(wd, "SIGUSR1")
+    assert 0 < first < STEPS and first % LONG["train"]["ckpt_every"] != 0
+    assert first in _steps(_run_dir(wd))
+    assert "reaches its time limit" in (wd / "logs" / "train" / "train.log").read_text()
+
+    # 2. the rerun resumes from that step; an scancel of it (SIGTERM) checkpoints likewise
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(ROOT / "Snakefile"),
+            "--directory",
+            str(wd),
+            *_args(overlay),
+            "--profile",
+            str(profile),
+            TARGET,
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = wd / "logs" / "train" / "rank0.log"
+    seen = len(re.findall(r" step \d+/\d+ loss", log.read_text()))
+    _wait_for(lambda: _training(wd, seen + 2), "the rerun to train")
+    assert f"resuming from {_run_dir(wd) / f'step-{first:08d}'}" in log.read_text()
+    jobs = [
+        j
+        for j in sh(cluster, ["squeue", "-h", "-o", "%i %j %k"]).stdout.splitlines()
+        if "rule_train" in j
+    ]
+    assert len(jobs) == 1, jobs
+    sh(cluster, ["scancel", jobs[0].split()[0]])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    second = _stopped_at(wd, "SIGTERM")
+    assert second > first and second in _steps(_run_dir(wd)), out[-3000:]
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, tmp_path):
+    wd, overlay = _prepared(tmp_path)
+    env = {**os.environ, **cluster.env()}
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(wd),
+        *_args(overlay),
+        "--profile",
+        str(profile),
+        TARGET,
+    ]
+    first = subprocess.Popen(
+        cmd,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait_for(lambda: _training(wd, 2), "the first train job to train")
+    os.killpg(first.pid, signal.SIGKILL)  # a dropped ssh session: the SLURM job goes on
+    out1, _ = first.communicate(timeout=30)
+    (job_id,) = submissions(out1)["train"]
+    before = _steps(_run_dir(wd))
+
+    subprocess.run([*cmd, "--unlock"], env=env, check=True, capture_output=True, timeout=120)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode != 0
+    logs = (wd / "logs" / "train" / "train.log").read_text()
+    assert f"SLURM job {job_id}" in logs and "another process is already running training" in logs
+    state = sh(cluster, ["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()
+    assert state == "RUNNING", state  # the first goes on, alone
+    after = _steps(_run_dir(wd))
+    assert not set(before) - set(after) or max(after) > max(before)  # nothing lost
+
+    _wait_for(
+        lambda: not sh(cluster, ["squeue", "-h", "-j", job_id]).stdout.strip(),
+        f"job {job_id} to end",
+        timeout=600,
+    )
+    assert STEPS in _steps(_run_dir(wd))  # it finished its run
+    subprocess.run([*cmd, "--unlock"], env=env, check=True, capture_output=True, timeout=120)
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+    meta = read_meta(wd / "results" / "train" / "final")["training"]
+    assert meta["steps_this_run"] == 0 and meta["steps"] == STEPS  # no step trained twice
