@@ -138,7 +138,7 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
         ("--forceall (train's ancestors)", ("--forceall",), None, False),
         ("-f results/train/final", ("-f",), None, False),
         ("train.resume: never", (), {"train": {"resume": "never"}}, True),
-        ("edit train.lr", (), {"train": {"lr": 0.002}}, True),
+        ("edit train.lr", (), {"train": {"lr": 0.003}}, True),
         ("revert the edit", (), None, False),
     ]
     rows = []

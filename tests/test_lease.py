@@ -102,3 +102,14 @@ def test_a_holder_whose_lease_was_taken_over_knows_it(tmp_path):
     finally:
         lease.release()
     assert read_document(path, Holder).token == "someone-else"  # not ours to remove
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path):
+    """A stale lease whose pid now belongs to a younger process (pid reuse) is taken over."""
+    import socket
+
+    path = tmp_path / "lease.json"
+    doc = _foreign(path, host=socket.gethostname(), pid=os.getpid())
+    write_document(path, doc.model_copy(update={"started_at": time.time() - 10**6}))
+    with Lease(path, what="x"):
+        assert read_document(path, Holder).token != "t"

@@ -89,6 +89,18 @@ def _write_tmp(path: Path, doc: Holder) -> Path:
     return Path(tmp)
 
 
+def _process_started(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds, from /proc), None when gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 class Lease:
     def __init__(self, path: str | os.PathLike, *, what: str, ttl_s: float = DEFAULT_TTL_S):
         self.path = Path(path)
@@ -151,8 +163,12 @@ class Lease:
             return None
 
     def _alive(self, other: Holder) -> bool:
-        """Whether `other` still holds its lease: its pid on this host, else its heartbeat."""
+        """Whether `other` still holds its lease: its pid on this host (and not a later process
+        that reuses the pid), else its heartbeat."""
         if other.host == socket.gethostname():
+            started = _process_started(other.pid)
+            if started is not None:
+                return started <= other.started_at + 5  # (its clock: the same machine's)
             return pid_alive(other.pid)
         deadline = time.monotonic() + self.ttl_s
         log.info(
