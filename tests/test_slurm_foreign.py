@@ -84,13 +84,18 @@ def _exe(pid: int) -> str:
         return ""
 
 
+def _is(pid: int, daemon: str) -> bool:
+    """pid runs `daemon` (Debian's /usr/sbin/slurmctld is a link to slurmctld-wlm)."""
+    return _exe(pid) == os.path.realpath(f"/usr/sbin/{daemon}")
+
+
 def _pid_of(daemon: str, timeout: float = 20) -> int:
     """The pid the daemon wrote to its default pid file, once that process is the daemon."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             pid = int(SYSTEM_PIDS[daemon].read_text().strip())
-            if Path(_exe(pid)).name == daemon:
+            if _is(pid, daemon):
                 return pid
         except (FileNotFoundError, ValueError):
             pass
@@ -101,7 +106,7 @@ def _pid_of(daemon: str, timeout: float = 20) -> int:
 def _stop(started: dict[str, int]) -> None:
     """SIGTERM, then SIGKILL after 15 s, to exactly the pids this test started."""
     for daemon, pid in started.items():
-        if Path(_exe(pid)).name == daemon:
+        if _is(pid, daemon):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     alive = dict(started)
@@ -109,7 +114,7 @@ def _stop(started: dict[str, int]) -> None:
         alive = {d: p for d, p in alive.items() if not sc._gone(p)}
         time.sleep(0.2)
     for daemon, pid in alive.items():
-        if Path(_exe(pid)).name == daemon:
+        if _is(pid, daemon):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -237,7 +242,7 @@ def _foreign_alive(foreign: Foreign) -> None:
     assert "UP" in foreign.run("scontrol", "ping")
     if foreign.started:  # ours: its one node runs a step; the machine's own may be busy
         for daemon, pid in foreign.started.items():
-            assert Path(_exe(pid)).name == daemon, f"the foreign {daemon} ({pid}) is gone"
+            assert _is(pid, daemon), f"the foreign {daemon} ({pid}) is gone"
         assert foreign.run("srun", "-N1", "hostname").strip() == foreign.host
 
 
