@@ -21,9 +21,10 @@ def run_snakemake(
     profile: str | Path = ROOT / "profiles" / "local",
     check: bool = True,
     timeout: float = 1200,
-    env: dict | None = None,
+    env: dict[str, str | None] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the workflow with `workdir` as its working directory (results/ and logs/ land there)."""
+    """Run the workflow with `workdir` as its working directory (results/ and logs/ land there);
+    `env` changes this process's environment for it (a None value removes the variable)."""
     cmd = [
         sys.executable,
         "-m",
@@ -44,7 +45,7 @@ def run_snakemake(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
         check=False,
     )
     if check and proc.returncode != 0:

@@ -232,7 +232,7 @@ def slurm_run(cluster, profile, tmp_path_factory):
         str(SLURM_CONFIG),
         configfile=None,
         profile=profile,
-        env={"SLURM_CONF": str(cluster.conf)},
+        env=cluster.env_changes(),
     )
     return wd, proc.stdout + proc.stderr
 
@@ -312,7 +312,7 @@ def test_same_results_as_the_local_profile(slurm_run, workflow_run):
 
 def test_forcerun_resubmits_only_the_stage_and_its_dependents(cluster, profile, slurm_run):
     wd, _ = slurm_run
-    env = {"SLURM_CONF": str(cluster.conf)}
+    env = cluster.env_changes()
     args = ["--configfile", str(TINY), str(SLURM_CONFIG)]
     planned = run_snakemake(
         wd, *args, "--forcerun", "inference", "--dry-run", configfile=None, profile=profile, env=env
