@@ -46,7 +46,17 @@ LONG = {
 
 
 def _args(overlay: Path) -> list[str]:
-    return ["--configfile", str(TINY), str(overlay)]
+    return ["--configfile", str(TINY), str(test_slurm.SLURM_CONFIG), str(overlay)]
+
+
+def _profile_with(profile: Path, dest: Path, **train: object) -> Path:
+    """The test profile with rule train's resources changed (a CLI --set-resources would replace
+    the rule's whole entry, its `mpi` and `nodes` included)."""
+    cfg = yaml.safe_load((profile / "config.yaml").read_text())
+    cfg["set-resources"]["train"].update(train)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return dest
 
 
 def _prepared(tmp_path: Path) -> tuple[Path, Path]:
@@ -57,7 +67,7 @@ def _prepared(tmp_path: Path) -> tuple[Path, Path]:
     overlay = tmp_path / "long.yaml"
     overlay.write_text(yaml.safe_dump(LONG))
     run_snakemake(
-        wd, *_args(overlay), "results/model/base", "results/data/tokens.h5", configfile=None
+        wd, "results/model/base", "results/data/tokens.h5", *_args(overlay), configfile=None
     )
     return wd, overlay
 
@@ -73,7 +83,7 @@ def _run_dir(wd: Path) -> Path:
 
 def _stopped_at(wd: Path, how: str) -> int:
     log = (wd / "logs" / "train" / "rank0.log").read_text()
-    found = re.findall(rf"stopped at step (\d+) of {STEPS} \({how}", log)
+    found = re.findall(rf"stopping at step (\d+) of {STEPS} \({how}", log)
     assert found, log[-3000:]
     return int(found[-1])
 
@@ -99,14 +109,15 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
     # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
     limited = run_snakemake(
         wd,
-        *_args(overlay),
         TARGET,
-        "--set-resources",
-        "train:runtime=1",
-        "--set-resources",
-        "train:torchrun='distlm-launch srun-torchrun --signal-before=30'",
+        *_args(overlay),
         configfile=None,
-        profile=profile,
+        profile=_profile_with(
+            profile,
+            tmp_path / "limited",
+            runtime=1,
+            torchrun="'distlm-launch srun-torchrun --signal-before=30'",
+        ),
         env=env,
         check=False,
     )
@@ -139,7 +150,8 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
     log = wd / "logs" / "train" / "rank0.log"
     seen = len(re.findall(r" step \d+/\d+ loss", log.read_text()))
     _wait_for(lambda: _training(wd, seen + 2), "the rerun to train")
-    assert f"resuming from {_run_dir(wd) / f'step-{first:08d}'}" in log.read_text()
+    run = _run_dir(wd).relative_to(wd)
+    assert f"resuming from {run / f'step-{first:08d}'} (step {first} of" in log.read_text()
     jobs = [
         j
         for j in sh(cluster, ["squeue", "-h", "-o", "%i %j %k"]).stdout.splitlines()

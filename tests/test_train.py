@@ -431,7 +431,7 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", step_then_signal)
     out = tmp_path / "train"
-    with pytest.raises(trainer_mod.TrainingStopped, match=r"stopped at step 3 of 6 \(SIGUSR1"):
+    with pytest.raises(trainer_mod.TrainingStopped, match=r"stopping at step 3 of 6 \(SIGUSR1"):
         run_training(train_cfg(), paths(inputs, out))
     assert [c.step for c in ck.list_checkpoints(only_run(out))] == [2, 3]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored

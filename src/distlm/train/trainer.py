@@ -653,8 +653,8 @@ class Trainer:
                 state=state,
                 keep_last=self.tcfg["keep_last"],
             )
-            self.metrics.flush()
             log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
+            self._metrics_io(self.metrics.flush)
         self.topo.barrier()
 
     def write_final(self, wall_s: float, *, steps_run: int | None = None) -> dict | None:
@@ -759,13 +759,17 @@ class Trainer:
                     if self.step % t["ckpt_every"] == 0 or self.step == t["max_steps"]:
                         self.save_checkpoint()
                         last_ckpt = self.step
-                    if self.stop_requested is not None:
+                    if self.stop_requested is not None and self.step < t["max_steps"]:
+                        why = (
+                            f"stopping at step {self.step} of {t['max_steps']} "
+                            f"({self.stop_requested}: a SLURM time limit or preemption, scancel, "
+                            "or a kill)"
+                        )
+                        log.warning("%s: its checkpoint is written first", why)
                         if last_ckpt != self.step:
                             self.save_checkpoint()
                         raise TrainingStopped(
-                            f"stopped at step {self.step} of {t['max_steps']} "
-                            f"({self.stop_requested}: a SLURM time limit or preemption, scancel, "
-                            "or a kill); the checkpoint of this step is written: run the same "
+                            f"{why}: the checkpoint of step {self.step} is written; run the same "
                             "command again to resume from it"
                         )
                     if self.kill_after is not None:
@@ -785,6 +789,17 @@ class Trainer:
         if self.topo.is_main and self.run_dir is not None:
             ckpt_mod.prune_runs(self.paths.checkpoints, t["keep_runs"], self.run_dir)
         return meta
+
+    @staticmethod
+    def _metrics_io(call) -> None:
+        """Write the metrics files, which are derived: the checkpoint holds their history and the
+        next start writes them again. So a failure here (Snakemake removing a stopped job's
+        outputs under it, a full disk) is logged and never costs the checkpoint or hides why the
+        run stopped."""
+        try:
+            call()
+        except OSError as e:
+            log.warning("metrics files not written (%s); the next start writes them again", e)
 
     def _on_stop_signal(self, signum: int, _frame) -> None:
         # Only a flag: the step boundary acts on it (checkpoint, then TrainingStopped).
@@ -829,7 +844,7 @@ class Trainer:
             return
         self._closed = True
         if hasattr(self, "metrics"):
-            self.metrics.close()
+            self._metrics_io(self.metrics.close)
         for b in ("train_blocks", "val_blocks"):
             if hasattr(self, b):
                 getattr(self, b).close()
