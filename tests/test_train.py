@@ -536,3 +536,34 @@ def test_every_file_of_an_atomic_folder_is_fsynced_before_the_rename(tmp_path, m
         str(tmp / "sub"),
         str(tmp),
     } <= synced
+
+
+def test_tensorboard_folder_removed_under_the_run_is_rebuilt(tmp_path, caplog):
+    """Snakemake removes the outputs of a job it thinks incomplete, e.g. when rerun after being
+    killed while this job trains on: the run goes on, tb/ comes back with every row."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from distlm.train.metrics import Metrics
+
+    tb = tmp_path / "tb"
+    m = Metrics(enabled=True, metrics_csv=tmp_path / "m.csv", val_csv=tmp_path / "v.csv", tb_dir=tb)
+    row = lambda s: {
+        "step": s, "loss": 1.0, "perplexity": 2.7, "grad_norm": 1.0, "lr": 0.1, "tokens": s,
+        "tokens_per_s": 1.0, "step_time_s": 0.1,
+    }  # fmt: skip
+    m.log_step(row(1))
+    m.flush()
+    shutil.rmtree(tb)
+    (tmp_path / "m.csv").unlink()
+    with caplog.at_level(logging.WARNING, logger="distlm"):
+        for s in (2, 3):
+            m.log_step(row(s))
+        m.flush()
+    m.close()
+    assert "rebuilding the folder from the metric history" in caplog.text
+    assert len((tmp_path / "m.csv").read_text().splitlines()) == 4
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]

@@ -6,10 +6,12 @@ history; the CSV files are (re)written atomically at each checkpoint and at the 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from distlm.io import write_text
@@ -65,18 +67,42 @@ class Metrics:
         self.val_rows: list[dict] = [
             r for r in (history or {}).get("val", []) if r["step"] <= start_step
         ]
+        self.tb_dir = tb_dir
         self._tb = None
         if enabled and tb_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            self._open_tb()
 
-            # TensorBoard is rebuilt from the history: events of a killed attempt past the
-            # checkpoint go, and a rerun that resumes (Snakemake cleared tb/) gets them all back.
-            shutil.rmtree(tb_dir, ignore_errors=True)
-            self._tb = SummaryWriter(str(tb_dir))
-            for r in self.train_rows:
-                self._tb_step(r)
-            for r in self.val_rows:
-                self._tb_val(r)
+    def _open_tb(self) -> None:
+        """TensorBoard is rebuilt from the history: events of a killed attempt past the
+        checkpoint go, and a rerun that resumes (Snakemake cleared tb/) gets them all back."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        assert self.tb_dir is not None
+        shutil.rmtree(self.tb_dir, ignore_errors=True)
+        self._tb = SummaryWriter(str(self.tb_dir))
+        for r in self.train_rows:
+            self._tb_step(r)
+        for r in self.val_rows:
+            self._tb_val(r)
+
+    def _tb_write(self, write: Callable[[], None]) -> None:
+        """A TensorBoard write; when its folder went away under the run (Snakemake removes the
+        outputs of a job it thinks incomplete, e.g. a rerun after Snakemake was killed while this
+        job runs on), the folder is rebuilt from the history and training goes on."""
+        if self._tb is None:
+            return
+        try:
+            write()
+        except OSError as e:
+            log.warning(
+                "TensorBoard events in %s cannot be written (%s): rebuilding the folder from the "
+                "metric history",
+                self.tb_dir,
+                e,
+            )
+            with contextlib.suppress(Exception):
+                self._tb.close()
+            self._open_tb()
 
     def _tb_step(self, row: dict) -> None:
         for k in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
@@ -88,13 +114,11 @@ class Metrics:
 
     def log_step(self, row: dict) -> None:
         self.train_rows.append(row)
-        if self._tb is not None:
-            self._tb_step(row)
+        self._tb_write(lambda: self._tb_step(row))
 
     def log_val(self, row: dict) -> None:
         self.val_rows.append(row)
-        if self._tb is not None:
-            self._tb_val(row)
+        self._tb_write(lambda: self._tb_val(row))
 
     def history(self) -> dict:
         return {"train": list(self.train_rows), "val": list(self.val_rows)}
@@ -105,10 +129,12 @@ class Metrics:
             return
         write_text(self.metrics_csv, _csv(TRAIN_COLUMNS, self.train_rows))
         write_text(self.val_csv, _csv(VAL_COLUMNS, self.val_rows))
-        if self._tb is not None:
-            self._tb.flush()
+        self._tb_write(lambda: self._tb.flush())
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as e:  # the next start rebuilds the events from the checkpoint
+                log.warning("TensorBoard events in %s not closed cleanly: %s", self.tb_dir, e)
             self._tb = None

@@ -536,10 +536,12 @@ class Trainer:
         # ranks stop together, before the step (with fp16 the scaler skips such steps instead).
         # A stop request (a signal on any rank, or rank 0's lease lost) travels with the loss, so
         # every rank learns it at this step's end without a collective of its own.
-        loss_red = torch.zeros(3, device=self.device)
+        # [loss, ranks that got each of STOP_SIGNALS..., rank 0's lease lost]
+        loss_red = torch.zeros(2 + len(STOP_SIGNALS), device=self.device)
         loss_red[0] = loss_sum.float()
-        loss_red[1] = float(self._stop_signal is not None)
-        loss_red[2] = float(self.lease is not None and self.lease.lost is not None)
+        if self._stop_signal is not None:
+            loss_red[1 + STOP_SIGNALS.index(self._stop_signal)] = 1.0
+        loss_red[-1] = float(self.lease is not None and self.lease.lost is not None)
         work = dist.all_reduce(loss_red, async_op=True)
         gnorm_v = gnorm.item()
         if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
@@ -550,7 +552,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         work.wait()
-        loss_v, signalled, lost = loss_red.tolist()
+        loss_v, *signalled, lost = loss_red.tolist()
         loss_v /= self.topo.world_size
         if not math.isfinite(loss_v):
             self._diverged(step, loss_v, gnorm_v)
@@ -560,9 +562,12 @@ class Trainer:
                 f"step {self.step}: stopping without a checkpoint: another trainer took over "
                 f"{self.paths.lease} (this one was judged dead); see its log"
             )
-        if signalled and self.stop_requested is None:
-            name = signal.Signals(self._stop_signal).name if self._stop_signal else "a signal"
-            self.stop_requested = f"{name} on {'this' if self._stop_signal else 'another'} rank"
+        if any(signalled) and self.stop_requested is None:
+            self.stop_requested = ", ".join(
+                f"{sig.name} on {n:.0f} of {self.topo.world_size} ranks"
+                for sig, n in zip(STOP_SIGNALS, signalled, strict=True)
+                if n
+            )
         # No device synchronize: the .item() above already waited for forward and backward, and
         # the optimizer kernels overlap the next step's launches (counted in the next step time).
         # The step time runs from the end of the previous step, so it holds everything the loop
