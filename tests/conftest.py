@@ -14,6 +14,29 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 
 
+def snakemake_cmd(
+    workdir: Path,
+    *args: str,
+    configfiles: tuple[Path, ...] = (TINY,),
+    profile: str | Path = ROOT / "profiles" / "local",
+) -> list[str]:
+    """The user's command line: `snakemake --directory WORKDIR --configfile ... --profile ...`."""
+    conf = ["--configfile", *map(str, configfiles)] if configfiles else []
+    return [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(workdir),
+        *conf,
+        "--profile",
+        str(profile),
+        *args,
+    ]
+
+
 def run_snakemake(
     workdir: Path,
     *args: str,
@@ -25,20 +48,9 @@ def run_snakemake(
 ) -> subprocess.CompletedProcess:
     """Run the workflow with `workdir` as its working directory (results/ and logs/ land there);
     `env` changes this process's environment for it (a None value removes the variable)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--profile",
-        str(profile),
-        *args,
-    ]
-    if configfile is not None:
-        cmd[cmd.index("--profile") : cmd.index("--profile")] = ["--configfile", str(configfile)]
+    cmd = snakemake_cmd(
+        workdir, *args, configfiles=(configfile,) if configfile else (), profile=profile
+    )
     started = time.time()
     proc = subprocess.run(
         cmd,

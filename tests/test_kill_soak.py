@@ -16,20 +16,19 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import TINY, snakemake_cmd
 from procs import alive, children
 
 from distlm.model import load_model_dir, read_meta
 from distlm.train import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 HOOKS = ROOT / "tests" / "harness" / "soak_hooks"
 TARGET = "results/train/final"
 MAX_STEPS = 12
@@ -49,21 +48,7 @@ SOAK = {
 
 
 def _cmd(work: Path, soak_cfg: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(work),
-        "--configfile",
-        str(TINY),
-        str(soak_cfg),
-        "--profile",
-        str(ROOT / "profiles" / "local"),
-        *args,
-    ]
+    return snakemake_cmd(work, *args, configfiles=(TINY, soak_cfg))
 
 
 def _env(events: Path) -> dict[str, str]:

@@ -15,14 +15,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import test_slurm
 import yaml
-from conftest import ROOT, TINY, run_snakemake
+from conftest import TINY, snakemake_cmd
 from test_slurm import sh, submissions
 
 from distlm.model import read_meta
@@ -45,8 +44,8 @@ LONG = {
 }
 
 
-def _args(overlay: Path) -> list[str]:
-    return ["--configfile", str(TINY), str(test_slurm.SLURM_CONFIG), str(overlay)]
+def _configs(overlay: Path) -> tuple[Path, ...]:
+    return (TINY, test_slurm.SLURM_CONFIG, overlay)
 
 
 def _profile_with(profile: Path, dest: Path, **train: object) -> Path:
@@ -66,8 +65,13 @@ def _prepared(tmp_path: Path) -> tuple[Path, Path]:
     wd.mkdir()
     overlay = tmp_path / "long.yaml"
     overlay.write_text(yaml.safe_dump(LONG))
-    run_snakemake(
-        wd, "results/model/base", "results/data/tokens.h5", *_args(overlay), configfile=None
+    subprocess.run(
+        snakemake_cmd(
+            wd, "results/model/base", "results/data/tokens.h5", configfiles=_configs(overlay)
+        ),
+        check=True,
+        capture_output=True,
+        timeout=900,
     )
     return wd, overlay
 
@@ -107,19 +111,17 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
     wd, overlay = _prepared(tmp_path)
     env = cluster.env()
     # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
-    limited = run_snakemake(
-        wd,
-        TARGET,
-        *_args(overlay),
-        configfile=None,
-        profile=_profile_with(
-            profile,
-            tmp_path / "limited",
-            runtime=1,
-            torchrun="'distlm-launch srun-torchrun --signal-before=30'",
-        ),
-        env=env,
-        check=False,
+    limited_profile = _profile_with(
+        profile,
+        tmp_path / "limited",
+        runtime=1,
+        torchrun="'distlm-launch srun-torchrun --signal-before=30'",
+    )
+    limited = subprocess.run(
+        snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=limited_profile),
+        env={**os.environ, **env},
+        capture_output=True,
+        timeout=600,
     )
     assert limited.returncode != 0
     first = _stopped_at(wd, "SIGUSR1")
@@ -129,19 +131,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
 
     # 2. the rerun resumes from that step; an scancel of it (SIGTERM) checkpoints likewise
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(ROOT / "Snakefile"),
-            "--directory",
-            str(wd),
-            *_args(overlay),
-            "--profile",
-            str(profile),
-            TARGET,
-        ],
+        snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=profile),
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -169,19 +159,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
 def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, tmp_path):
     wd, overlay = _prepared(tmp_path)
     env = {**os.environ, **cluster.env()}
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(wd),
-        *_args(overlay),
-        "--profile",
-        str(profile),
-        TARGET,
-    ]
+    cmd = snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=profile)
     first = subprocess.Popen(
         cmd,
         env=env,
