@@ -93,6 +93,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
             "compile": True,
             "ckpt_every": 2,
             "keep_last": 3,
+            "keep_runs": 5,
             "eval_every": 2,
             "eval_batches": 1,
             "log_every": 2,
