@@ -13,5 +13,7 @@ setup_logging()
 bind_to_launcher(poll_s=0.5)
 comm = MPI.COMM_WORLD
 comm.Barrier()
-print(f"rank {comm.Get_rank()} pid {os.getpid()}", flush=True)
+# One write(2): with PYTHONUNBUFFERED, print() writes its pieces one by one and hydra's forwarding
+# interleaves the two ranks' lines ("rankrank 1 pid .. 0 pid ..")
+os.write(1, f"rank {comm.Get_rank()} pid {os.getpid()}\n".encode())
 time.sleep(300)
