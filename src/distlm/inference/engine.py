@@ -33,6 +33,7 @@ from distlm.inference.messages import (
     Error,
     Finish,
     Health,
+    Prompt,
     Ready,
     Shutdown,
     Submit,
@@ -217,7 +218,12 @@ class Engine:
                     else dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
                 )
                 seq = Sequence(
-                    self.sched.new_id(), list(ids), p, on_token=self._token, on_done=self._done
+                    self.sched.new_id(),
+                    list(ids),
+                    p,
+                    on_token=self._token,
+                    on_done=self._done,
+                    on_prompt=self._prompt,
                 )
                 self.where[seq.id] = (msg.rid, i * msg.n + j)
                 group.append(seq)
@@ -230,6 +236,17 @@ class Engine:
         rid, index = self.where[seq.id]
         top = None if pick.top is None else [[t, lp] for t, lp in pick.top]
         self.ch.send(Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top))
+
+    def _prompt(self, seq: Sequence, pick: Pick) -> None:
+        rid, index = self.where[seq.id]
+        self.ch.send(
+            Prompt(
+                rid=rid,
+                index=index,
+                logprobs=[None, *(lp for lp, _ in pick.prompt)],
+                top=[None, *([[t, v] for t, v in top] for _, top in pick.prompt)],
+            )
+        )
 
     def _done(self, seq: Sequence) -> None:
         rid, index = self.where.pop(seq.id)

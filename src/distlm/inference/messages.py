@@ -6,7 +6,7 @@ engine do. Every frame is `[VERSION, kind, {field: value}]`; a frame of another 
 unknown kind or missing/extra fields raises ChannelError instead of being guessed at.
 
     API server -> engine:  Submit, Cancel, Shutdown
-    engine -> API server:  Ready, Token, Finish, Error, Health
+    engine -> API server:  Ready, Prompt, Token, Finish, Error, Health
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import msgpack
 
 from distlm import DistlmError
 
-VERSION = 1
+VERSION = 2  # 2: Prompt (the prompt's log-probabilities, echo with logprobs)
 
 
 class ChannelError(DistlmError):
@@ -85,6 +85,17 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """The prompt's log-probabilities of choice `index` of `rid`, from its prefill (echo with
+    logprobs): one entry per prompt token, the first None (nothing comes before it)."""
+
+    rid: int
+    index: int
+    logprobs: list[float | None]
+    top: list[list[list] | None]  # per prompt token: [[token id, logprob], ...]; the first None
+
+
+@dataclass(frozen=True)
 class Finish:
     """Choice `index` of request `rid` is done: reason stop, length or cancelled."""
 
@@ -114,9 +125,10 @@ class Health:
     stages: list[dict] = field(default_factory=list)  # StageStats of stage 0 (later: per stage)
 
 
-Message = Submit | Cancel | Shutdown | Ready | Token | Finish | Error | Health
+Message = Submit | Cancel | Shutdown | Ready | Prompt | Token | Finish | Error | Health
 _KINDS: dict[str, type] = {
-    c.__name__.lower(): c for c in (Submit, Cancel, Shutdown, Ready, Token, Finish, Error, Health)
+    c.__name__.lower(): c
+    for c in (Submit, Cancel, Shutdown, Ready, Prompt, Token, Finish, Error, Health)
 }
 
 

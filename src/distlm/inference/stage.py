@@ -105,10 +105,15 @@ class StageModel(nn.Module):
         self.cache[child] = [list(kv) for kv in self.cache[parent]]
 
     @torch.inference_mode()
-    def forward(self, items: list[Item], x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, items: list[Item], x: torch.Tensor, *, every: frozenset[int] = frozenset()
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Stage 0 takes token ids (N,); later stages hidden states (N, C).
 
-        Returns hidden states (N, C), or on the last stage the logits of each item's last token (B, V).
+        Returns hidden states (N, C), or on the last stage the logits of each item's last token
+        (B, V). `every` (last stage): the items (by index) whose every position's logits are
+        wanted too (prompt log-probabilities); then (last logits, {index: (n - 1, V) logits of
+        the positions before the last}), from the same forward pass.
         """
         dev = self.device
         if self.first:
@@ -129,8 +134,15 @@ class StageModel(nn.Module):
         if not self.last:
             return x
         x = self.ln_f(x)
-        ends = (torch.tensor([0] + [it.n for it in items]).cumsum(0)[1:] - 1).to(dev)
-        return self.lm_head(x[ends])  # (B, V)
+        starts = torch.tensor([0] + [it.n for it in items]).cumsum(0)
+        last = self.lm_head(x[(starts[1:] - 1).to(dev)])  # (B, V)
+        if not every:
+            return last
+        rest = {
+            i: self.lm_head(x[int(starts[i]) : int(starts[i + 1]) - 1])  # (n - 1, V)
+            for i in sorted(every)
+        }
+        return last, rest
 
     def _block(self, j: int, block, items: list[Item], x: torch.Tensor) -> torch.Tensor:
         attn = block.attn
