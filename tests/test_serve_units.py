@@ -25,7 +25,9 @@ from distlm.inference.messages import (
     Submit,
     Token,
     decode,
+    decode_all,
     encode,
+    encode_batch,
 )
 from distlm.inference.pipeline import Pick, Sampler, Sequence
 from distlm.inference.prompts import RequestError
@@ -65,6 +67,10 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
     ]
     for m in msgs:
         assert decode(encode(m)) == m
+        assert decode_all(encode(m)) == [m]
+    assert decode_all(encode_batch(msgs)) == msgs  # one engine step's messages, in order
+    with pytest.raises(ChannelError, match="batch: expected a list"):
+        decode_all(msgpack.packb([VERSION, "batch", [["cancel"]]]))
     with pytest.raises(ChannelError, match="version 99"):
         decode(msgpack.packb([99, "cancel", {"rid": 1}]))
     with pytest.raises(ChannelError, match="unknown message kind 'nope'"):

@@ -41,7 +41,7 @@ from distlm.inference.messages import (
     Shutdown,
     Submit,
     Token,
-    decode,
+    decode_all,
     encode,
 )
 from distlm.inference.prompts import RequestError, check_prompt_ids, encode_prompt
@@ -386,9 +386,14 @@ class EngineClient:
 
     def __init__(self, requests_addr: str, events_addr: str, metrics: Metrics) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
+        # requests go out on a plain socket, sent at once and never blocking (no high-water
+        # mark: the queue limits bound them): zmq.asyncio's send machinery cost the API server
+        # a fifth of its time per request
+        self.push_ctx = zmq.Context()
+        self.push = self.push_ctx.socket(zmq.PUSH)
         self.pull = self.ctx.socket(zmq.PULL)
         self.push.setsockopt(zmq.LINGER, 0)
+        self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.bind(requests_addr)
         self.pull.bind(events_addr)
         self.metrics = metrics
@@ -417,24 +422,26 @@ class EngineClient:
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
+        self.push_ctx.term()
 
     async def _read(self) -> None:
         while True:
             frame = await self.pull.recv()
             try:
-                msg = decode(frame)
+                msgs = decode_all(frame)
             except ChannelError as e:
                 log.error("engine channel: %s (dropped)", e)
                 continue
-            try:
-                self._dispatch(msg)
-            except Exception as e:  # a bug here must not leave requests waiting for ever
-                log.exception("engine channel: handling %s failed", type(msg).__name__)
-                self.fail(
-                    f"the API server could not handle the engine's {type(msg).__name__} "
-                    f"({type(e).__name__}: {e})"
-                )
-                return
+            for msg in msgs:
+                try:
+                    self._dispatch(msg)
+                except Exception as e:  # a bug here must not leave requests waiting for ever
+                    log.exception("engine channel: handling %s failed", type(msg).__name__)
+                    self.fail(
+                        f"the API server could not handle the engine's {type(msg).__name__} "
+                        f"({type(e).__name__}: {e})"
+                    )
+                    return
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Health):
@@ -480,8 +487,10 @@ class EngineClient:
 
     def _send(self, msg) -> None:
         """Send now, without awaiting: callable from a cancelled task's cleanup too."""
-        fut = self.push.send(encode(msg))
-        fut.add_done_callback(_log_send_error)
+        try:
+            self.push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.error("engine channel: sending %s failed: %s", type(msg).__name__, e)
 
     def submit(self, prompts: list[list[int]], n: int, params: dict) -> tuple[int, asyncio.Queue]:
         self._rid += 1
@@ -502,11 +511,6 @@ class EngineClient:
 
     def shutdown(self, reason: str) -> None:
         self._send(Shutdown(reason=reason))
-
-
-def _log_send_error(fut) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("engine channel: send failed: %s", fut.exception())
 
 
 # ----------------------------------------------------------------------------- the app
@@ -728,6 +732,9 @@ class _Answer:
         self.left = len(self.choices)
         self.t_first: float | None = None
         self.hold = max((len(s) for s in job.stops), default=1) - 1
+        # the text is needed as tokens arrive only to find stop strings or to stream it; else it
+        # is decoded once, at the end (a decode per token is the API server's largest cost)
+        self.live = bool(job.stops) or job.req.stream
 
     def prompt_index(self, index: int) -> int:
         return index // self.n
@@ -754,10 +761,11 @@ class _Answer:
             c.tokens.append(msg.token)
             c.logprobs.append(msg.logprob)
             c.top.append(msg.top)
-            self.texts[c.index] = self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
-            self._stop_strings(c)
-            if c.reason is not None:
-                self.st.engine.cancel(self.rid, c.index)
+            if self.live:
+                self.texts[c.index] = self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                self._stop_strings(c)
+                if c.reason is not None:
+                    self.st.engine.cancel(self.rid, c.index)
         elif isinstance(msg, Finish):
             if c.reason is None:
                 c.reason = "stop" if msg.reason == "stop" else msg.reason
@@ -766,6 +774,13 @@ class _Answer:
             c.reason, c.error = "error", msg.message
             self.left -= 1
         return [c.index]
+
+    def text(self, index: int) -> str:
+        """The choice's whole text (after its end)."""
+        if not self.live:
+            c = self.choices[index]
+            return self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        return self.texts[index]
 
     def _stop_strings(self, c: Choice) -> None:
         text = self.texts[c.index]
@@ -882,18 +897,24 @@ def _finish(st: ServeState, answer: _Answer, info: dict) -> None:
     st.metrics.e2e.observe(time.perf_counter() - answer.t0)
 
 
+_GONE = object()  # on a request's queue: its client went away
+
+
 async def _complete(st: ServeState, request: Request, answer: _Answer, queue, deadline, info):
     gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(_GONE))
     try:
         while answer.left:
-            get = asyncio.ensure_future(_next(queue, deadline, "the completion"))
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if gone in done:
-                get.cancel()
+            msg = (
+                queue.get_nowait()
+                if not queue.empty()
+                else await _next(queue, deadline, "the completion")
+            )
+            if msg is _GONE:
                 st.engine.cancel(answer.rid)
                 info["cancelled"] = "client gone"
                 return Response(status_code=499)  # nobody reads it; the access log does
-            answer.event(get.result())
+            answer.event(msg)
     except ApiError as e:
         st.engine.cancel(answer.rid)
         if e.status == 504:
@@ -909,7 +930,7 @@ async def _complete(st: ServeState, request: Request, answer: _Answer, queue, de
     out = _base(st, f"cmpl-{uuid.uuid4().hex}")
     out["choices"] = []
     for c in answer.choices:
-        text = answer.texts[c.index]
+        text = answer.text(c.index)
         if job.req.echo:
             text = job.prompts[answer.prompt_index(c.index)] + text
         out["choices"].append(

@@ -40,6 +40,7 @@ from distlm.inference.messages import (
     Token,
     decode,
     encode,
+    encode_batch,
 )
 from distlm.inference.pipeline import (
     Backoff,
@@ -74,9 +75,17 @@ class Channel:
         self.push.connect(events)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
+        self.pending: list = []  # sent by flush(), one frame per engine step
 
     def send(self, msg) -> None:
-        self.push.send(encode(msg))
+        """Queue a message; flush() sends what one engine step produced as one frame."""
+        self.pending.append(msg)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        msgs, self.pending = self.pending, []
+        self.push.send(encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs))
 
     def recv(self, timeout_ms: int = 0):
         """The next request, or None when none arrives within timeout_ms."""
@@ -85,6 +94,7 @@ class Channel:
         return decode(self.pull.recv())
 
     def close(self) -> None:
+        self.flush()
         self.pull.close(linger=0)
         self.push.close()
         self.ctx.term()
@@ -127,6 +137,7 @@ class Engine:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "stopping", "stopped by a signal"))
         self.ch.send(self.ready())
+        self.ch.flush()
         heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
         backoff = Backoff()
         checked = health_at = time.monotonic()
@@ -142,7 +153,9 @@ class Engine:
                     health_at = now
                     self.ch.send(self.health())
                 took = self._take(0)
-                if self.sched.step() or took:
+                stepped = self.sched.step()
+                self.ch.flush()  # this step's tokens, finishes and errors: one frame
+                if stepped or took:
                     backoff.reset()
                 elif not self.sched.busy:
                     self.sched.heartbeat(heartbeat_s)
@@ -169,6 +182,7 @@ class Engine:
     def _failed(self, reason: str) -> None:
         log.error("pipeline failed; the API server answers 503: %s", reason)
         self.ch.send(Error(rid=None, index=None, status=503, message=reason))
+        self.ch.flush()
 
     def health(self) -> Health:
         s = self.sched

@@ -349,13 +349,20 @@ class Sampler:
     def start(self, lane: int, params: SamplingParams) -> None:
         self.lanes[lane] = (params, new_generator(params))
 
-    def pick(self, seq: int, lane: int, logits: torch.Tensor, prompt=None) -> Pick:
+    def pick(
+        self, seq: int, lane: int, logits: torch.Tensor, prompt=None, argmax: int | None = None
+    ) -> Pick:
         """A token for one sequence; an error in it (SamplingError, a bug) fails that one only.
 
-        `prompt`: the prompt's log-probabilities (sampling.prompt_logprobs) to carry back."""
+        `prompt`: the prompt's log-probabilities (sampling.prompt_logprobs) to carry back;
+        `argmax`: the row's argmax when its logits are finite, taken for the whole micro-batch
+        at once (what pick_token would choose for a greedy sequence)."""
         try:
             params, gen = self.lanes[lane]
-            token = pick_token(logits, params, gen)
+            if params.greedy and argmax is not None:
+                token = argmax
+            else:
+                token = pick_token(logits, params, gen)
             if params.logprobs is None:
                 return Pick(seq, token, prompt=prompt)
             lp, top = top_logprobs(logits, token, params.logprobs)
@@ -391,6 +398,13 @@ def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) 
     out = model([sl.item for sl in slots], x, every=_every(slots))
     logits, rest = out if isinstance(out, tuple) else (out, {})
     logits = logits.float().cpu()  # (B, V); the generators live on the CPU
+    # greedy picks for the whole micro-batch at once, not per sequence; a row with no finite
+    # logit gets None (pick_token then fails that sequence alone)
+    if bool(torch.isfinite(logits.sum())):  # every logit finite: one reduction says so
+        finite = [True] * len(slots)
+    else:
+        finite = torch.isfinite(logits).any(dim=1).tolist()
+    best = [b if ok else None for b, ok in zip(logits.argmax(dim=1).tolist(), finite)]
     picks = []
     for i, sl in enumerate(slots):
         if sl.item.pos == 0:
@@ -402,8 +416,8 @@ def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) 
             prompt = prompt_logprobs(
                 rest[i].cpu(), list(sl.prompt[1:]), sl.params.prompt_logprobs or 0
             )
-        picks.append(sampler.pick(sl.item.seq, sl.item.lane, logits[i], prompt))
-        picks.extend(sampler.pick(f.seq, f.lane, logits[i], prompt) for f in sl.forks)
+        picks.append(sampler.pick(sl.item.seq, sl.item.lane, logits[i], prompt, best[i]))
+        picks.extend(sampler.pick(f.seq, f.lane, logits[i], prompt, best[i]) for f in sl.forks)
     return picks
 
 
