@@ -246,7 +246,7 @@ def main() -> None:
         run_baseline(args)
         return
     import torch
-    from bench import seeded_model, sharded
+    from bench import seeded_model
 
     from distlm.dist import free_port
     from distlm.inference.peer import transformers_serve_command, transformers_serve_env
@@ -258,7 +258,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="distlm-bench-serve-") as tmp:
         work = Path(tmp)
         model = Path(args.model) if args.model else seeded_model(work / "seeded", args)
-        one = sharded(model, 1, work)
         names = []
         for name in args.servers.split(","):
             names += [f"distlm-s{n}" for n in stage_counts] if name == "distlm" else [name]
@@ -274,7 +273,7 @@ def main() -> None:
                         __file__,
                         "--baseline-server",
                         "--model",
-                        str(one),
+                        str(model),
                         "--port",
                         str(port),
                         "--threads",

@@ -285,7 +285,7 @@ def run_engine(
     api_pid: int | None,
 ) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
-    with mpi_pipeline(icfg, model_dir, device=device) as pipe:
+    with mpi_pipeline(icfg, model_dir, device=device, serve=True) as pipe:
         if not pipe.topo.is_first:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
