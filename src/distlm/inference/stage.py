@@ -103,6 +103,7 @@ class StageModel(nn.Module):
     def release(self, lane: int) -> None:
         self.length.pop(lane, None)
 
+    @torch.inference_mode()  # the cache holds inference tensors (written in forward)
     def fork(self, parent: int, child: int) -> None:
         """`child` continues from `parent`'s cache (n > 1: one prefill for every choice)."""
         n = self.length[parent]
