@@ -733,7 +733,7 @@ class _Answer:
         self.t_first: float | None = None
         self.hold = max((len(s) for s in job.stops), default=1) - 1
         # the text is needed as tokens arrive only to find stop strings or to stream it; else it
-        # is decoded once, at the end (a decode per token is the API server's largest cost)
+        # is decoded once, at the end (a decode of the whole text after every token is O(n^2))
         self.live = bool(job.stops) or job.req.stream
 
     def prompt_index(self, index: int) -> int:
