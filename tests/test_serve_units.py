@@ -330,4 +330,4 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     _check_prompt(seen[group[1].id], ids[1], ref[1])
     with pytest.raises(RequestError, match="max_tokens: must be at least 1 .0 only with echo"):
         make_params(max_new_tokens=0, context=64)
-    assert make_params(max_new_tokens=0, prompt_logprobs=1, context=64).prompt_logprobs == 1
+    assert make_params(max_new_tokens=0, echo=True, context=64).max_new_tokens == 0

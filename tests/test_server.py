@@ -359,6 +359,12 @@ def test_token_id_prompts_echo_and_prompt_logprobs_as_vllm(server, hf_reference)
             if max_tokens:
                 assert got["token_logprobs"][-1] == pytest.approx(float(lp[-1].max()), abs=1e-4)
         assert body["usage"]["completion_tokens"] == 2 * max_tokens
+    # echo without logprobs, max_tokens 0: the prompt alone
+    status, body = server.request(
+        "POST", "/v1/completions", {"prompt": PROMPTS[0], "echo": True, "max_tokens": 0}
+    )
+    assert status == 200 and body["choices"][0]["text"] == PROMPTS[0], body
+    assert body["usage"]["completion_tokens"] == 0 and body["choices"][0]["logprobs"] is None
     # streamed: the echoed prompt goes out with its log-probabilities
     status, text = server.request(
         "POST",
@@ -436,7 +442,7 @@ BAD = [
     ({"prompt": [], "max_tokens": 4}, 400, "prompt", "non-empty list"),
     ({"prompt": [1] * 65, "max_tokens": 0, "echo": True, "logprobs": 1}, 400, "prompt", "never"),
     ({"prompt": "A class", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
-    ({"prompt": "A class", "max_tokens": 0, "echo": True}, 400, "max_tokens", "only with echo"),
+    ({"prompt": "A class", "max_tokens": 0, "echo": False}, 400, "max_tokens", "only with echo"),
     ({"prompt": "A class", "max_tokens": -2}, 400, "max_tokens", "at least 1"),
     (
         {"prompt": "A class", "max_tokens": 100},

@@ -681,6 +681,7 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
         seed=opt(req.seed, icfg["seed"]),
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if score_prompt else None,
+        echo=req.echo,
         context=ready.context,
         vocab_size=ready.vocab_size,
         max_allowed=scfg["max_tokens"],

@@ -66,19 +66,20 @@ def make_params(
     seed=0,
     logprobs=None,
     prompt_logprobs=None,
+    echo: bool = False,
     context: int,
     vocab_size: int | None = None,
     max_allowed: int | None = None,
 ) -> SamplingParams:
     """Validated SamplingParams; each error names the field (`max_tokens` style names for HTTP).
 
-    `prompt_logprobs` (echo with logprobs) scores the prompt too; then max_tokens may be 0: the
-    prompt only, as lm-eval's log-likelihood requests ask."""
+    `prompt_logprobs` (echo with logprobs) scores the prompt too. With `echo`, max_tokens may
+    be 0: the prompt only (with logprobs its log-probabilities, as lm-eval's log-likelihood
+    requests ask)."""
     n = _number(max_new_tokens, "max_tokens", integer=True)
-    if n < 0 or (n == 0 and prompt_logprobs is None):
+    if n < 0 or (n == 0 and not echo):
         raise RequestError(
-            f"max_tokens: must be at least 1 (0 only with echo and logprobs: the prompt's "
-            f"log-probabilities alone), got {n}",
+            f"max_tokens: must be at least 1 (0 only with echo: the prompt alone), got {n}",
             param="max_tokens",
         )
     if n >= context:
