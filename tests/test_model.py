@@ -115,6 +115,31 @@ def test_model_folder_loads_back_as_the_same_model(tmp_path, data):
     assert len(AutoTokenizer.from_pretrained(out)) == m.config.vocab_size
 
 
+@pytest.mark.parametrize("folder", ["model", "pipeline-2"])
+def test_folders_carry_what_save_pretrained_writes(tmp_path, data, folder):
+    """Base, trained (same writer) and pipeline folders load in the ecosystem unchanged: config.json
+    names the architecture, generation_config.json and the tokenizer's special tokens are there."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    make(tmp_path, data, 2)
+    out = tmp_path / folder
+    written = read_json(out / "config.json")
+    assert written["architectures"] == ["GPT2LMHeadModel"]
+    assert written["dtype"] == "float32"
+    gen = GenerationConfig.from_pretrained(out)
+    assert gen.eos_token_id == gen.bos_token_id == written["eos_token_id"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>"
+    assert tok.eos_token_id == written["eos_token_id"]
+    assert AutoConfig.from_pretrained(out).architectures == ["GPT2LMHeadModel"]
+    if folder == "model":  # the pipeline folder holds shards, not model.safetensors
+        hf = AutoModelForCausalLM.from_pretrained(out).eval()
+        ref = load_model_dir(out)
+        x = torch.randint(0, written["vocab_size"], (1, 12))
+        assert type(hf).__name__ == "GPT2LMHeadModel"
+        assert torch.equal(hf(x).logits, ref(x).logits)
+
+
 def test_balance_by_bytes():
     # GPT-2-small-shaped: embeddings weigh ~5.5 blocks, so the end stages get fewer blocks.
     cfg = init_config(

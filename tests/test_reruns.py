@@ -147,6 +147,8 @@ for _k, _v in {
     "header_timeout_s": 3,
     "body_timeout_s": 4,
     "keep_alive_timeout_s": 2,
+    "linger_s": 2,
+    "linger_bytes": 1024,
     "request_timeout_s": 60,
 }.items():
     MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)  # serve is not in rule all

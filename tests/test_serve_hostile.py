@@ -1,5 +1,5 @@
 """Hostile clients against the real API server on loopback (the session server of test_server.py,
-started under RLIMIT_NOFILE = 256), and a soak. Every case is bounded in count and time, and is
+started under RLIMIT_NOFILE = 1100), and a soak. Every case is bounded in count and time, and is
 followed by a normal request that must succeed."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import threading
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import test_server
-from test_server import LIMITS, TOKEN, Server
+from test_server import LIMITS, NOFILE, TOKEN, Server
 
 # Every test here talks to a real server and its MPI job: not in the fast loop.
 pytestmark = pytest.mark.slow
@@ -205,12 +206,73 @@ def test_slowloris_headers_and_body_get_408(server):
     server.ok()
 
 
-def test_600_idle_connections_under_a_low_fd_limit(server):
-    """More idle connections than the server's RLIMIT_NOFILE: accept fails with EMFILE, is logged
-    and resumes; the header deadline closes the idle ones; afterwards the server serves."""
+def _own_nofile(at_least: int) -> None:
+    """This test process holds that many sockets too: its soft limit up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < at_least:
+        if hard != resource.RLIM_INFINITY and hard < at_least:
+            pytest.skip(f"needs {at_least} descriptors, the hard limit here is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (at_least, hard))
+
+
+def test_an_oversize_body_still_being_sent_gets_its_status(server):
+    """A 64 MB body against the 2 KB limit, sent whole before reading, as urllib and requests do:
+    the server answers 413 at once and then reads and discards (lingering close, bounded by
+    serve.linger_bytes / linger_s), so the client reads the 413 rather than a reset. The same for
+    the 400 of a Content-Length of -1, refused by h11 while the body is on its way."""
+    body = b"x" * (64 << 20)
+    for length, want in ((str(len(body)).encode(), 413), (b"-1", 400)):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+            s.sendall(post_head(length, close=False) + body)
+            got = _read_all(s)
+        assert got and status_of(got) == want, got[:300]
+        if want == 413:
+            assert "over the limit of 2048" in body_of(got)["error"]["message"]
+        server.ok()
+
+
+def _still_open(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return (
+            s.recv(1, socket.MSG_PEEK) != b""
+        )  # data or EOF; the server sends none unless closing
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.setblocking(True)
+
+
+def test_1000_idle_connections_never_lock_out_a_client(server):
+    """1,000 connections that send nothing (within serve.header_timeout_s, 2 s here): all held
+    open, and a normal client is still answered, /health within a second."""
+    _own_nofile(1200)
     socks = []
     try:
-        for _ in range(600):
+        t0 = time.monotonic()
+        for _ in range(1000):
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=20))
+        status, _ = server.request("GET", "/health", token=None, timeout=1)
+        assert status == 200
+        server.ok()
+        opened_for = time.monotonic() - t0
+        still = sum(_still_open(s) for s in socks)
+        if opened_for < LIMITS["header_timeout_s"]:  # else the header deadline closed some
+            assert still == 1000, f"{1000 - still} idle connections were closed"
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_out_of_descriptors_the_refusal_stays_clear(server):
+    """More idle connections than the server's RLIMIT_NOFILE: accept fails with EMFILE, is logged
+    and resumes; the header deadline closes the idle ones; afterwards the server serves."""
+    _own_nofile(NOFILE + 300)
+    socks = []
+    try:
+        for _ in range(NOFILE + 200):
             socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=20))
         assert wait_for(
             lambda: "out of system resource" in server.log.read_text(errors="replace"), within_s=30

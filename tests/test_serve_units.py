@@ -19,12 +19,15 @@ from distlm.inference.messages import (
     Error,
     Finish,
     Health,
+    Prompt,
     Ready,
     Shutdown,
     Submit,
     Token,
     decode,
+    decode_all,
     encode,
+    encode_batch,
 )
 from distlm.inference.pipeline import Pick, Sampler, Sequence
 from distlm.inference.prompts import RequestError
@@ -57,12 +60,17 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
             pipeline=[{"stage": 0}],
         ),
         Token(rid=1, index=0, token=5, logprob=-0.5, top=[[5, -0.5], [7, -1.0]]),
+        Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [[3, -0.1]]]),
         Finish(rid=1, index=0, reason="length", tokens=4),
         Error(rid=None, index=None, status=503, message="gone"),
         Health(active=1, waiting=0, lanes_busy=1, stages=[{"stage": 0, "compute_s": 0.1}]),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
+        assert decode_all(encode(m)) == [m]
+    assert decode_all(encode_batch(msgs)) == msgs  # one engine step's messages, in order
+    with pytest.raises(ChannelError, match="batch: expected a list"):
+        decode_all(msgpack.packb([VERSION, "batch", [["cancel"]]]))
     with pytest.raises(ChannelError, match="version 99"):
         decode(msgpack.packb([99, "cancel", {"rid": 1}]))
     with pytest.raises(ChannelError, match="unknown message kind 'nope'"):
@@ -243,3 +251,83 @@ def test_scheduler_fails_one_sequence_whose_pick_fails(tiny_models, hf_reference
         sched.step()
     assert bad.finish_reason == "error" and "boom" in bad.error and not bad.tokens
     assert good.finish_reason == "length" and good.tokens == hf_reference(PROMPTS[1], 5)
+
+
+def _reference_prompt_logprobs(folder, ids: list[int], n: int):
+    """Single-process GPT2LMHeadModel: each prompt token's log-probability and the top n."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    chosen = lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+    top = torch.topk(lp, n, dim=-1)
+    return chosen, top.indices.tolist(), top.values.tolist()
+
+
+def _check_prompt(got, ids, ref) -> None:
+    chosen, top_ids, top_lps = ref
+    assert len(got) == len(ids) - 1
+    for (lp, alts), want, ti, tv in zip(got, chosen, top_ids, top_lps):
+        assert lp == pytest.approx(want, abs=1e-4)
+        assert [t for t, _ in alts] == ti
+        assert [v for _, v in alts] == pytest.approx(tv, abs=1e-4)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_reference, stages):
+    """The last stage scores the prompt in the prefill's own forward pass (no second pass), packed
+    beside other sequences; the figures equal a single-process GPT2LMHeadModel to 1e-4."""
+    from test_inference import _scheduler
+
+    from distlm.inference.pipeline import Item, Slot, last_stage
+    from distlm.inference.stage import load_stage
+
+    folder = tiny_models[1].parent / "model"
+    ids = _ids(hf_reference.tokenizer)
+    ref = [_reference_prompt_logprobs(folder, i, 3) for i in ids[:2]]
+    # the stage chain: prefills of two scored prompts and one plain one, packed in one micro-batch
+    models = [load_stage(tiny_models[stages], s, world=stages) for s in range(stages)]
+    scored = SamplingParams(4, logprobs=3, prompt_logprobs=3)
+    slots = (
+        Slot(Item(0, 0, 0, len(ids[0])), scored, prompt=tuple(ids[0])),
+        Slot(Item(1, 1, 0, len(ids[2])), SamplingParams(4)),
+        Slot(Item(2, 2, 0, len(ids[1])), scored, prompt=tuple(ids[1])),
+    )
+    h = torch.tensor(ids[0] + ids[2] + ids[1])
+    for m in models[:-1]:
+        h = m([sl.item for sl in slots], h)
+    picks = last_stage(models[-1], Sampler(), slots, h)
+    assert picks[1].prompt is None and picks[1].token == hf_reference(PROMPTS[2], 1)[0]
+    _check_prompt(picks[0].prompt, ids[0], ref[0])
+    _check_prompt(picks[2].prompt, ids[1], ref[1])
+    # the scheduler: max_new_tokens 0 scores the prompt only; n > 1 forks get it too
+    sched = _scheduler(tiny_models[1], lanes=4)
+    seen = {}
+    only = Sequence(
+        sched.new_id(),
+        ids[0],
+        SamplingParams(0, prompt_logprobs=3),
+        on_prompt=lambda s, p: seen.setdefault(s.id, p.prompt),
+    )
+    group = [
+        Sequence(
+            sched.new_id(),
+            ids[1],
+            SamplingParams(5, temperature=1.0, seed=j, prompt_logprobs=3),
+            on_prompt=lambda s, p: seen.setdefault(s.id, p.prompt),
+        )
+        for j in range(2)
+    ]
+    group[0].siblings = group[1:]
+    sched.submit(only)
+    sched.submit(group[0])
+    while sched.busy:
+        sched.step()
+    assert only.finish_reason == "length" and only.tokens == [] and sched.free
+    _check_prompt(seen[only.id], ids[0], ref[0])
+    assert [len(g.tokens) for g in group] == [5, 5] and seen[group[0].id] == seen[group[1].id]
+    _check_prompt(seen[group[1].id], ids[1], ref[1])
+    with pytest.raises(RequestError, match="max_tokens: must be at least 1 .0 only with echo"):
+        make_params(max_new_tokens=0, context=64)
+    assert make_params(max_new_tokens=0, echo=True, context=64).max_new_tokens == 0

@@ -1,19 +1,24 @@
-"""distlm serve against a baseline server: throughput and p50/p99 latency at 1, 4 and 16 clients.
+"""distlm serve against the servers users would pick instead: throughput and p50/p99 latency at
+1, 4 and 16 clients.
 
-    python benchmarks/inference/bench_serve.py --out benchmarks/inference/serve-results.json
+    python benchmarks/inference/bench_serve.py --model results/train/final --stages 1,2 \
+        --out benchmarks/inference/serve-results.json
 
-One run, the same model (a seeded GPT-2-architecture model, as bench.py builds) and prompts, two
-servers, measured one after the other (never both up at once) and in alternating order over
---repeats:
-  * distlm: `workflow/scripts/serve.py --launcher "mpiexec -n S"`, the rule's way: the API server
-    (uvicorn) and the S-stage MPI pipeline with --lanes lanes;
+One run, the same model folder (--model, else a seeded GPT-2-architecture model, as bench.py
+builds) and prompts; the servers are measured one after the other (never two up at once), in an
+order that rotates over --repeats:
+  * distlm-sS: `workflow/scripts/serve.py --launcher "mpiexec -n S"`, the rule's way: the API
+    server (uvicorn) and the S-stage MPI pipeline with --lanes lanes, for each S of --stages;
+  * peer: `transformers serve MODEL --continuous-batching --device cpu` (paged attention and
+    continuous batching; it ships with transformers), on the model folder as distlm writes it;
   * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
-    doing one full-model Hugging Face `generate` per request, no pipeline (FastAPI runs each
-    request's `generate` in its thread pool).
-Both get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
-baseline's torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
-tokens back to back; per concurrency level: completion tokens / wall time, and the p50 / p99 of
-the requests' end-to-end latency. Reported: both, and distlm / baseline ratios.
+    doing one full-model Hugging Face `generate` per request, no pipeline.
+All get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
+others' torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
+tokens back to back for --seconds per level (at least --requests each); per level: completion
+tokens / wall time, and the p50 / p99 of the requests' end-to-end latency. Reported: each, and
+ratios of every distlm over the peer and over the baseline. Greedy texts must equal the baseline's
+(`generate`); the peer's are compared and counted (its batched kernels may break near-ties).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ PROMPTS = ROOT / "config" / "prompts.txt"
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model folder (default: the seeded model of bench.py)")
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--stages", default="2", help="pipeline stage counts to measure, e.g. 1,2")
     p.add_argument("--lanes", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="thread budget of each server")
     p.add_argument("--clients", default="1,4,16")
@@ -52,6 +57,8 @@ def parse() -> argparse.Namespace:
         "--requests", type=int, default=2, help="requests per client (at least 8 per level)"
     )
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=0, help="at least this long per level")
+    p.add_argument("--servers", default="baseline,peer,distlm", help="which servers to run")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
@@ -142,21 +149,24 @@ def post(port: int, body: dict) -> tuple[float, int, str]:
     return seconds, doc["usage"]["completion_tokens"], doc["choices"][0]["text"]
 
 
-def level(port: int, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
-    """`clients` clients, each sending `per_client` requests back to back."""
+def level(
+    port: int, prompts: list[str], clients: int, per_client: int, max_tokens: int, seconds: float
+) -> dict:
+    """`clients` clients, each sending requests back to back: at least `per_client` each, and
+    until `seconds` have passed."""
+    start = time.perf_counter()
 
     def client(c: int) -> list[tuple[float, int, str]]:
-        return [
-            post(
-                port,
-                {
-                    "prompt": prompts[(c * per_client + i) % len(prompts)],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                },
-            )
-            for i in range(per_client)
-        ]
+        out, i = [], 0
+        while i < per_client or time.perf_counter() - start < seconds:
+            body = {
+                "prompt": prompts[(c * per_client + i) % len(prompts)],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            out.append(post(port, body))
+            i += 1
+        return out
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -204,7 +214,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def measure(
-    name: str, cmd: list[str], port: int, work: Path, args, prompts, levels
+    name: str, cmd: list[str], port: int, work: Path, args, prompts, levels, env: dict
 ) -> tuple[list, dict]:
     log = work / f"{name}.log"
     with open(log, "a") as out:
@@ -213,7 +223,7 @@ def measure(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+            env=env,
         )
     try:
         wait_up(proc, port, log)
@@ -222,7 +232,8 @@ def measure(
             for p in prompts
         }  # also the warm-up
         rows = [
-            level(port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens) for c in levels
+            level(port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens, args.seconds)
+            for c in levels
         ]
     finally:
         stop(proc)
@@ -235,66 +246,46 @@ def main() -> None:
         run_baseline(args)
         return
     import torch
-    from bench import seeded_model, sharded
+    from bench import seeded_model
 
-    from distlm.config import validate_config
     from distlm.dist import free_port
+    from distlm.inference.peer import transformers_serve_command, transformers_serve_env
     from distlm.inference.prompts import read_prompts
 
     levels = [int(c) for c in args.clients.split(",")]
+    stage_counts = [int(x) for x in args.stages.split(",")]
     prompts = read_prompts(PROMPTS)
     with tempfile.TemporaryDirectory(prefix="distlm-bench-serve-") as tmp:
         work = Path(tmp)
         model = Path(args.model) if args.model else seeded_model(work / "seeded", args)
-        one, piped = sharded(model, 1, work), sharded(model, args.stages, work)
-        runs: dict[str, list[list[dict]]] = {"baseline": [], "distlm": []}
+        names = []
+        for name in args.servers.split(","):
+            names += [f"distlm-s{n}" for n in stage_counts] if name == "distlm" else [name]
+        runs: dict[str, list[list[dict]]] = {n: [] for n in names}
         texts = {}
         for rep in range(args.repeats):
-            order = ["baseline", "distlm"] if rep % 2 == 0 else ["distlm", "baseline"]
-            for name in order:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 port = free_port()
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
                 if name == "baseline":
                     cmd = [
                         sys.executable,
                         __file__,
                         "--baseline-server",
                         "--model",
-                        str(one),
+                        str(model),
                         "--port",
                         str(port),
                         "--threads",
                         str(args.threads),
                     ]
+                elif name == "peer":
+                    cmd = transformers_serve_command(model, port=port)
+                    env = transformers_serve_env(args.threads)
                 else:
-                    cfg = validate_config(
-                        {
-                            "inference": {
-                                "stages": args.stages,
-                                "lanes": args.lanes,
-                                "timeout_s": 300,
-                            },
-                            "serve": {
-                                "port": port,
-                                "max_tokens": args.max_tokens,
-                                "max_queued_sequences": 4 * max(levels),
-                            },
-                        }
-                    )
-                    cfg_path = work / "serve.json"
-                    cfg_path.write_text(
-                        json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")})
-                    )
-                    cmd = [
-                        sys.executable,
-                        str(SERVE),
-                        "--launcher",
-                        f"mpiexec -n {args.stages}",
-                        "--config",
-                        str(cfg_path),
-                        "--model",
-                        str(piped),
-                    ]
-                rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels)
+                    stages = int(name.removeprefix("distlm-s"))
+                    cmd = distlm_command(work, model, stages, port, args, levels)
+                rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels, env)
                 runs[name].append(rows)
                 print(
                     name,
@@ -309,8 +300,11 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-        if texts["baseline"] != texts["distlm"]:
-            raise RuntimeError(f"the servers disagree on greedy text: {texts}")
+        ref = texts.get("baseline") or next(iter(texts.values()))
+        for name in names:
+            if name.startswith("distlm") and texts[name] != ref:
+                raise RuntimeError(f"{name} disagrees with generate on greedy text: {texts}")
+        peer_agrees = sum(texts["peer"][p] == ref[p] for p in prompts) if "peer" in texts else None
     summary = {}
     for name, reps in runs.items():
         summary[name] = [
@@ -323,28 +317,36 @@ def main() -> None:
             }
             for i, c in enumerate(levels)
         ]
-    ratios = [
-        {
-            "clients": c,
-            "throughput_distlm_over_baseline": summary["distlm"][i]["tokens_per_s"]
-            / summary["baseline"][i]["tokens_per_s"],
-            "p50_distlm_over_baseline": summary["distlm"][i]["p50_s"]
-            / summary["baseline"][i]["p50_s"],
-            "p99_distlm_over_baseline": summary["distlm"][i]["p99_s"]
-            / summary["baseline"][i]["p99_s"],
-        }
-        for i, c in enumerate(levels)
-    ]
+    ratios = {}
+    for name in names:
+        for other in ("peer", "baseline"):
+            if not name.startswith("distlm") or other not in summary:
+                continue
+            ratios[f"{name}_over_{other}"] = [
+                {
+                    "clients": c,
+                    "throughput": summary[name][i]["tokens_per_s"]
+                    / summary[other][i]["tokens_per_s"],
+                    "p50": summary[name][i]["p50_s"] / summary[other][i]["p50_s"],
+                    "p99": summary[name][i]["p99_s"] / summary[other][i]["p99_s"],
+                }
+                for i, c in enumerate(levels)
+            ]
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "stages": args.stages,
+        "servers": names,
+        "stages": stage_counts,
         "lanes": args.lanes,
         "threads": args.threads,
         "clients": levels,
         "requests_per_client": args.requests,
+        "seconds_per_level": args.seconds,
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "model": str(args.model or f"seeded {args.layers}x{args.embd}"),
+        "peer_greedy_texts_equal_generate": None
+        if peer_agrees is None
+        else f"{peer_agrees}/{len(prompts)}",
         "median_over_repeats": summary,
         "ratios": ratios,
         "runs": runs,
@@ -358,6 +360,37 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"median_over_repeats": summary, "ratios": ratios}, indent=2))
+
+
+def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels) -> list[str]:
+    """serve.py's command line for an S-stage pipeline folder of `model`, config as the rule
+    writes it."""
+    from bench import sharded
+
+    from distlm.config import validate_config
+
+    cfg = validate_config(
+        {
+            "inference": {"stages": stages, "lanes": args.lanes, "timeout_s": 300},
+            "serve": {
+                "port": port,
+                "max_tokens": args.max_tokens,
+                "max_queued_sequences": 4 * max(levels),
+            },
+        }
+    )
+    cfg_path = work / f"serve-s{stages}.json"
+    cfg_path.write_text(json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")}))
+    return [
+        sys.executable,
+        str(SERVE),
+        "--launcher",
+        f"mpiexec -n {stages}",
+        "--config",
+        str(cfg_path),
+        "--model",
+        str(sharded(model, stages, work)),
+    ]
 
 
 if __name__ == "__main__":

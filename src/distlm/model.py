@@ -5,7 +5,10 @@ A *model folder* (written by the model stage and by training's final checkpoint)
     config.json              the transformers GPT2Config
     tokenizer files          the tokenizer the token blocks were made with
     distlm.json              provenance: source, config digest, sha256 of model.safetensors
-It is a valid Hugging Face model folder, so `GPT2LMHeadModel.from_pretrained(folder)` reads it too.
+    generation_config.json   what `save_pretrained` writes beside config.json (bos/eos token ids)
+It is what `GPT2LMHeadModel.save_pretrained` writes (config.json names `architectures`, the
+tokenizer files carry their special tokens), so `AutoModelForCausalLM.from_pretrained(folder)`,
+`transformers serve` and vLLM load it as it is.
 
 A *pipeline folder* (rule shard, `write_pipeline_dir`) is a model folder cut for S pipeline
 stages: config.json, the tokenizer, distlm.json (the source folder and its sha256) and
@@ -15,6 +18,7 @@ stages: config.json, the tokenizer, distlm.json (the source folder and its sha25
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ from distlm.log import get_logger
 log = get_logger(__name__)
 
 WEIGHTS = "model.safetensors"
+ARCHITECTURE = "GPT2LMHeadModel"  # config.json's `architectures`: every folder holds a GPT-2 LM
 META = "distlm.json"
 SHARDS = "shards"
 MANIFEST = "manifest.json"
@@ -331,7 +336,7 @@ def write_model_dir(
         raise DistlmError(f"tokenizer folder not found: {tokenizer_dir}")
     with atomic_dir(out_dir) as tmp:
         save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
-        config.save_pretrained(tmp)
+        save_config(config, tmp, dtype=next(iter(state_dict.values())).dtype)
         _copy_files(tokenizer_dir, tmp)
         for name, src in (extra_files or {}).items():
             shutil.copy2(src, tmp / name)
@@ -353,6 +358,23 @@ def write_model_dir(
         sum(_nbytes(t) for t in state_dict.values()) / 1e6,
     )
     return full_meta
+
+
+def save_config(config, folder: Path, *, dtype: torch.dtype) -> None:
+    """config.json and generation_config.json as `GPT2LMHeadModel.save_pretrained` writes them.
+
+    `architectures` is what the ecosystem picks the model class by (`transformers serve` does
+    `getattr(transformers, config.architectures[0])`, and so does vLLM); a config built from
+    scratch (model.source init) has none until a model saves it."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(config)
+    config.architectures = [ARCHITECTURE]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    gen = GenerationConfig.from_model_config(config)
+    gen._from_model_config = True  # as save_pretrained marks it: defaults, no user settings
+    gen.save_pretrained(folder)
 
 
 def _copy_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:

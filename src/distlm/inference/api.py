@@ -36,14 +36,15 @@ from distlm.inference.messages import (
     Error,
     Finish,
     Health,
+    Prompt,
     Ready,
     Shutdown,
     Submit,
     Token,
-    decode,
+    decode_all,
     encode,
 )
-from distlm.inference.prompts import RequestError, encode_prompt
+from distlm.inference.prompts import RequestError, check_prompt_ids, encode_prompt
 from distlm.inference.sampling import make_params
 from distlm.log import get_logger
 
@@ -125,7 +126,8 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    prompt: str | list[str]
+    # text, texts, token ids (one prompt) or lists of token ids (several), as OpenAI and vLLM
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -144,14 +146,51 @@ class CompletionRequest(BaseModel):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Each prompt: a string, or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(t, int) for t in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
+_PROMPT_SHAPES = (
+    "prompt: expected a string, a non-empty list of strings, a list of token ids (integers) or a "
+    "list of lists of token ids"
+)
+
+
+def _check_prompt_shape(prompt) -> None:
+    """A clear 400 for a prompt of none of the four shapes (pydantic's union error names only
+    the first branch it tried)."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError(f"{_PROMPT_SHAPES}, got {_short(prompt)}", param="prompt")
+    ints = [isinstance(x, int) and not isinstance(x, bool) for x in prompt]
+    if all(ints) or all(isinstance(x, str) for x in prompt):
+        return
+    if any(ints):
+        raise RequestError(
+            f"{_PROMPT_SHAPES}: a list of token ids holds integers only, got {_short(prompt)}",
+            param="prompt",
+        )
+    for i, x in enumerate(prompt):
+        if not isinstance(x, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x
+        ):
+            raise RequestError(
+                f"prompt[{i}]: {_PROMPT_SHAPES[8:]}; a list of prompts holds strings only or "
+                f"lists of integers only, got {_short(x)}",
+                param="prompt",
+            )
 
 
 def _validation_error(e: ValidationError) -> RequestError:
@@ -332,6 +371,7 @@ class Choice:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top: list[list | None] = field(default_factory=list)
+    prompt: Prompt | None = None  # the prompt's log-probabilities (echo with logprobs)
     reason: str | None = None
     error: str | None = None
     t_last: float = 0.0
@@ -346,9 +386,14 @@ class EngineClient:
 
     def __init__(self, requests_addr: str, events_addr: str, metrics: Metrics) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
+        # requests go out on a plain socket, sent at once and never blocking (no high-water
+        # mark: the queue limits bound them): zmq.asyncio's send machinery cost the API server
+        # a fifth of its time per request
+        self.push_ctx = zmq.Context()
+        self.push = self.push_ctx.socket(zmq.PUSH)
         self.pull = self.ctx.socket(zmq.PULL)
         self.push.setsockopt(zmq.LINGER, 0)
+        self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.bind(requests_addr)
         self.pull.bind(events_addr)
         self.metrics = metrics
@@ -377,24 +422,26 @@ class EngineClient:
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
+        self.push_ctx.term()
 
     async def _read(self) -> None:
         while True:
             frame = await self.pull.recv()
             try:
-                msg = decode(frame)
+                msgs = decode_all(frame)
             except ChannelError as e:
                 log.error("engine channel: %s (dropped)", e)
                 continue
-            try:
-                self._dispatch(msg)
-            except Exception as e:  # a bug here must not leave requests waiting for ever
-                log.exception("engine channel: handling %s failed", type(msg).__name__)
-                self.fail(
-                    f"the API server could not handle the engine's {type(msg).__name__} "
-                    f"({type(e).__name__}: {e})"
-                )
-                return
+            for msg in msgs:
+                try:
+                    self._dispatch(msg)
+                except Exception as e:  # a bug here must not leave requests waiting for ever
+                    log.exception("engine channel: handling %s failed", type(msg).__name__)
+                    self.fail(
+                        f"the API server could not handle the engine's {type(msg).__name__} "
+                        f"({type(e).__name__}: {e})"
+                    )
+                    return
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Health):
@@ -406,7 +453,7 @@ class EngineClient:
             self.metrics.up.set(1)
         elif isinstance(msg, Error) and msg.rid is None:
             self.fail(msg.message)
-        elif isinstance(msg, (Token, Finish, Error)):
+        elif isinstance(msg, (Prompt, Token, Finish, Error)):
             if isinstance(msg, (Finish, Error)) and msg.rid in self.open_seqs:
                 self.open_seqs[msg.rid] -= 1
                 self.metrics.open.set(self.outstanding)
@@ -440,8 +487,10 @@ class EngineClient:
 
     def _send(self, msg) -> None:
         """Send now, without awaiting: callable from a cancelled task's cleanup too."""
-        fut = self.push.send(encode(msg))
-        fut.add_done_callback(_log_send_error)
+        try:
+            self.push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.error("engine channel: sending %s failed: %s", type(msg).__name__, e)
 
     def submit(self, prompts: list[list[int]], n: int, params: dict) -> tuple[int, asyncio.Queue]:
         self._rid += 1
@@ -462,11 +511,6 @@ class EngineClient:
 
     def shutdown(self, reason: str) -> None:
         self._send(Shutdown(reason=reason))
-
-
-def _log_send_error(fut) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("engine channel: send failed: %s", fut.exception())
 
 
 # ----------------------------------------------------------------------------- the app
@@ -603,15 +647,13 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
     for k, neutral in _REFUSED.items():
         if body.get(k) not in neutral:
             raise RequestError(f"{k}: {_short(body[k])} is not supported by this server", param=k)
+    if "prompt" in body:
+        _check_prompt_shape(body["prompt"])
     try:
         req = CompletionRequest.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e) from None
     prompts = req.prompts()
-    if not prompts:
-        raise RequestError(
-            "prompt: expected a string or a non-empty list of strings", param="prompt"
-        )
     if req.n < 1:
         raise RequestError(f"n: must be at least 1, got {req.n}", param="n")
     sequences = len(prompts) * req.n
@@ -625,10 +667,8 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
     stops = req.stops()
     if len(stops) > 4 or any(not s for s in stops):
         raise RequestError("stop: at most 4 non-empty strings", param="stop")
-    if req.echo and req.logprobs is not None:
-        raise RequestError(
-            "echo: echo with logprobs (prompt log-probabilities) is not supported", param="echo"
-        )
+    # echo with logprobs: the prompt tokens' log-probabilities too (max_tokens 0: those alone)
+    score_prompt = req.echo and req.logprobs is not None
 
     def opt(value, default):
         return default if value is None else value
@@ -640,26 +680,44 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
         top_p=opt(req.top_p, icfg["top_p"]),
         seed=opt(req.seed, icfg["seed"]),
         logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if score_prompt else None,
+        echo=req.echo,
         context=ready.context,
         vocab_size=ready.vocab_size,
         max_allowed=scfg["max_tokens"],
     )
-    ids, truncated = [], []
-    for i, text in enumerate(prompts):
+    # a prompt cut to fit the context would be scored as another text: refuse that instead
+    overflow = (
+        "a prompt scored with echo and logprobs is never truncated"
+        if score_prompt
+        else icfg["prompt_overflow"]
+    )
+    ids, truncated, texts = [], [], []
+    for i, prompt in enumerate(prompts):
         try:
-            got, cut = encode_prompt(
-                st.tokenizer,
-                text,
-                context=ready.context,
-                max_new_tokens=params.max_new_tokens,
-                overflow=icfg["prompt_overflow"],
-            )
+            if isinstance(prompt, str):
+                got, cut = encode_prompt(
+                    st.tokenizer,
+                    prompt,
+                    context=ready.context,
+                    max_new_tokens=params.max_new_tokens,
+                    overflow=overflow,
+                )
+            else:
+                got, cut = check_prompt_ids(
+                    prompt,
+                    vocab_size=ready.vocab_size,
+                    context=ready.context,
+                    max_new_tokens=params.max_new_tokens,
+                    overflow=overflow,
+                )
         except RequestError as e:
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             raise RequestError(str(e).replace("prompt:", f"{where}:", 1), param="prompt") from None
         ids.append(got)
         truncated.append(cut)
-    return Job(req, prompts, ids, truncated, asdict(params), stops)
+        texts.append(prompt if isinstance(prompt, str) else st.tokenizer.decode(got))
+    return Job(req, texts, ids, truncated, asdict(params), stops)
 
 
 class _Answer:
@@ -675,6 +733,9 @@ class _Answer:
         self.left = len(self.choices)
         self.t_first: float | None = None
         self.hold = max((len(s) for s in job.stops), default=1) - 1
+        # the text is needed as tokens arrive only to find stop strings or to stream it; else it
+        # is decoded once, at the end (a decode of the whole text after every token is O(n^2))
+        self.live = bool(job.stops) or job.req.stream
 
     def prompt_index(self, index: int) -> int:
         return index // self.n
@@ -686,7 +747,9 @@ class _Answer:
         c = self.choices[msg.index]
         now = time.perf_counter()
         m = self.st.metrics
-        if isinstance(msg, Token):
+        if isinstance(msg, Prompt):
+            c.prompt = msg
+        elif isinstance(msg, Token):
             if c.reason is not None:
                 return []  # a token after this choice's stop string: already answered
             if self.t_first is None:
@@ -699,10 +762,11 @@ class _Answer:
             c.tokens.append(msg.token)
             c.logprobs.append(msg.logprob)
             c.top.append(msg.top)
-            self.texts[c.index] = self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
-            self._stop_strings(c)
-            if c.reason is not None:
-                self.st.engine.cancel(self.rid, c.index)
+            if self.live:
+                self.texts[c.index] = self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                self._stop_strings(c)
+                if c.reason is not None:
+                    self.st.engine.cancel(self.rid, c.index)
         elif isinstance(msg, Finish):
             if c.reason is None:
                 c.reason = "stop" if msg.reason == "stop" else msg.reason
@@ -711,6 +775,13 @@ class _Answer:
             c.reason, c.error = "error", msg.message
             self.left -= 1
         return [c.index]
+
+    def text(self, index: int) -> str:
+        """The choice's whole text (after its end)."""
+        if not self.live:
+            c = self.choices[index]
+            return self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        return self.texts[index]
 
     def _stop_strings(self, c: Choice) -> None:
         text = self.texts[c.index]
@@ -735,19 +806,35 @@ class _Answer:
         self.sent[index] = end
         return out
 
-    def logprobs(self, index: int, since: int = 0) -> dict | None:
+    def logprobs(self, index: int, since: int = 0, *, prompt: bool = False) -> dict | None:
+        """OpenAI's logprobs object for the tokens from `since` on; `prompt`: the echoed prompt's
+        tokens first (the first one's log-probability and alternatives null, as OpenAI and vLLM
+        give them). text_offset: each token's offset in the choice's text."""
         if self.job.req.logprobs is None:
             return None
         c = self.choices[index]
         tok = self.st.tokenizer
-        words = [tok.decode([t]) for t in c.tokens[since:]]
+        ids, lps, tops = c.tokens[since:], c.logprobs[since:], c.top[since:]
+        offset = 0
+        if prompt and c.prompt is not None:
+            ids = self.job.ids[self.prompt_index(index)] + ids
+            lps, tops = c.prompt.logprobs + lps, c.prompt.top + tops
+        elif self.job.req.echo:  # later tokens follow the echoed prompt in the text
+            offset = len(self.job.prompts[self.prompt_index(index)])
+        if since:
+            offset += len(tok.decode(c.tokens[:since]))
+        words = [tok.decode([t]) for t in ids]
+        offsets = []
+        for w in words:
+            offsets.append(offset)
+            offset += len(w)
         return {
             "tokens": words,
-            "token_logprobs": c.logprobs[since:],
+            "token_logprobs": lps,
             "top_logprobs": [
-                {tok.decode([int(t)]): lp for t, lp in (top or [])} for top in c.top[since:]
+                None if top is None else {tok.decode([int(t)]): lp for t, lp in top} for top in tops
             ],
-            "text_offset": [],
+            "text_offset": offsets,
         }
 
     def usage(self) -> dict:
@@ -811,18 +898,24 @@ def _finish(st: ServeState, answer: _Answer, info: dict) -> None:
     st.metrics.e2e.observe(time.perf_counter() - answer.t0)
 
 
+_GONE = object()  # on a request's queue: its client went away
+
+
 async def _complete(st: ServeState, request: Request, answer: _Answer, queue, deadline, info):
     gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(_GONE))
     try:
         while answer.left:
-            get = asyncio.ensure_future(_next(queue, deadline, "the completion"))
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if gone in done:
-                get.cancel()
+            msg = (
+                queue.get_nowait()
+                if not queue.empty()
+                else await _next(queue, deadline, "the completion")
+            )
+            if msg is _GONE:
                 st.engine.cancel(answer.rid)
                 info["cancelled"] = "client gone"
                 return Response(status_code=499)  # nobody reads it; the access log does
-            answer.event(get.result())
+            answer.event(msg)
     except ApiError as e:
         st.engine.cancel(answer.rid)
         if e.status == 504:
@@ -838,14 +931,14 @@ async def _complete(st: ServeState, request: Request, answer: _Answer, queue, de
     out = _base(st, f"cmpl-{uuid.uuid4().hex}")
     out["choices"] = []
     for c in answer.choices:
-        text = answer.texts[c.index]
+        text = answer.text(c.index)
         if job.req.echo:
             text = job.prompts[answer.prompt_index(c.index)] + text
         out["choices"].append(
             {
                 "text": text,
                 "index": c.index,
-                "logprobs": answer.logprobs(c.index),
+                "logprobs": answer.logprobs(c.index, prompt=job.req.echo),
                 "finish_reason": c.reason,
                 "prompt_truncated_tokens": job.truncated[answer.prompt_index(c.index)],
             }
@@ -876,10 +969,13 @@ async def _stream(st: ServeState, answer: _Answer, queue, deadline, info):
         ]
         return _sse(c)
 
+    # echo with logprobs: a choice's prompt goes out with its log-probabilities, after its prefill
+    scored = job.req.echo and job.req.logprobs is not None
     try:
-        if job.req.echo:
+        if job.req.echo and not scored:
             for i in range(len(answer.choices)):
                 yield chunk(i, job.prompts[answer.prompt_index(i)], None)
+        echoed = [not scored for _ in answer.choices]
         while answer.left:
             try:
                 changed = answer.event(await _next(queue, deadline, "the stream"))
@@ -895,6 +991,10 @@ async def _stream(st: ServeState, answer: _Answer, queue, deadline, info):
                 if c.error is not None:
                     yield _sse(error_doc(500, f"choice {i}: {c.error}"))
                     continue
+                if not echoed[i] and c.prompt is not None:
+                    echoed[i] = True
+                    lp = answer.logprobs(i, prompt=True)
+                    yield chunk(i, job.prompts[answer.prompt_index(i)], None, logprobs=lp)
                 text = answer.delta(i)
                 if text is None:
                     continue

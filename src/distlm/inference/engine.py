@@ -33,12 +33,14 @@ from distlm.inference.messages import (
     Error,
     Finish,
     Health,
+    Prompt,
     Ready,
     Shutdown,
     Submit,
     Token,
     decode,
     encode,
+    encode_batch,
 )
 from distlm.inference.pipeline import (
     Backoff,
@@ -73,9 +75,17 @@ class Channel:
         self.push.connect(events)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
+        self.pending: list = []  # sent by flush(), one frame per engine step
 
     def send(self, msg) -> None:
-        self.push.send(encode(msg))
+        """Queue a message; flush() sends what one engine step produced as one frame."""
+        self.pending.append(msg)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        msgs, self.pending = self.pending, []
+        self.push.send(encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs))
 
     def recv(self, timeout_ms: int = 0):
         """The next request, or None when none arrives within timeout_ms."""
@@ -84,6 +94,7 @@ class Channel:
         return decode(self.pull.recv())
 
     def close(self) -> None:
+        self.flush()
         self.pull.close(linger=0)
         self.push.close()
         self.ctx.term()
@@ -126,6 +137,7 @@ class Engine:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "stopping", "stopped by a signal"))
         self.ch.send(self.ready())
+        self.ch.flush()
         heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
         backoff = Backoff()
         checked = health_at = time.monotonic()
@@ -141,7 +153,9 @@ class Engine:
                     health_at = now
                     self.ch.send(self.health())
                 took = self._take(0)
-                if self.sched.step() or took:
+                stepped = self.sched.step()
+                self.ch.flush()  # this step's tokens, finishes and errors: one frame
+                if stepped or took:
                     backoff.reset()
                 elif not self.sched.busy:
                     self.sched.heartbeat(heartbeat_s)
@@ -168,6 +182,7 @@ class Engine:
     def _failed(self, reason: str) -> None:
         log.error("pipeline failed; the API server answers 503: %s", reason)
         self.ch.send(Error(rid=None, index=None, status=503, message=reason))
+        self.ch.flush()
 
     def health(self) -> Health:
         s = self.sched
@@ -217,7 +232,12 @@ class Engine:
                     else dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
                 )
                 seq = Sequence(
-                    self.sched.new_id(), list(ids), p, on_token=self._token, on_done=self._done
+                    self.sched.new_id(),
+                    list(ids),
+                    p,
+                    on_token=self._token,
+                    on_done=self._done,
+                    on_prompt=self._prompt,
                 )
                 self.where[seq.id] = (msg.rid, i * msg.n + j)
                 group.append(seq)
@@ -230,6 +250,17 @@ class Engine:
         rid, index = self.where[seq.id]
         top = None if pick.top is None else [[t, lp] for t, lp in pick.top]
         self.ch.send(Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top))
+
+    def _prompt(self, seq: Sequence, pick: Pick) -> None:
+        rid, index = self.where[seq.id]
+        self.ch.send(
+            Prompt(
+                rid=rid,
+                index=index,
+                logprobs=[None, *(lp for lp, _ in pick.prompt)],
+                top=[None, *([[t, v] for t, v in top] for _, top in pick.prompt)],
+            )
+        )
 
     def _done(self, seq: Sequence) -> None:
         rid, index = self.where.pop(seq.id)
@@ -254,7 +285,7 @@ def run_engine(
     api_pid: int | None,
 ) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
-    with mpi_pipeline(icfg, model_dir, device=device) as pipe:
+    with mpi_pipeline(icfg, model_dir, device=device, serve=True) as pipe:
         if not pipe.topo.is_first:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,11 +2,13 @@
 
 The API server (`distlm.inference.api`, outside the MPI job) and stage 0's engine
 (`distlm.inference.engine`) speak over two ZeroMQ PUSH/PULL sockets on IPC, as vLLM's frontend and
-engine do. Every frame is `[VERSION, kind, {field: value}]`; a frame of another version, an
-unknown kind or missing/extra fields raises ChannelError instead of being guessed at.
+engine do. Every frame is `[VERSION, kind, {field: value}]`, or `[VERSION, "batch", [[kind,
+{field: value}], ...]]` for the messages of one engine step together (one frame per step, not
+one per token); a frame of another version, an unknown kind or missing/extra fields raises
+ChannelError instead of being guessed at.
 
     API server -> engine:  Submit, Cancel, Shutdown
-    engine -> API server:  Ready, Token, Finish, Error, Health
+    engine -> API server:  Ready, Prompt, Token, Finish, Error, Health
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import msgpack
 
 from distlm import DistlmError
 
-VERSION = 1
+VERSION = 2  # 2: Prompt (the prompt's log-probabilities, echo with logprobs)
 
 
 class ChannelError(DistlmError):
@@ -85,6 +87,17 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """The prompt's log-probabilities of choice `index` of `rid`, from its prefill (echo with
+    logprobs): one entry per prompt token, the first None (nothing comes before it)."""
+
+    rid: int
+    index: int
+    logprobs: list[float | None]
+    top: list[list[list] | None]  # per prompt token: [[token id, logprob], ...]; the first None
+
+
+@dataclass(frozen=True)
 class Finish:
     """Choice `index` of request `rid` is done: reason stop, length or cancelled."""
 
@@ -114,37 +127,72 @@ class Health:
     stages: list[dict] = field(default_factory=list)  # StageStats of stage 0 (later: per stage)
 
 
-Message = Submit | Cancel | Shutdown | Ready | Token | Finish | Error | Health
+Message = Submit | Cancel | Shutdown | Ready | Prompt | Token | Finish | Error | Health
 _KINDS: dict[str, type] = {
-    c.__name__.lower(): c for c in (Submit, Cancel, Shutdown, Ready, Token, Finish, Error, Health)
+    c.__name__.lower(): c
+    for c in (Submit, Cancel, Shutdown, Ready, Prompt, Token, Finish, Error, Health)
 }
 
 
-def encode(msg: Message) -> bytes:
+# kind -> (field names, required field names), read once (dataclasses.fields is slow per message)
+_SHAPES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    kind: (
+        tuple(f.name for f in dataclasses.fields(cls)),
+        frozenset(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ),
+    )
+    for kind, cls in _KINDS.items()
+}
+
+
+def _fields(msg: Message) -> list:
     kind = type(msg).__name__.lower()
     if _KINDS.get(kind) is not type(msg):
         raise ChannelError(f"not an engine-channel message: {type(msg).__name__}")
-    return msgpack.packb(
-        [VERSION, kind, {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}]
-    )
+    return [kind, {name: getattr(msg, name) for name in _SHAPES[kind][0]}]
 
 
-def decode(frame: bytes) -> Message:
+def encode(msg: Message) -> bytes:
+    return msgpack.packb([VERSION, *_fields(msg)])
+
+
+def encode_batch(msgs: list[Message]) -> bytes:
+    """Several messages in one frame, in order (decode_all reads it)."""
+    return msgpack.packb([VERSION, "batch", [_fields(m) for m in msgs]])
+
+
+def _unpack(frame: bytes) -> tuple[str, object]:
     try:
         version, kind, fields = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise ChannelError(f"undecodable frame of {len(frame)} bytes ({e})") from None
     if version != VERSION:
         raise ChannelError(f"message version {version!r}, this side speaks {VERSION}")
+    return kind, fields
+
+
+def decode(frame: bytes) -> Message:
+    return _message(*_unpack(frame))
+
+
+def decode_all(frame: bytes) -> list[Message]:
+    """The messages of a frame: one, or a batch's in order."""
+    kind, fields = _unpack(frame)
+    if kind != "batch":
+        return [_message(kind, fields)]
+    if not isinstance(fields, list) or not all(isinstance(m, list) and len(m) == 2 for m in fields):
+        raise ChannelError("batch: expected a list of [kind, fields] pairs")
+    return [_message(k, f) for k, f in fields]
+
+
+def _message(kind, fields) -> Message:
     cls = _KINDS.get(kind)
     if cls is None or not isinstance(fields, dict):
         raise ChannelError(f"unknown message kind {kind!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    required = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
-    if not required <= set(fields) <= names:
+    names, required = _SHAPES[kind]
+    if not required <= fields.keys() <= set(names):
         raise ChannelError(f"{kind}: fields {sorted(fields)}, expected {sorted(names)}")
     return cls(**fields)

@@ -48,6 +48,7 @@ from distlm.inference.sampling import (
     new_generator,
     params_from_config,
     pick_token,
+    prompt_logprobs,
     top_logprobs,
 )
 from distlm.inference.stage import Item, StageModel, load_stage
@@ -231,22 +232,30 @@ class Fork:
 
 @dataclass(frozen=True)
 class Slot:
-    """One sequence's part of a micro-batch; sampling parameters travel with the prefill, once."""
+    """One sequence's part of a micro-batch; sampling parameters travel with the prefill, once.
+
+    `prompt`: the prompt's token ids, on a prefill that asks for the prompt's log-probabilities
+    (the last stage scores each prompt token from the same forward pass)."""
 
     item: Item
     params: SamplingParams | None = None
     forks: tuple[Fork, ...] = ()
+    prompt: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Pick:
-    """The last stage's choice for one sequence: a token (and its log-probabilities) or an error."""
+    """The last stage's choice for one sequence: a token (and its log-probabilities) or an error.
+
+    `prompt`: on the prefill, when asked, (log-probability, top alternatives) of prompt tokens
+    1 .. T-1 (the first has none)."""
 
     seq: int
     token: int = -1
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
     error: str | None = None
+    prompt: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +312,7 @@ class Sequence:
     params: SamplingParams
     on_token: Callable[[Sequence, Pick], None] | None = None
     on_done: Callable[[Sequence], None] | None = None
+    on_prompt: Callable[[Sequence, Pick], None] | None = None  # the prompt's log-probabilities
     lane: int = -1
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop, length, cancelled, error
@@ -339,15 +349,24 @@ class Sampler:
     def start(self, lane: int, params: SamplingParams) -> None:
         self.lanes[lane] = (params, new_generator(params))
 
-    def pick(self, seq: int, lane: int, logits: torch.Tensor) -> Pick:
-        """A token for one sequence; an error in it (SamplingError, a bug) fails that one only."""
+    def pick(
+        self, seq: int, lane: int, logits: torch.Tensor, prompt=None, argmax: int | None = None
+    ) -> Pick:
+        """A token for one sequence; an error in it (SamplingError, a bug) fails that one only.
+
+        `prompt`: the prompt's log-probabilities (sampling.prompt_logprobs) to carry back;
+        `argmax`: the row's argmax when its logits are finite, taken for the whole micro-batch
+        at once (what pick_token would choose for a greedy sequence)."""
         try:
             params, gen = self.lanes[lane]
-            token = pick_token(logits, params, gen)
+            if params.greedy and argmax is not None:
+                token = argmax
+            else:
+                token = pick_token(logits, params, gen)
             if params.logprobs is None:
-                return Pick(seq, token)
+                return Pick(seq, token, prompt=prompt)
             lp, top = top_logprobs(logits, token, params.logprobs)
-            return Pick(seq, token, lp, tuple(top))
+            return Pick(seq, token, lp, tuple(top), prompt=prompt)
         except Exception as e:
             log.error("sequence %d (lane %d): sampling failed: %s", seq, lane, e)
             return Pick(seq, error=f"sampling failed: {e}")
@@ -356,24 +375,50 @@ class Sampler:
 def _slots(items: list[Item], seqs: list[Sequence]) -> tuple[Slot, ...]:
     # Sampling parameters travel with a sequence's prefill, once; the last stage keeps them per lane.
     return tuple(
-        Slot(it, s.params, tuple(Fork(f.id, f.lane, f.params) for f in s.forks))
+        Slot(
+            it,
+            s.params,
+            tuple(Fork(f.id, f.lane, f.params) for f in s.forks),
+            tuple(s.prompt_ids) if s.params.prompt_logprobs is not None else None,
+        )
         if it.pos == 0
         else Slot(it)
         for it, s in zip(items, seqs)
     )
 
 
-def _sample(sampler: Sampler, slots: tuple[Slot, ...], logits: torch.Tensor) -> list[Pick]:
+def _every(slots: tuple[Slot, ...]) -> frozenset[int]:
+    """The slots whose every position the last stage scores: prefills asking for the prompt's
+    log-probabilities."""
+    return frozenset(i for i, sl in enumerate(slots) if sl.prompt is not None)
+
+
+def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) -> list[Pick]:
+    """The last stage's forward pass and picks: one pass scores the prompts that ask for it."""
+    out = model([sl.item for sl in slots], x, every=_every(slots))
+    logits, rest = out if isinstance(out, tuple) else (out, {})
     logits = logits.float().cpu()  # (B, V); the generators live on the CPU
-    out = []
+    # greedy picks for the whole micro-batch at once, not per sequence; a row with no finite
+    # logit gets None (pick_token then fails that sequence alone)
+    if bool(torch.isfinite(logits.sum())):  # every logit finite: one reduction says so
+        finite = [True] * len(slots)
+    else:
+        finite = torch.isfinite(logits).any(dim=1).tolist()
+    best = [b if ok else None for b, ok in zip(logits.argmax(dim=1).tolist(), finite)]
+    picks = []
     for i, sl in enumerate(slots):
         if sl.item.pos == 0:
             sampler.start(sl.item.lane, sl.params)
             for f in sl.forks:
                 sampler.start(f.lane, f.params)
-        out.append(sampler.pick(sl.item.seq, sl.item.lane, logits[i]))
-        out.extend(sampler.pick(f.seq, f.lane, logits[i]) for f in sl.forks)
-    return out
+        prompt = None
+        if sl.prompt is not None:
+            prompt = prompt_logprobs(
+                rest[i].cpu(), list(sl.prompt[1:]), sl.params.prompt_logprobs or 0
+            )
+        picks.append(sampler.pick(sl.item.seq, sl.item.lane, logits[i], prompt, best[i]))
+        picks.extend(sampler.pick(f.seq, f.lane, logits[i], prompt, best[i]) for f in sl.forks)
+    return picks
 
 
 # ----------------------------------------------------------------------------- stage 0
@@ -540,15 +585,19 @@ class Scheduler:
                 ids.append(s.tokens[-1])
         t0 = time.perf_counter()
         slots = _slots(items, batch)
-        out = self.model(items, torch.tensor(ids, dtype=torch.long))
+        x = torch.tensor(ids, dtype=torch.long)
+        if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
+            out = last_stage(self.model, self.sampler, slots, x)
+        else:
+            out = self.model(items, x)
         fork_caches(self.model, slots)
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.micro_batches += 1
         self.stats.items += len(items)
         for s in batch:
             s.forks = []
-        if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
-            self._picks(_sample(self.sampler, slots, out))
+        if self.ring is None:
+            self._picks(out)
             self.progress_at = time.monotonic()
         else:
             self._send_work(slots, out)
@@ -584,8 +633,13 @@ class Scheduler:
     def _token(self, seq: Sequence, pick: Pick) -> None:
         now = time.perf_counter()
         token = pick.token
+        if pick.prompt is not None and seq.on_prompt is not None:
+            seq.on_prompt(seq, pick)
         if not seq.tokens:
             seq.t_first = now
+        if seq.params.max_new_tokens == 0:  # the prompt's log-probabilities only
+            self._finish(seq, "length")
+            return
         seq.tokens.append(token)
         if seq.on_token is not None:
             seq.on_token(seq, pick)
@@ -634,10 +688,9 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
             if msg.slots:
                 items = [sl.item for sl in msg.slots]
                 t0 = time.perf_counter()
-                out = model(items, from_wire(msg.payload))
+                x = from_wire(msg.payload)
+                out = last_stage(model, sampler, msg.slots, x) if last else model(items, x)
                 fork_caches(model, msg.slots)
-                if last:
-                    out = _sample(sampler, msg.slots, out)
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
                 stats.items += len(items)
@@ -680,32 +733,43 @@ class Pipeline:
     infos: list[dict] = field(default_factory=list)
 
 
-def host_ranks(comm) -> tuple[int, int]:
-    """(this rank's index among the ranks on its host, how many ranks share the host)."""
+def host_ranks(comm) -> tuple[int, int, bool]:
+    """(this rank's index among the ranks on its host, how many ranks share the host, whether
+    stage 0 is one of them)."""
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return node.Get_rank(), node.Get_size()
+        with_first = bool(node.allreduce(int(comm.Get_rank() == 0), op=MPI.SUM))
+        return node.Get_rank(), node.Get_size(), with_first
     finally:
         node.Free()
 
 
-def set_threads(local_size: int) -> None:
-    """Share the thread budget between the ranks on this host.
+def set_threads(local_size: int, *, reserve: int = 0) -> int:
+    """Share the thread budget between the ranks on this host; the threads each rank gets.
 
     The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's `threads`, a total for
-    the job), else the host's cores; each rank on the host gets an equal part, at least one thread.
+    the job), else the host's cores, less `reserve` for another process of the job on this host
+    (serve: the API server, a busy Python process beside stage 0); each rank on the host gets an
+    equal part, at least one thread.
     """
     budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    torch.set_num_threads(max(1, budget // local_size))
+    threads = max(1, (budget - reserve) // local_size)
+    torch.set_num_threads(threads)
+    return threads
 
 
 @contextlib.contextmanager
-def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> Iterator[Pipeline]:
+def mpi_pipeline(
+    icfg: dict, model_dir: str | Path, *, device: str = "cpu", serve: bool = False
+) -> Iterator[Pipeline]:
     """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever.
 
     `device` is runtime.device: cpu, cuda (one GPU per rank on a host) or auto; never a fallback.
+    `serve`: the API server runs beside stage 0, so the ranks on its host leave it one thread
+    of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
+    with 2, whose threads took turns on the cores with the API server's).
     """
     from mpi4py import MPI
 
@@ -717,8 +781,8 @@ def mpi_pipeline(icfg: dict, model_dir: str | Path, *, device: str = "cpu") -> I
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
     try:
-        local_rank, local_size = host_ranks(comm)
-        set_threads(local_size)
+        local_rank, local_size, with_first = host_ranks(comm)
+        set_threads(local_size, reserve=1 if serve and with_first else 0)
         stats = StageStats(stage=topo.rank)
         model = load_stage(
             model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank)

@@ -28,16 +28,40 @@ def encode_prompt(
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise RequestError("prompt: the prompt has no tokens", param="prompt")
+    return _fit(ids, context=context, max_new_tokens=max_new_tokens, overflow=overflow)
+
+
+def _fit(
+    ids: list[int], *, context: int, max_new_tokens: int, overflow: str
+) -> tuple[list[int], int]:
     room = context - max_new_tokens
     if len(ids) <= room:
         return ids, 0
-    if overflow == "reject":
+    if overflow != "truncate":
         raise RequestError(
             f"prompt: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the model's context "
-            f"of {context} (inference.prompt_overflow is reject)",
+            f"of {context} ({'inference.prompt_overflow is reject' if overflow == 'reject' else overflow})",
             param="prompt",
         )
     return ids[len(ids) - room :], len(ids) - room
+
+
+def check_prompt_ids(
+    ids: list[int], *, vocab_size: int, context: int, max_new_tokens: int, overflow: str
+) -> tuple[list[int], int]:
+    """A prompt given as token ids (lm-eval sends these): checked against the vocabulary, then
+    fitted to the context as encode_prompt does; (ids, how many leading ones were dropped)."""
+    if not ids:
+        raise RequestError("prompt: empty list of token ids", param="prompt")
+    bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size]
+    if bad:
+        i, t = bad[0]
+        raise RequestError(
+            f"prompt: token id {t} (position {i}) is outside the vocabulary of {vocab_size} "
+            f"tokens (0..{vocab_size - 1}); {len(bad)} such ids",
+            param="prompt",
+        )
+    return _fit(list(ids), context=context, max_new_tokens=max_new_tokens, overflow=overflow)
 
 
 def resolve_prompts_path(path: str | Path, root: str | Path) -> Path:

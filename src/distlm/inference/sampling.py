@@ -38,6 +38,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0
     logprobs: int | None = None  # None: no log-probabilities; N: the chosen token's and the top N
+    # None: none for the prompt; N: each prompt token's log-probability and the top N (echo)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -63,14 +65,23 @@ def make_params(
     top_p=1.0,
     seed=0,
     logprobs=None,
+    prompt_logprobs=None,
+    echo: bool = False,
     context: int,
     vocab_size: int | None = None,
     max_allowed: int | None = None,
 ) -> SamplingParams:
-    """Validated SamplingParams; each error names the field (`max_tokens` style names for HTTP)."""
+    """Validated SamplingParams; each error names the field (`max_tokens` style names for HTTP).
+
+    `prompt_logprobs` (echo with logprobs) scores the prompt too. With `echo`, max_tokens may
+    be 0: the prompt only (with logprobs its log-probabilities, as lm-eval's log-likelihood
+    requests ask)."""
     n = _number(max_new_tokens, "max_tokens", integer=True)
-    if n <= 0:
-        raise RequestError(f"max_tokens: must be at least 1, got {n}", param="max_tokens")
+    if n < 0 or (n == 0 and not echo):
+        raise RequestError(
+            f"max_tokens: must be at least 1 (0 only with echo: the prompt alone), got {n}",
+            param="max_tokens",
+        )
     if n >= context:
         raise RequestError(
             f"max_tokens: {n} is beyond the model's context of {context} tokens "
@@ -105,8 +116,21 @@ def make_params(
                 f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs"
             )
         logprobs = lp
+    if prompt_logprobs is not None:
+        lp = _number(prompt_logprobs, "logprobs", integer=True)
+        if not 0 <= lp <= MAX_LOGPROBS:
+            raise RequestError(
+                f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs"
+            )
+        prompt_logprobs = lp
     return SamplingParams(
-        max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=s, logprobs=logprobs
+        max_new_tokens=n,
+        temperature=t,
+        top_k=k,
+        top_p=p,
+        seed=s,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -162,3 +186,20 @@ def top_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[
     top = torch.topk(lp, min(n, lp.numel())) if n else None
     alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
     return float(lp[token]), alts
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], n: int
+) -> tuple[tuple[float, tuple[tuple[int, float], ...]], ...]:
+    """Each prompt token's log-probability given the tokens before it, and the `n` most likely.
+
+    `logits` (T - 1, V) are the positions 0 .. T-2 of a T-token prompt; `targets` its tokens
+    1 .. T-1. The first prompt token has no log-probability (nothing comes before it)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (T - 1, V)
+    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1)
+    if n:
+        top = torch.topk(lp, min(n, lp.shape[1]), dim=-1)
+        alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        alts = [() for _ in targets]
+    return tuple(zip(chosen.tolist(), alts))

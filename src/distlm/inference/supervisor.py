@@ -14,7 +14,10 @@ and sends Ready. Until then requests get 503 ("starting"). Afterwards:
 Stage 0 in turn stops when this process is gone.
 
 Connection limits are uvicorn's (limit_concurrency, keep-alive, h11's header size) plus a header
-deadline added here (GuardedH11Protocol); EMFILE on accept is asyncio's: logged, accept resumes.
+deadline and a lingering close added here (GuardedH11Protocol). An idle connection costs a socket
+and a timer on the event loop, so the limits are thousands (serve.max_connections) and the
+open-file limit is raised to its hard limit at start (raise_nofile); when the process is out of
+descriptors all the same, EMFILE on accept is asyncio's: logged, accept resumes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -45,18 +49,73 @@ _ANSWER_S = 5.0  # after the job ended: how long open requests get to receive th
 _POLL_S = 0.05
 
 
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: a close() while the client may still be
+    sending its body (an early 413, 408 or 400) becomes a lingering close, as nginx does.
+
+    Closing a socket with unread data makes the kernel answer with a reset, which throws away
+    the response the client has not read yet. So the write side is shut (the response is
+    flushed, then FIN) and what the client still sends is read and discarded, until it closes,
+    `linger_bytes` were discarded or `linger_s` passed; then the socket is closed."""
+
+    def __init__(self, transport, protocol: GuardedH11Protocol) -> None:
+        self._transport, self._protocol = transport, protocol
+        self.lingering = False
+        self.discarded = 0
+        self._timer = None
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        t = self._transport
+        if self.lingering or t.is_closing():
+            return
+        if self._protocol.conn.their_state not in (h11.SEND_BODY, h11.ERROR) or not (
+            t.can_write_eof()
+        ):
+            t.close()
+            return
+        self.lingering = True
+        t.write_eof()
+        t.resume_reading()
+        self._timer = self._protocol.loop.call_later(self._protocol.linger_s, self.shut)
+
+    def discard(self, data: bytes) -> None:
+        self.discarded += len(data)
+        if self.discarded > self._protocol.linger_bytes:
+            self.shut()
+
+    def shut(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport.close()
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header deadline: a request's head (from the connection's
-    start, or from its first byte after a keep-alive) must be complete within
-    `header_timeout_s`, else 408 and the connection is closed (slowloris)."""
+    """uvicorn's h11 protocol with a header deadline and a lingering close.
+
+    A request's head (from the connection's start, or from its first byte after a keep-alive)
+    must be complete within `header_timeout_s`, else 408 and the connection is closed
+    (slowloris). A connection closed after an early error while its body is still arriving
+    lingers (_LingeringTransport), so the client reads the status instead of a reset."""
 
     header_timeout_s = 10.0
+    linger_s = 5.0
+    linger_bytes = 128 << 20
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.lingering:  # after the answer: read and discard, bounded
+            self.transport.discard(data)
+            return
         super().data_received(data)
         waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
         if waiting and self._header_timer is None:
@@ -66,6 +125,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
+        if self.transport.lingering:
+            self.transport.shut()
         super().connection_lost(exc)
 
     def _cancel_header_timer(self) -> None:
@@ -87,6 +148,20 @@ class GuardedH11Protocol(H11Protocol):
                 self.header_timeout_s,
             )
             self.transport.close()
+
+
+def raise_nofile() -> tuple[int, int]:
+    """The open-file limit raised to its hard limit (each idle connection holds a descriptor);
+    (soft limit before, soft limit now). A limit the kernel refuses is logged and kept."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, e)
+            return soft, soft
+    return soft, max(soft, want)
 
 
 class _Server(uvicorn.Server):
@@ -152,6 +227,13 @@ class Supervisor:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = 2 * self.icfg["timeout_s"] + 30
         self.token = read_token(self.scfg)
+        before, now = raise_nofile()
+        log.info(
+            "open-file limit %d (was %d); serve.max_connections %d",
+            now,
+            before,
+            self.scfg["max_connections"],
+        )
         try:
             self.sock = socket.create_server((host, port), backlog=self.scfg["backlog"])
         except OSError as e:
@@ -188,6 +270,8 @@ class Supervisor:
             token=self.token,
         )
         GuardedH11Protocol.header_timeout_s = self.scfg["header_timeout_s"]
+        GuardedH11Protocol.linger_s = self.scfg["linger_s"]
+        GuardedH11Protocol.linger_bytes = self.scfg["linger_bytes"]
         config = uvicorn.Config(
             AccessLog(build_app(st), metrics),
             http=GuardedH11Protocol,
