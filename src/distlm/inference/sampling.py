@@ -57,6 +57,16 @@ def _number(value, name: str, *, integer: bool = False):
     return value
 
 
+def _logprobs(value) -> int | None:
+    """The request's `logprobs` (alternatives per token), checked; None when not asked for."""
+    if value is None:
+        return None
+    lp = _number(value, "logprobs", integer=True)
+    if not 0 <= lp <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs")
+    return lp
+
+
 def make_params(
     *,
     max_new_tokens,
@@ -109,20 +119,8 @@ def make_params(
     s = _number(seed, "seed", integer=True)
     if not 0 <= s <= MAX_SEED:
         raise RequestError(f"seed: must be in 0..2**63-1, got {s}", param="seed")
-    if logprobs is not None:
-        lp = _number(logprobs, "logprobs", integer=True)
-        if not 0 <= lp <= MAX_LOGPROBS:
-            raise RequestError(
-                f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs"
-            )
-        logprobs = lp
-    if prompt_logprobs is not None:
-        lp = _number(prompt_logprobs, "logprobs", integer=True)
-        if not 0 <= lp <= MAX_LOGPROBS:
-            raise RequestError(
-                f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs"
-            )
-        prompt_logprobs = lp
+    logprobs = _logprobs(logprobs)
+    prompt_logprobs = _logprobs(prompt_logprobs)  # the request's `logprobs`, with echo
     return SamplingParams(
         max_new_tokens=n,
         temperature=t,
