@@ -1,0 +1,53 @@
+"""What every settings section shares: the model config, the error type, the range types."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from distlm import DistlmError
+
+
+class ConfigError(DistlmError):
+    """A config key is unknown, mistyped, moved or impossible; the message names the key."""
+
+
+class Section(BaseModel):
+    """A section (or sub-section) of the config: unknown keys refused, values immutable, no type
+    coercion (a YAML string is not a number; `distlm.settings.validate` turns command-line
+    strings into the type a key asks for before validation)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+# The sampling ranges, defined once: SamplingSettings, InferenceSettings' flat keys and every
+# request model validate through these.
+Temperature = Annotated[
+    float,
+    Field(ge=0, description="Logits are divided by it before sampling; 0 = greedy (argmax)."),
+]
+TopK = Annotated[
+    int, Field(ge=0, description="Keep the k most likely tokens before sampling; 0 = all.")
+]
+TopP = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=1,
+        description="Keep the smallest set of tokens holding this much probability; 1 = all.",
+    ),
+]
+Seed = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=MAX_SEED,
+        description="Sampling seed of a sequence (each sequence has its own generator).",
+    ),
+]
+MaxNewTokens = Annotated[
+    int, Field(ge=1, description="New tokens per sequence (fewer when end-of-text comes first).")
+]
