@@ -87,12 +87,20 @@ def test_snakemake_validate_refuses_what_the_models_refuse():
             validate_config(bad)
 
 
-def test_filled_config_keeps_values_as_written():
-    """The workflow's config (and so every rule's params) holds the values as written: an integer
-    given for a float key stays an integer, as before the models."""
-    cfg = validate_config({"transfer": {"bucket_mb": 2}})
-    assert cfg["transfer"]["bucket_mb"] == 2 and type(cfg["transfer"]["bucket_mb"]) is int
-    assert type(cfg["runtime"]["timeout_s"]) is int  # the default, 300
+@pytest.mark.parametrize(
+    "path", [TINY, ROOT / "config/config.yaml", ROOT / "config/gpt2-wikitext2.yaml"]
+)
+def test_settings_dump_to_the_config_as_written(path):
+    """The workflow's config (every rule's params) and the typed settings agree value for value
+    and type for type: an integer given for a real-valued key stays an integer, so every digest
+    of settings (stage configs, data and model digests, the train run identity) is unchanged."""
+    cfg = validate_config(yaml.safe_load(path.read_text()))
+    assert Settings.model_validate(cfg).model_dump() == cfg
+    cfg = validate_config({"transfer": {"bucket_mb": 2}, "train": {"lr": 1}})
+    s = Settings.model_validate(cfg)
+    assert type(s.transfer.bucket_mb) is int and type(s.train.lr) is int
+    assert type(s.runtime.timeout_s) is int  # the default, 300
+    assert type(Settings.model_validate({"train": {"lr": 0.5}}).train.lr) is float
 
 
 @pytest.mark.parametrize("key", sorted(MOVED))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Section
+from distlm.settings.base import Real, Section
 
 
 class HubSplits(Section):
@@ -64,13 +64,13 @@ class DataSettings(Section):
     separator: str = Field(
         "\n\n", description="Placed between records when a split is joined into one token stream."
     )
-    validation_fraction: float = Field(
+    validation_fraction: Real = Field(
         0.05,
         ge=0,
         le=0.5,
         description="Share of documents held out for validation (embedded, train-only local).",
     )
-    test_fraction: float = Field(
+    test_fraction: Real = Field(
         0.05,
         ge=0,
         le=0.5,

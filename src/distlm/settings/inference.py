@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from distlm.settings.base import MaxNewTokens, Section, Seed, Temperature, TopK, TopP
+from distlm.settings.base import MaxNewTokens, Real, Section, Seed, Temperature, TopK, TopP
 
 
 class SamplingSettings(Section):
@@ -70,7 +70,7 @@ class InferenceSettings(Section):
             "reject is an error."
         ),
     )
-    timeout_s: float = Field(
+    timeout_s: Real = Field(
         120,
         gt=0,
         description="Stage 0 waits this long for tokens, other stages twice this; then abort.",
@@ -129,21 +129,21 @@ class ServeSettings(Section):
         description="Sequences that may wait for a lane; a request that does not fit gets 429.",
     )
     backlog: int = Field(2048, ge=1, description="Listen backlog.")
-    header_timeout_s: float = Field(
+    header_timeout_s: Real = Field(
         10, gt=0, description="A request head must arrive within this; else 408."
     )
-    body_timeout_s: float = Field(
+    body_timeout_s: Real = Field(
         30, gt=0, description="The body must arrive within this once the head is in; else 408."
     )
     keep_alive_timeout_s: int = Field(
         5, ge=1, description="An idle keep-alive connection is closed after this."
     )
-    linger_s: float = Field(
+    linger_s: Real = Field(
         5, gt=0, description="Lingering close after an early error: read and discard this long."
     )
     linger_bytes: int = Field(
         134217728, ge=0, description="Lingering close: discard at most this many bytes."
     )
-    request_timeout_s: float = Field(
+    request_timeout_s: Real = Field(
         600, gt=0, description="A completion not finished within this gets 504 and is cancelled."
     )

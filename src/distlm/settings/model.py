@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Section
+from distlm.settings.base import Real, Section
 
 
 class ModelInitSettings(Section):
@@ -16,9 +16,7 @@ class ModelInitSettings(Section):
     n_head: int = Field(4, ge=1, description="Attention heads; must divide n_embd.")
     n_embd: int = Field(128, ge=8, description="Width of the residual stream.")
     n_positions: int = Field(256, ge=8, description="Context length (positions).")
-    dropout: float = Field(
-        0.0, ge=0, le=1, description="Residual, embedding and attention dropout."
-    )
+    dropout: Real = Field(0.0, ge=0, le=1, description="Residual, embedding and attention dropout.")
     seed: int = Field(
         0, ge=0, description="Seed of the initial weights: the same seed, the same bits."
     )

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Section
+from distlm.settings.base import Real, Section
 
 
 class RuntimeSettings(Section):
@@ -17,7 +17,7 @@ class RuntimeSettings(Section):
     backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="torch.distributed backend; nccl needs device cuda."
     )
-    timeout_s: float = Field(
+    timeout_s: Real = Field(
         300,
         gt=0,
         description="Collective timeout in seconds; a dead rank ends the job within it.",

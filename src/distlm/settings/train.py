@@ -6,13 +6,13 @@ from typing import Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Section
+from distlm.settings.base import Real, Section
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
 class DdpSettings(Section):
-    bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size in MiB.")
+    bucket_cap_mb: Real = Field(25, gt=0, description="DDP gradient bucket size in MiB.")
     static_graph: bool = Field(False, description="DDP static-graph mode.")
 
 
@@ -47,15 +47,15 @@ class TrainSettings(Section):
         ge=1,
         description="Micro-batches per optimizer step; ignored when global_batch_size is set.",
     )
-    lr: float = Field(0.001, gt=0, description="Peak learning rate, for the global batch.")
-    min_lr: float = Field(0.0001, ge=0, description="Learning rate at the end of the cosine.")
+    lr: Real = Field(0.001, gt=0, description="Peak learning rate, for the global batch.")
+    min_lr: Real = Field(0.0001, ge=0, description="Learning rate at the end of the cosine.")
     warmup_steps: int = Field(10, ge=0, description="Steps of the linear warmup to lr.")
-    weight_decay: float = Field(
+    weight_decay: Real = Field(
         0.1, ge=0, description="AdamW weight decay (none on biases and norms)."
     )
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
-    grad_clip: float = Field(
+    beta1: Real = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: Real = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: Real = Field(
         1.0, ge=0, description="Clip the global gradient norm to this; 0 = no clipping."
     )
     precision: Precision = Field(

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Section
+from distlm.settings.base import Real, Section
 
 
 class TransferSettings(Section):
@@ -19,17 +19,17 @@ class TransferSettings(Section):
             "tcp|nccl); a transport that cannot run is an error, never replaced by another."
         ),
     )
-    bucket_mb: float = Field(
+    bucket_mb: Real = Field(
         64,
         gt=0,
         description="Flat bucket size in MiB; two buckets per rank (double buffering).",
     )
-    chunk_mb: float = Field(
+    chunk_mb: Real = Field(
         4,
         gt=0,
         description="Relay granularity along the chain in MiB; each chunk carries a checksum.",
     )
-    timeout_s: float = Field(
+    timeout_s: Real = Field(
         120,
         gt=0,
         description="Longest wait for one message; then the job fails naming the rank that stopped.",
