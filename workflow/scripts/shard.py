@@ -2,11 +2,12 @@
 
 from distlm.log import setup_logging
 from distlm.model import write_pipeline_dir
+from distlm.settings.stage import ShardConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])
 write_pipeline_dir(
     snakemake.input.model,
     snakemake.output.pipeline,
-    stages=snakemake.params.cfg["inference"]["stages"],
+    stages=ShardConfig.of(snakemake.params.cfg).inference.stages,
 )

@@ -26,17 +26,21 @@ class SamplingSettings(Section):
         return self.temperature == 0
 
 
-class InferenceSettings(Section):
+class PipelineSettings(Section):
+    """`inference.stages` alone: what rule shard reads."""
+
     stages: int = Field(
         2,
         ge=1,
         le=64,
         description="Pipeline stages = MPI ranks = shards; at most the model's layers.",
     )
-    prompts: str = Field(
-        "config/prompts.txt",
-        description="Prompt file of the batch stage: UTF-8, one prompt per non-blank line.",
-    )
+
+
+class EngineSettings(PipelineSettings):
+    """The pipeline-parallel generator and its sampling defaults: `inference` but the batch
+    stage's prompt file (what the serve stage reads)."""
+
     max_new_tokens: MaxNewTokens = Field(
         32, description="New tokens per prompt in the batch stage (fewer at end-of-text)."
     )
@@ -86,6 +90,16 @@ class InferenceSettings(Section):
             top_p=self.top_p,
             seed=self.seed,
         )
+
+
+class InferenceSettings(EngineSettings):
+    """`inference`: the pipeline-parallel generator, its sampling defaults and the batch stage's
+    prompts."""
+
+    prompts: str = Field(
+        "config/prompts.txt",
+        description="Prompt file of the batch stage: UTF-8, one prompt per non-blank line.",
+    )
 
 
 EnvName = Annotated[str, StringConstraints(pattern="^[A-Za-z_][A-Za-z0-9_]*$")]

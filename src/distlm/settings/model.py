@@ -22,7 +22,9 @@ class ModelInitSettings(Section):
     )
 
 
-class ModelSettings(Section):
+class ModelSourceSettings(Section):
+    """Which model: what the data stage reads (a hub or local model brings its tokenizer)."""
+
     source: Literal["init", "hub", "local"] = Field(
         "init",
         description="init (seeded random GPT-2), hub (a model id in name) or local (a folder).",
@@ -31,6 +33,11 @@ class ModelSettings(Section):
         None, description="Hub id (source hub) or model folder (source local)."
     )
     revision: str | None = Field(None, description="Revision of a hub model; null = latest.")
+
+
+class ModelSettings(ModelSourceSettings):
+    """`model`: where the base model comes from and how it is serialized."""
+
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the serialized weights."
     )

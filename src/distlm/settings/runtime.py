@@ -9,11 +9,18 @@ from pydantic import Field
 from distlm.settings.base import Real, Section
 
 
-class RuntimeSettings(Section):
+class DeviceSettings(Section):
+    """`runtime.device` alone (what a stage that starts no process group reads)."""
+
     device: Literal["cpu", "cuda", "auto"] = Field(
         "cpu",
         description="cpu, cuda (one GPU per local rank), or auto (cuda when present).",
     )
+
+
+class ProcessGroupSettings(DeviceSettings):
+    """`runtime` without the seed: what a torch.distributed stage that draws nothing reads."""
+
     backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="torch.distributed backend; nccl needs device cuda."
     )
@@ -22,6 +29,11 @@ class RuntimeSettings(Section):
         gt=0,
         description="Collective timeout in seconds; a dead rank ends the job within it.",
     )
+
+
+class RuntimeSettings(ProcessGroupSettings):
+    """`runtime`: where and how every multi-process stage runs."""
+
     seed: int = Field(
         1234,
         ge=0,
