@@ -87,7 +87,7 @@ def load_source(mcfg: ModelSourceSettings):
     try:
         model = GPT2LMHeadModel.from_pretrained(
             name,
-            revision=mcfg.revision,
+            revision=mcfg.revision or "main",  # transformers' own default
             local_files_only=local,
             torch_dtype=torch.float32,
             attn_implementation="sdpa",
