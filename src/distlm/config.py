@@ -115,11 +115,12 @@ def check_consistency(cfg: dict, *, source: str = "config") -> None:
     arch = known_architecture(cfg)
     if arch is not None:
         n_layer, n_positions = arch
-        if cfg["inference"]["stages"] > n_layer:
-            problems.append(
-                f"inference.stages: {cfg['inference']['stages']} pipeline stages but the model has "
-                f"only {n_layer} layers"
-            )
+        for key in ("inference", "serve"):
+            if cfg[key]["stages"] > n_layer:
+                problems.append(
+                    f"{key}.stages: {cfg[key]['stages']} pipeline stages but the model has "
+                    f"only {n_layer} layers"
+                )
         if cfg["data"]["block_size"] > n_positions:
             problems.append(
                 f"data.block_size: {cfg['data']['block_size']} is beyond the model's context "
