@@ -1,13 +1,13 @@
-"""Pipeline shards: a model folder -> one safetensors shard per pipeline stage (rule shard)."""
+"""Pipeline shards: a model folder -> one safetensors shard per pipeline stage (rules shard and
+serve_shard; params.stages is inference.stages or serve.stages)."""
 
 from distlm.log import setup_logging
 from distlm.model import write_pipeline_dir
-from distlm.settings.stage import ShardConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])
 write_pipeline_dir(
     snakemake.input.model,
     snakemake.output.pipeline,
-    stages=ShardConfig.of(snakemake.params.cfg).inference.stages,
+    stages=snakemake.params.stages,
 )

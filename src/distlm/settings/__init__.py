@@ -27,6 +27,7 @@ from distlm.settings.inference import (
     InferenceSettings,
     PipelineSettings,
     SamplingSettings,
+    ServePipelineSettings,
     ServeSettings,
 )
 from distlm.settings.model import ModelInitSettings, ModelSettings, ModelSourceSettings
@@ -60,6 +61,7 @@ __all__ = [
     "SamplingSettings",
     "Section",
     "Seed",
+    "ServePipelineSettings",
     "ServeSettings",
     "Settings",
     "Temperature",

@@ -37,9 +37,10 @@ class PipelineSettings(Section):
     )
 
 
-class EngineSettings(PipelineSettings):
-    """The pipeline-parallel generator and its sampling defaults: `inference` but the batch
-    stage's prompt file (what the serve stage reads)."""
+class EngineSettings(Section):
+    """The pipeline engine's settings and the sampling defaults: `inference` but its stage count
+    and the batch stage's prompt file (what the serve stage reads; its stage count is
+    serve.stages)."""
 
     max_new_tokens: MaxNewTokens = Field(
         default=32, description="New tokens per prompt in the batch stage (fewer at end-of-text)."
@@ -92,7 +93,7 @@ class EngineSettings(PipelineSettings):
         )
 
 
-class InferenceSettings(EngineSettings):
+class InferenceSettings(EngineSettings, PipelineSettings):
     """`inference`: the pipeline-parallel generator, its sampling defaults and the batch stage's
     prompts."""
 
@@ -106,7 +107,21 @@ EnvName = Annotated[str, StringConstraints(pattern="^[A-Za-z_][A-Za-z0-9_]*$")]
 FilePath = Annotated[str, StringConstraints(min_length=1)]
 
 
-class ServeSettings(Section):
+class ServePipelineSettings(Section):
+    """`serve.stages` alone: what rule serve_shard reads."""
+
+    stages: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Pipeline stages (MPI ranks) of the served model, sharded for serve alone; 1 serves "
+            "best on one machine (benchmarks/inference/serve-results.json), more split a model "
+            "too big for one device."
+        ),
+    )
+
+
+class ServeSettings(ServePipelineSettings):
     """The API server of rule serve (config/README.md, "Serving"). The bearer token is never a
     config value: token_env names an environment variable, token_file a file that holds it."""
 
@@ -115,11 +130,6 @@ class ServeSettings(Section):
     )
     port: int = Field(
         default=8000, ge=0, le=65535, description="Port (--port overrides it for one run)."
-    )
-    stages: int = Field(
-        default=1,
-        ge=1,
-        description="pipeline stages the serve stage shards the trained model into",
     )
     token_env: EnvName | None = Field(
         default=None, description="Name of an environment variable holding the bearer token."

@@ -105,11 +105,12 @@ def consistency_problems(s: Settings) -> list[str]:
     ev = s.eval
     if arch is not None:
         n_layer, n_positions = arch
-        if s.inference.stages > n_layer:
-            problems.append(
-                f"inference.stages: {s.inference.stages} pipeline stages but the model has "
-                f"only {n_layer} layers"
-            )
+        for key, stages in (("inference", s.inference.stages), ("serve", s.serve.stages)):
+            if stages > n_layer:
+                problems.append(
+                    f"{key}.stages: {stages} pipeline stages but the model has only {n_layer} "
+                    "layers"
+                )
         if s.data.block_size > n_positions:
             problems.append(
                 f"data.block_size: {s.data.block_size} is beyond the model's context "

@@ -28,6 +28,7 @@ from distlm.settings.inference import (
     EngineSettings,
     InferenceSettings,
     PipelineSettings,
+    ServePipelineSettings,
     ServeSettings,
 )
 from distlm.settings.model import ModelSettings, ModelSourceSettings
@@ -113,6 +114,12 @@ class ServeConfig(StageConfig):
     serve: ServeSettings
 
 
+class ServeShardConfig(StageConfig):
+    STAGE: ClassVar[str] = "serve_shard"
+    KIND: ClassVar[str] = "distlm-config-serve-shard"
+    serve: ServePipelineSettings
+
+
 class ReportConfig(StageConfig):
     STAGE: ClassVar[str] = "report"
     KIND: ClassVar[str] = "distlm-config-report"
@@ -130,6 +137,7 @@ STAGE_CONFIGS: dict[str, type[StageConfig]] = {
         EvalConfig,
         InferenceConfig,
         ServeConfig,
+        ServeShardConfig,
         ReportConfig,
     )
 }
