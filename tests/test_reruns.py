@@ -134,7 +134,6 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
 for _k, _v in {
     "host": "0.0.0.0",
     "port": 8123,
-    "stages": 2,
     "token_env": "MY_TOKEN",
     "token_file": "token.txt",
     "max_tokens": 64,
