@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator
 
 from distlm import DistlmError
 
@@ -21,7 +21,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-def _keep_int(value: object, handler):
+def _keep_int(value: object, handler: ValidatorFunctionWrapHandler) -> object:
     checked = handler(value)
     return value if type(value) is int else checked
 

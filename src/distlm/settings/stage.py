@@ -1,7 +1,7 @@
 """Stage configs: the config keys a stage reads (`distlm.stages.STAGES[stage].keys`) as a typed,
 versioned document, `results/config/<stage>.json` for the multi-process stages.
 
-    doc = read_document("results/config/train.json", TrainConfig)   # or stage_config_document
+    doc = read_document("results/config/train.json", TrainConfig)   # or read_stage_config
     doc.train.keep_last, doc.transfer.bucket_mb, doc.digest
 
 Each class declares exactly its stage's keys, with the types of the sections they come from (a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from pydantic import Field
 
@@ -48,7 +48,7 @@ class StageConfig(Document):
     digest: str = _DIGEST
 
     @classmethod
-    def of(cls, params: Mapping[str, Any]):
+    def of(cls, params: Mapping[str, Any]) -> Self:
         """The document of a rule's params (exactly the stage's keys, nested)."""
         return cls.model_validate({**params, "digest": digest(dict(params))})
 
