@@ -48,6 +48,16 @@ def test_bad_config_fails_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
     proc = run_snakemake(tmp_path, "--config", 'train={"max_stepz": 1}', check=False)
     assert proc.returncode != 0 and "train.max_stepz: unknown key" in proc.stderr
+    # a key of an earlier release says where it went
+    proc = run_snakemake(tmp_path, "--config", 'broadcast={"transport": "torch"}', check=False)
+    assert proc.returncode != 0
+    assert "broadcast.transport: moved to transfer.transport" in proc.stderr
+    # --config hands nested values over as strings: they become the numbers their keys ask for
+    # (then Snakemake's validate checks the result against the generated schema)
+    run_snakemake(
+        tmp_path, "-n", "--config", 'train={"max_steps": "7"}', 'transfer={"bucket_mb": "0.5"}'
+    )
+    assert not (tmp_path / "results").exists()
 
 
 def test_real_setup_plans(tmp_path):
