@@ -7,8 +7,9 @@ it writes and the document it reports.
     stage_config(cfg, "train")             # the validated config cut down to exactly those keys
 
 The rules take their params (exactly a stage's keys) and output paths from here, the scripts get
-only those keys (a stage that reads another key fails with a KeyError in the tests, never silently
-depends on it), the trainer and the report's readers take the same paths, and config/README.md's
+only those keys, as the stage's typed document (`distlm.settings.stage`: one class per stage whose
+fields are exactly these keys, checked by a test; a stage that reads another key has no field for
+it, so it never silently depends on it), the trainer and the report's readers take the same paths, and config/README.md's
 table "what reruns when you change a key" is generated from these declarations
 (`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
 inference and the report, and never training.
