@@ -13,6 +13,8 @@ from distlm.config import load_config
 from distlm.dist import distributed
 from distlm.documents import BroadcastReport, read_document
 from distlm.model import WEIGHTS, load_safetensors, read_meta
+from distlm.settings.stage import BroadcastConfig
+from distlm.stages import stage_config
 from distlm.transfer import TransferError
 
 
@@ -48,7 +50,7 @@ def test_stage_report_in_the_tiny_workflow(workflow_run):
 
 
 def test_stage_refuses_a_tampered_model_and_a_wrong_world(workflow_run, tmp_path):
-    cfg = load_config(TINY)
+    cfg = BroadcastConfig.of(stage_config(load_config(TINY), "broadcast"))
     model = tmp_path / "model"
     shutil.copytree(workflow_run / "results/model/base", model)
     with distributed(backend="gloo", timeout_s=30) as topo:
