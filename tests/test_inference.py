@@ -13,15 +13,12 @@ import pytest
 import torch
 
 from distlm import DistlmError
-from distlm.inference.pipeline import (
-    PipelineTopology,
-    Scheduler,
-    Sequence,
-    StageStats,
-)
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
+from distlm.inference.ring import PipelineTopology
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
+from distlm.inference.scheduler import Scheduler, Sequence
 from distlm.inference.stage import Item, load_stage
+from distlm.inference.stats import StageStats
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "workflow" / "scripts" / "infer.py"
@@ -123,11 +120,11 @@ def icfg(**over) -> dict:
 
 def test_make_params_rejects_bad_values_naming_the_field():
     cases = [
-        ({"max_new_tokens": 0}, "max_tokens"),
-        ({"max_new_tokens": -3}, "max_tokens"),
-        ({"max_new_tokens": 64}, "max_tokens: 64 is beyond the model's context"),
-        ({"max_new_tokens": 2.5}, "max_tokens: expected an integer"),
-        ({"max_new_tokens": True}, "max_tokens: expected an integer"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -3}, "max_new_tokens"),
+        ({"max_new_tokens": 64}, "max_new_tokens: 64 is beyond the model's context"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens: expected an integer"),
+        ({"max_new_tokens": True}, "max_new_tokens: expected an integer"),
         ({"max_new_tokens": 8, "temperature": -0.1}, "temperature: must be >= 0"),
         ({"max_new_tokens": 8, "top_p": 0.0}, "top_p: must be in (0, 1]"),
         ({"max_new_tokens": 8, "top_p": 1.5}, "top_p: must be in (0, 1]"),
@@ -417,7 +414,8 @@ def test_inference_stage_in_workflow(workflow_run):
 
 
 def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_reference):
-    from distlm.inference.pipeline import Pipeline, generate_batch
+    from distlm.inference.batch import generate_batch
+    from distlm.inference.bootstrap import Pipeline
 
     model = load_stage(tiny_models[1], 0, world=1)
     topo, stats = PipelineTopology(0, 1), StageStats(0)

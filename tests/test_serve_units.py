@@ -11,7 +11,7 @@ import test_inference
 import torch
 from test_inference import PROMPTS
 
-from distlm.inference.api import CompletionRequest, escape, json_depth, parse_json
+from distlm.inference.access_log import escape
 from distlm.inference.messages import (
     VERSION,
     Cancel,
@@ -29,8 +29,10 @@ from distlm.inference.messages import (
     encode,
     encode_batch,
 )
-from distlm.inference.pipeline import Pick, Sampler, Sequence
 from distlm.inference.prompts import RequestError
+from distlm.inference.requests import CompletionRequest, json_depth, parse_json
+from distlm.inference.ring import Pick
+from distlm.inference.sampler import Sampler
 from distlm.inference.sampling import (
     MAX_SEED,
     SamplingError,
@@ -38,6 +40,8 @@ from distlm.inference.sampling import (
     make_params,
     pick_token,
 )
+from distlm.inference.scheduler import Sequence
+from distlm.inference.stats import StageBrief, StageInfo
 
 tiny_models = test_inference.tiny_models
 hf_reference = test_inference.hf_reference
@@ -45,7 +49,7 @@ hf_reference = test_inference.hf_reference
 
 def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
     msgs = [
-        Submit(rid=1, prompts=[[1, 2], [3]], n=2, params={"max_new_tokens": 4, "seed": MAX_SEED}),
+        Submit(rid=1, prompts=[[1, 2], [3]], n=2, params=SamplingParams(4, seed=MAX_SEED)),
         Cancel(rid=1),
         Cancel(rid=1, index=3),
         Shutdown(),
@@ -57,13 +61,13 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
             eos_token_id=None,
             lanes=4,
             stages=2,
-            pipeline=[{"stage": 0}],
+            pipeline=[StageInfo(0, "h", 1, (0, 2), 1, "cpu")],
         ),
-        Token(rid=1, index=0, token=5, logprob=-0.5, top=[[5, -0.5], [7, -1.0]]),
-        Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [[3, -0.1]]]),
+        Token(rid=1, index=0, token=5, logprob=-0.5, top=[(5, -0.5), (7, -1.0)]),
+        Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [(3, -0.1)]]),
         Finish(rid=1, index=0, reason="length", tokens=4),
         Error(rid=None, index=None, status=503, message="gone"),
-        Health(active=1, waiting=0, lanes_busy=1, stages=[{"stage": 0, "compute_s": 0.1}]),
+        Health(active=1, waiting=0, lanes_busy=1, stages=[StageBrief(0, 0.1, 0.0, 0.2)]),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
@@ -79,6 +83,12 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
         decode(msgpack.packb([VERSION, "cancel", {"rid": 1, "extra": 2}]))
     with pytest.raises(ChannelError, match="finish: fields"):
         decode(msgpack.packb([VERSION, "finish", {"rid": 1}]))
+    # typed fields: a value of the wrong type, or a params field that is not SamplingParams'
+    with pytest.raises(ChannelError, match="token: .*rid: Input should be a valid integer"):
+        decode(msgpack.packb([VERSION, "token", {"rid": "x", "index": 0, "token": 1}]))
+    sub = {"rid": 1, "prompts": [[1]], "n": 1, "params": {"max_new_tokens": 1, "greedy": True}}
+    with pytest.raises(ChannelError, match="submit: .*params.greedy: Unexpected keyword"):
+        decode(msgpack.packb([VERSION, "submit", sub]))
     with pytest.raises(ChannelError, match="undecodable"):
         decode(b"\xc1garbage")
     with pytest.raises(ChannelError, match="not an engine-channel message"):
@@ -231,7 +241,7 @@ def test_scheduler_cancel_frees_the_lane_at_once_or_at_the_next_token(tiny_model
 def test_scheduler_fails_one_sequence_whose_pick_fails(tiny_models, hf_reference, monkeypatch):
     from test_inference import _scheduler
 
-    from distlm.inference import pipeline
+    from distlm.inference import sampler as pipeline
 
     ids = _ids(hf_reference.tokenizer)
     real = pipeline.pick_token
@@ -280,8 +290,9 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     beside other sequences; the figures equal a single-process GPT2LMHeadModel to 1e-4."""
     from test_inference import _scheduler
 
-    from distlm.inference.pipeline import Item, Slot, last_stage
-    from distlm.inference.stage import load_stage
+    from distlm.inference.ring import Slot
+    from distlm.inference.sampler import last_stage
+    from distlm.inference.stage import Item, load_stage
 
     folder = tiny_models[1].parent / "model"
     ids = _ids(hf_reference.tokenizer)
@@ -328,6 +339,6 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     _check_prompt(seen[only.id], ids[0], ref[0])
     assert [len(g.tokens) for g in group] == [5, 5] and seen[group[0].id] == seen[group[1].id]
     _check_prompt(seen[group[1].id], ids[1], ref[1])
-    with pytest.raises(RequestError, match="max_tokens: must be at least 1 .0 only with echo"):
+    with pytest.raises(RequestError, match="max_new_tokens: must be at least 1 .0 only with echo"):
         make_params(max_new_tokens=0, context=64)
     assert make_params(max_new_tokens=0, echo=True, context=64).max_new_tokens == 0

@@ -149,7 +149,9 @@ def worker(spec_path: str, out_path: str) -> None:
     The modes (and, in the one-stage run, Hugging Face generate in the same process) take turns
     within each repeat, so a change in the machine's load hits them alike.
     """
-    from distlm.inference.pipeline import Scheduler, generate_batch, mpi_pipeline, run_workers
+    from distlm.inference.batch import generate_batch
+    from distlm.inference.bootstrap import mpi_pipeline, run_workers
+    from distlm.inference.scheduler import Scheduler
 
     spec = json.loads(Path(spec_path).read_text())
     icfg = spec["inference"]

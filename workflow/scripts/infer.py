@@ -8,7 +8,7 @@
 import argparse
 
 from distlm.config import read_resolved
-from distlm.inference.pipeline import run_batch
+from distlm.inference.batch import run_batch
 from distlm.log import setup_logging
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

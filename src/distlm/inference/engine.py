@@ -4,7 +4,7 @@
         --model results/train/final --requests ipc:///tmp/x/requests --events ipc:///tmp/x/events \
         --api-pid PID
 
-The API server (distlm.inference.api) starts this with the launcher; nobody else needs to. Stage 0
+The API server (distlm.inference.supervisor) starts this with the launcher; nobody else needs to. Stage 0
 serves no HTTP: it pulls Submit / Cancel / Shutdown from the `requests` socket and pushes Ready,
 Token, Finish, Error and Health to the `events` socket (distlm.inference.messages). One thread does
 everything, so the MPI calls, the scheduler and the sockets never race.
@@ -27,6 +27,7 @@ from typing import Self
 
 import zmq
 
+from distlm.inference.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.messages import (
     Cancel,
     ChannelError,
@@ -42,16 +43,9 @@ from distlm.inference.messages import (
     encode,
     encode_batch,
 )
-from distlm.inference.pipeline import (
-    Backoff,
-    Pick,
-    Pipeline,
-    PipelineError,
-    Sequence,
-    mpi_pipeline,
-    run_workers,
-)
-from distlm.inference.sampling import MAX_SEED, SamplingParams
+from distlm.inference.ring import Pick, PipelineError
+from distlm.inference.sampling import MAX_SEED
+from distlm.inference.scheduler import Sequence, run_stage0
 from distlm.io import pid_alive
 from distlm.log import get_logger
 
@@ -138,40 +132,23 @@ class Engine:
             signal.signal(sig, lambda *_: setattr(self, "stopping", "stopped by a signal"))
         self.ch.send(self.ready())
         self.ch.flush()
+        self._checked = self._health_at = time.monotonic()
         heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
-        backoff = Backoff()
-        checked = health_at = time.monotonic()
+
+        def idle() -> None:
+            self.sched.heartbeat(heartbeat_s)
+            self._take(5)
+
         try:
-            while self.stopping is None:
-                now = time.monotonic()
-                if self.api_pid is not None and now - checked > _API_CHECK_S:
-                    checked = now
-                    if not pid_alive(self.api_pid):
-                        self.stopping = f"the API server (pid {self.api_pid}) is gone"
-                        break
-                if now - health_at > HEALTH_EVERY_S:
-                    health_at = now
-                    self.ch.send(self.health())
-                took = self._take(0)
-                stepped = self.sched.step()
-                self.ch.flush()  # this step's tokens, finishes and errors: one frame
-                if stepped or took:
-                    backoff.reset()
-                elif not self.sched.busy:
-                    self.sched.heartbeat(heartbeat_s)
-                    self._take(5)
-                else:
-                    t0 = time.perf_counter()
-                    backoff.pause()
-                    self.sched.stats.recv_wait_s += time.perf_counter() - t0
+            run_stage0(
+                self.sched,
+                more=lambda: self.stopping is None,
+                poll=self._poll,
+                after_step=self.ch.flush,  # this step's tokens, finishes and errors: one frame
+                idle=idle,
+            )
             log.info("stopping (%s): %d sequences still open", self.stopping, len(self.where))
-            self.sched.launching = False
-            deadline = time.monotonic() + self.icfg["timeout_s"]
-            while self.sched.inflight:  # let the micro-batches in the ring come home
-                if not self.sched.step():
-                    if time.monotonic() > deadline:
-                        raise PipelineError("stage 0: the ring did not drain while stopping")
-                    backoff.pause()
+            self.sched.drain(self.icfg["timeout_s"])  # the micro-batches in the ring come home
         except PipelineError as e:
             self._failed(str(e))
             raise
@@ -179,8 +156,29 @@ class Engine:
             self._failed(f"stage 0 failed: {type(e).__name__}: {e}")
             raise
 
+    def _poll(self) -> bool:
+        """Before each step: whether the API server lives, Health when due, the requests waiting."""
+        now = time.monotonic()
+        if self.api_pid is not None and now - self._checked > _API_CHECK_S:
+            self._checked = now
+            if not pid_alive(self.api_pid):
+                self.stopping = f"the API server (pid {self.api_pid}) is gone"
+                return False
+        if now - self._health_at > HEALTH_EVERY_S:
+            self._health_at = now
+            self.ch.send(self.health())
+        return self._take(0)
+
     def _failed(self, reason: str) -> None:
-        log.error("pipeline failed; the API server answers 503: %s", reason)
+        """The pipeline is gone: free every lane here, and one Error(rid=None) for all requests."""
+        failed = self.sched.fail_all(reason)
+        log.error(
+            "pipeline failed (%d sequences open); the API server answers 503: %s",
+            len(failed),
+            reason,
+        )
+        self.requests.clear()
+        self.where.clear()
         self.ch.send(Error(rid=None, index=None, status=503, message=reason))
         self.ch.flush()
 
@@ -221,7 +219,7 @@ class Engine:
                 log.error("engine channel: unexpected %s from the API server", type(msg).__name__)
 
     def _submit(self, msg: Submit) -> None:
-        params = SamplingParams(**msg.params)
+        params = msg.params
         seqs = []
         for i, ids in enumerate(msg.prompts):
             group = []
@@ -248,7 +246,7 @@ class Engine:
 
     def _token(self, seq: Sequence, pick: Pick) -> None:
         rid, index = self.where[seq.id]
-        top = None if pick.top is None else [[t, lp] for t, lp in pick.top]
+        top = None if pick.top is None else list(pick.top)
         self.ch.send(Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top))
 
     def _prompt(self, seq: Sequence, pick: Pick) -> None:
@@ -258,7 +256,7 @@ class Engine:
                 rid=rid,
                 index=index,
                 logprobs=[None, *(lp for lp, _ in pick.prompt)],
-                top=[None, *([[t, v] for t, v in top] for _, top in pick.prompt)],
+                top=[None, *(list(top) for _, top in pick.prompt)],
             )
         )
 

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from pydantic import ConfigDict
 
 from distlm import DistlmError
 from distlm.inference.prompts import RequestError
@@ -31,6 +32,8 @@ class SamplingError(DistlmError):
 @dataclass(frozen=True)
 class SamplingParams:
     """How one sequence picks its tokens. temperature == 0 means greedy (argmax)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # as an engine-channel field
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -81,27 +84,27 @@ def make_params(
     vocab_size: int | None = None,
     max_allowed: int | None = None,
 ) -> SamplingParams:
-    """Validated SamplingParams; each error names the field (`max_tokens` style names for HTTP).
+    """Validated SamplingParams; each error is a RequestError naming the field (neutral names).
 
-    `prompt_logprobs` (echo with logprobs) scores the prompt too. With `echo`, max_tokens may
+    `prompt_logprobs` (echo with logprobs) scores the prompt too. With `echo`, max_new_tokens may
     be 0: the prompt only (with logprobs its log-probabilities, as lm-eval's log-likelihood
     requests ask)."""
-    n = _number(max_new_tokens, "max_tokens", integer=True)
+    n = _number(max_new_tokens, "max_new_tokens", integer=True)
     if n < 0 or (n == 0 and not echo):
         raise RequestError(
-            f"max_tokens: must be at least 1 (0 only with echo: the prompt alone), got {n}",
-            param="max_tokens",
+            f"max_new_tokens: must be at least 1 (0 only with echo: the prompt alone), got {n}",
+            param="max_new_tokens",
         )
     if n >= context:
         raise RequestError(
-            f"max_tokens: {n} is beyond the model's context of {context} tokens "
+            f"max_new_tokens: {n} is beyond the model's context of {context} tokens "
             f"(at most {context - 1} leaves room for a one-token prompt)",
-            param="max_tokens",
+            param="max_new_tokens",
         )
     if max_allowed is not None and n > max_allowed:
         raise RequestError(
-            f"max_tokens: {n} is above this server's limit of {max_allowed} (serve.max_tokens)",
-            param="max_tokens",
+            f"max_new_tokens: {n} is above this server's limit of {max_allowed} (serve.max_tokens)",
+            param="max_new_tokens",
         )
     t = float(_number(temperature, "temperature"))
     if t < 0:
@@ -129,18 +132,6 @@ def make_params(
         seed=s,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-    )
-
-
-def params_from_config(icfg: dict, *, context: int, seed_offset: int = 0) -> SamplingParams:
-    """The batch stage's sampling parameters from the `inference` config section."""
-    return make_params(
-        max_new_tokens=icfg["max_new_tokens"],
-        temperature=0.0 if icfg["greedy"] else icfg["temperature"],
-        top_k=icfg["top_k"],
-        top_p=icfg["top_p"],
-        seed=icfg["seed"] + seed_offset,
-        context=context,
     )
 
 

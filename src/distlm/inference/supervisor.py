@@ -1,4 +1,4 @@
-"""The API server process: uvicorn serving `distlm.inference.api`, and the MPI job it supervises.
+"""The API server process: uvicorn serving `distlm.inference.app`, and the MPI job it supervises.
 
     python workflow/scripts/serve.py --launcher "mpiexec -n 2" --config results/config/serve.json \
         --model results/train/final
@@ -40,7 +40,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distlm import DistlmError
-from distlm.inference.api import AccessLog, EngineClient, Metrics, ServeState, build_app
+from distlm.inference.access_log import AccessLog
+from distlm.inference.app import build_app
+from distlm.inference.client import EngineClient
+from distlm.inference.metrics import Metrics
+from distlm.inference.state import ServeState
 from distlm.log import get_logger
 
 log = get_logger(__name__)
