@@ -217,6 +217,55 @@ def test_scheduler_n_shares_the_prefill_and_equals_separate_runs(tiny_models, hf
     assert [g.tokens for g in group] == alone and not sched.active and len(sched.free) == 2
 
 
+def test_finished_and_cancelled_lanes_free_their_kv_cache(tiny_models, hf_reference):
+    """Lanes whose sequences end (finished or cancelled) free their KV cache and sampling state;
+    a stage with no lane busy holds no cache; fail_all frees every lane at once."""
+    from test_inference import _scheduler
+
+    from distlm.inference.sampler import release_lanes
+
+    ids = _ids(hf_reference.tokenizer)
+    sched = _scheduler(tiny_models[1], lanes=2)
+    model = sched.model
+    a = Sequence(sched.new_id(), ids[0], SamplingParams(3, temperature=1.0, seed=1))
+    b = Sequence(sched.new_id(), ids[1], SamplingParams(30))
+    sched.submit(a)
+    sched.submit(b)
+    while a.finish_reason is None:
+        sched.step()
+    # a finished: its lane's cache positions and sampler gone; b's lane still holds its cache
+    assert a.lane not in model.length and a.lane not in sched.sampler.lanes
+    assert b.lane in model.length and model.cached_bytes() > 0 < sched.stats.cache_bytes
+    sched.cancel(b)
+    while sched.busy:
+        sched.step()
+    assert b.finish_reason == "cancelled" and model.length == {} and not sched.sampler.lanes
+    assert model.cached_bytes() == 0 == sched.stats.cache_bytes and len(sched.free) == 2
+    # the pipeline failed: every open sequence ends with the reason, every lane is freed
+    seqs = [Sequence(sched.new_id(), i, SamplingParams(30)) for i in ids[:3]]
+    for seq in seqs:
+        sched.submit(seq)
+    sched.step()
+    assert model.cached_bytes() > 0 and sched.lanes_busy == 2
+    failed = sched.fail_all("stage 1 died")
+    assert sorted(f.id for f in failed) == sorted(s.id for s in seqs)
+    assert all(f.finish_reason == "error" and f.error == "stage 1 died" for f in failed)
+    assert model.cached_bytes() == 0 and sched.lanes_busy == 0 and not sched.busy
+    # the last stage of two frees the lanes stage 0 names in Work.release (cache and sampler)
+    from distlm.inference.ring import Slot
+    from distlm.inference.sampler import last_stage
+    from distlm.inference.stage import Item, load_stage
+
+    first, last = (load_stage(tiny_models[2], st, world=2) for st in (0, 1))
+    item = Item(0, 1, 0, len(ids[0]))
+    hidden = first([item], torch.tensor(ids[0]))
+    sampler = Sampler()
+    last_stage(last, sampler, (Slot(item, SamplingParams(4)),), hidden)
+    assert last.cached_bytes() > 0 and 1 in sampler.lanes
+    release_lanes(last, sampler, (1,))
+    assert last.cached_bytes() == 0 and not sampler.lanes and last.length == {}
+
+
 def test_scheduler_cancel_frees_the_lane_at_once_or_at_the_next_token(tiny_models, hf_reference):
     from test_inference import _scheduler
 

@@ -20,6 +20,7 @@ import pytest
 import test_inference
 from test_inference import PROMPTS, write_config
 
+from distlm import DistlmError
 from distlm.dist import free_port
 
 # Every test here talks to a real server and its MPI job: not in the fast loop.
@@ -36,6 +37,8 @@ TOKEN_ENV = "DISTLM_TEST_SERVE_TOKEN"
 # start): above the 1,000 idle connections test_serve_hostile holds open, below the 1,300 it opens
 # to run the server out of descriptors
 NOFILE = 1100
+# the shared server's inference.max_new_tokens: a request without max_tokens gets this many
+DEFAULT_MAX_TOKENS = 7
 # the shared server's limits (small, so that the hostile tests reach them quickly)
 LIMITS = {
     "token_env": TOKEN_ENV,
@@ -132,6 +135,7 @@ def start_server(
     **over,
 ) -> Server:
     port = free_port()
+    over.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)  # within LIMITS' max_tokens
     cfg = write_config(
         tmp / "cfg.json", stages=stages, serve={**LIMITS, "port": port, **(serve or {})}, **over
     )
@@ -514,6 +518,34 @@ def test_long_prompt_truncated_and_said_so_then_still_serving(server):
     assert ch["prompt_truncated_tokens"] > 0 and "dropped its first" in body["warnings"][0]
     assert body["usage"]["prompt_tokens"] == 64 - 10
     assert server.lanes_free()
+
+
+def test_max_tokens_defaults_to_inference_max_new_tokens(server):
+    """The serve stage declares inference.max_new_tokens; a request without max_tokens gets it
+    (not OpenAI's 16), and a configured default above serve.max_tokens is refused at start."""
+    from distlm.inference.supervisor import check_default_max_tokens
+
+    status, body = server.request("POST", "/v1/completions", {"prompt": "A class"})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS, body
+    assert body["choices"][0]["finish_reason"] == "length"
+    check_default_max_tokens(20, 20)
+    with pytest.raises(DistlmError, match="inference.max_new_tokens: 21, the default max_tokens"):
+        check_default_max_tokens(21, 20)
+
+
+def test_idle_stages_free_their_kv_cache(server):
+    """A finished request's lanes free their KV cache on every stage: stage 0 at once, the others
+    with the next message round the ring; /metrics shows each stage's cache bytes."""
+    server.ok()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        cache = [m.get(f'distlm_stage_kv_cache_bytes{{stage="{s}"}}') for s in (0, 1)]
+        if cache == [0, 0]:
+            break
+        time.sleep(0.2)
+    assert cache == [0, 0], cache
 
 
 def test_metrics_count_requests_tokens_and_latencies(server):

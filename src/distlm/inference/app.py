@@ -16,13 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from distlm.inference.access_log import escape
-from distlm.inference.errors import ApiError, error_doc
+from distlm.inference.errors import ApiError, error_doc, from_request
 from distlm.inference.prepare import prepare_completion
 from distlm.inference.prompts import RequestError
 from distlm.inference.requests import read_body
+from distlm.inference.responses import Health, ModelCard, ModelList
 from distlm.inference.state import ServeState
 from distlm.inference.stream import run_completion
 
@@ -44,6 +46,10 @@ def _need_auth(st: ServeState, request: Request) -> None:
         )
 
 
+def _json(answer: BaseModel, *, status: int = 200) -> JSONResponse:
+    return JSONResponse(answer.model_dump(mode="json"), status_code=status)
+
+
 def build_app(st: ServeState) -> FastAPI:
     app = FastAPI(title="distlm", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -58,7 +64,7 @@ def build_app(st: ServeState) -> FastAPI:
             405: f"method {request.method} not allowed on {escape(request.url.path)}",
         }
         return JSONResponse(
-            error_doc(e.status_code, message.get(e.status_code, str(e.detail))),
+            error_doc(e.status_code, message.get(e.status_code, str(e.detail))).model_dump(),
             status_code=e.status_code,
             headers=getattr(e, "headers", None),
         )
@@ -68,28 +74,27 @@ def build_app(st: ServeState) -> FastAPI:
         why = st.unavailable()
         if why is not None:
             status = {"starting": "starting", "stopping": "stopping"}.get(st.state, "unavailable")
-            return JSONResponse({"status": status, "error": why}, status_code=503)
-        doc = {"status": "ok", "model": st.model_id}
+            return _json(Health(status=status, error=why), status=503)
+        doc = Health(status="ok", model=st.model_id)
         if _authorized(st, request):  # hosts and pids only with the token
             r, h = st.engine.ready, st.engine.health
-            doc.update(
-                stages=r.stages,
-                lanes=r.lanes,
-                pipeline=r.pipeline,
-                active=h.active if h else 0,
-                waiting=h.waiting if h else 0,
-                lanes_busy=h.lanes_busy if h else 0,
-                open=st.engine.outstanding,
+            doc = doc.model_copy(
+                update={
+                    "stages": r.stages,
+                    "lanes": r.lanes,
+                    "pipeline": r.pipeline,
+                    "active": h.active if h else 0,
+                    "waiting": h.waiting if h else 0,
+                    "lanes_busy": h.lanes_busy if h else 0,
+                    "open": st.engine.outstanding,
+                }
             )
-        return doc
+        return _json(doc)
 
     @app.get("/v1/models")
     async def models(request: Request):
         _need_auth(st, request)
-        return {
-            "object": "list",
-            "data": [{"id": st.model_id, "object": "model", "created": 0, "owned_by": "distlm"}],
-        }
+        return _json(ModelList(data=[ModelCard(id=st.model_id)]))
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -108,7 +113,7 @@ def build_app(st: ServeState) -> FastAPI:
         try:
             job = prepare_completion(st, raw)
         except RequestError as e:
-            raise ApiError(e.status, str(e), param=e.param) from None
+            raise from_request(e) from None
         return await run_completion(st, request, job)
 
     return app

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from distlm.inference.prompts import RequestError
+from distlm.inference.responses import ErrorBody, ErrorDetail
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -42,18 +45,20 @@ class ApiError(Exception):
         if close:  # the body was not read to its end: the connection cannot be reused
             headers["Connection"] = "close"
         return JSONResponse(
-            error_doc(self.status, self.message, self.param, self.code),
+            error_doc(self.status, self.message, self.param, self.code).model_dump(),
             status_code=self.status,
             headers=headers,
         )
 
 
-def error_doc(status: int, message: str, param: str | None = None, code: str | None = None):
-    return {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+def error_doc(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> ErrorBody:
+    """OpenAI's error body for `status`."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+
+
+def from_request(e: RequestError) -> ApiError:
+    """A bad request's answer: its status (400) and message, `param` the field it names."""
+    return ApiError(e.status, str(e), param=e.param)

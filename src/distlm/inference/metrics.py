@@ -51,6 +51,12 @@ class Metrics:
         self.compute = Gauge(
             "distlm_stage_compute_seconds", "Forward-pass seconds per stage", ["stage"], registry=r
         )
+        self.cache = Gauge(
+            "distlm_stage_kv_cache_bytes",
+            "Bytes of KV cache a stage holds (0 when no lane holds a sequence)",
+            ["stage"],
+            registry=r,
+        )
         self.wait = Gauge(
             "distlm_stage_wait_seconds",
             "Seconds a stage waited for its previous stage",
@@ -62,5 +68,6 @@ class Metrics:
         self.queue.set(h.waiting)
         self.lanes.set(h.lanes_busy)
         for st in h.stages:
-            self.compute.labels(str(st["stage"])).set(st["compute_s"])
-            self.wait.labels(str(st["stage"])).set(st["recv_wait_s"])
+            self.compute.labels(str(st.stage)).set(st.compute_s)
+            self.wait.labels(str(st.stage)).set(st.recv_wait_s)
+            self.cache.labels(str(st.stage)).set(st.cache_bytes)

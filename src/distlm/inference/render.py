@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from distlm.inference.errors import ApiError
 from distlm.inference.messages import Error, Finish, Prompt, Token
 from distlm.inference.prepare import Job
+from distlm.inference.responses import Logprobs, Usage
 from distlm.inference.state import ServeState
 
 
@@ -112,7 +113,7 @@ class Answer:
         self.sent[index] = end
         return out
 
-    def logprobs(self, index: int, since: int = 0, *, prompt: bool = False) -> dict | None:
+    def logprobs(self, index: int, since: int = 0, *, prompt: bool = False) -> Logprobs | None:
         """OpenAI's logprobs object for the tokens from `since` on; `prompt`: the echoed prompt's
         tokens first (the first one's log-probability and alternatives null, as OpenAI and vLLM
         give them). text_offset: each token's offset in the choice's text."""
@@ -134,16 +135,16 @@ class Answer:
         for w in words:
             offsets.append(offset)
             offset += len(w)
-        return {
-            "tokens": words,
-            "token_logprobs": lps,
-            "top_logprobs": [
+        return Logprobs(
+            tokens=words,
+            token_logprobs=lps,
+            top_logprobs=[
                 None if top is None else {tok.decode([int(t)]): lp for t, lp in top} for top in tops
             ],
-            "text_offset": offsets,
-        }
+            text_offset=offsets,
+        )
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         p = sum(len(i) for i in self.job.ids)
         c = sum(len(ch.tokens) for ch in self.choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)

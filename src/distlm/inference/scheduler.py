@@ -258,6 +258,7 @@ class Scheduler:
         for lane in range(self.lanes):
             self.model.release(lane)
             self.sampler.release(lane)
+        self.stats.cache_bytes = self.model.cached_bytes()
         self.waiting.clear()
         self.ready.clear()
         self.active.clear()
@@ -273,6 +274,7 @@ class Scheduler:
         next message (a lane is reused only by a later prefill, which follows that message)."""
         self.free.append(lane)
         self.model.release(lane)
+        self.stats.cache_bytes = self.model.cached_bytes()
         if self.ring is None:  # this rank is also the last stage
             self.sampler.release(lane)
         else:
@@ -303,6 +305,7 @@ class Scheduler:
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.micro_batches += 1
         self.stats.items += len(items)
+        self.stats.cache_bytes = self.model.cached_bytes()
         for s in batch:
             s.forks = []
         if self.ring is None:

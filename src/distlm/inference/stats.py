@@ -40,6 +40,7 @@ class StageBrief:
     compute_s: float
     send_s: float
     recv_wait_s: float
+    cache_bytes: int = 0  # the KV cache the stage holds now (0 when every lane is free)
 
 
 @dataclass
@@ -54,13 +55,16 @@ class StageStats:
     items: int = 0
     messages_sent: int = 0
     bytes_sent: int = 0
+    cache_bytes: int = 0  # the KV cache held now
 
     def reset(self) -> None:
         self.__init__(stage=self.stage)
 
     def brief(self) -> StageBrief:
         """What /metrics shows per stage (cumulative seconds)."""
-        return StageBrief(self.stage, self.compute_s, self.send_s, self.recv_wait_s)
+        return StageBrief(
+            self.stage, self.compute_s, self.send_s, self.recv_wait_s, self.cache_bytes
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)

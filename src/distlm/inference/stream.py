@@ -4,16 +4,24 @@ server-sent events; a client gone or a deadline passed cancels the request's seq
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from distlm.inference.errors import ApiError, error_doc
 from distlm.inference.prepare import Job
 from distlm.inference.render import Answer
+from distlm.inference.responses import (
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    Logprobs,
+    Usage,
+)
 from distlm.inference.state import ServeState
 from distlm.log import get_logger
 
@@ -105,26 +113,29 @@ async def _complete(st: ServeState, request: Request, answer: Answer, queue, dea
     if failed:
         raise ApiError(500, f"choice {failed[0].index}: {failed[0].error}")
     job = answer.job
-    out = _base(st, f"cmpl-{uuid.uuid4().hex}")
-    out["choices"] = []
+    choices = []
     for c in answer.choices:
         text = answer.text(c.index)
         if job.req.echo:
             text = job.prompts[answer.prompt_index(c.index)] + text
-        out["choices"].append(
-            {
-                "text": text,
-                "index": c.index,
-                "logprobs": answer.logprobs(c.index, prompt=job.req.echo),
-                "finish_reason": c.reason,
-                "prompt_truncated_tokens": job.truncated[answer.prompt_index(c.index)],
-            }
+        choices.append(
+            CompletionChoice(
+                text=text,
+                index=c.index,
+                logprobs=answer.logprobs(c.index, prompt=job.req.echo),
+                finish_reason=c.reason,
+                prompt_truncated_tokens=job.truncated[answer.prompt_index(c.index)],
+            )
         )
-    out["usage"] = answer.usage()
-    warnings = _warnings(job)
-    if warnings:
-        out["warnings"] = warnings
-    return out
+    out = Completion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=st.model_id,
+        choices=choices,
+        usage=answer.usage(),
+        warnings=_warnings(job) or None,
+    )
+    return JSONResponse(out.model_dump(mode="json"))
 
 
 async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
@@ -133,18 +144,22 @@ async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
     job = answer.job
     finished = False
 
-    def chunk(index: int, text: str, reason: str | None, **extra) -> bytes:
-        c = _base(st, cid)
-        c["choices"] = [
-            {
-                "text": text,
-                "index": index,
-                "finish_reason": reason,
-                "logprobs": extra.pop("logprobs", None),
-                **extra,
-            }
-        ]
-        return _sse(c)
+    def chunk(
+        index: int,
+        text: str,
+        reason: str | None,
+        *,
+        logprobs: Logprobs | None = None,
+        prompt_truncated_tokens: int | None = None,
+    ) -> bytes:
+        choice = ChunkChoice(
+            text=text,
+            index=index,
+            finish_reason=reason,
+            logprobs=logprobs,
+            prompt_truncated_tokens=prompt_truncated_tokens,
+        )
+        return _sse(_chunk(st, cid, [choice]))
 
     # echo with logprobs: a choice's prompt goes out with its log-probabilities, after its prefill
     scored = job.req.echo and job.req.logprobs is not None
@@ -190,10 +205,7 @@ async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
                 elif text or lp:
                     yield chunk(i, text, None, logprobs=lp)
         if job.req.stream_options is not None and job.req.stream_options.include_usage:
-            c = _base(st, cid)
-            c["choices"] = []
-            c["usage"] = answer.usage()
-            yield _sse(c)
+            yield _sse(_chunk(st, cid, [], usage=answer.usage()))
         yield b"data: [DONE]\n\n"
         finished = True
     finally:
@@ -204,17 +216,16 @@ async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
         _finish(st, answer, info)
 
 
-def _sse(obj) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
+def _sse(answer: BaseModel) -> bytes:
+    return b"data: " + answer.model_dump_json().encode() + b"\n\n"
 
 
-def _base(st: ServeState, cid: str) -> dict:
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": st.model_id,
-    }
+def _chunk(
+    st: ServeState, cid: str, choices: list[ChunkChoice], *, usage: Usage | None = None
+) -> CompletionChunk:
+    return CompletionChunk(
+        id=cid, created=int(time.time()), model=st.model_id, choices=choices, usage=usage
+    )
 
 
 def _warnings(job: Job) -> list[str]:

@@ -176,6 +176,17 @@ class _Server(uvicorn.Server):
         yield
 
 
+def check_default_max_tokens(max_new_tokens: int, limit: int) -> None:
+    """A request without max_tokens gets inference.max_new_tokens: it must be within the server's
+    limit, else every such request would be refused."""
+    if max_new_tokens > limit:
+        raise DistlmError(
+            f"inference.max_new_tokens: {max_new_tokens}, the default max_tokens of a request, is "
+            f"above serve.max_tokens ({limit}), the most a request may ask for: lower it or "
+            "raise serve.max_tokens"
+        )
+
+
 def read_token(scfg: dict) -> str | None:
     """The bearer token from serve.token_env and/or serve.token_file; None when neither is set."""
     tokens = []
@@ -226,6 +237,7 @@ class Supervisor:
         start_timeout_s: float,
     ) -> None:
         self.cfg, self.scfg, self.icfg = cfg, cfg["serve"], cfg["inference"]
+        check_default_max_tokens(self.icfg["max_new_tokens"], self.scfg["max_tokens"])
         self.launch, self.engine_args = launch, engine_args
         self.model_dir = model_dir
         self.start_timeout_s = start_timeout_s

@@ -50,6 +50,7 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
                 stats.items += len(items)
+            stats.cache_bytes = model.cached_bytes()
             seen = (*msg.stats, stats.brief())
             if last:
                 ring.send(Tokens(tuple(out or ()), seen))
