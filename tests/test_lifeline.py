@@ -136,7 +136,7 @@ def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
     cfg = validate_config(
         {
             "runtime": {"timeout_s": 60},
-            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "transfer": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
             "train": {
                 "max_steps": 100000,
                 "micro_batch_size": 4,

@@ -69,11 +69,11 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "model.init.n_positions": ({"model": {"init": {"n_positions": 96}}}, ALL_FROM_MODEL),
     "model.init.dropout": ({"model": {"init": {"dropout": 0.1}}}, ALL_FROM_MODEL),
     "model.init.seed": ({"model": {"init": {"seed": 1}}}, ALL_FROM_MODEL),
-    "broadcast.transport": ({"broadcast": {"transport": "uccl"}}, BROADCAST | TRAIN | REPORT),
+    "transfer.transport": ({"transfer": {"transport": "uccl"}}, BROADCAST | TRAIN | REPORT),
+    "transfer.bucket_mb": ({"transfer": {"bucket_mb": 0.5}}, BROADCAST | TRAIN | REPORT),
+    "transfer.chunk_mb": ({"transfer": {"chunk_mb": 0.125}}, BROADCAST | TRAIN | REPORT),
+    "transfer.timeout_s": ({"transfer": {"timeout_s": 30}}, BROADCAST | TRAIN | REPORT),
     "broadcast.receivers": ({"broadcast": {"receivers": 1}}, BROADCAST | REPORT),
-    "broadcast.bucket_mb": ({"broadcast": {"bucket_mb": 0.5}}, BROADCAST | TRAIN | REPORT),
-    "broadcast.chunk_mb": ({"broadcast": {"chunk_mb": 0.125}}, BROADCAST | TRAIN | REPORT),
-    "broadcast.timeout_s": ({"broadcast": {"timeout_s": 30}}, BROADCAST | TRAIN | REPORT),
     **{
         f"train.{k}": ({"train": {k: v}}, TRAIN | REPORT)
         for k, v in {
@@ -121,7 +121,6 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "inference.stages": ({"inference": {"stages": 2}}, {"shard[trained]"} | INFER | REPORT),
     "inference.prompts": ({"inference": {"prompts": "tests/configs/tiny.yaml"}}, INFER | REPORT),
     "inference.max_new_tokens": ({"inference": {"max_new_tokens": 4}}, INFER | REPORT),
-    "inference.greedy": ({"inference": {"greedy": True}}, INFER | REPORT),  # config.yaml: false
     "inference.temperature": ({"inference": {"temperature": 0.31}}, INFER | REPORT),
     "inference.top_k": ({"inference": {"top_k": 5}}, INFER | REPORT),
     "inference.top_p": ({"inference": {"top_p": 0.5}}, INFER | REPORT),
@@ -134,6 +133,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
 for _k, _v in {
     "host": "0.0.0.0",
     "port": 8123,
+    "stages": 2,
     "token_env": "MY_TOKEN",
     "token_file": "token.txt",
     "max_tokens": 64,

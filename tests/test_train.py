@@ -53,7 +53,7 @@ def train_cfg(**train) -> dict:
     cfg = validate_config(
         {
             "runtime": {"timeout_s": 60},
-            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "transfer": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
             "train": base,
         }
     )

@@ -210,7 +210,7 @@ def distlm_run(
     from distlm.config import validate_config
 
     icfg = validate_config(
-        {"inference": {"stages": stages, "max_new_tokens": n, "greedy": True, "timeout_s": 120}}
+        {"inference": {"stages": stages, "max_new_tokens": n, "temperature": 0.0, "timeout_s": 120}}
     )["inference"]
     spec = work / f"spec-{stages}.json"
     out = work / f"out-{stages}.json"

@@ -27,7 +27,7 @@ def run_broadcast_stage(
     """World = 1 sender + `broadcast.receivers`. Rank 0 writes the report (atomically) after
     every receiver has verified its buckets; returns it on rank 0, None elsewhere."""
     bcfg = cfg["broadcast"]
-    opts = TransferOptions.from_config(bcfg, device=topo.device)
+    opts = TransferOptions.from_config(cfg["transfer"], device=topo.device)
     model_dir = Path(model_dir)
     tensors, meta = None, {}
     if topo.is_main:

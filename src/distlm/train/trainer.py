@@ -447,7 +447,7 @@ class Trainer:
             return
         from distlm.transfer import TransferOptions, broadcast_state_dict
 
-        b = self.cfg["broadcast"]
+        b = self.cfg["transfer"]
         tensors = weights_of(self.model)
         opts = TransferOptions.from_config(b)
         t0 = time.perf_counter()

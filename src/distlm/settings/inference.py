@@ -1,0 +1,149 @@
+"""`inference` (the pipeline-parallel generator of the batch stage and of serve, with the
+sampling defaults), `SamplingSettings` (how one sequence picks its tokens) and `serve` (the API
+server in front of the pipeline)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from distlm.settings.base import MaxNewTokens, Real, Section, Seed, Temperature, TopK, TopP
+
+
+class SamplingSettings(Section):
+    """How one sequence picks its tokens: the one definition of the sampling ranges, used by the
+    batch stage (from `inference`) and by every API request."""
+
+    max_new_tokens: MaxNewTokens = 32
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    seed: Seed = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class InferenceSettings(Section):
+    stages: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Pipeline stages = MPI ranks = shards; at most the model's layers.",
+    )
+    prompts: str = Field(
+        "config/prompts.txt",
+        description="Prompt file of the batch stage: UTF-8, one prompt per non-blank line.",
+    )
+    max_new_tokens: MaxNewTokens = Field(
+        32, description="New tokens per prompt in the batch stage (fewer at end-of-text)."
+    )
+    temperature: Temperature = Field(
+        0.0,
+        description=(
+            "Logits are divided by it before sampling; 0 = greedy (argmax, token-identical to "
+            "Hugging Face generate). In serve mode the default of a request."
+        ),
+    )
+    top_k: TopK = Field(
+        0,
+        description="Keep the k most likely tokens before sampling; 0 = all. Serve: the default.",
+    )
+    top_p: TopP = Field(
+        1.0,
+        description=(
+            "Keep the smallest set of tokens holding this much probability; 1 = all. Serve: the "
+            "default."
+        ),
+    )
+    seed: Seed = Field(
+        0,
+        description="Sampling seed; prompt i of the batch stage uses seed + i. Serve: the default.",
+    )
+    lanes: int = Field(16, ge=1, description="Sequences in flight at once (KV-cache rows).")
+    prompt_overflow: Literal["truncate", "reject"] = Field(
+        "truncate",
+        description=(
+            "A prompt longer than context - max_new_tokens: truncate keeps its last tokens, "
+            "reject is an error."
+        ),
+    )
+    timeout_s: Real = Field(
+        120,
+        gt=0,
+        description="Stage 0 waits this long for tokens, other stages twice this; then abort.",
+    )
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        """The sampling keys as one SamplingSettings (the serve stage's request defaults)."""
+        return SamplingSettings(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+        )
+
+
+EnvName = Annotated[str, StringConstraints(pattern="^[A-Za-z_][A-Za-z0-9_]*$")]
+FilePath = Annotated[str, StringConstraints(min_length=1)]
+
+
+class ServeSettings(Section):
+    """The API server of rule serve (config/README.md, "Serving"). The bearer token is never a
+    config value: token_env names an environment variable, token_file a file that holds it."""
+
+    host: str = Field("127.0.0.1", description="Bind address; loopback only unless changed.")
+    port: int = Field(8000, ge=0, le=65535, description="Port (--port overrides it for one run).")
+    stages: int = Field(
+        1,
+        ge=1,
+        description="pipeline stages the serve stage shards the trained model into",
+    )
+    token_env: EnvName | None = Field(
+        None, description="Name of an environment variable holding the bearer token."
+    )
+    token_file: FilePath | None = Field(
+        None, description="Path of a file holding the bearer token."
+    )
+    max_tokens: int = Field(
+        256, ge=1, description="Largest max_tokens a request may ask for (400 above it)."
+    )
+    max_request_bytes: int = Field(
+        65536, ge=256, description="Larger request bodies get 413 (counted as read)."
+    )
+    max_header_bytes: int = Field(16384, ge=1024, description="A larger request head gets 400.")
+    max_json_depth: int = Field(
+        32, ge=2, le=1000, description="Deeper nesting of JSON arrays and objects gets 400."
+    )
+    max_number_digits: int = Field(
+        64, ge=1, le=4300, description="A JSON number with more characters gets 400."
+    )
+    max_connections: int = Field(10000, ge=1, description="Concurrent connections; more get 503.")
+    max_queued_sequences: int = Field(
+        64,
+        ge=0,
+        description="Sequences that may wait for a lane; a request that does not fit gets 429.",
+    )
+    backlog: int = Field(2048, ge=1, description="Listen backlog.")
+    header_timeout_s: Real = Field(
+        10, gt=0, description="A request head must arrive within this; else 408."
+    )
+    body_timeout_s: Real = Field(
+        30, gt=0, description="The body must arrive within this once the head is in; else 408."
+    )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, description="An idle keep-alive connection is closed after this."
+    )
+    linger_s: Real = Field(
+        5, gt=0, description="Lingering close after an early error: read and discard this long."
+    )
+    linger_bytes: int = Field(
+        134217728, ge=0, description="Lingering close: discard at most this many bytes."
+    )
+    request_timeout_s: Real = Field(
+        600, gt=0, description="A completion not finished within this gets 504 and is cancelled."
+    )
