@@ -34,7 +34,6 @@ from distlm.inference.requests import CompletionRequest, json_depth, parse_json
 from distlm.inference.ring import Pick
 from distlm.inference.sampler import Sampler
 from distlm.inference.sampling import (
-    MAX_SEED,
     SamplingError,
     SamplingParams,
     make_params,
@@ -42,6 +41,8 @@ from distlm.inference.sampling import (
 )
 from distlm.inference.scheduler import Sequence
 from distlm.inference.stats import StageBrief, StageInfo
+from distlm.inference.validate import sampling_settings
+from distlm.settings import MAX_SEED, SamplingSettings
 
 tiny_models = test_inference.tiny_models
 hf_reference = test_inference.hf_reference
@@ -135,19 +136,27 @@ def test_request_model_mirrors_openai():
 
 
 def test_sampling_is_bounded():
-    assert make_params(max_new_tokens=4, temperature=1e-40, context=64).greedy
-    assert make_params(max_new_tokens=4, temperature=5e-324, context=64).greedy
-    assert make_params(max_new_tokens=4, top_k=10**30, vocab_size=400, context=64).top_k == 0
-    assert make_params(max_new_tokens=4, top_k=50, vocab_size=400, context=64).top_k == 50
-    assert make_params(max_new_tokens=4, seed=MAX_SEED, context=64).seed == MAX_SEED
+    def params(**kw):
+        sampling = {k: kw.pop(k) for k in list(kw) if k in SamplingSettings.model_fields}
+        return make_params(SamplingSettings(max_new_tokens=4, **sampling), context=64, **kw)
+
+    assert params(temperature=1e-40).greedy
+    assert params(temperature=5e-324).greedy
+    assert params(top_k=10**30, vocab_size=400).top_k == 0
+    assert params(top_k=50, vocab_size=400).top_k == 50
+    assert params(seed=MAX_SEED).seed == MAX_SEED
     for kw, msg in [
         ({"seed": MAX_SEED + 1}, "seed: must be in 0..2"),
         ({"seed": -1}, "seed"),
+    ]:
+        with pytest.raises(RequestError, match=msg):
+            sampling_settings(kw, defaults=SamplingSettings())
+    for kw, msg in [
         ({"logprobs": 21}, "logprobs: must be in 0..20"),
         ({"logprobs": -1}, "logprobs"),
     ]:
         with pytest.raises(RequestError, match=msg):
-            make_params(max_new_tokens=4, context=64, **kw)
+            params(**kw)
     logits = torch.tensor([0.0, 3.0, 1.0])
     huge = SamplingParams(4, temperature=1e300, seed=1)
     assert 0 <= pick_token(logits, huge, torch.Generator().manual_seed(1)) < 3
@@ -388,6 +397,8 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     _check_prompt(seen[only.id], ids[0], ref[0])
     assert [len(g.tokens) for g in group] == [5, 5] and seen[group[0].id] == seen[group[1].id]
     _check_prompt(seen[group[1].id], ids[1], ref[1])
-    with pytest.raises(RequestError, match="max_new_tokens: must be at least 1 .0 only with echo"):
-        make_params(max_new_tokens=0, context=64)
-    assert make_params(max_new_tokens=0, echo=True, context=64).max_new_tokens == 0
+    # echo with max_tokens 0 (the prompt alone) is set after validation, which refuses 0
+    with pytest.raises(RequestError, match="max_new_tokens: must be >= 1, got 0"):
+        sampling_settings({"max_new_tokens": 0}, defaults=SamplingSettings())
+    only = SamplingSettings().model_copy(update={"max_new_tokens": 0})
+    assert make_params(only, context=64).max_new_tokens == 0

@@ -689,17 +689,18 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
     from distlm import DistlmError
     from distlm.config import validate_config
     from distlm.inference.supervisor import Supervisor, read_token
+    from distlm.settings import InferenceSettings, ServeSettings
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        cfg = validate_config({"serve": {"port": port}})
         with pytest.raises(
             DistlmError,
             match=rf"cannot listen on 127.0.0.1:{port} "
             r"\(serve.host/port\)",
         ):
             Supervisor(
-                cfg,
+                ServeSettings(port=port),
+                InferenceSettings(),
                 launch=["true"],
                 engine_args=[],
                 model_dir=tmp_path,
@@ -707,23 +708,26 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
                 port=port,
                 start_timeout_s=1,
             )
-    base = validate_config({})["serve"]
+    base = ServeSettings()
     assert read_token(base) is None
     monkeypatch.delenv("DISTLM_NO_SUCH_VAR", raising=False)
     with pytest.raises(
         DistlmError, match="serve.token_env: environment variable DISTLM_NO_SUCH_VAR is not set"
     ):
-        read_token({**base, "token_env": "DISTLM_NO_SUCH_VAR"})
+        read_token(base.model_copy(update={"token_env": "DISTLM_NO_SUCH_VAR"}))
     f = tmp_path / "token"
     f.write_text("s3cret\n")
     monkeypatch.setenv("DISTLM_T", "s3cret")
-    assert read_token({**base, "token_file": str(f)}) == "s3cret"
-    assert read_token({**base, "token_file": str(f), "token_env": "DISTLM_T"}) == "s3cret"
+    assert read_token(base.model_copy(update={"token_file": str(f)})) == "s3cret"
+    assert (
+        read_token(base.model_copy(update={"token_file": str(f), "token_env": "DISTLM_T"}))
+        == "s3cret"
+    )
     monkeypatch.setenv("DISTLM_T", "other")
     with pytest.raises(DistlmError, match="hold different tokens"):
-        read_token({**base, "token_file": str(f), "token_env": "DISTLM_T"})
+        read_token(base.model_copy(update={"token_file": str(f), "token_env": "DISTLM_T"}))
     with pytest.raises(DistlmError, match="serve.token_file: cannot read"):
-        read_token({**base, "token_file": str(tmp_path / "missing")})
+        read_token(base.model_copy(update={"token_file": str(tmp_path / "missing")}))
     # the schema refuses a plain token value
     from distlm.config import ConfigError
 

@@ -152,9 +152,10 @@ def worker(spec_path: str, out_path: str) -> None:
     from distlm.inference.batch import generate_batch
     from distlm.inference.bootstrap import mpi_pipeline, run_workers
     from distlm.inference.scheduler import Scheduler
+    from distlm.settings import InferenceSettings
 
     spec = json.loads(Path(spec_path).read_text())
-    icfg = spec["inference"]
+    icfg = InferenceSettings.model_validate(spec["inference"])
     with mpi_pipeline(icfg, spec["model"]) as pipe:
         if not run_workers(pipe):
             return
@@ -168,11 +169,13 @@ def worker(spec_path: str, out_path: str) -> None:
                     lanes=lanes,
                     eos_token_id=None,  # no EOS stop
                     context=pipe.context,
-                    timeout_s=icfg["timeout_s"],
+                    timeout_s=icfg.timeout_s,
                     stats=pipe.stats,
                 )
                 pipe.stats.reset()
-                _, t = generate_batch(pipe, spec["prompts"], {**icfg, "lanes": lanes})
+                _, t = generate_batch(
+                    pipe, spec["prompts"], icfg.model_copy(update={"lanes": lanes})
+                )
                 keep = ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")
                 return {**{k: t[k] for k in keep}, "ttft_mean_s": t["ttft_s"]["mean"]}
 
@@ -180,9 +183,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
         modes = {"one_at_a_time": pipeline(1), "in_flight": pipeline(len(spec["prompts"]))}
         if spec["hf"]:
-            modes["hf_generate"] = hf_runner(
-                spec["hf_model"], spec["prompts"], icfg["max_new_tokens"]
-            )
+            modes["hf_generate"] = hf_runner(spec["hf_model"], spec["prompts"], icfg.max_new_tokens)
         runs = {name: [] for name in modes}
         for r in range(spec["repeats"] + 1):  # the first round is a warm-up
             for name, run in modes.items():

@@ -10,6 +10,7 @@ import argparse
 from distlm.config import read_resolved
 from distlm.inference.batch import run_batch
 from distlm.log import setup_logging
+from distlm.settings import InferenceSettings, RuntimeSettings
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument(
@@ -24,8 +25,8 @@ args = parser.parse_args()
 setup_logging()
 cfg = read_resolved(args.config)
 run_batch(
-    cfg["inference"],
-    device=cfg["runtime"]["device"],
+    InferenceSettings.model_validate(cfg["inference"]),
+    device=RuntimeSettings.model_validate(cfg["runtime"]).device,
     model_dir=args.model,
     prompts_path=args.prompts,
     generations_path=args.generations,

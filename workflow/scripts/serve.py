@@ -14,6 +14,7 @@ import sys
 
 from distlm.config import read_resolved
 from distlm.log import setup_logging
+from distlm.settings import InferenceSettings, RuntimeSettings, ServeSettings
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--config", required=True, help="resolved config (results/config/serve.json)")
@@ -32,14 +33,15 @@ parser.add_argument("--events", help="engine: the API server's event socket")
 parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
 args = parser.parse_args()
 cfg = read_resolved(args.config)
+inference = InferenceSettings.model_validate(cfg["inference"])
 
 if args.engine:
     from distlm.inference.engine import run_engine
 
     setup_logging()
     run_engine(
-        cfg["inference"],
-        device=cfg["runtime"]["device"],
+        inference,
+        device=RuntimeSettings.model_validate(cfg["runtime"]).device,
         model_dir=args.model,
         requests=args.requests,
         events=args.events,
@@ -54,7 +56,8 @@ from distlm.inference.supervisor import run_api_server
 
 sys.exit(
     run_api_server(
-        cfg,
+        ServeSettings.model_validate(cfg["serve"]),
+        inference,
         launcher=args.launcher,
         script=__file__,
         config=args.config,

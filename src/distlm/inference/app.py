@@ -108,7 +108,7 @@ def build_app(st: ServeState) -> FastAPI:
         if why is not None:
             raise ApiError(503, f"the pipeline is unavailable: {why}")
         raw = await read_body(
-            request, limit=st.scfg["max_request_bytes"], timeout_s=st.scfg["body_timeout_s"]
+            request, limit=st.serve.max_request_bytes, timeout_s=st.serve.body_timeout_s
         )
         try:
             job = prepare_completion(st, raw)

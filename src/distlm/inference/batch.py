@@ -16,9 +16,10 @@ from distlm import DistlmError
 from distlm.inference.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.prompts import RequestError, read_prompts
 from distlm.inference.scheduler import Sequence, run_stage0
-from distlm.inference.validate import prepare_request
+from distlm.inference.validate import prepare_request, sampling_settings
 from distlm.io import atomic_path, write_json
 from distlm.log import get_logger
+from distlm.settings import InferenceSettings
 
 log = get_logger(__name__)
 
@@ -32,26 +33,21 @@ def batch_error(e: RequestError, *, source: str, prompt: int) -> DistlmError:
 
 
 def generate_batch(
-    pipe: Pipeline, prompts: list[str], icfg: dict, *, source: str = "prompts"
+    pipe: Pipeline, prompts: list[str], settings: InferenceSettings, *, source: str = "prompts"
 ) -> tuple[list[dict], dict]:
     """Stage 0: run every prompt through the pipeline; (generation records, timing summary)."""
     sched, tok = pipe.scheduler, pipe.tokenizer
     seqs, dropped = [], []
     for i, text in enumerate(prompts):
-        sampling = {
-            "max_new_tokens": icfg["max_new_tokens"],
-            "temperature": 0.0 if icfg["greedy"] else icfg["temperature"],
-            "top_k": icfg["top_k"],
-            "top_p": icfg["top_p"],
-            "seed": icfg["seed"] + i,  # each prompt its own seed
-        }
         try:
+            # each prompt its own seed: seed + i
+            sampling = sampling_settings({"seed": settings.seed + i}, defaults=settings.sampling)
             req = prepare_request(
                 [text],
                 sampling,
                 tokenizer=tok,
                 context=pipe.context,
-                overflow=icfg["prompt_overflow"],
+                overflow=settings.prompt_overflow,
             )
         except RequestError as e:
             raise batch_error(e, source=source, prompt=i) from None
@@ -86,7 +82,7 @@ def generate_batch(
     total = sum(len(s.tokens) for s in seqs)
     timing = {
         "stages": pipe.topo.stages,
-        "lanes": icfg["lanes"],
+        "lanes": settings.lanes,
         "micro_batch_size": sched.cap,
         "prompts": len(seqs),
         "tokens": total,
@@ -102,14 +98,20 @@ def generate_batch(
 
 
 def run_batch(
-    icfg: dict, *, model_dir, prompts_path, generations_path, timing_path, device: str = "cpu"
+    settings: InferenceSettings,
+    *,
+    model_dir,
+    prompts_path,
+    generations_path,
+    timing_path,
+    device: str = "cpu",
 ) -> None:
     """The inference stage: every rank calls this; stage 0 writes the generations and the timing."""
-    with mpi_pipeline(icfg, model_dir, device=device) as pipe:
+    with mpi_pipeline(settings, model_dir, device=device) as pipe:
         if not run_workers(pipe):
             return
         prompts = read_prompts(prompts_path)
-        records, timing = generate_batch(pipe, prompts, icfg, source=str(prompts_path))
+        records, timing = generate_batch(pipe, prompts, settings, source=str(prompts_path))
         timing["per_stage"] = pipe.scheduler.stop()
         timing["hosts"] = [i.to_dict() for i in pipe.infos]
         timing["model"] = str(model_dir)

@@ -38,6 +38,7 @@ from distlm.inference.stage import StageModel, load_stage
 from distlm.inference.stats import StageInfo, StageStats
 from distlm.inference.worker import worker_loop
 from distlm.log import get_logger
+from distlm.settings import InferenceSettings
 
 log = get_logger(__name__)
 
@@ -86,7 +87,11 @@ def set_threads(local_size: int, *, reserve: int = 0) -> int:
 
 @contextlib.contextmanager
 def mpi_pipeline(
-    icfg: dict, model_dir: str | Path, *, device: str = "cpu", serve: bool = False
+    settings: InferenceSettings,
+    model_dir: str | Path,
+    *,
+    device: str = "cpu",
+    serve: bool = False,
 ) -> Iterator[Pipeline]:
     """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever.
 
@@ -113,7 +118,7 @@ def mpi_pipeline(
         )
         # Stage 0 gives up first (its engine tells the API server, which answers 503); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
-        wait_s = icfg["timeout_s"] * (1 if topo.is_first else 2)
+        wait_s = settings.timeout_s * (1 if topo.is_first else 2)
         ring = Ring(comm, topo, timeout_s=wait_s, stats=stats) if topo.stages > 1 else None
         pipe = Pipeline(topo, model, ring, stats)
         if topo.is_first:
@@ -126,10 +131,10 @@ def mpi_pipeline(
                 model,
                 ring,
                 topo,
-                lanes=icfg["lanes"],
+                lanes=settings.lanes,
                 eos_token_id=pipe.eos_token_id,
                 context=pipe.context,
-                timeout_s=icfg["timeout_s"],
+                timeout_s=settings.timeout_s,
                 stats=stats,
             )
             pipe.infos = pipe.scheduler.hello()

@@ -44,10 +44,10 @@ from distlm.inference.messages import (
     encode_batch,
 )
 from distlm.inference.ring import Pick, PipelineError
-from distlm.inference.sampling import MAX_SEED
 from distlm.inference.scheduler import Sequence, run_stage0
 from distlm.io import pid_alive
 from distlm.log import get_logger
+from distlm.settings import MAX_SEED, InferenceSettings
 
 log = get_logger(__name__)
 
@@ -103,10 +103,17 @@ class Channel:
 class Engine:
     """Stage 0's loop: admit requests, step the scheduler, stream tokens back."""
 
-    def __init__(self, pipe: Pipeline, icfg: dict, channel: Channel, *, api_pid: int | None):
+    def __init__(
+        self,
+        pipe: Pipeline,
+        settings: InferenceSettings,
+        channel: Channel,
+        *,
+        api_pid: int | None,
+    ):
         self.pipe = pipe
         self.sched = pipe.scheduler
-        self.icfg = icfg
+        self.settings = settings
         self.ch = channel
         self.api_pid = api_pid
         self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences
@@ -121,7 +128,7 @@ class Engine:
             context=self.pipe.context,
             vocab_size=len(tok),
             eos_token_id=self.pipe.eos_token_id,
-            lanes=self.icfg["lanes"],
+            lanes=self.settings.lanes,
             stages=self.pipe.topo.stages,
             pipeline=self.pipe.infos,
         )
@@ -133,7 +140,7 @@ class Engine:
         self.ch.send(self.ready())
         self.ch.flush()
         self._checked = self._health_at = time.monotonic()
-        heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
+        heartbeat_s = min(1.0, self.settings.timeout_s / 4)
 
         def idle() -> None:
             self.sched.heartbeat(heartbeat_s)
@@ -148,7 +155,7 @@ class Engine:
                 idle=idle,
             )
             log.info("stopping (%s): %d sequences still open", self.stopping, len(self.where))
-            self.sched.drain(self.icfg["timeout_s"])  # the micro-batches in the ring come home
+            self.sched.drain(self.settings.timeout_s)  # the micro-batches in the ring come home
         except PipelineError as e:
             self._failed(str(e))
             raise
@@ -274,7 +281,7 @@ class Engine:
 
 
 def run_engine(
-    icfg: dict,
+    settings: InferenceSettings,
     *,
     model_dir: str | Path,
     device: str,
@@ -283,13 +290,13 @@ def run_engine(
     api_pid: int | None,
 ) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
-    with mpi_pipeline(icfg, model_dir, device=device, serve=True) as pipe:
+    with mpi_pipeline(settings, model_dir, device=device, serve=True) as pipe:
         if not pipe.topo.is_first:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not run_workers(pipe):
             return
         with Channel(requests, events) as ch:
-            Engine(pipe, icfg, ch, api_pid=api_pid).run()
+            Engine(pipe, settings, ch, api_pid=api_pid).run()
             stats = pipe.scheduler.stop()
         log.info("engine stopped; per-stage time: %s", json.dumps(stats))

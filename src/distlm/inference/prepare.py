@@ -21,7 +21,7 @@ from distlm.inference.requests import (
 )
 from distlm.inference.sampling import SamplingParams
 from distlm.inference.state import ServeState
-from distlm.inference.validate import HTTP_NAMES, prepare_request
+from distlm.inference.validate import HTTP_NAMES, prepare_request, sampling_settings
 
 
 @dataclass
@@ -37,8 +37,8 @@ class Job:
 
 
 def prepare_completion(st: ServeState, raw: bytes) -> Job:
-    scfg, icfg, ready = st.scfg, st.icfg, st.engine.ready
-    body = parse_json(raw, max_depth=scfg["max_json_depth"], max_digits=scfg["max_number_digits"])
+    serve, inference, ready = st.serve, st.inference, st.engine.ready
+    body = parse_json(raw, max_depth=serve.max_json_depth, max_digits=serve.max_number_digits)
     if not isinstance(body, dict):
         raise RequestError("request body: expected a JSON object")
     for k, neutral in _REFUSED.items():
@@ -54,7 +54,7 @@ def prepare_completion(st: ServeState, raw: bytes) -> Job:
     if req.n < 1:
         raise RequestError(f"n: must be at least 1, got {req.n}", param="n")
     sequences = len(prompts) * req.n
-    most = icfg["lanes"] + scfg["max_queued_sequences"]
+    most = inference.lanes + serve.max_queued_sequences
     if sequences > most:
         raise RequestError(
             f"n: {len(prompts)} prompts x n = {req.n} is {sequences} sequences, at most {most} "
@@ -66,27 +66,28 @@ def prepare_completion(st: ServeState, raw: bytes) -> Job:
         raise RequestError("stop: at most 4 non-empty strings", param="stop")
     # echo with logprobs: the prompt tokens' log-probabilities too (max_tokens 0: those alone)
     score_prompt = req.echo and req.logprobs is not None
-
-    def opt(value, default):
-        return default if value is None else value
-
-    sampling = {
-        # a request without max_tokens gets the configured inference.max_new_tokens
-        "max_new_tokens": opt(req.max_tokens, icfg["max_new_tokens"]),
-        "temperature": opt(req.temperature, 0.0 if icfg["greedy"] else icfg["temperature"]),
-        "top_k": opt(req.top_k, icfg["top_k"]),
-        "top_p": opt(req.top_p, icfg["top_p"]),
-        "seed": opt(req.seed, icfg["seed"]),
-        "logprobs": req.logprobs,
-        "prompt_logprobs": req.logprobs if score_prompt else None,
-    }
+    prompt_only = req.echo and req.max_tokens == 0  # echo: the prompt alone, no new token
     # a prompt cut to fit the context would be scored as another text: refuse that instead
     overflow = (
         "a prompt scored with echo and logprobs is never truncated"
         if score_prompt
-        else icfg["prompt_overflow"]
+        else inference.prompt_overflow
     )
     try:
+        # what the request leaves out comes from the inference section (inference.sampling):
+        # a request without max_tokens gets inference.max_new_tokens
+        sampling = sampling_settings(
+            {
+                "max_new_tokens": None if prompt_only else req.max_tokens,
+                "temperature": req.temperature,
+                "top_k": req.top_k,
+                "top_p": req.top_p,
+                "seed": req.seed,
+            },
+            defaults=inference.sampling,
+        )
+        if prompt_only:
+            sampling = sampling.model_copy(update={"max_new_tokens": 0})
         got = prepare_request(
             prompts,
             sampling,
@@ -94,8 +95,9 @@ def prepare_completion(st: ServeState, raw: bytes) -> Job:
             context=ready.context,
             overflow=overflow,
             vocab_size=ready.vocab_size,
-            max_allowed=scfg["max_tokens"],
-            echo=req.echo,
+            max_allowed=serve.max_tokens,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if score_prompt else None,
         )
     except RequestError as e:
         raise http_error(e, prompts=len(prompts)) from None
@@ -108,4 +110,7 @@ def http_error(e: RequestError, *, prompts: int = 1) -> RequestError:
     if param is None:
         return e
     where = f"{param}[{e.index}]" if param == "prompt" and prompts > 1 else param
-    return RequestError(e.named(where), param=param, status=e.status)
+    message = e.named(where)
+    if param == "max_tokens" and e.detail.startswith("must be >= 1"):
+        message += " (at least 1; 0 only with echo: the prompt alone)"
+    return RequestError(message, param=param, status=e.status)

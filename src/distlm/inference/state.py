@@ -6,14 +6,15 @@ from dataclasses import dataclass
 
 from distlm.inference.client import EngineClient
 from distlm.inference.metrics import Metrics
+from distlm.settings import InferenceSettings, ServeSettings
 
 
 @dataclass
 class ServeState:
     """What the routes need: settings, the tokenizer, the engine client, the metrics."""
 
-    scfg: dict
-    icfg: dict
+    serve: ServeSettings
+    inference: InferenceSettings
     model_id: str
     tokenizer: object
     engine: EngineClient

@@ -29,14 +29,14 @@ log = get_logger(__name__)
 
 
 async def run_completion(st: ServeState, request: Request, job: Job):
-    engine, scfg = st.engine, st.scfg
+    engine, serve = st.engine, st.serve
     sequences = len(job.ids) * job.req.n
-    room = st.icfg["lanes"] + scfg["max_queued_sequences"] - engine.outstanding
+    room = st.inference.lanes + serve.max_queued_sequences - engine.outstanding
     if sequences > room:
         raise ApiError(
             429,
             f"the queue is full ({engine.outstanding} sequences open, at most "
-            f"{st.icfg['lanes'] + scfg['max_queued_sequences']}: inference.lanes + "
+            f"{st.inference.lanes + serve.max_queued_sequences}: inference.lanes + "
             "serve.max_queued_sequences); retry later",
             headers={"Retry-After": "1"},
         )
@@ -46,7 +46,7 @@ async def run_completion(st: ServeState, request: Request, job: Job):
     answer = Answer(st, job, rid, t0)
     info = request.scope.setdefault("distlm", {})
     info["rid"] = rid
-    deadline = time.monotonic() + scfg["request_timeout_s"]
+    deadline = time.monotonic() + serve.request_timeout_s
     if job.req.stream:
         return StreamingResponse(
             _stream(st, answer, queue, deadline, info),

@@ -46,6 +46,7 @@ from distlm.inference.client import EngineClient
 from distlm.inference.metrics import Metrics
 from distlm.inference.state import ServeState
 from distlm.log import get_logger
+from distlm.settings import InferenceSettings, ServeSettings
 
 log = get_logger(__name__)
 
@@ -187,23 +188,23 @@ def check_default_max_tokens(max_new_tokens: int, limit: int) -> None:
         )
 
 
-def read_token(scfg: dict) -> str | None:
+def read_token(serve: ServeSettings) -> str | None:
     """The bearer token from serve.token_env and/or serve.token_file; None when neither is set."""
     tokens = []
-    if scfg["token_env"]:
-        value = os.environ.get(scfg["token_env"], "")
+    if serve.token_env:
+        value = os.environ.get(serve.token_env, "")
         if not value.strip():
             raise DistlmError(
-                f"serve.token_env: environment variable {scfg['token_env']} is not set or empty"
+                f"serve.token_env: environment variable {serve.token_env} is not set or empty"
             )
         tokens.append(value.strip())
-    if scfg["token_file"]:
+    if serve.token_file:
         try:
-            value = Path(scfg["token_file"]).read_text(encoding="utf-8").strip()
+            value = Path(serve.token_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise DistlmError(f"serve.token_file: cannot read {scfg['token_file']} ({e})") from None
+            raise DistlmError(f"serve.token_file: cannot read {serve.token_file} ({e})") from None
         if not value:
-            raise DistlmError(f"serve.token_file: {scfg['token_file']} is empty")
+            raise DistlmError(f"serve.token_file: {serve.token_file} is empty")
         tokens.append(value)
     if len(set(tokens)) > 1:
         raise DistlmError("serve.token_env and serve.token_file hold different tokens")
@@ -227,7 +228,8 @@ class Supervisor:
 
     def __init__(
         self,
-        cfg: dict,
+        serve: ServeSettings,
+        inference: InferenceSettings,
         *,
         launch: list[str],
         engine_args: list[str],
@@ -236,22 +238,22 @@ class Supervisor:
         port: int,
         start_timeout_s: float,
     ) -> None:
-        self.cfg, self.scfg, self.icfg = cfg, cfg["serve"], cfg["inference"]
-        check_default_max_tokens(self.icfg["max_new_tokens"], self.scfg["max_tokens"])
+        self.serve, self.inference = serve, inference
+        check_default_max_tokens(inference.max_new_tokens, serve.max_tokens)
         self.launch, self.engine_args = launch, engine_args
         self.model_dir = model_dir
         self.start_timeout_s = start_timeout_s
-        self.stop_timeout_s = 2 * self.icfg["timeout_s"] + 30
-        self.token = read_token(self.scfg)
+        self.stop_timeout_s = 2 * self.inference.timeout_s + 30
+        self.token = read_token(serve)
         before, now = raise_nofile()
         log.info(
             "open-file limit %d (was %d); serve.max_connections %d",
             now,
             before,
-            self.scfg["max_connections"],
+            self.serve.max_connections,
         )
         try:
-            self.sock = socket.create_server((host, port), backlog=self.scfg["backlog"])
+            self.sock = socket.create_server((host, port), backlog=self.serve.backlog)
         except OSError as e:
             raise DistlmError(
                 f"serve: cannot listen on {host}:{port} (serve.host/port): {e}"
@@ -277,17 +279,17 @@ class Supervisor:
         engine = EngineClient(f"ipc://{tmp}/requests", f"ipc://{tmp}/events", metrics)
         engine.start()
         st = ServeState(
-            self.scfg,
-            self.icfg,
+            self.serve,
+            self.inference,
             model_id=self.model_dir.resolve().name,
             tokenizer=load_tokenizer(self.model_dir),
             engine=engine,
             metrics=metrics,
             token=self.token,
         )
-        GuardedH11Protocol.header_timeout_s = self.scfg["header_timeout_s"]
-        GuardedH11Protocol.linger_s = self.scfg["linger_s"]
-        GuardedH11Protocol.linger_bytes = self.scfg["linger_bytes"]
+        GuardedH11Protocol.header_timeout_s = self.serve.header_timeout_s
+        GuardedH11Protocol.linger_s = self.serve.linger_s
+        GuardedH11Protocol.linger_bytes = self.serve.linger_bytes
         config = uvicorn.Config(
             AccessLog(build_app(st), metrics),
             http=GuardedH11Protocol,
@@ -295,10 +297,10 @@ class Supervisor:
             access_log=False,
             log_config=None,
             server_header=False,
-            limit_concurrency=self.scfg["max_connections"],
-            timeout_keep_alive=self.scfg["keep_alive_timeout_s"],
-            h11_max_incomplete_event_size=self.scfg["max_header_bytes"],
-            backlog=self.scfg["backlog"],
+            limit_concurrency=self.serve.max_connections,
+            timeout_keep_alive=self.serve.keep_alive_timeout_s,
+            h11_max_incomplete_event_size=self.serve.max_header_bytes,
+            backlog=self.serve.backlog,
         )
         _setup_server_logs()
         server = _Server(config)
@@ -373,7 +375,7 @@ class Supervisor:
             engine.ready.lanes,
             *self.address,
         )
-        silent_s = max(10.0, self.icfg["timeout_s"])
+        silent_s = max(10.0, self.inference.timeout_s)
         while not self.stop_reason:
             rc = child.poll()
             if rc is not None:
@@ -438,7 +440,8 @@ class Supervisor:
 
 
 def run_api_server(
-    cfg: dict,
+    serve: ServeSettings,
+    inference: InferenceSettings,
     *,
     launcher: str,
     script: str | Path,
@@ -454,9 +457,9 @@ def run_api_server(
         raise DistlmError(
             "serve: --launcher is empty (the serve rule passes the profile's `mpi` resource)"
         )
-    scfg = cfg["serve"]
     sup = Supervisor(
-        cfg,
+        serve,
+        inference,
         launch=launch,
         engine_args=[
             sys.executable,
@@ -468,8 +471,8 @@ def run_api_server(
             str(model_dir),
         ],
         model_dir=Path(model_dir),
-        host=scfg["host"] if host is None else host,
-        port=scfg["port"] if port is None else port,
+        host=serve.host if host is None else host,
+        port=serve.port if port is None else port,
         start_timeout_s=start_timeout_s,
     )
     return sup.run()
