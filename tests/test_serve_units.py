@@ -96,6 +96,24 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
         encode(("work", 1))
 
 
+def test_ring_messages_carry_a_version_and_refuse_another():
+    """Ring messages travel as (RING_VERSION, message): another version, a bare message or a
+    type that is not a ring message stops the stage with an error naming both stages."""
+    import pickle
+
+    from distlm.inference.ring import RING_VERSION, Hello, PipelineError, Work, open_envelope
+
+    work = Work((), None, release=(3,))
+    got = open_envelope(pickle.loads(pickle.dumps((RING_VERSION, work))), rank=1, prev=0)
+    assert got == work
+    with pytest.raises(PipelineError, match="stage 1: from stage 0: ring message version 0"):
+        open_envelope((0, work), rank=1, prev=0)
+    with pytest.raises(PipelineError, match="Hello is not a .version, message. pair"):
+        open_envelope(Hello(()), rank=1, prev=0)
+    with pytest.raises(PipelineError, match="dict is not a ring message"):
+        open_envelope((RING_VERSION, {"slots": ()}), rank=1, prev=0)
+
+
 def test_json_guards():
     assert json_depth(b'{"a": [1, {"b": []}]}') == 4
     assert json_depth(b'{"a": "[[[[{{{{", "b": "\\"[["}') == 1  # brackets in strings

@@ -141,19 +141,7 @@ class Ring:
         return self._open(got)
 
     def _open(self, got) -> RingMessage:
-        """The message inside a (version, message) pair; PipelineError for anything else."""
-        where = f"stage {self.topo.rank}: from stage {self.topo.prev}"
-        if not (isinstance(got, tuple) and len(got) == 2):
-            raise PipelineError(f"{where}: {type(got).__name__} is not a (version, message) pair")
-        version, msg = got
-        if version != RING_VERSION:
-            raise PipelineError(
-                f"{where}: ring message version {version!r}, this stage speaks {RING_VERSION} "
-                "(ranks started from different distlm installs?)"
-            )
-        if type(msg) not in RING_KINDS:
-            raise PipelineError(f"{where}: {type(msg).__name__} is not a ring message")
-        return msg
+        return open_envelope(got, rank=self.topo.rank, prev=self.topo.prev)
 
     def recv(self) -> RingMessage:
         """The next message from the previous stage, waiting at most timeout_s."""
@@ -254,6 +242,23 @@ class Tokens:
 
 RingMessage = Hello | Stop | Work | Tokens
 RING_KINDS = (Hello, Stop, Work, Tokens)
+
+
+def open_envelope(got, *, rank: int, prev: int) -> RingMessage:
+    """The message inside a (RING_VERSION, message) pair from stage `prev`; PipelineError for
+    another version or anything that is not a ring message."""
+    where = f"stage {rank}: from stage {prev}"
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise PipelineError(f"{where}: {type(got).__name__} is not a (version, message) pair")
+    version, msg = got
+    if version != RING_VERSION:
+        raise PipelineError(
+            f"{where}: ring message version {version!r}, this stage speaks {RING_VERSION} "
+            "(ranks started from different distlm installs?)"
+        )
+    if type(msg) not in RING_KINDS:
+        raise PipelineError(f"{where}: {type(msg).__name__} is not a ring message")
+    return msg
 
 
 def stage_info(model: StageModel) -> StageInfo:
