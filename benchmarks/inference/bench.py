@@ -193,7 +193,7 @@ def worker(spec_path: str, out_path: str) -> None:
         results = {name: max(rs, key=lambda x: x["tokens_per_s"]) for name, rs in runs.items()}
         for name, rs in runs.items():
             results[name]["all_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
-        results["per_stage"] = pipe.scheduler.stop()
+        results["per_stage"] = pipe.stage0.stop()
         Path(out_path).write_text(json.dumps(results))
 
 

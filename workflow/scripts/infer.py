@@ -12,7 +12,7 @@ from distlm.inference.batch import run_batch
 from distlm.log import setup_logging
 from distlm.settings import InferenceSettings, RuntimeSettings
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument(
     "--config", required=True, help="resolved config (results/config/inference.json)"
 )

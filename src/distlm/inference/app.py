@@ -11,6 +11,7 @@ The process around this (job supervision, uvicorn, signals) is `distlm.inference
 from __future__ import annotations
 
 import hmac
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -73,11 +74,13 @@ def build_app(st: ServeState) -> FastAPI:
     async def health(request: Request):
         why = st.unavailable()
         if why is not None:
-            status = {"starting": "starting", "stopping": "stopping"}.get(st.state, "unavailable")
+            status: Literal["starting", "stopping", "unavailable"] = "unavailable"
+            if st.state == "starting" or st.state == "stopping":
+                status = st.state
             return _json(Health(status=status, error=why), status=503)
         doc = Health(status="ok", model=st.model_id)
-        if _authorized(st, request):  # hosts and pids only with the token
-            r, h = st.engine.ready, st.engine.health
+        r, h = st.engine.ready, st.engine.health
+        if r is not None and _authorized(st, request):  # hosts and pids only with the token
             doc = doc.model_copy(
                 update={
                     "stages": r.stages,

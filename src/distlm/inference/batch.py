@@ -36,7 +36,7 @@ def generate_batch(
     pipe: Pipeline, prompts: list[str], settings: InferenceSettings, *, source: str = "prompts"
 ) -> tuple[list[dict], dict]:
     """Stage 0: run every prompt through the pipeline; (generation records, timing summary)."""
-    sched, tok = pipe.scheduler, pipe.tokenizer
+    sched, tok = pipe.stage0, pipe.tokenizer
     seqs, dropped = [], []
     for i, text in enumerate(prompts):
         try:
@@ -112,7 +112,7 @@ def run_batch(
             return
         prompts = read_prompts(prompts_path)
         records, timing = generate_batch(pipe, prompts, settings, source=str(prompts_path))
-        timing["per_stage"] = pipe.scheduler.stop()
+        timing["per_stage"] = pipe.stage0.stop()
         timing["hosts"] = [i.to_dict() for i in pipe.infos]
         timing["model"] = str(model_dir)
         with atomic_path(generations_path) as tmp, open(tmp, "w", encoding="utf-8") as f:

@@ -28,11 +28,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from distlm import DistlmError
-from distlm.inference.ring import PipelineTopology, Ring
+from distlm.inference.ring import PipelineError, PipelineTopology, Ring
 from distlm.inference.scheduler import Scheduler
 from distlm.inference.stage import StageModel, load_stage
 from distlm.inference.stats import StageInfo, StageStats
@@ -52,10 +53,17 @@ class Pipeline:
     ring: Ring | None
     stats: StageStats
     scheduler: Scheduler | None = None
-    tokenizer: object = None
+    tokenizer: Any = None  # a transformers tokenizer
     context: int = 0
     eos_token_id: int | None = None
     infos: list[StageInfo] = field(default_factory=list)
+
+    @property
+    def stage0(self) -> Scheduler:
+        """Stage 0's scheduler (the other stages have none)."""
+        if self.scheduler is None:
+            raise PipelineError(f"stage {self.topo.rank}: only stage 0 has a scheduler")
+        return self.scheduler
 
 
 def host_ranks(comm) -> tuple[int, int, bool]:
@@ -154,7 +162,7 @@ def mpi_pipeline(
             log.error("stage %d failed: %s", topo.rank, e)
         else:
             log.exception("stage %d failed", topo.rank)
-        for h in log.handlers + log.parent.handlers:
+        for h in log.handlers + (log.parent.handlers if log.parent else []):
             h.flush()
         comm.Abort(1)
 
@@ -163,5 +171,7 @@ def run_workers(pipe: Pipeline) -> bool:
     """Stages 1..S-1 serve until stage 0 stops them; True when this rank is stage 0."""
     if pipe.topo.is_first:
         return True
+    if pipe.ring is None:  # a later stage exists only in a ring of two or more
+        raise PipelineError(f"stage {pipe.topo.rank}: no ring")
     worker_loop(pipe.model, pipe.ring, pipe.stats)
     return False

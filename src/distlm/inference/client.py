@@ -26,6 +26,7 @@ from distlm.inference.messages import (
     encode,
 )
 from distlm.inference.metrics import Metrics
+from distlm.inference.sampling import SamplingParams
 from distlm.log import get_logger
 
 log = get_logger(__name__)
@@ -116,7 +117,7 @@ class EngineClient:
                 ).inc()
                 if not self.open_seqs[msg.rid]:
                     del self.open_seqs[msg.rid]
-            q = self.queues.get(msg.rid)
+            q = self.queues.get(msg.rid) if msg.rid is not None else None
             if q is not None:
                 q.put_nowait(msg)
         else:
@@ -146,7 +147,9 @@ class EngineClient:
         except zmq.ZMQError as e:
             log.error("engine channel: sending %s failed: %s", type(msg).__name__, e)
 
-    def submit(self, prompts: list[list[int]], n: int, params: dict) -> tuple[int, asyncio.Queue]:
+    def submit(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> tuple[int, asyncio.Queue]:
         self._rid += 1
         rid = self._rid
         q: asyncio.Queue = asyncio.Queue()

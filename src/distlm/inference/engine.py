@@ -112,7 +112,7 @@ class Engine:
         api_pid: int | None,
     ):
         self.pipe = pipe
-        self.sched = pipe.scheduler
+        self.sched = pipe.stage0
         self.settings = settings
         self.ch = channel
         self.api_pid = api_pid
@@ -258,6 +258,8 @@ class Engine:
 
     def _prompt(self, seq: Sequence, pick: Pick) -> None:
         rid, index = self.where[seq.id]
+        if pick.prompt is None:  # the scheduler calls this only for a pick that carries it
+            return
         self.ch.send(
             Prompt(
                 rid=rid,
@@ -272,9 +274,8 @@ class Engine:
         if seq.finish_reason == "error":
             self.ch.send(Error(rid=rid, index=index, status=500, message=seq.error or "failed"))
         else:
-            self.ch.send(
-                Finish(rid=rid, index=index, reason=seq.finish_reason, tokens=len(seq.tokens))
-            )
+            reason = seq.finish_reason or "stop"  # set before on_done runs
+            self.ch.send(Finish(rid=rid, index=index, reason=reason, tokens=len(seq.tokens)))
         seqs = self.requests.get(rid, [])
         if all(s.finish_reason is not None for s in seqs):
             self.requests.pop(rid, None)
@@ -298,5 +299,5 @@ def run_engine(
             return
         with Channel(requests, events) as ch:
             Engine(pipe, settings, ch, api_pid=api_pid).run()
-            stats = pipe.scheduler.stop()
+            stats = pipe.stage0.stop()
         log.info("engine stopped; per-stage time: %s", json.dumps(stats))

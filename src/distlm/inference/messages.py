@@ -173,13 +173,19 @@ def _fields(msg: Message) -> list:
     return [kind, _ADAPTERS[kind].dump_python(msg)]
 
 
+def _pack(frame: list) -> bytes:
+    out = msgpack.packb(frame)
+    assert out is not None  # None only with autoreset=False, which packb does not use
+    return out
+
+
 def encode(msg: Message) -> bytes:
-    return msgpack.packb([VERSION, *_fields(msg)])
+    return _pack([VERSION, *_fields(msg)])
 
 
 def encode_batch(msgs: list[Message]) -> bytes:
     """Several messages in one frame, in order (decode_all reads it)."""
-    return msgpack.packb([VERSION, "batch", [_fields(m) for m in msgs]])
+    return _pack([VERSION, "batch", [_fields(m) for m in msgs]])
 
 
 def _unpack(frame: bytes) -> tuple[str, object]:

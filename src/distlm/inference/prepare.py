@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from distlm.inference.errors import ApiError
 from distlm.inference.prompts import RequestError
 from distlm.inference.requests import (
     _REFUSED,
@@ -38,6 +39,8 @@ class Job:
 
 def prepare_completion(st: ServeState, raw: bytes) -> Job:
     serve, inference, ready = st.serve, st.inference, st.engine.ready
+    if ready is None:  # the route answers 503 while the pipeline starts; never reached then
+        raise ApiError(503, "the pipeline is unavailable: the pipeline is starting")
     body = parse_json(raw, max_depth=serve.max_json_depth, max_digits=serve.max_number_digits)
     if not isinstance(body, dict):
         raise RequestError("request body: expected a JSON object")

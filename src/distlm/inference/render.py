@@ -47,10 +47,11 @@ class Answer:
     def prompt_index(self, index: int) -> int:
         return index // self.n
 
-    def event(self, msg) -> list[int]:
+    def event(self, msg: Prompt | Token | Finish | Error) -> list[int]:
         """Take one engine event; the choices it changed. Raises ApiError for a pipeline failure."""
-        if isinstance(msg, Error) and msg.rid is None:
+        if isinstance(msg, Error) and (msg.rid is None or msg.index is None):
             raise ApiError(503, f"the pipeline is unavailable: {msg.message}")
+        assert msg.index is not None  # an Error with a rid names its choice (messages.Error)
         c = self.choices[msg.index]
         now = time.perf_counter()
         m = self.st.metrics

@@ -59,13 +59,14 @@ class CompletionRequest(BaseModel):
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
 
-    def prompts(self) -> list[str] | list[list[int]]:
+    def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string, or a list of token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if self.prompt and all(isinstance(t, int) for t in self.prompt):
-            return [list(self.prompt)]
-        return list(self.prompt)
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [[t for t in p if isinstance(t, int)]]
+        return [x for x in p if isinstance(x, (str, list))]
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from distlm.inference.ring import Pick, Slot
+from distlm.inference.ring import Pick, PipelineError, Slot
 from distlm.inference.sampling import (
     SamplingParams,
     new_generator,
@@ -77,11 +77,13 @@ def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) 
     picks = []
     for i, sl in enumerate(slots):
         if sl.item.pos == 0:
+            if sl.params is None:  # stage 0 sends them with every prefill (scheduler._slots)
+                raise PipelineError(f"sequence {sl.item.seq}: a prefill without its parameters")
             sampler.start(sl.item.lane, sl.params)
             for f in sl.forks:
                 sampler.start(f.lane, f.params)
         prompt = None
-        if sl.prompt is not None:
+        if sl.prompt is not None and sl.params is not None:
             prompt = prompt_logprobs(
                 rest[i].cpu(), list(sl.prompt[1:]), sl.params.prompt_logprobs or 0
             )

@@ -215,16 +215,20 @@ class Scheduler:
         if self.ring is None:
             return list(infos)
         self.ring.send(Hello(infos))
-        return list(self._expect(Hello).infos)
+        msg = self.ring.recv()
+        if not isinstance(msg, Hello):
+            raise PipelineError(f"stage 0: expected Hello back, got {type(msg).__name__}")
+        return list(msg.infos)
 
     def stop(self) -> list[dict]:
         """End the workers; each adds its StageStats on the way round (as dicts, for timing.json)."""
-        if self.ring is None:
+        ring = self.ring
+        if ring is None:
             return [self.stats.to_dict()]
-        self.ring.send(Stop((replace(self.stats),)))
-        msg = self.ring.recv()
+        ring.send(Stop((replace(self.stats),)))
+        msg = ring.recv()
         while isinstance(msg, Tokens):  # a heartbeat still on its way
-            msg = self.ring.recv()
+            msg = ring.recv()
         if not isinstance(msg, Stop):
             raise PipelineError(f"stage 0: expected Stop back, got {type(msg).__name__}")
         return [s.to_dict() for s in msg.stats]
@@ -239,12 +243,6 @@ class Scheduler:
                 if time.monotonic() > deadline:
                     raise PipelineError("stage 0: the ring did not drain while stopping")
                 backoff.pause()
-
-    def _expect(self, kind: type):
-        msg = self.ring.recv()
-        if not isinstance(msg, kind):
-            raise PipelineError(f"stage 0: expected {kind.__name__}, got {type(msg).__name__}")
-        return msg
 
     def fail_all(self, reason: str) -> list[Sequence]:
         """The pipeline is gone: every sequence not yet finished ends with `reason` (finish
@@ -297,10 +295,12 @@ class Scheduler:
         t0 = time.perf_counter()
         slots = _slots(items, batch)
         x = torch.tensor(ids, dtype=torch.long)
+        picks: list[Pick] = []
+        hidden: torch.Tensor | None = None
         if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
-            out = last_stage(self.model, self.sampler, slots, x)
+            picks = last_stage(self.model, self.sampler, slots, x)
         else:
-            out = self.model(items, x)
+            hidden = self.model(items, x)
         fork_caches(self.model, slots)
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.micro_batches += 1
@@ -309,12 +309,14 @@ class Scheduler:
         for s in batch:
             s.forks = []
         if self.ring is None:
-            self._picks(out)
+            self._picks(picks)
             self.progress_at = time.monotonic()
         else:
-            self._send_work(slots, out)
+            self._send_work(slots, hidden)
 
-    def _send_work(self, slots: tuple[Slot, ...], out) -> None:
+    def _send_work(self, slots: tuple[Slot, ...], out: torch.Tensor | None) -> None:
+        if self.ring is None:
+            raise PipelineError("stage 0: a one-stage pipeline sends nothing")
         payload = to_wire(out) if out is not None else None
         if self.inflight == 0:
             self.progress_at = time.monotonic()

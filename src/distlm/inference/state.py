@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from distlm.inference.client import EngineClient
 from distlm.inference.metrics import Metrics
@@ -16,7 +17,7 @@ class ServeState:
     serve: ServeSettings
     inference: InferenceSettings
     model_id: str
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     engine: EngineClient
     metrics: Metrics
     token: str | None = None

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import h11
 import uvicorn
@@ -114,12 +115,17 @@ class GuardedH11Protocol(H11Protocol):
     linger_bytes = 128 << 20
 
     def connection_made(self, transport) -> None:
-        super().connection_made(_LingeringTransport(transport, self))
+        # uvicorn sees the wrapper as its transport (it forwards what it does not override)
+        super().connection_made(cast(asyncio.Transport, _LingeringTransport(transport, self)))
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
+    @property
+    def _lingering(self) -> _LingeringTransport:
+        return cast(_LingeringTransport, self.transport)
+
     def data_received(self, data: bytes) -> None:
-        if self.transport.lingering:  # after the answer: read and discard, bounded
-            self.transport.discard(data)
+        if self._lingering.lingering:  # after the answer: read and discard, bounded
+            self._lingering.discard(data)
             return
         super().data_received(data)
         waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
@@ -130,13 +136,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
-        if self.transport.lingering:
-            self.transport.shut()
+        if self._lingering.lingering:
+            self._lingering.shut()
         super().connection_lost(exc)
 
     def _cancel_header_timer(self) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            self._header_timer.cancel()
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
         self._header_timer = None
 
     def _header_timeout(self) -> None:
@@ -341,7 +348,7 @@ class Supervisor:
         self.stop_reason = "the server is shutting down"
 
     async def _supervise(self, st: ServeState) -> int:
-        engine, child = st.engine, self.child
+        engine, child = st.engine, self._job()
         deadline = time.monotonic() + self.start_timeout_s
         while engine.ready is None:
             if self.stop_reason:
@@ -411,24 +418,32 @@ class Supervisor:
         log.error("%s; answering 503", reason)
         return rc or 1
 
+    def _job(self) -> subprocess.Popen:
+        """The MPI job's launcher process (started by _main before anything waits on it)."""
+        if self.child is None:
+            raise DistlmError("serve: the pipeline job was not started")
+        return self.child
+
     async def _wait_child(self, timeout_s: float) -> int:
+        child = self._job()
         deadline = time.monotonic() + timeout_s
-        while self.child.poll() is None:
+        while child.poll() is None:
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.child.args, timeout_s)
+                raise subprocess.TimeoutExpired(child.args, timeout_s)
             await asyncio.sleep(_POLL_S)
-        return self.child.returncode
+        return child.returncode
 
     async def _kill_job(self) -> int:
         """End the job through its launcher (SIGTERM: mpiexec and srun end every rank); then
         SIGKILL to its process group."""
+        child = self._job()
         with contextlib.suppress(ProcessLookupError):
-            self.child.terminate()
+            child.terminate()
         try:
             return await self._wait_child(10)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.child.pid, signal.SIGKILL)
+                os.killpg(child.pid, signal.SIGKILL)
             return await self._wait_child(10)
 
     async def _wait_answered(self, engine: EngineClient) -> None:

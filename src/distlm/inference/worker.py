@@ -10,8 +10,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import torch
+
 from distlm.inference.ring import (
     Hello,
+    Pick,
     PipelineError,
     Ring,
     Stop,
@@ -40,12 +43,18 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
             return
         elif isinstance(msg, Work):
             release_lanes(model, sampler if last else None, msg.release)
-            out = None
+            picks: list[Pick] = []
+            hidden: torch.Tensor | None = None
             if msg.slots:
+                if msg.payload is None:
+                    raise PipelineError(f"stage {ring.topo.rank}: a micro-batch without its input")
                 items = [sl.item for sl in msg.slots]
                 t0 = time.perf_counter()
                 x = from_wire(msg.payload)
-                out = last_stage(model, sampler, msg.slots, x) if last else model(items, x)
+                if last:
+                    picks = last_stage(model, sampler, msg.slots, x)
+                else:
+                    hidden = model(items, x)
                 fork_caches(model, msg.slots)
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
@@ -53,9 +62,9 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
             stats.cache_bytes = model.cached_bytes()
             seen = (*msg.stats, stats.brief())
             if last:
-                ring.send(Tokens(tuple(out or ()), seen))
+                ring.send(Tokens(tuple(picks), seen))
             else:
-                wire = to_wire(out) if out is not None else None
+                wire = to_wire(hidden) if hidden is not None else None
                 ring.send(Work(msg.slots, wire, seen, msg.release), wire[1].nbytes if wire else 0)
         else:
             raise PipelineError(f"stage {ring.topo.rank}: unexpected {type(msg).__name__}")
