@@ -40,6 +40,10 @@ def test_shipped_configs_are_valid(name):
             "inference.stages: 5 pipeline stages but the model has only 4",
         ),
         (
+            {"serve": {"stages": 5}},
+            "serve.stages: 5 pipeline stages but the model has only 4",
+        ),
+        (
             {"data": {"block_size": 512}},
             "data.block_size: 512 is beyond the model's context of 256",
         ),

@@ -8,6 +8,7 @@ time), so it stays within a couple of minutes.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, snakemake_cmd
 
 from distlm.stages import rerun_table, reruns, schema_keys
 
@@ -133,7 +134,6 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
 for _k, _v in {
     "host": "0.0.0.0",
     "port": 8123,
-    "stages": 2,
     "token_env": "MY_TOKEN",
     "token_file": "token.txt",
     "max_tokens": 64,
@@ -150,6 +150,7 @@ for _k, _v in {
     "linger_s": 2,
     "linger_bytes": 1024,
     "request_timeout_s": 60,
+    "stages": 2,  # its own shards (rule serve_shard), outside rule all
 }.items():
     MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)  # serve is not in rule all
 
@@ -248,3 +249,25 @@ def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, tmp_path
     ):
         got = planned(workflow_run, {}, tmp_path, f"forcerun-{rule}", "--forcerun", rule)
         assert got == want, (rule, sorted(got))
+
+
+def test_serve_has_shards_of_its_own(workflow_run, tmp_path):
+    """serve.stages cuts the trained model into serve's own shards (rule serve_shard): it never
+    re-cuts batch inference's, and inference.stages never re-cuts serve's."""
+    assert planned(workflow_run, {}, tmp_path, "serve-first", "serve_shard") == {"serve_shard"}
+    proc = subprocess.run(
+        snakemake_cmd(workflow_run, "serve_shard"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    manifest = json.loads(
+        (workflow_run / "results/serve/pipeline/shards/manifest.json").read_text()
+    )
+    assert manifest["stages"] == 1  # serve.stages' default, apart from inference.stages: 3
+    assert planned(workflow_run, {}, tmp_path, "serve-done", "serve_shard") == set()
+    other = {"inference": {"stages": 1}}
+    assert planned(workflow_run, other, tmp_path, "serve-inf", "serve_shard") == set()
+    edit = {"serve": {"stages": 2}}
+    assert planned(workflow_run, edit, tmp_path, "serve-edit", "serve_shard") == {"serve_shard"}

@@ -689,7 +689,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
     from distlm import DistlmError
     from distlm.config import validate_config
     from distlm.inference.supervisor import Supervisor, read_token
-    from distlm.settings import InferenceSettings, ServeSettings
+    from distlm.settings import EngineSettings, ServeSettings
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -700,7 +700,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
         ):
             Supervisor(
                 ServeSettings(port=port),
-                InferenceSettings(),
+                EngineSettings(),
                 launch=["true"],
                 engine_args=[],
                 model_dir=tmp_path,

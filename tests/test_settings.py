@@ -134,3 +134,51 @@ def test_schema_is_in_memory_not_read_from_the_checkout(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert settings_schema()["properties"]["train"]["properties"]["keep_last"]["minimum"] == 1
     assert validate_config({})["train"]["keep_last"] == 2
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
+    """Every leaf key of a model, dotted, with its FieldInfo."""
+    out: dict[str, object] = {}
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(_leaves(ann, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = f
+    return out
+
+
+def test_stage_config_types_are_the_declared_keys():
+    """Each stage's document type holds exactly the keys distlm.stages declares for it, each with
+    Settings' own field (type, range, default): the two cannot drift."""
+    from distlm.settings.stage import STAGE_CONFIGS
+    from distlm.stages import STAGES, schema_keys
+
+    assert set(STAGE_CONFIGS) == set(STAGES)
+    every = _leaves(Settings)
+    assert list(every) == schema_keys(settings_schema())
+    for stage, cls in STAGE_CONFIGS.items():
+        mine = {k: f for k, f in _leaves(cls).items() if k != "digest"}
+        declared = [k for k in every if STAGES[stage].covers(k)]
+        assert sorted(mine) == sorted(declared), stage
+        for k, f in mine.items():
+            assert repr(f) == repr(every[k]), (stage, k)
+
+
+def test_stage_config_document_round_trip(tmp_path):
+    from distlm.documents import DocumentError, read_document
+    from distlm.io import digest
+    from distlm.settings.stage import EvalConfig, TrainConfig, write_stage_config
+    from distlm.stages import stage_config
+
+    cfg = validate_config(yaml.safe_load(TINY.read_text()))
+    params = stage_config(cfg, "train")
+    path = tmp_path / "train.json"
+    assert write_stage_config("train", params, path) == digest(params)
+    doc = read_document(path, TrainConfig)
+    assert doc.params() == params and doc.digest == digest(params)
+    assert doc.train.max_steps == cfg["train"]["max_steps"]
+    with pytest.raises(DocumentError, match="distlm-config-train"):
+        read_document(path, EvalConfig)
+    with pytest.raises(ValidationError, match="train.lr"):
+        TrainConfig.of({**params, "train": {**params["train"], "lr": -1}})

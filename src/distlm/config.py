@@ -15,16 +15,28 @@ from pathlib import Path
 
 import yaml
 
-from distlm.io import digest, read_json, write_json
+from distlm.io import read_json
 from distlm.settings import ConfigError, Settings
 from distlm.settings.validate import validate
 
-__all__ = ["ConfigError", "deep_merge", "load_config", "load_settings", "validate_config"]
+__all__ = [
+    "ConfigError",
+    "deep_merge",
+    "load_config",
+    "load_settings",
+    "validate_config",
+    "validate_settings",
+]
 
 
 def validate_config(config: Mapping | None, *, source: str = "config") -> dict:
     """Return a validated copy of `config` with defaults filled in, or raise ConfigError."""
     return validate(config, source=source)[0]
+
+
+def validate_settings(config: Mapping | None, *, source: str = "config") -> Settings:
+    """The typed settings of a config mapping (defaults filled), or ConfigError."""
+    return validate(config, source=source)[1]
 
 
 def _read(path: str | os.PathLike, overrides: Mapping | None) -> tuple[dict, str]:
@@ -65,14 +77,16 @@ def deep_merge(base: Mapping, over: Mapping) -> dict:
     return out
 
 
-def write_resolved(part: Mapping, path: str | os.PathLike) -> str:
-    """Write the config keys a multi-process stage reads (distlm.stages.stage_config) with their
-    digest, for every rank to read; return the digest."""
-    part = copy.deepcopy(dict(part))
-    part["_digest"] = digest(part)
-    write_json(path, part)
-    return part["_digest"]
-
-
 def read_resolved(path: str | os.PathLike) -> dict:
-    return read_json(path, what="resolved config")
+    """The keys of a stage config document (results/config/<stage>.json) as a nested mapping:
+    for the entry points not yet on typed settings (workflow/scripts/infer.py, serve.py). Read a
+    stage's typed document with `read_document(path, <Stage>Config)` instead."""
+    from distlm.documents import DocumentError
+    from distlm.settings.stage import STAGE_CONFIGS, read_stage_config
+
+    obj = read_json(path, what="stage config")
+    tag = obj.get("format") if isinstance(obj, dict) else None
+    for stage, cls in STAGE_CONFIGS.items():
+        if tag == cls.tag():
+            return read_stage_config(path, stage).params()
+    raise DocumentError(f"{path}: {tag!r} is not a stage config document")

@@ -175,17 +175,26 @@ STAGES: dict[str, Stage] = {
         Stage(
             "serve",
             "serve",
-            "serve",  # writes nothing: the foreground API server of `snakemake serve`
+            "serve",  # writes nothing but its shards: the foreground API server of `snakemake serve`
             keys=(
                 "runtime.device",
-                "inference.stages",
                 "inference.max_new_tokens",
                 *_SAMPLING,
                 "serve",
             ),
             outputs={},
-            consumes=("shard[trained]",),
+            consumes=("serve_shard",),
             summary="the pipeline behind an OpenAI-compatible API server (not in rule all)",
+        ),
+        Stage(
+            "serve_shard",
+            "serve_shard",
+            "serve",
+            # its own shards: serve's best stage count (1 on one machine) is not batch inference's
+            keys=("serve.stages",),
+            outputs=_outputs(pipeline=("pipeline", True)),
+            consumes=("train",),
+            summary="the trained model -> one shard per serve stage (serve.stages; not in rule all)",
         ),
         Stage(
             "report",

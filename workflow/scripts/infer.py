@@ -7,10 +7,10 @@
 
 import argparse
 
-from distlm.config import read_resolved
+from distlm.documents import read_document
 from distlm.inference.batch import run_batch
 from distlm.log import setup_logging
-from distlm.settings import InferenceSettings, RuntimeSettings
+from distlm.settings.stage import InferenceConfig
 
 parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument(
@@ -23,10 +23,10 @@ parser.add_argument("--timing", required=True, help="output timing JSON")
 args = parser.parse_args()
 
 setup_logging()
-cfg = read_resolved(args.config)
+cfg = read_document(args.config, InferenceConfig)
 run_batch(
-    InferenceSettings.model_validate(cfg["inference"]),
-    device=RuntimeSettings.model_validate(cfg["runtime"]).device,
+    cfg.inference,
+    device=cfg.runtime.device,
     model_dir=args.model,
     prompts_path=args.prompts,
     generations_path=args.generations,

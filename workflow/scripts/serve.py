@@ -12,9 +12,9 @@ the engine (distlm.inference.engine).
 import argparse
 import sys
 
-from distlm.config import read_resolved
+from distlm.documents import read_document
 from distlm.log import setup_logging
-from distlm.settings import InferenceSettings, RuntimeSettings, ServeSettings
+from distlm.settings.stage import ServeConfig
 
 parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument("--config", required=True, help="resolved config (results/config/serve.json)")
@@ -32,16 +32,15 @@ parser.add_argument("--requests", help="engine: the API server's request socket"
 parser.add_argument("--events", help="engine: the API server's event socket")
 parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
 args = parser.parse_args()
-cfg = read_resolved(args.config)
-inference = InferenceSettings.model_validate(cfg["inference"])
+cfg = read_document(args.config, ServeConfig)
 
 if args.engine:
     from distlm.inference.engine import run_engine
 
     setup_logging()
     run_engine(
-        inference,
-        device=RuntimeSettings.model_validate(cfg["runtime"]).device,
+        cfg.inference,
+        device=cfg.runtime.device,
         model_dir=args.model,
         requests=args.requests,
         events=args.events,
@@ -56,8 +55,8 @@ from distlm.inference.supervisor import run_api_server
 
 sys.exit(
     run_api_server(
-        ServeSettings.model_validate(cfg["serve"]),
-        inference,
+        cfg.serve,
+        cfg.inference,
         launcher=args.launcher,
         script=__file__,
         config=args.config,

@@ -39,7 +39,7 @@ from distlm.inference.stage import StageModel, load_stage
 from distlm.inference.stats import StageInfo, StageStats
 from distlm.inference.worker import worker_loop
 from distlm.log import get_logger
-from distlm.settings import InferenceSettings
+from distlm.settings import EngineSettings
 
 log = get_logger(__name__)
 
@@ -95,7 +95,7 @@ def set_threads(local_size: int, *, reserve: int = 0) -> int:
 
 @contextlib.contextmanager
 def mpi_pipeline(
-    settings: InferenceSettings,
+    settings: EngineSettings,
     model_dir: str | Path,
     *,
     device: str = "cpu",

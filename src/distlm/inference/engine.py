@@ -47,7 +47,7 @@ from distlm.inference.ring import Pick, PipelineError
 from distlm.inference.scheduler import Sequence, run_stage0
 from distlm.io import pid_alive
 from distlm.log import get_logger
-from distlm.settings import MAX_SEED, InferenceSettings
+from distlm.settings import MAX_SEED, EngineSettings
 
 log = get_logger(__name__)
 
@@ -106,7 +106,7 @@ class Engine:
     def __init__(
         self,
         pipe: Pipeline,
-        settings: InferenceSettings,
+        settings: EngineSettings,
         channel: Channel,
         *,
         api_pid: int | None,
@@ -282,7 +282,7 @@ class Engine:
 
 
 def run_engine(
-    settings: InferenceSettings,
+    settings: EngineSettings,
     *,
     model_dir: str | Path,
     device: str,

@@ -7,7 +7,7 @@ from typing import Any
 
 from distlm.inference.client import EngineClient
 from distlm.inference.metrics import Metrics
-from distlm.settings import InferenceSettings, ServeSettings
+from distlm.settings import EngineSettings, ServeSettings
 
 
 @dataclass
@@ -15,7 +15,7 @@ class ServeState:
     """What the routes need: settings, the tokenizer, the engine client, the metrics."""
 
     serve: ServeSettings
-    inference: InferenceSettings
+    inference: EngineSettings
     model_id: str
     tokenizer: Any  # a transformers tokenizer
     engine: EngineClient

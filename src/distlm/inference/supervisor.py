@@ -47,7 +47,7 @@ from distlm.inference.client import EngineClient
 from distlm.inference.metrics import Metrics
 from distlm.inference.state import ServeState
 from distlm.log import get_logger
-from distlm.settings import InferenceSettings, ServeSettings
+from distlm.settings import EngineSettings, ServeSettings
 
 log = get_logger(__name__)
 
@@ -236,7 +236,7 @@ class Supervisor:
     def __init__(
         self,
         serve: ServeSettings,
-        inference: InferenceSettings,
+        inference: EngineSettings,
         *,
         launch: list[str],
         engine_args: list[str],
@@ -456,7 +456,7 @@ class Supervisor:
 
 def run_api_server(
     serve: ServeSettings,
-    inference: InferenceSettings,
+    inference: EngineSettings,
     *,
     launcher: str,
     script: str | Path,

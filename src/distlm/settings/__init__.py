@@ -22,12 +22,19 @@ from distlm.settings.base import (
 )
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
-from distlm.settings.inference import InferenceSettings, SamplingSettings, ServeSettings
-from distlm.settings.model import ModelSettings
+from distlm.settings.inference import (
+    EngineSettings,
+    InferenceSettings,
+    PipelineSettings,
+    SamplingSettings,
+    ServePipelineSettings,
+    ServeSettings,
+)
+from distlm.settings.model import ModelInitSettings, ModelSettings, ModelSourceSettings
 from distlm.settings.report import ReportSettings
 from distlm.settings.root import MOVED, Settings, known_architecture
-from distlm.settings.runtime import RuntimeSettings
-from distlm.settings.train import TrainSettings
+from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
+from distlm.settings.train import DdpSettings, FaultSettings, ProfileSettings, TrainSettings
 from distlm.settings.transfer import BroadcastSettings, TransferSettings
 
 __all__ = [
@@ -36,15 +43,25 @@ __all__ = [
     "BroadcastSettings",
     "ConfigError",
     "DataSettings",
+    "DdpSettings",
+    "DeviceSettings",
+    "EngineSettings",
     "EvalSettings",
+    "FaultSettings",
     "InferenceSettings",
     "MaxNewTokens",
+    "ModelInitSettings",
     "ModelSettings",
+    "ModelSourceSettings",
+    "PipelineSettings",
+    "ProcessGroupSettings",
+    "ProfileSettings",
     "ReportSettings",
     "RuntimeSettings",
     "SamplingSettings",
     "Section",
     "Seed",
+    "ServePipelineSettings",
     "ServeSettings",
     "Settings",
     "Temperature",

@@ -22,26 +22,26 @@ class EvalSettings(Section):
     """Sliding-window perplexity of the base and the trained model (config/README.md)."""
 
     nproc_per_node: int = Field(
-        2,
+        default=2,
         ge=1,
         description="Ranks torchrun starts per node for each model (windows are split across them).",
     )
     context: int | None = Field(
-        None,
+        default=None,
         ge=2,
         description="Tokens per window; null = the model's n_positions. At most n_positions.",
     )
     stride: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Tokens between window starts; null = context. At most context.",
     )
-    batch_size: int = Field(8, ge=1, description="Windows per forward pass on each rank.")
+    batch_size: int = Field(default=8, ge=1, description="Windows per forward pass on each rank.")
     precision: Precision = Field(
-        "auto", description="Autocast dtype; auto = bf16 (else fp16) on GPUs, fp32 on CPU."
+        default="auto", description="Autocast dtype; auto = bf16 (else fp16) on GPUs, fp32 on CPU."
     )
     splits: list[Literal["validation", "test"]] = Field(
-        ["validation", "test"],
+        default=["validation", "test"],
         min_length=1,
         description="Splits to score.",
         json_schema_extra={"uniqueItems": True},

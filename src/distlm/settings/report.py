@@ -12,7 +12,7 @@ from distlm.settings.eval import unique
 
 class ReportSettings(Section):
     formats: list[Literal["png", "svg"]] = Field(
-        ["png"],
+        default=["png"],
         min_length=1,
         description="Formats of results/report/figures/<name>.<fmt>; summary.html embeds PNG.",
         json_schema_extra={"uniqueItems": True},

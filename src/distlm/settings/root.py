@@ -46,37 +46,41 @@ class Settings(Section):
     """The whole workflow config: one file configures every stage. Unknown keys are rejected,
     defaults are filled in, ranges are checked. config/README.md explains every key."""
 
-    runtime: RuntimeSettings = Field(RuntimeSettings(), description="Where every stage runs.")
-    data: DataSettings = Field(DataSettings(), description="The corpus and its token blocks.")
-    model: ModelSettings = Field(ModelSettings(), description="The base model.")
+    runtime: RuntimeSettings = Field(
+        default=RuntimeSettings(), description="Where every stage runs."
+    )
+    data: DataSettings = Field(
+        default=DataSettings(), description="The corpus and its token blocks."
+    )
+    model: ModelSettings = Field(default=ModelSettings(), description="The base model.")
     transfer: TransferSettings = Field(
-        TransferSettings(),
+        default=TransferSettings(),
         description=(
             "How a model's weights move between ranks: the broadcast stage and training's "
             "initial weights."
         ),
     )
     broadcast: BroadcastSettings = Field(
-        BroadcastSettings(), description="The weight-broadcast stage's world."
+        default=BroadcastSettings(), description="The weight-broadcast stage's world."
     )
-    train: TrainSettings = Field(TrainSettings(), description="Data-parallel training.")
+    train: TrainSettings = Field(default=TrainSettings(), description="Data-parallel training.")
     eval: EvalSettings = Field(
-        EvalSettings(),
+        default=EvalSettings(),
         description="Sliding-window perplexity of the base and the trained model.",
     )
     inference: InferenceSettings = Field(
-        InferenceSettings(),
+        default=InferenceSettings(),
         description="Pipeline-parallel generation and its sampling defaults.",
     )
     serve: ServeSettings = Field(
-        ServeSettings(),
+        default=ServeSettings(),
         description=(
             'The API server of rule serve (config/README.md, "Serving"). The bearer token is '
             "never a config value: token_env names an environment variable, token_file a file "
             "that holds it."
         ),
     )
-    report: ReportSettings = Field(ReportSettings(), description="Figures and the summary.")
+    report: ReportSettings = Field(default=ReportSettings(), description="Figures and the summary.")
 
     @model_validator(mode="before")
     @classmethod
@@ -101,11 +105,12 @@ def consistency_problems(s: Settings) -> list[str]:
     ev = s.eval
     if arch is not None:
         n_layer, n_positions = arch
-        if s.inference.stages > n_layer:
-            problems.append(
-                f"inference.stages: {s.inference.stages} pipeline stages but the model has "
-                f"only {n_layer} layers"
-            )
+        for key, stages in (("inference", s.inference.stages), ("serve", s.serve.stages)):
+            if stages > n_layer:
+                problems.append(
+                    f"{key}.stages: {stages} pipeline stages but the model has only {n_layer} "
+                    "layers"
+                )
         if s.data.block_size > n_positions:
             problems.append(
                 f"data.block_size: {s.data.block_size} is beyond the model's context "

@@ -12,7 +12,7 @@ from distlm.settings.base import Real, Section
 
 class TransferSettings(Section):
     transport: Literal["torch", "uccl"] = Field(
-        "torch",
+        default="torch",
         description=(
             "torch (torch.distributed point-to-point: NCCL on GPUs, gloo on CPU) or uccl (UCCL "
             "P2P engine, uccl==0.1.1: GPU, Python >= 3.12, RDMA NIC or UCCL_P2P_TRANSPORT="
@@ -20,17 +20,17 @@ class TransferSettings(Section):
         ),
     )
     bucket_mb: Real = Field(
-        64,
+        default=64,
         gt=0,
         description="Flat bucket size in MiB; two buckets per rank (double buffering).",
     )
     chunk_mb: Real = Field(
-        4,
+        default=4,
         gt=0,
         description="Relay granularity along the chain in MiB; each chunk carries a checksum.",
     )
     timeout_s: Real = Field(
-        120,
+        default=120,
         gt=0,
         description="Longest wait for one message; then the job fails naming the rank that stopped.",
     )
@@ -38,7 +38,7 @@ class TransferSettings(Section):
 
 class BroadcastSettings(Section):
     receivers: int = Field(
-        2,
+        default=2,
         ge=1,
         le=1024,
         description="Ranks that receive the model in the broadcast stage (world = 1 + receivers).",
