@@ -119,6 +119,7 @@ class Engine:
         self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences
         self.where: dict[int, tuple[int, int]] = {}  # sequence id -> (rid, index)
         self.stopping: str | None = None
+        self._checked = self._health_at = time.monotonic()  # API server looked for, Health sent
 
     def ready(self) -> Ready:
         tok = self.pipe.tokenizer
