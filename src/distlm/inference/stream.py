@@ -4,6 +4,7 @@ server-sent events; a client gone or a deadline passed cancels the request's seq
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -217,7 +218,8 @@ async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
 
 
 def _sse(answer: BaseModel) -> bytes:
-    return b"data: " + answer.model_dump_json().encode() + b"\n\n"
+    # json.dumps, as the events were written before the answers were typed: the same bytes
+    return f"data: {json.dumps(answer.model_dump(mode='json'))}\n\n".encode()
 
 
 def _chunk(
