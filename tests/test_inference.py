@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from distlm import DistlmError
-from distlm.inference.pipeline import (
-    PipelineTopology,
-    Scheduler,
-    Sequence,
-    StageStats,
-)
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
+from distlm.inference.ring import PipelineTopology
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
+from distlm.inference.scheduler import Scheduler, Sequence
 from distlm.inference.stage import Item, load_stage
-from distlm.settings import ModelInitSettings
+from distlm.inference.stats import StageStats
+from distlm.inference.validate import sampling_settings
+from distlm.settings import InferenceSettings, ModelInitSettings, SamplingSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "workflow" / "scripts" / "infer.py"
@@ -113,35 +111,42 @@ def hf_reference(tiny_models):
     return ref
 
 
-def icfg(**over) -> dict:
+def icfg(**over) -> InferenceSettings:
+    """The inference section with `over` (validated as a config file is)."""
     from distlm.config import validate_config
 
-    return validate_config({"inference": over})["inference"]
+    return InferenceSettings.model_validate(validate_config({"inference": over})["inference"])
 
 
 # ----------------------------------------------------------------------------- sampling
 
 
-def test_make_params_rejects_bad_values_naming_the_field():
+def test_sampling_settings_and_make_params_reject_bad_values_naming_the_field():
+    """Ranges are SamplingSettings' (one definition); make_params checks what only the model and
+    the server know (context, serve.max_tokens). Each error is neutral: it names the field."""
+    defaults = SamplingSettings()
     cases = [
-        ({"max_new_tokens": 0}, "max_tokens"),
-        ({"max_new_tokens": -3}, "max_tokens"),
-        ({"max_new_tokens": 64}, "max_tokens: 64 is beyond the model's context"),
-        ({"max_new_tokens": 2.5}, "max_tokens: expected an integer"),
-        ({"max_new_tokens": True}, "max_tokens: expected an integer"),
-        ({"max_new_tokens": 8, "temperature": -0.1}, "temperature: must be >= 0"),
-        ({"max_new_tokens": 8, "top_p": 0.0}, "top_p: must be in (0, 1]"),
-        ({"max_new_tokens": 8, "top_p": 1.5}, "top_p: must be in (0, 1]"),
-        ({"max_new_tokens": 8, "top_k": -1}, "top_k"),
-        ({"max_new_tokens": 8, "seed": -1}, "seed"),
-        ({"max_new_tokens": 8, "temperature": float("nan")}, "temperature: expected a number"),
+        ({"max_new_tokens": 0}, "max_new_tokens: must be >= 1, got 0"),
+        ({"max_new_tokens": -3}, "max_new_tokens: must be >= 1"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens: expected an integer"),
+        ({"max_new_tokens": True}, "max_new_tokens: expected an integer"),
+        ({"temperature": -0.1}, "temperature: must be >= 0"),
+        ({"top_p": 0.0}, "top_p: must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p: must be in (0, 1]"),
+        ({"top_k": -1}, "top_k: must be >= 0"),
+        ({"seed": -1}, "seed: must be in 0..2**63-1"),
+        ({"temperature": float("nan")}, "temperature: must be >= 0"),
     ]
     for kw, msg in cases:
-        with pytest.raises(RequestError, match=re.escape(msg)):
-            make_params(context=64, **kw)
+        with pytest.raises(RequestError, match=re.escape(msg)) as e:
+            sampling_settings(kw, defaults=defaults)
+        assert e.value.param == next(iter(kw))
+    assert sampling_settings({"top_k": None}, defaults=defaults) == defaults  # None: not given
+    with pytest.raises(RequestError, match="max_new_tokens: 64 is beyond the model's context"):
+        make_params(SamplingSettings(max_new_tokens=64), context=64)
     with pytest.raises(RequestError, match="above this server's limit of 10"):
-        make_params(max_new_tokens=11, context=64, max_allowed=10)
-    assert make_params(max_new_tokens=63, context=64).greedy
+        make_params(SamplingSettings(max_new_tokens=11), context=64, max_allowed=10)
+    assert make_params(SamplingSettings(max_new_tokens=63), context=64).greedy
 
 
 def test_pick_token_greedy_topk_topp_and_seed():
@@ -422,7 +427,8 @@ def test_inference_stage_in_workflow(workflow_run):
 
 
 def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_reference):
-    from distlm.inference.pipeline import Pipeline, generate_batch
+    from distlm.inference.batch import generate_batch
+    from distlm.inference.bootstrap import Pipeline
 
     model = load_stage(tiny_models[1], 0, world=1)
     topo, stats = PipelineTopology(0, 1), StageStats(0)

@@ -11,7 +11,7 @@ import test_inference
 import torch
 from test_inference import PROMPTS
 
-from distlm.inference.api import CompletionRequest, escape, json_depth, parse_json
+from distlm.inference.access_log import escape
 from distlm.inference.messages import (
     VERSION,
     Cancel,
@@ -29,15 +29,20 @@ from distlm.inference.messages import (
     encode,
     encode_batch,
 )
-from distlm.inference.pipeline import Pick, Sampler, Sequence
 from distlm.inference.prompts import RequestError
+from distlm.inference.requests import CompletionRequest, json_depth, parse_json
+from distlm.inference.ring import Pick
+from distlm.inference.sampler import Sampler
 from distlm.inference.sampling import (
-    MAX_SEED,
     SamplingError,
     SamplingParams,
     make_params,
     pick_token,
 )
+from distlm.inference.scheduler import Sequence
+from distlm.inference.stats import StageBrief, StageInfo
+from distlm.inference.validate import sampling_settings
+from distlm.settings import MAX_SEED, SamplingSettings
 
 tiny_models = test_inference.tiny_models
 hf_reference = test_inference.hf_reference
@@ -45,7 +50,7 @@ hf_reference = test_inference.hf_reference
 
 def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
     msgs = [
-        Submit(rid=1, prompts=[[1, 2], [3]], n=2, params={"max_new_tokens": 4, "seed": MAX_SEED}),
+        Submit(rid=1, prompts=[[1, 2], [3]], n=2, params=SamplingParams(4, seed=MAX_SEED)),
         Cancel(rid=1),
         Cancel(rid=1, index=3),
         Shutdown(),
@@ -57,13 +62,13 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
             eos_token_id=None,
             lanes=4,
             stages=2,
-            pipeline=[{"stage": 0}],
+            pipeline=[StageInfo(0, "h", 1, (0, 2), 1, "cpu")],
         ),
-        Token(rid=1, index=0, token=5, logprob=-0.5, top=[[5, -0.5], [7, -1.0]]),
-        Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [[3, -0.1]]]),
+        Token(rid=1, index=0, token=5, logprob=-0.5, top=[(5, -0.5), (7, -1.0)]),
+        Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [(3, -0.1)]]),
         Finish(rid=1, index=0, reason="length", tokens=4),
         Error(rid=None, index=None, status=503, message="gone"),
-        Health(active=1, waiting=0, lanes_busy=1, stages=[{"stage": 0, "compute_s": 0.1}]),
+        Health(active=1, waiting=0, lanes_busy=1, stages=[StageBrief(0, 0.1, 0.0, 0.2)]),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
@@ -79,10 +84,34 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
         decode(msgpack.packb([VERSION, "cancel", {"rid": 1, "extra": 2}]))
     with pytest.raises(ChannelError, match="finish: fields"):
         decode(msgpack.packb([VERSION, "finish", {"rid": 1}]))
+    # typed fields: a value of the wrong type, or a params field that is not SamplingParams'
+    with pytest.raises(ChannelError, match="token: .*rid: Input should be a valid integer"):
+        decode(msgpack.packb([VERSION, "token", {"rid": "x", "index": 0, "token": 1}]))
+    sub = {"rid": 1, "prompts": [[1]], "n": 1, "params": {"max_new_tokens": 1, "greedy": True}}
+    with pytest.raises(ChannelError, match="submit: .*params.greedy: Unexpected keyword"):
+        decode(msgpack.packb([VERSION, "submit", sub]))
     with pytest.raises(ChannelError, match="undecodable"):
         decode(b"\xc1garbage")
     with pytest.raises(ChannelError, match="not an engine-channel message"):
         encode(("work", 1))
+
+
+def test_ring_messages_carry_a_version_and_refuse_another():
+    """Ring messages travel as (RING_VERSION, message): another version, a bare message or a
+    type that is not a ring message stops the stage with an error naming both stages."""
+    import pickle
+
+    from distlm.inference.ring import RING_VERSION, Hello, PipelineError, Work, open_envelope
+
+    work = Work((), None, release=(3,))
+    got = open_envelope(pickle.loads(pickle.dumps((RING_VERSION, work))), rank=1, prev=0)
+    assert got == work
+    with pytest.raises(PipelineError, match="stage 1: from stage 0: ring message version 0"):
+        open_envelope((0, work), rank=1, prev=0)
+    with pytest.raises(PipelineError, match="Hello is not a .version, message. pair"):
+        open_envelope(Hello(()), rank=1, prev=0)
+    with pytest.raises(PipelineError, match="dict is not a ring message"):
+        open_envelope((RING_VERSION, {"slots": ()}), rank=1, prev=0)
 
 
 def test_json_guards():
@@ -125,19 +154,27 @@ def test_request_model_mirrors_openai():
 
 
 def test_sampling_is_bounded():
-    assert make_params(max_new_tokens=4, temperature=1e-40, context=64).greedy
-    assert make_params(max_new_tokens=4, temperature=5e-324, context=64).greedy
-    assert make_params(max_new_tokens=4, top_k=10**30, vocab_size=400, context=64).top_k == 0
-    assert make_params(max_new_tokens=4, top_k=50, vocab_size=400, context=64).top_k == 50
-    assert make_params(max_new_tokens=4, seed=MAX_SEED, context=64).seed == MAX_SEED
+    def params(**kw):
+        sampling = {k: kw.pop(k) for k in list(kw) if k in SamplingSettings.model_fields}
+        return make_params(SamplingSettings(max_new_tokens=4, **sampling), context=64, **kw)
+
+    assert params(temperature=1e-40).greedy
+    assert params(temperature=5e-324).greedy
+    assert params(top_k=10**30, vocab_size=400).top_k == 0
+    assert params(top_k=50, vocab_size=400).top_k == 50
+    assert params(seed=MAX_SEED).seed == MAX_SEED
     for kw, msg in [
         ({"seed": MAX_SEED + 1}, "seed: must be in 0..2"),
         ({"seed": -1}, "seed"),
+    ]:
+        with pytest.raises(RequestError, match=msg):
+            sampling_settings(kw, defaults=SamplingSettings())
+    for kw, msg in [
         ({"logprobs": 21}, "logprobs: must be in 0..20"),
         ({"logprobs": -1}, "logprobs"),
     ]:
         with pytest.raises(RequestError, match=msg):
-            make_params(max_new_tokens=4, context=64, **kw)
+            params(**kw)
     logits = torch.tensor([0.0, 3.0, 1.0])
     huge = SamplingParams(4, temperature=1e300, seed=1)
     assert 0 <= pick_token(logits, huge, torch.Generator().manual_seed(1)) < 3
@@ -207,6 +244,55 @@ def test_scheduler_n_shares_the_prefill_and_equals_separate_runs(tiny_models, hf
     assert [g.tokens for g in group] == alone and not sched.active and len(sched.free) == 2
 
 
+def test_finished_and_cancelled_lanes_free_their_kv_cache(tiny_models, hf_reference):
+    """Lanes whose sequences end (finished or cancelled) free their KV cache and sampling state;
+    a stage with no lane busy holds no cache; fail_all frees every lane at once."""
+    from test_inference import _scheduler
+
+    from distlm.inference.sampler import release_lanes
+
+    ids = _ids(hf_reference.tokenizer)
+    sched = _scheduler(tiny_models[1], lanes=2)
+    model = sched.model
+    a = Sequence(sched.new_id(), ids[0], SamplingParams(3, temperature=1.0, seed=1))
+    b = Sequence(sched.new_id(), ids[1], SamplingParams(30))
+    sched.submit(a)
+    sched.submit(b)
+    while a.finish_reason is None:
+        sched.step()
+    # a finished: its lane's cache positions and sampler gone; b's lane still holds its cache
+    assert a.lane not in model.length and a.lane not in sched.sampler.lanes
+    assert b.lane in model.length and model.cached_bytes() > 0 < sched.stats.cache_bytes
+    sched.cancel(b)
+    while sched.busy:
+        sched.step()
+    assert b.finish_reason == "cancelled" and model.length == {} and not sched.sampler.lanes
+    assert model.cached_bytes() == 0 == sched.stats.cache_bytes and len(sched.free) == 2
+    # the pipeline failed: every open sequence ends with the reason, every lane is freed
+    seqs = [Sequence(sched.new_id(), i, SamplingParams(30)) for i in ids[:3]]
+    for seq in seqs:
+        sched.submit(seq)
+    sched.step()
+    assert model.cached_bytes() > 0 and sched.lanes_busy == 2
+    failed = sched.fail_all("stage 1 died")
+    assert sorted(f.id for f in failed) == sorted(s.id for s in seqs)
+    assert all(f.finish_reason == "error" and f.error == "stage 1 died" for f in failed)
+    assert model.cached_bytes() == 0 and sched.lanes_busy == 0 and not sched.busy
+    # the last stage of two frees the lanes stage 0 names in Work.release (cache and sampler)
+    from distlm.inference.ring import Slot
+    from distlm.inference.sampler import last_stage
+    from distlm.inference.stage import Item, load_stage
+
+    first, last = (load_stage(tiny_models[2], st, world=2) for st in (0, 1))
+    item = Item(0, 1, 0, len(ids[0]))
+    hidden = first([item], torch.tensor(ids[0]))
+    sampler = Sampler()
+    last_stage(last, sampler, (Slot(item, SamplingParams(4)),), hidden)
+    assert last.cached_bytes() > 0 and 1 in sampler.lanes
+    release_lanes(last, sampler, (1,))
+    assert last.cached_bytes() == 0 and not sampler.lanes and last.length == {}
+
+
 def test_scheduler_cancel_frees_the_lane_at_once_or_at_the_next_token(tiny_models, hf_reference):
     from test_inference import _scheduler
 
@@ -231,7 +317,7 @@ def test_scheduler_cancel_frees_the_lane_at_once_or_at_the_next_token(tiny_model
 def test_scheduler_fails_one_sequence_whose_pick_fails(tiny_models, hf_reference, monkeypatch):
     from test_inference import _scheduler
 
-    from distlm.inference import pipeline
+    from distlm.inference import sampler as pipeline
 
     ids = _ids(hf_reference.tokenizer)
     real = pipeline.pick_token
@@ -280,8 +366,9 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     beside other sequences; the figures equal a single-process GPT2LMHeadModel to 1e-4."""
     from test_inference import _scheduler
 
-    from distlm.inference.pipeline import Item, Slot, last_stage
-    from distlm.inference.stage import load_stage
+    from distlm.inference.ring import Slot
+    from distlm.inference.sampler import last_stage
+    from distlm.inference.stage import Item, load_stage
 
     folder = tiny_models[1].parent / "model"
     ids = _ids(hf_reference.tokenizer)
@@ -328,6 +415,8 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     _check_prompt(seen[only.id], ids[0], ref[0])
     assert [len(g.tokens) for g in group] == [5, 5] and seen[group[0].id] == seen[group[1].id]
     _check_prompt(seen[group[1].id], ids[1], ref[1])
-    with pytest.raises(RequestError, match="max_tokens: must be at least 1 .0 only with echo"):
-        make_params(max_new_tokens=0, context=64)
-    assert make_params(max_new_tokens=0, echo=True, context=64).max_new_tokens == 0
+    # echo with max_tokens 0 (the prompt alone) is set after validation, which refuses 0
+    with pytest.raises(RequestError, match="max_new_tokens: must be >= 1, got 0"):
+        sampling_settings({"max_new_tokens": 0}, defaults=SamplingSettings())
+    only = SamplingSettings().model_copy(update={"max_new_tokens": 0})
+    assert make_params(only, context=64).max_new_tokens == 0

@@ -20,6 +20,7 @@ import pytest
 import test_inference
 from test_inference import PROMPTS, write_config
 
+from distlm import DistlmError
 from distlm.dist import free_port
 
 # Every test here talks to a real server and its MPI job: not in the fast loop.
@@ -36,6 +37,8 @@ TOKEN_ENV = "DISTLM_TEST_SERVE_TOKEN"
 # start): above the 1,000 idle connections test_serve_hostile holds open, below the 1,300 it opens
 # to run the server out of descriptors
 NOFILE = 1100
+# the shared server's inference.max_new_tokens: a request without max_tokens gets this many
+DEFAULT_MAX_TOKENS = 7
 # the shared server's limits (small, so that the hostile tests reach them quickly)
 LIMITS = {
     "token_env": TOKEN_ENV,
@@ -132,6 +135,7 @@ def start_server(
     **over,
 ) -> Server:
     port = free_port()
+    over.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)  # within LIMITS' max_tokens
     cfg = write_config(
         tmp / "cfg.json", stages=stages, serve={**LIMITS, "port": port, **(serve or {})}, **over
     )
@@ -516,6 +520,34 @@ def test_long_prompt_truncated_and_said_so_then_still_serving(server):
     assert server.lanes_free()
 
 
+def test_max_tokens_defaults_to_inference_max_new_tokens(server):
+    """The serve stage declares inference.max_new_tokens; a request without max_tokens gets it
+    (not OpenAI's 16), and a configured default above serve.max_tokens is refused at start."""
+    from distlm.inference.supervisor import check_default_max_tokens
+
+    status, body = server.request("POST", "/v1/completions", {"prompt": "A class"})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS, body
+    assert body["choices"][0]["finish_reason"] == "length"
+    check_default_max_tokens(20, 20)
+    with pytest.raises(DistlmError, match="inference.max_new_tokens: 21, the default max_tokens"):
+        check_default_max_tokens(21, 20)
+
+
+def test_idle_stages_free_their_kv_cache(server):
+    """A finished request's lanes free their KV cache on every stage: stage 0 at once, the others
+    with the next message round the ring; /metrics shows each stage's cache bytes."""
+    server.ok()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        cache = [m.get(f'distlm_stage_kv_cache_bytes{{stage="{s}"}}') for s in (0, 1)]
+        if cache == [0, 0]:
+            break
+        time.sleep(0.2)
+    assert cache == [0, 0], cache
+
+
 def test_metrics_count_requests_tokens_and_latencies(server):
     before = server.metrics()
     server.ok()
@@ -657,17 +689,18 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
     from distlm import DistlmError
     from distlm.config import validate_config
     from distlm.inference.supervisor import Supervisor, read_token
+    from distlm.settings import EngineSettings, ServeSettings
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        cfg = validate_config({"serve": {"port": port}})
         with pytest.raises(
             DistlmError,
             match=rf"cannot listen on 127.0.0.1:{port} "
             r"\(serve.host/port\)",
         ):
             Supervisor(
-                cfg,
+                ServeSettings(port=port),
+                EngineSettings(),
                 launch=["true"],
                 engine_args=[],
                 model_dir=tmp_path,
@@ -675,23 +708,26 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
                 port=port,
                 start_timeout_s=1,
             )
-    base = validate_config({})["serve"]
+    base = ServeSettings()
     assert read_token(base) is None
     monkeypatch.delenv("DISTLM_NO_SUCH_VAR", raising=False)
     with pytest.raises(
         DistlmError, match="serve.token_env: environment variable DISTLM_NO_SUCH_VAR is not set"
     ):
-        read_token({**base, "token_env": "DISTLM_NO_SUCH_VAR"})
+        read_token(base.model_copy(update={"token_env": "DISTLM_NO_SUCH_VAR"}))
     f = tmp_path / "token"
     f.write_text("s3cret\n")
     monkeypatch.setenv("DISTLM_T", "s3cret")
-    assert read_token({**base, "token_file": str(f)}) == "s3cret"
-    assert read_token({**base, "token_file": str(f), "token_env": "DISTLM_T"}) == "s3cret"
+    assert read_token(base.model_copy(update={"token_file": str(f)})) == "s3cret"
+    assert (
+        read_token(base.model_copy(update={"token_file": str(f), "token_env": "DISTLM_T"}))
+        == "s3cret"
+    )
     monkeypatch.setenv("DISTLM_T", "other")
     with pytest.raises(DistlmError, match="hold different tokens"):
-        read_token({**base, "token_file": str(f), "token_env": "DISTLM_T"})
+        read_token(base.model_copy(update={"token_file": str(f), "token_env": "DISTLM_T"}))
     with pytest.raises(DistlmError, match="serve.token_file: cannot read"):
-        read_token({**base, "token_file": str(tmp_path / "missing")})
+        read_token(base.model_copy(update={"token_file": str(tmp_path / "missing")}))
     # the schema refuses a plain token value
     from distlm.config import ConfigError
 

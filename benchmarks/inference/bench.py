@@ -150,10 +150,13 @@ def worker(spec_path: str, out_path: str) -> None:
     The modes (and, in the one-stage run, Hugging Face generate in the same process) take turns
     within each repeat, so a change in the machine's load hits them alike.
     """
-    from distlm.inference.pipeline import Scheduler, generate_batch, mpi_pipeline, run_workers
+    from distlm.inference.batch import generate_batch
+    from distlm.inference.bootstrap import mpi_pipeline, run_workers
+    from distlm.inference.scheduler import Scheduler
+    from distlm.settings import InferenceSettings
 
     spec = json.loads(Path(spec_path).read_text())
-    icfg = spec["inference"]
+    icfg = InferenceSettings.model_validate(spec["inference"])
     with mpi_pipeline(icfg, spec["model"]) as pipe:
         if not run_workers(pipe):
             return
@@ -167,11 +170,13 @@ def worker(spec_path: str, out_path: str) -> None:
                     lanes=lanes,
                     eos_token_id=None,  # no EOS stop
                     context=pipe.context,
-                    timeout_s=icfg["timeout_s"],
+                    timeout_s=icfg.timeout_s,
                     stats=pipe.stats,
                 )
                 pipe.stats.reset()
-                _, t = generate_batch(pipe, spec["prompts"], {**icfg, "lanes": lanes})
+                _, t = generate_batch(
+                    pipe, spec["prompts"], icfg.model_copy(update={"lanes": lanes})
+                )
                 keep = ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")
                 return {**{k: t[k] for k in keep}, "ttft_mean_s": t["ttft_s"]["mean"]}
 
@@ -179,9 +184,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
         modes = {"one_at_a_time": pipeline(1), "in_flight": pipeline(len(spec["prompts"]))}
         if spec["hf"]:
-            modes["hf_generate"] = hf_runner(
-                spec["hf_model"], spec["prompts"], icfg["max_new_tokens"]
-            )
+            modes["hf_generate"] = hf_runner(spec["hf_model"], spec["prompts"], icfg.max_new_tokens)
         runs = {name: [] for name in modes}
         for r in range(spec["repeats"] + 1):  # the first round is a warm-up
             for name, run in modes.items():
@@ -191,7 +194,7 @@ def worker(spec_path: str, out_path: str) -> None:
         results = {name: max(rs, key=lambda x: x["tokens_per_s"]) for name, rs in runs.items()}
         for name, rs in runs.items():
             results[name]["all_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
-        results["per_stage"] = pipe.scheduler.stop()
+        results["per_stage"] = pipe.stage0.stop()
         Path(out_path).write_text(json.dumps(results))
 
 

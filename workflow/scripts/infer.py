@@ -7,11 +7,12 @@
 
 import argparse
 
-from distlm.config import read_resolved
-from distlm.inference.pipeline import run_batch
+from distlm.documents import read_document
+from distlm.inference.batch import run_batch
 from distlm.log import setup_logging
+from distlm.settings.stage import InferenceConfig
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument(
     "--config", required=True, help="resolved config (results/config/inference.json)"
 )
@@ -22,10 +23,10 @@ parser.add_argument("--timing", required=True, help="output timing JSON")
 args = parser.parse_args()
 
 setup_logging()
-cfg = read_resolved(args.config)
+cfg = read_document(args.config, InferenceConfig)
 run_batch(
-    cfg["inference"],
-    device=cfg["runtime"]["device"],
+    cfg.inference,
+    device=cfg.runtime.device,
     model_dir=args.model,
     prompts_path=args.prompts,
     generations_path=args.generations,

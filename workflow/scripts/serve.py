@@ -12,10 +12,11 @@ the engine (distlm.inference.engine).
 import argparse
 import sys
 
-from distlm.config import read_resolved
+from distlm.documents import read_document
 from distlm.log import setup_logging
+from distlm.settings.stage import ServeConfig
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument("--config", required=True, help="resolved config (results/config/serve.json)")
 parser.add_argument("--model", required=True, help="model folder with shards/ (one per rank)")
 parser.add_argument("--launcher", help='command that starts the pipeline ("mpiexec -n 3")')
@@ -31,15 +32,15 @@ parser.add_argument("--requests", help="engine: the API server's request socket"
 parser.add_argument("--events", help="engine: the API server's event socket")
 parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
 args = parser.parse_args()
-cfg = read_resolved(args.config)
+cfg = read_document(args.config, ServeConfig)
 
 if args.engine:
     from distlm.inference.engine import run_engine
 
     setup_logging()
     run_engine(
-        cfg["inference"],
-        device=cfg["runtime"]["device"],
+        cfg.inference,
+        device=cfg.runtime.device,
         model_dir=args.model,
         requests=args.requests,
         events=args.events,
@@ -54,7 +55,8 @@ from distlm.inference.supervisor import run_api_server
 
 sys.exit(
     run_api_server(
-        cfg,
+        cfg.serve,
+        cfg.inference,
         launcher=args.launcher,
         script=__file__,
         config=args.config,

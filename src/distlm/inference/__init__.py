@@ -1,11 +1,33 @@
-"""Pipeline-parallel inference over MPI: one rank per model stage, lanes of prompts in flight.
+"""Pipeline-parallel inference over MPI: one rank per model stage, lanes of prompts in flight,
+and an OpenAI-compatible API server in front of it.
 
-prompts.py     prompt files, relative path lookup, prompt tokens (no torch: the DAG imports it)
-sampling.py    greedy / temperature / top-k / top-p with a per-sequence seed, bounded
-stage.py       a stage's GPT-2 blocks and per-lane KV caches (packed micro-batches)
-pipeline.py    the MPI ring (named messages), stage 0's scheduler, the batch stage
-messages.py    the engine channel's named, versioned messages (msgpack over ZeroMQ)
-engine.py      serve mode inside the MPI job: stage 0 takes requests from the API server
-api.py         serve mode's HTTP side: OpenAI completions (FastAPI), limits, metrics, access log
-supervisor.py  the API server process: uvicorn, the MPI job it starts and watches, signals
+The pipeline (inside the MPI job)
+    prompts.py     prompt files, relative path lookup, prompt tokens, RequestError (no torch)
+    sampling.py    SamplingParams and next-token choice: greedy / temperature / top-k / top-p
+    validate.py    the one request path: prompts + SamplingSettings -> a validated request
+    stage.py       a stage's GPT-2 blocks and per-lane KV caches (packed micro-batches)
+    stats.py       StageInfo / StageStats / StageBrief: what a stage reports about itself
+    ring.py        the ring of stages: topology, MPI links, versioned ring messages, wire format
+    sampler.py     the last stage: per-lane sampling state, a micro-batch's picks
+    scheduler.py   stage 0: lane policy, micro-batches, run_stage0 (the one stage-0 loop)
+    worker.py      stages 1..S-1: forward what arrives, pass it on
+    bootstrap.py   starting a rank: threads, its shard, the ring, MPI_Abort on any failure
+    batch.py       the inference stage: a prompt file in, generations and timing out
+    engine.py      serve mode inside the job: stage 0 takes requests over ZeroMQ
+    messages.py    the engine channel's typed, versioned messages (msgpack over ZeroMQ)
+
+The API server (one process outside the job)
+    supervisor.py  the process: uvicorn, the MPI job it starts and watches, signals
+    app.py         FastAPI routes: /v1/completions, /v1/models, /health, /metrics
+    requests.py    the completions request model, body limits, JSON guards
+    prepare.py     a request made ready: checked, tokenized (through validate.py)
+    client.py      the engine client: submit, cancel, events to their requests
+    render.py      one answer as events arrive: text, stop strings, logprobs, usage
+    stream.py      answering: one JSON completion or server-sent events; cancellation
+    responses.py   the typed answers (completion, chunk, models, health, error)
+    errors.py      ApiError and OpenAI's error body
+    metrics.py     the server's Prometheus series
+    access_log.py  one escaped line per request
+    state.py       what the routes share (settings, tokenizer, engine client, metrics)
+    peer.py        `transformers serve`, the peer the benchmarks compare with
 """

@@ -4,7 +4,7 @@
         --model results/train/final --requests ipc:///tmp/x/requests --events ipc:///tmp/x/events \
         --api-pid PID
 
-The API server (distlm.inference.api) starts this with the launcher; nobody else needs to. Stage 0
+The API server (distlm.inference.supervisor) starts this with the launcher; nobody else needs to. Stage 0
 serves no HTTP: it pulls Submit / Cancel / Shutdown from the `requests` socket and pushes Ready,
 Token, Finish, Error and Health to the `events` socket (distlm.inference.messages). One thread does
 everything, so the MPI calls, the scheduler and the sockets never race.
@@ -27,6 +27,7 @@ from typing import Self
 
 import zmq
 
+from distlm.inference.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.messages import (
     Cancel,
     ChannelError,
@@ -42,18 +43,11 @@ from distlm.inference.messages import (
     encode,
     encode_batch,
 )
-from distlm.inference.pipeline import (
-    Backoff,
-    Pick,
-    Pipeline,
-    PipelineError,
-    Sequence,
-    mpi_pipeline,
-    run_workers,
-)
-from distlm.inference.sampling import MAX_SEED, SamplingParams
+from distlm.inference.ring import Pick, PipelineError
+from distlm.inference.scheduler import Sequence, run_stage0
 from distlm.io import pid_alive
 from distlm.log import get_logger
+from distlm.settings import MAX_SEED, EngineSettings
 
 log = get_logger(__name__)
 
@@ -109,15 +103,23 @@ class Channel:
 class Engine:
     """Stage 0's loop: admit requests, step the scheduler, stream tokens back."""
 
-    def __init__(self, pipe: Pipeline, icfg: dict, channel: Channel, *, api_pid: int | None):
+    def __init__(
+        self,
+        pipe: Pipeline,
+        settings: EngineSettings,
+        channel: Channel,
+        *,
+        api_pid: int | None,
+    ):
         self.pipe = pipe
-        self.sched = pipe.scheduler
-        self.icfg = icfg
+        self.sched = pipe.stage0
+        self.settings = settings
         self.ch = channel
         self.api_pid = api_pid
         self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences
         self.where: dict[int, tuple[int, int]] = {}  # sequence id -> (rid, index)
         self.stopping: str | None = None
+        self._checked = self._health_at = time.monotonic()  # API server looked for, Health sent
 
     def ready(self) -> Ready:
         tok = self.pipe.tokenizer
@@ -127,7 +129,7 @@ class Engine:
             context=self.pipe.context,
             vocab_size=len(tok),
             eos_token_id=self.pipe.eos_token_id,
-            lanes=self.icfg["lanes"],
+            lanes=self.settings.lanes,
             stages=self.pipe.topo.stages,
             pipeline=self.pipe.infos,
         )
@@ -138,40 +140,23 @@ class Engine:
             signal.signal(sig, lambda *_: setattr(self, "stopping", "stopped by a signal"))
         self.ch.send(self.ready())
         self.ch.flush()
-        heartbeat_s = min(1.0, self.icfg["timeout_s"] / 4)
-        backoff = Backoff()
-        checked = health_at = time.monotonic()
+        self._checked = self._health_at = time.monotonic()
+        heartbeat_s = min(1.0, self.settings.timeout_s / 4)
+
+        def idle() -> None:
+            self.sched.heartbeat(heartbeat_s)
+            self._take(5)
+
         try:
-            while self.stopping is None:
-                now = time.monotonic()
-                if self.api_pid is not None and now - checked > _API_CHECK_S:
-                    checked = now
-                    if not pid_alive(self.api_pid):
-                        self.stopping = f"the API server (pid {self.api_pid}) is gone"
-                        break
-                if now - health_at > HEALTH_EVERY_S:
-                    health_at = now
-                    self.ch.send(self.health())
-                took = self._take(0)
-                stepped = self.sched.step()
-                self.ch.flush()  # this step's tokens, finishes and errors: one frame
-                if stepped or took:
-                    backoff.reset()
-                elif not self.sched.busy:
-                    self.sched.heartbeat(heartbeat_s)
-                    self._take(5)
-                else:
-                    t0 = time.perf_counter()
-                    backoff.pause()
-                    self.sched.stats.recv_wait_s += time.perf_counter() - t0
+            run_stage0(
+                self.sched,
+                more=lambda: self.stopping is None,
+                poll=self._poll,
+                after_step=self.ch.flush,  # this step's tokens, finishes and errors: one frame
+                idle=idle,
+            )
             log.info("stopping (%s): %d sequences still open", self.stopping, len(self.where))
-            self.sched.launching = False
-            deadline = time.monotonic() + self.icfg["timeout_s"]
-            while self.sched.inflight:  # let the micro-batches in the ring come home
-                if not self.sched.step():
-                    if time.monotonic() > deadline:
-                        raise PipelineError("stage 0: the ring did not drain while stopping")
-                    backoff.pause()
+            self.sched.drain(self.settings.timeout_s)  # the micro-batches in the ring come home
         except PipelineError as e:
             self._failed(str(e))
             raise
@@ -179,8 +164,29 @@ class Engine:
             self._failed(f"stage 0 failed: {type(e).__name__}: {e}")
             raise
 
+    def _poll(self) -> bool:
+        """Before each step: whether the API server lives, Health when due, the requests waiting."""
+        now = time.monotonic()
+        if self.api_pid is not None and now - self._checked > _API_CHECK_S:
+            self._checked = now
+            if not pid_alive(self.api_pid):
+                self.stopping = f"the API server (pid {self.api_pid}) is gone"
+                return False
+        if now - self._health_at > HEALTH_EVERY_S:
+            self._health_at = now
+            self.ch.send(self.health())
+        return self._take(0)
+
     def _failed(self, reason: str) -> None:
-        log.error("pipeline failed; the API server answers 503: %s", reason)
+        """The pipeline is gone: free every lane here, and one Error(rid=None) for all requests."""
+        failed = self.sched.fail_all(reason)
+        log.error(
+            "pipeline failed (%d sequences open); the API server answers 503: %s",
+            len(failed),
+            reason,
+        )
+        self.requests.clear()
+        self.where.clear()
         self.ch.send(Error(rid=None, index=None, status=503, message=reason))
         self.ch.flush()
 
@@ -221,7 +227,7 @@ class Engine:
                 log.error("engine channel: unexpected %s from the API server", type(msg).__name__)
 
     def _submit(self, msg: Submit) -> None:
-        params = SamplingParams(**msg.params)
+        params = msg.params
         seqs = []
         for i, ids in enumerate(msg.prompts):
             group = []
@@ -248,17 +254,19 @@ class Engine:
 
     def _token(self, seq: Sequence, pick: Pick) -> None:
         rid, index = self.where[seq.id]
-        top = None if pick.top is None else [[t, lp] for t, lp in pick.top]
+        top = None if pick.top is None else list(pick.top)
         self.ch.send(Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top))
 
     def _prompt(self, seq: Sequence, pick: Pick) -> None:
         rid, index = self.where[seq.id]
+        if pick.prompt is None:  # the scheduler calls this only for a pick that carries it
+            return
         self.ch.send(
             Prompt(
                 rid=rid,
                 index=index,
                 logprobs=[None, *(lp for lp, _ in pick.prompt)],
-                top=[None, *([[t, v] for t, v in top] for _, top in pick.prompt)],
+                top=[None, *(list(top) for _, top in pick.prompt)],
             )
         )
 
@@ -267,16 +275,15 @@ class Engine:
         if seq.finish_reason == "error":
             self.ch.send(Error(rid=rid, index=index, status=500, message=seq.error or "failed"))
         else:
-            self.ch.send(
-                Finish(rid=rid, index=index, reason=seq.finish_reason, tokens=len(seq.tokens))
-            )
+            reason = seq.finish_reason or "stop"  # set before on_done runs
+            self.ch.send(Finish(rid=rid, index=index, reason=reason, tokens=len(seq.tokens)))
         seqs = self.requests.get(rid, [])
         if all(s.finish_reason is not None for s in seqs):
             self.requests.pop(rid, None)
 
 
 def run_engine(
-    icfg: dict,
+    settings: EngineSettings,
     *,
     model_dir: str | Path,
     device: str,
@@ -285,13 +292,13 @@ def run_engine(
     api_pid: int | None,
 ) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
-    with mpi_pipeline(icfg, model_dir, device=device, serve=True) as pipe:
+    with mpi_pipeline(settings, model_dir, device=device, serve=True) as pipe:
         if not pipe.topo.is_first:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not run_workers(pipe):
             return
         with Channel(requests, events) as ch:
-            Engine(pipe, icfg, ch, api_pid=api_pid).run()
-            stats = pipe.scheduler.stop()
+            Engine(pipe, settings, ch, api_pid=api_pid).run()
+            stats = pipe.stage0.stop()
         log.info("engine stopped; per-stage time: %s", json.dumps(stats))

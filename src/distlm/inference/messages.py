@@ -1,11 +1,16 @@
 """The engine channel: named, versioned messages between the API server and stage 0 (msgpack).
 
-The API server (`distlm.inference.api`, outside the MPI job) and stage 0's engine
+The API server (`distlm.inference.client`, outside the MPI job) and stage 0's engine
 (`distlm.inference.engine`) speak over two ZeroMQ PUSH/PULL sockets on IPC, as vLLM's frontend and
 engine do. Every frame is `[VERSION, kind, {field: value}]`, or `[VERSION, "batch", [[kind,
 {field: value}], ...]]` for the messages of one engine step together (one frame per step, not
-one per token); a frame of another version, an unknown kind or missing/extra fields raises
+one per token). Each message is a typed dataclass, its fields checked by pydantic on the way in
+(a Submit's `params` is a SamplingParams, a Ready's `pipeline` StageInfos, ...); a frame of
+another version, an unknown kind, missing/extra fields or a field of the wrong type raises
 ChannelError instead of being guessed at.
+
+Versioning as documents do it (distlm.documents), one number for the whole channel, since both
+ends ship together: bump VERSION when a message changes shape.
 
     API server -> engine:  Submit, Cancel, Shutdown
     engine -> API server:  Ready, Prompt, Token, Finish, Error, Health
@@ -13,14 +18,19 @@ ChannelError instead of being guessed at.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import msgpack
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from distlm import DistlmError
+from distlm.inference.sampling import SamplingParams
+from distlm.inference.stats import StageBrief, StageInfo
 
-VERSION = 2  # 2: Prompt (the prompt's log-probabilities, echo with logprobs)
+# 2: Prompt (the prompt's log-probabilities, echo with logprobs)
+# 3: typed fields: Submit.params SamplingParams, Ready.pipeline StageInfo, Health.stages StageBrief
+VERSION = 3
+_CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 
 class ChannelError(DistlmError):
@@ -34,18 +44,22 @@ class ChannelError(DistlmError):
 class Submit:
     """A completions request: each prompt (token ids) gets `n` choices; index = prompt * n + j.
 
-    `params` are SamplingParams as a dict; choice j > 0 of a prompt samples with seed + j.
+    Choice j > 0 of a prompt samples with seed + j.
     """
+
+    __pydantic_config__ = _CHECKED
 
     rid: int
     prompts: list[list[int]]
     n: int
-    params: dict
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
 class Cancel:
     """Stop a request's sequences (client gone, timed out), or one choice (a stop string seen)."""
+
+    __pydantic_config__ = _CHECKED
 
     rid: int
     index: int | None = None  # None: every choice of the request
@@ -54,6 +68,8 @@ class Cancel:
 @dataclass(frozen=True)
 class Shutdown:
     """Stop the pipeline in order (Ctrl-C / SIGTERM on the API server)."""
+
+    __pydantic_config__ = _CHECKED
 
     reason: str = "the server is shutting down"
 
@@ -65,6 +81,8 @@ class Shutdown:
 class Ready:
     """Stage 0 is up; what the API server needs to validate and tokenize requests."""
 
+    __pydantic_config__ = _CHECKED
+
     hostname: str
     pid: int
     context: int
@@ -72,18 +90,20 @@ class Ready:
     eos_token_id: int | None
     lanes: int
     stages: int
-    pipeline: list[dict]
+    pipeline: list[StageInfo]
 
 
 @dataclass(frozen=True)
 class Token:
     """One new token of choice `index` of request `rid` (with log-probabilities when asked)."""
 
+    __pydantic_config__ = _CHECKED
+
     rid: int
     index: int
     token: int
     logprob: float | None = None
-    top: list[list] | None = None  # [[token id, logprob], ...]
+    top: list[tuple[int, float]] | None = None  # [(token id, logprob), ...]
 
 
 @dataclass(frozen=True)
@@ -91,15 +111,19 @@ class Prompt:
     """The prompt's log-probabilities of choice `index` of `rid`, from its prefill (echo with
     logprobs): one entry per prompt token, the first None (nothing comes before it)."""
 
+    __pydantic_config__ = _CHECKED
+
     rid: int
     index: int
     logprobs: list[float | None]
-    top: list[list[list] | None]  # per prompt token: [[token id, logprob], ...]; the first None
+    top: list[list[tuple[int, float]] | None]  # per prompt token: [(token id, logprob), ...]
 
 
 @dataclass(frozen=True)
 class Finish:
     """Choice `index` of request `rid` is done: reason stop, length or cancelled."""
+
+    __pydantic_config__ = _CHECKED
 
     rid: int
     index: int
@@ -111,6 +135,8 @@ class Finish:
 class Error:
     """Choice `index` of `rid` failed (status 500); rid None: the whole pipeline failed (503)."""
 
+    __pydantic_config__ = _CHECKED
+
     rid: int | None
     index: int | None
     status: int
@@ -121,10 +147,12 @@ class Error:
 class Health:
     """Stage 0's state, sent every `every_s` seconds while it runs."""
 
+    __pydantic_config__ = _CHECKED
+
     active: int
     waiting: int
     lanes_busy: int
-    stages: list[dict] = field(default_factory=list)  # StageStats of stage 0 (later: per stage)
+    stages: list[StageBrief] = field(default_factory=list)  # each stage's, as stage 0 last saw
 
 
 Message = Submit | Cancel | Shutdown | Ready | Prompt | Token | Finish | Error | Health
@@ -134,34 +162,30 @@ _KINDS: dict[str, type] = {
 }
 
 
-# kind -> (field names, required field names), read once (dataclasses.fields is slow per message)
-_SHAPES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    kind: (
-        tuple(f.name for f in dataclasses.fields(cls)),
-        frozenset(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ),
-    )
-    for kind, cls in _KINDS.items()
-}
+# kind -> the pydantic adapter that checks a message's fields (built once: building is slow)
+_ADAPTERS: dict[str, TypeAdapter] = {kind: TypeAdapter(cls) for kind, cls in _KINDS.items()}
 
 
 def _fields(msg: Message) -> list:
     kind = type(msg).__name__.lower()
     if _KINDS.get(kind) is not type(msg):
         raise ChannelError(f"not an engine-channel message: {type(msg).__name__}")
-    return [kind, {name: getattr(msg, name) for name in _SHAPES[kind][0]}]
+    return [kind, _ADAPTERS[kind].dump_python(msg)]
+
+
+def _pack(frame: list) -> bytes:
+    out = msgpack.packb(frame)
+    assert out is not None  # None only with autoreset=False, which packb does not use
+    return out
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb([VERSION, *_fields(msg)])
+    return _pack([VERSION, *_fields(msg)])
 
 
 def encode_batch(msgs: list[Message]) -> bytes:
     """Several messages in one frame, in order (decode_all reads it)."""
-    return msgpack.packb([VERSION, "batch", [_fields(m) for m in msgs]])
+    return _pack([VERSION, "batch", [_fields(m) for m in msgs]])
 
 
 def _unpack(frame: bytes) -> tuple[str, object]:
@@ -189,10 +213,14 @@ def decode_all(frame: bytes) -> list[Message]:
 
 
 def _message(kind, fields) -> Message:
-    cls = _KINDS.get(kind)
-    if cls is None or not isinstance(fields, dict):
+    adapter = _ADAPTERS.get(kind) if isinstance(kind, str) else None
+    if adapter is None or not isinstance(fields, dict):
         raise ChannelError(f"unknown message kind {kind!r}")
-    names, required = _SHAPES[kind]
-    if not required <= fields.keys() <= set(names):
-        raise ChannelError(f"{kind}: fields {sorted(fields)}, expected {sorted(names)}")
-    return cls(**fields)
+    try:
+        return adapter.validate_python(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "message"
+        raise ChannelError(
+            f"{kind}: fields {sorted(fields)}: {where}: {err['msg']} ({e.error_count()} errors)"
+        ) from None

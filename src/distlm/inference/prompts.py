@@ -11,12 +11,30 @@ from distlm import DistlmError
 
 
 class RequestError(DistlmError):
-    """A bad generation request (or prompt): the message names the field; `status` is the HTTP code."""
+    """A bad generation request (or prompt), neutral: `param` names the field in the request's
+    own terms (max_new_tokens, temperature, prompt, ...) and the message starts with it; `index`:
+    which prompt of several. Each edge names the field its own way (`named`): the API server as
+    its HTTP parameter (max_tokens), the batch stage as its config key (inference.<field>).
+    `status` is the HTTP code."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, status: int = 400, index: int | None = None
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.index = index
+
+    @property
+    def detail(self) -> str:
+        """The message without the field's name in front."""
+        text = str(self)
+        prefix = f"{self.param}: "
+        return text[len(prefix) :] if self.param and text.startswith(prefix) else text
+
+    def named(self, name: str) -> str:
+        """The message with the field called `name`."""
+        return f"{name}: {self.detail}"
 
 
 def encode_prompt(

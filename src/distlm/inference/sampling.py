@@ -4,23 +4,24 @@ Every sequence owns a `torch.Generator` seeded from its `seed`, so a sampled com
 only on (model, prompt, parameters, seed), never on which other prompts share the pipeline.
 
 No request can make sampling raise for the whole pipeline: a temperature below GREEDY_BELOW is
-greedy (dividing by it would overflow to inf/NaN), seeds are refused outside 0..MAX_SEED (what
-`manual_seed` takes), top_k is capped at the vocabulary, and `pick_token` raises SamplingError
+greedy (dividing by it would overflow to inf/NaN), seeds outside 0..MAX_SEED (what
+`manual_seed` takes) are refused by SamplingSettings (distlm.settings, where every sampling
+range is checked), top_k is capped at the vocabulary, and `pick_token` raises SamplingError
 (which fails that one sequence) when the distribution it would draw from is not finite.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
+from pydantic import ConfigDict
 
 from distlm import DistlmError
 from distlm.inference.prompts import RequestError
+from distlm.settings import SamplingSettings
 
 GREEDY_BELOW = 1e-5  # a smaller temperature is greedy (as vLLM's _SAMPLING_EPS)
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 MAX_LOGPROBS = 20  # the most alternatives `logprobs` may ask for
 
 
@@ -31,6 +32,8 @@ class SamplingError(DistlmError):
 @dataclass(frozen=True)
 class SamplingParams:
     """How one sequence picks its tokens. temperature == 0 means greedy (argmax)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # as an engine-channel field
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -49,98 +52,61 @@ class SamplingParams:
         return asdict(self)
 
 
-def _number(value, name: str, *, integer: bool = False):
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or (not integer and not math.isfinite(value)):
-        kind = "an integer" if integer else "a number"
-        raise RequestError(f"{name}: expected {kind}, got {value!r}", param=name)
-    return value
-
-
 def _logprobs(value) -> int | None:
     """The request's `logprobs` (alternatives per token), checked; None when not asked for."""
     if value is None:
         return None
-    lp = _number(value, "logprobs", integer=True)
+    lp = value
+    if isinstance(lp, bool) or not isinstance(lp, int):
+        raise RequestError(f"logprobs: expected an integer, got {lp!r}", param="logprobs")
     if not 0 <= lp <= MAX_LOGPROBS:
         raise RequestError(f"logprobs: must be in 0..{MAX_LOGPROBS}, got {lp}", param="logprobs")
     return lp
 
 
 def make_params(
+    sampling: SamplingSettings,
     *,
-    max_new_tokens,
-    temperature=0.0,
-    top_k=0,
-    top_p=1.0,
-    seed=0,
+    context: int,
     logprobs=None,
     prompt_logprobs=None,
-    echo: bool = False,
-    context: int,
     vocab_size: int | None = None,
     max_allowed: int | None = None,
 ) -> SamplingParams:
-    """Validated SamplingParams; each error names the field (`max_tokens` style names for HTTP).
+    """One sequence's SamplingParams from validated SamplingSettings (their ranges are checked
+    there, once), checked against what only the model and the server know: the context, the
+    server's limit (`max_allowed`, serve.max_tokens) and the vocabulary (a top_k that keeps it
+    all is no filter). Each error is a RequestError naming the field (neutral names).
 
-    `prompt_logprobs` (echo with logprobs) scores the prompt too. With `echo`, max_tokens may
-    be 0: the prompt only (with logprobs its log-probabilities, as lm-eval's log-likelihood
-    requests ask)."""
-    n = _number(max_new_tokens, "max_tokens", integer=True)
-    if n < 0 or (n == 0 and not echo):
-        raise RequestError(
-            f"max_tokens: must be at least 1 (0 only with echo: the prompt alone), got {n}",
-            param="max_tokens",
-        )
+    `logprobs`: the alternatives per token a request asks for; `prompt_logprobs` (echo with
+    logprobs) scores the prompt too. `sampling.max_new_tokens` 0 (set by an echo request, never
+    by validation) is the prompt only."""
+    n = sampling.max_new_tokens
     if n >= context:
         raise RequestError(
-            f"max_tokens: {n} is beyond the model's context of {context} tokens "
+            f"max_new_tokens: {n} is beyond the model's context of {context} tokens "
             f"(at most {context - 1} leaves room for a one-token prompt)",
-            param="max_tokens",
+            param="max_new_tokens",
         )
     if max_allowed is not None and n > max_allowed:
         raise RequestError(
-            f"max_tokens: {n} is above this server's limit of {max_allowed} (serve.max_tokens)",
-            param="max_tokens",
+            f"max_new_tokens: {n} is above this server's limit of {max_allowed} (serve.max_tokens)",
+            param="max_new_tokens",
         )
-    t = float(_number(temperature, "temperature"))
-    if t < 0:
-        raise RequestError(f"temperature: must be >= 0, got {t}", param="temperature")
+    t = float(sampling.temperature)
     if t < GREEDY_BELOW:
         t = 0.0  # greedy: 1 / t would overflow the logits to inf
-    k = _number(top_k, "top_k", integer=True)
-    if k < 0:
-        raise RequestError(f"top_k: must be >= 0 (0 disables it), got {k}", param="top_k")
+    k = sampling.top_k
     if vocab_size is not None and k >= vocab_size:
         k = 0  # keeping the whole vocabulary is no filter
-    p = float(_number(top_p, "top_p"))
-    if not 0.0 < p <= 1.0:
-        raise RequestError(f"top_p: must be in (0, 1], got {p}", param="top_p")
-    s = _number(seed, "seed", integer=True)
-    if not 0 <= s <= MAX_SEED:
-        raise RequestError(f"seed: must be in 0..2**63-1, got {s}", param="seed")
-    logprobs = _logprobs(logprobs)
-    prompt_logprobs = _logprobs(prompt_logprobs)  # the request's `logprobs`, with echo
     return SamplingParams(
         max_new_tokens=n,
         temperature=t,
         top_k=k,
-        top_p=p,
-        seed=s,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-    )
-
-
-def params_from_config(icfg: dict, *, context: int, seed_offset: int = 0) -> SamplingParams:
-    """The batch stage's sampling parameters from the `inference` config section."""
-    return make_params(
-        max_new_tokens=icfg["max_new_tokens"],
-        temperature=icfg["temperature"],
-        top_k=icfg["top_k"],
-        top_p=icfg["top_p"],
-        seed=icfg["seed"] + seed_offset,
-        context=context,
+        top_p=float(sampling.top_p),
+        seed=sampling.seed,
+        logprobs=_logprobs(logprobs),
+        prompt_logprobs=_logprobs(prompt_logprobs),  # the request's `logprobs`, with echo
     )
 
 

@@ -101,7 +101,17 @@ class StageModel(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def release(self, lane: int) -> None:
+        """The lane's sequence ended: its positions are forgotten; when no lane holds any, the
+        cache tensors themselves are freed (an idle stage holds no KV cache; the next prefill
+        grows them again)."""
         self.length.pop(lane, None)
+        if not self.length:
+            self.keys.clear()
+            self.values.clear()
+
+    def cached_bytes(self) -> int:
+        """Bytes the KV cache holds now (keys and values of every layer)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @torch.inference_mode()  # the cache holds inference tensors (written in forward)
     def fork(self, parent: int, child: int) -> None:

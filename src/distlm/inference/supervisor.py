@@ -1,4 +1,4 @@
-"""The API server process: uvicorn serving `distlm.inference.api`, and the MPI job it supervises.
+"""The API server process: uvicorn serving `distlm.inference.app`, and the MPI job it supervises.
 
     python workflow/scripts/serve.py --launcher "mpiexec -n 2" --config results/config/serve.json \
         --model results/train/final
@@ -34,14 +34,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distlm import DistlmError
-from distlm.inference.api import AccessLog, EngineClient, Metrics, ServeState, build_app
+from distlm.inference.access_log import AccessLog
+from distlm.inference.app import build_app
+from distlm.inference.client import EngineClient
+from distlm.inference.metrics import Metrics
+from distlm.inference.state import ServeState
 from distlm.log import get_logger
+from distlm.settings import EngineSettings, ServeSettings
 
 log = get_logger(__name__)
 
@@ -109,12 +115,17 @@ class GuardedH11Protocol(H11Protocol):
     linger_bytes = 128 << 20
 
     def connection_made(self, transport) -> None:
-        super().connection_made(_LingeringTransport(transport, self))
+        # uvicorn sees the wrapper as its transport (it forwards what it does not override)
+        super().connection_made(cast(asyncio.Transport, _LingeringTransport(transport, self)))
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
+    @property
+    def _lingering(self) -> _LingeringTransport:
+        return cast(_LingeringTransport, self.transport)
+
     def data_received(self, data: bytes) -> None:
-        if self.transport.lingering:  # after the answer: read and discard, bounded
-            self.transport.discard(data)
+        if self._lingering.lingering:  # after the answer: read and discard, bounded
+            self._lingering.discard(data)
             return
         super().data_received(data)
         waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
@@ -125,13 +136,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
-        if self.transport.lingering:
-            self.transport.shut()
+        if self._lingering.lingering:
+            self._lingering.shut()
         super().connection_lost(exc)
 
     def _cancel_header_timer(self) -> None:
-        if getattr(self, "_header_timer", None) is not None:
-            self._header_timer.cancel()
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
         self._header_timer = None
 
     def _header_timeout(self) -> None:
@@ -172,23 +184,34 @@ class _Server(uvicorn.Server):
         yield
 
 
-def read_token(scfg: dict) -> str | None:
+def check_default_max_tokens(max_new_tokens: int, limit: int) -> None:
+    """A request without max_tokens gets inference.max_new_tokens: it must be within the server's
+    limit, else every such request would be refused."""
+    if max_new_tokens > limit:
+        raise DistlmError(
+            f"inference.max_new_tokens: {max_new_tokens}, the default max_tokens of a request, is "
+            f"above serve.max_tokens ({limit}), the most a request may ask for: lower it or "
+            "raise serve.max_tokens"
+        )
+
+
+def read_token(serve: ServeSettings) -> str | None:
     """The bearer token from serve.token_env and/or serve.token_file; None when neither is set."""
     tokens = []
-    if scfg["token_env"]:
-        value = os.environ.get(scfg["token_env"], "")
+    if serve.token_env:
+        value = os.environ.get(serve.token_env, "")
         if not value.strip():
             raise DistlmError(
-                f"serve.token_env: environment variable {scfg['token_env']} is not set or empty"
+                f"serve.token_env: environment variable {serve.token_env} is not set or empty"
             )
         tokens.append(value.strip())
-    if scfg["token_file"]:
+    if serve.token_file:
         try:
-            value = Path(scfg["token_file"]).read_text(encoding="utf-8").strip()
+            value = Path(serve.token_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise DistlmError(f"serve.token_file: cannot read {scfg['token_file']} ({e})") from None
+            raise DistlmError(f"serve.token_file: cannot read {serve.token_file} ({e})") from None
         if not value:
-            raise DistlmError(f"serve.token_file: {scfg['token_file']} is empty")
+            raise DistlmError(f"serve.token_file: {serve.token_file} is empty")
         tokens.append(value)
     if len(set(tokens)) > 1:
         raise DistlmError("serve.token_env and serve.token_file hold different tokens")
@@ -212,7 +235,8 @@ class Supervisor:
 
     def __init__(
         self,
-        cfg: dict,
+        serve: ServeSettings,
+        inference: EngineSettings,
         *,
         launch: list[str],
         engine_args: list[str],
@@ -221,21 +245,22 @@ class Supervisor:
         port: int,
         start_timeout_s: float,
     ) -> None:
-        self.cfg, self.scfg, self.icfg = cfg, cfg["serve"], cfg["inference"]
+        self.serve, self.inference = serve, inference
+        check_default_max_tokens(inference.max_new_tokens, serve.max_tokens)
         self.launch, self.engine_args = launch, engine_args
         self.model_dir = model_dir
         self.start_timeout_s = start_timeout_s
-        self.stop_timeout_s = 2 * self.icfg["timeout_s"] + 30
-        self.token = read_token(self.scfg)
+        self.stop_timeout_s = 2 * self.inference.timeout_s + 30
+        self.token = read_token(serve)
         before, now = raise_nofile()
         log.info(
             "open-file limit %d (was %d); serve.max_connections %d",
             now,
             before,
-            self.scfg["max_connections"],
+            self.serve.max_connections,
         )
         try:
-            self.sock = socket.create_server((host, port), backlog=self.scfg["backlog"])
+            self.sock = socket.create_server((host, port), backlog=self.serve.backlog)
         except OSError as e:
             raise DistlmError(
                 f"serve: cannot listen on {host}:{port} (serve.host/port): {e}"
@@ -261,17 +286,17 @@ class Supervisor:
         engine = EngineClient(f"ipc://{tmp}/requests", f"ipc://{tmp}/events", metrics)
         engine.start()
         st = ServeState(
-            self.scfg,
-            self.icfg,
+            self.serve,
+            self.inference,
             model_id=self.model_dir.resolve().name,
             tokenizer=load_tokenizer(self.model_dir),
             engine=engine,
             metrics=metrics,
             token=self.token,
         )
-        GuardedH11Protocol.header_timeout_s = self.scfg["header_timeout_s"]
-        GuardedH11Protocol.linger_s = self.scfg["linger_s"]
-        GuardedH11Protocol.linger_bytes = self.scfg["linger_bytes"]
+        GuardedH11Protocol.header_timeout_s = self.serve.header_timeout_s
+        GuardedH11Protocol.linger_s = self.serve.linger_s
+        GuardedH11Protocol.linger_bytes = self.serve.linger_bytes
         config = uvicorn.Config(
             AccessLog(build_app(st), metrics),
             http=GuardedH11Protocol,
@@ -279,10 +304,10 @@ class Supervisor:
             access_log=False,
             log_config=None,
             server_header=False,
-            limit_concurrency=self.scfg["max_connections"],
-            timeout_keep_alive=self.scfg["keep_alive_timeout_s"],
-            h11_max_incomplete_event_size=self.scfg["max_header_bytes"],
-            backlog=self.scfg["backlog"],
+            limit_concurrency=self.serve.max_connections,
+            timeout_keep_alive=self.serve.keep_alive_timeout_s,
+            h11_max_incomplete_event_size=self.serve.max_header_bytes,
+            backlog=self.serve.backlog,
         )
         _setup_server_logs()
         server = _Server(config)
@@ -323,7 +348,7 @@ class Supervisor:
         self.stop_reason = "the server is shutting down"
 
     async def _supervise(self, st: ServeState) -> int:
-        engine, child = st.engine, self.child
+        engine, child = st.engine, self._job()
         deadline = time.monotonic() + self.start_timeout_s
         while engine.ready is None:
             if self.stop_reason:
@@ -357,7 +382,7 @@ class Supervisor:
             engine.ready.lanes,
             *self.address,
         )
-        silent_s = max(10.0, self.icfg["timeout_s"])
+        silent_s = max(10.0, self.inference.timeout_s)
         while not self.stop_reason:
             rc = child.poll()
             if rc is not None:
@@ -393,24 +418,32 @@ class Supervisor:
         log.error("%s; answering 503", reason)
         return rc or 1
 
+    def _job(self) -> subprocess.Popen:
+        """The MPI job's launcher process (started by _main before anything waits on it)."""
+        if self.child is None:
+            raise DistlmError("serve: the pipeline job was not started")
+        return self.child
+
     async def _wait_child(self, timeout_s: float) -> int:
+        child = self._job()
         deadline = time.monotonic() + timeout_s
-        while self.child.poll() is None:
+        while child.poll() is None:
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.child.args, timeout_s)
+                raise subprocess.TimeoutExpired(child.args, timeout_s)
             await asyncio.sleep(_POLL_S)
-        return self.child.returncode
+        return child.returncode
 
     async def _kill_job(self) -> int:
         """End the job through its launcher (SIGTERM: mpiexec and srun end every rank); then
         SIGKILL to its process group."""
+        child = self._job()
         with contextlib.suppress(ProcessLookupError):
-            self.child.terminate()
+            child.terminate()
         try:
             return await self._wait_child(10)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.child.pid, signal.SIGKILL)
+                os.killpg(child.pid, signal.SIGKILL)
             return await self._wait_child(10)
 
     async def _wait_answered(self, engine: EngineClient) -> None:
@@ -422,7 +455,8 @@ class Supervisor:
 
 
 def run_api_server(
-    cfg: dict,
+    serve: ServeSettings,
+    inference: EngineSettings,
     *,
     launcher: str,
     script: str | Path,
@@ -438,9 +472,9 @@ def run_api_server(
         raise DistlmError(
             "serve: --launcher is empty (the serve rule passes the profile's `mpi` resource)"
         )
-    scfg = cfg["serve"]
     sup = Supervisor(
-        cfg,
+        serve,
+        inference,
         launch=launch,
         engine_args=[
             sys.executable,
@@ -452,8 +486,8 @@ def run_api_server(
             str(model_dir),
         ],
         model_dir=Path(model_dir),
-        host=scfg["host"] if host is None else host,
-        port=scfg["port"] if port is None else port,
+        host=serve.host if host is None else host,
+        port=serve.port if port is None else port,
         start_timeout_s=start_timeout_s,
     )
     return sup.run()

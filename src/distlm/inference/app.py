@@ -1,0 +1,122 @@
+"""The API server's HTTP side: OpenAI's completions API on FastAPI, in front of the engine channel.
+
+Routes: POST /v1/completions (`stream` as server-sent events), GET /v1/models, GET /health,
+GET /metrics (Prometheus). A completions request is read and validated (requests.py), prepared
+(prepare.py: tokenized, its sampling checked), submitted to stage 0 (client.py) and answered
+(stream.py, render.py). A bad request gets a 4xx OpenAI-style error naming the field.
+
+The process around this (job supervision, uvicorn, signals) is `distlm.inference.supervisor`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from distlm.inference.access_log import escape
+from distlm.inference.errors import ApiError, error_doc, from_request
+from distlm.inference.prepare import prepare_completion
+from distlm.inference.prompts import RequestError
+from distlm.inference.requests import read_body
+from distlm.inference.responses import Health, ModelCard, ModelList
+from distlm.inference.state import ServeState
+from distlm.inference.stream import run_completion
+
+
+def _authorized(st: ServeState, request: Request) -> bool:
+    if not st.token:
+        return True
+    got = request.headers.get("authorization", "")
+    return got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), st.token.encode())
+
+
+def _need_auth(st: ServeState, request: Request) -> None:
+    if not _authorized(st, request):
+        raise ApiError(
+            401,
+            "missing or wrong bearer token (Authorization: Bearer ...)",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _json(answer: BaseModel, *, status: int = 200) -> JSONResponse:
+    return JSONResponse(answer.model_dump(mode="json"), status_code=status)
+
+
+def build_app(st: ServeState) -> FastAPI:
+    app = FastAPI(title="distlm", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response(close=e.status in (408, 413))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        message = {
+            404: f"no route {escape(request.url.path)}",
+            405: f"method {request.method} not allowed on {escape(request.url.path)}",
+        }
+        return JSONResponse(
+            error_doc(e.status_code, message.get(e.status_code, str(e.detail))).model_dump(),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
+        )
+
+    @app.get("/health")
+    async def health(request: Request):
+        why = st.unavailable()
+        if why is not None:
+            status: Literal["starting", "stopping", "unavailable"] = "unavailable"
+            if st.state == "starting" or st.state == "stopping":
+                status = st.state
+            return _json(Health(status=status, error=why), status=503)
+        doc = Health(status="ok", model=st.model_id)
+        r, h = st.engine.ready, st.engine.health
+        if r is not None and _authorized(st, request):  # hosts and pids only with the token
+            doc = doc.model_copy(
+                update={
+                    "stages": r.stages,
+                    "lanes": r.lanes,
+                    "pipeline": r.pipeline,
+                    "active": h.active if h else 0,
+                    "waiting": h.waiting if h else 0,
+                    "lanes_busy": h.lanes_busy if h else 0,
+                    "open": st.engine.outstanding,
+                }
+            )
+        return _json(doc)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _need_auth(st, request)
+        return _json(ModelList(data=[ModelCard(id=st.model_id)]))
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        _need_auth(st, request)
+        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _need_auth(st, request)
+        why = st.unavailable()
+        if why is not None:
+            raise ApiError(503, f"the pipeline is unavailable: {why}")
+        raw = await read_body(
+            request, limit=st.serve.max_request_bytes, timeout_s=st.serve.body_timeout_s
+        )
+        try:
+            job = prepare_completion(st, raw)
+        except RequestError as e:
+            raise from_request(e) from None
+        return await run_completion(st, request, job)
+
+    return app

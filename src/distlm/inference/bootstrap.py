@@ -1,0 +1,177 @@
+"""Starting a pipeline: one MPI rank per stage, its share of the host's threads, its shard loaded.
+
+    mpiexec -n 3 python workflow/scripts/infer.py --config results/config/inference.json \
+        --model results/train/final --prompts config/prompts.txt \
+        --generations results/inference/generations.jsonl --timing results/inference/timing.json
+
+Hidden states flow stage -> stage + 1 (ring.py); the last stage picks each sequence's next token
+(sampler.py) and sends the tokens back to stage 0, whose scheduler (scheduler.py) decides whether
+the sequence goes round again (decode) or finishes; stages 1..S-1 run worker.worker_loop.
+
+Every wait has a deadline: a rank that dies or hangs makes the others stop with an error that names
+the stage they were waiting for (then MPI_Abort), never a hang. Stage 0 waits `inference.timeout_s`
+for tokens to come back, the other stages twice that for their next message, so stage 0 (and in
+serve mode the engine, which tells the API server to answer 503) is the first to notice. While the
+pipeline is idle (serve mode) stage 0 sends an empty micro-batch round the ring as a heartbeat.
+
+MPI errors are returned, not fatal (MPI_ERRORS_RETURN), and become PipelineErrors naming both stages.
+A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the API
+server outside the job (`distlm.inference.app`) then answers 503.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distlm import DistlmError
+from distlm.inference.ring import PipelineError, PipelineTopology, Ring
+from distlm.inference.scheduler import Scheduler
+from distlm.inference.stage import StageModel, load_stage
+from distlm.inference.stats import StageInfo, StageStats
+from distlm.inference.worker import worker_loop
+from distlm.log import get_logger
+from distlm.settings import EngineSettings
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a running pipeline (stage 0 gets the scheduler and the tokenizer)."""
+
+    topo: PipelineTopology
+    model: StageModel
+    ring: Ring | None
+    stats: StageStats
+    scheduler: Scheduler | None = None
+    tokenizer: Any = None  # a transformers tokenizer
+    context: int = 0
+    eos_token_id: int | None = None
+    infos: list[StageInfo] = field(default_factory=list)
+
+    @property
+    def stage0(self) -> Scheduler:
+        """Stage 0's scheduler (the other stages have none)."""
+        if self.scheduler is None:
+            raise PipelineError(f"stage {self.topo.rank}: only stage 0 has a scheduler")
+        return self.scheduler
+
+
+def host_ranks(comm) -> tuple[int, int, bool]:
+    """(this rank's index among the ranks on its host, how many ranks share the host, whether
+    stage 0 is one of them)."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        with_first = bool(node.allreduce(int(comm.Get_rank() == 0), op=MPI.SUM))
+        return node.Get_rank(), node.Get_size(), with_first
+    finally:
+        node.Free()
+
+
+def set_threads(local_size: int, *, reserve: int = 0) -> int:
+    """Share the thread budget between the ranks on this host; the threads each rank gets.
+
+    The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's `threads`, a total for
+    the job), else the host's cores, less `reserve` for another process of the job on this host
+    (serve: the API server, a busy Python process beside stage 0); each rank on the host gets an
+    equal part, at least one thread.
+    """
+    budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    threads = max(1, (budget - reserve) // local_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
+@contextlib.contextmanager
+def mpi_pipeline(
+    settings: EngineSettings,
+    model_dir: str | Path,
+    *,
+    device: str = "cpu",
+    serve: bool = False,
+) -> Iterator[Pipeline]:
+    """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever.
+
+    `device` is runtime.device: cpu, cuda (one GPU per rank on a host) or auto; never a fallback.
+    `serve`: the API server runs beside stage 0, so the ranks on its host leave it one thread
+    of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
+    with 2, whose threads took turns on the cores with the API server's).
+    """
+    from mpi4py import MPI
+
+    from distlm.dist import resolve_device
+    from distlm.lifeline import bind_to_launcher
+
+    bind_to_launcher()  # this rank dies with mpiexec's proxy (or srun's step), batch or serve
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
+    try:
+        local_rank, local_size, with_first = host_ranks(comm)
+        set_threads(local_size, reserve=1 if serve and with_first else 0)
+        stats = StageStats(stage=topo.rank)
+        model = load_stage(
+            model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank)
+        )
+        # Stage 0 gives up first (its engine tells the API server, which answers 503); the
+        # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
+        wait_s = settings.timeout_s * (1 if topo.is_first else 2)
+        ring = Ring(comm, topo, timeout_s=wait_s, stats=stats) if topo.stages > 1 else None
+        pipe = Pipeline(topo, model, ring, stats)
+        if topo.is_first:
+            from distlm.data import load_tokenizer
+
+            pipe.tokenizer = load_tokenizer(model_dir)
+            pipe.context = model.config.n_positions
+            pipe.eos_token_id = pipe.tokenizer.eos_token_id
+            pipe.scheduler = Scheduler(
+                model,
+                ring,
+                topo,
+                lanes=settings.lanes,
+                eos_token_id=pipe.eos_token_id,
+                context=pipe.context,
+                timeout_s=settings.timeout_s,
+                stats=stats,
+            )
+            pipe.infos = pipe.scheduler.hello()
+            stats.reset()
+            log.info(
+                "pipeline of %d stages up: %s",
+                topo.stages,
+                json.dumps([i.to_dict() for i in pipe.infos]),
+            )
+        yield pipe
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        sys.stderr.flush()
+        os._exit(130)
+    except BaseException as e:  # any failure must take the whole job down
+        if isinstance(e, DistlmError):
+            log.error("stage %d failed: %s", topo.rank, e)
+        else:
+            log.exception("stage %d failed", topo.rank)
+        for h in log.handlers + (log.parent.handlers if log.parent else []):
+            h.flush()
+        comm.Abort(1)
+
+
+def run_workers(pipe: Pipeline) -> bool:
+    """Stages 1..S-1 serve until stage 0 stops them; True when this rank is stage 0."""
+    if pipe.topo.is_first:
+        return True
+    if pipe.ring is None:  # a later stage exists only in a ring of two or more
+        raise PipelineError(f"stage {pipe.topo.rank}: no ring")
+    worker_loop(pipe.model, pipe.ring, pipe.stats)
+    return False

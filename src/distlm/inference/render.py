@@ -1,0 +1,151 @@
+"""One request's answer as the engine's events arrive: each choice's text, stop strings, and
+OpenAI's logprobs and usage objects."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from distlm.inference.errors import ApiError
+from distlm.inference.messages import Error, Finish, Prompt, Token
+from distlm.inference.prepare import Job
+from distlm.inference.responses import Logprobs, Usage
+from distlm.inference.state import ServeState
+
+
+@dataclass
+class Choice:
+    """What the API server knows of one sequence while it runs."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list | None] = field(default_factory=list)
+    prompt: Prompt | None = None  # the prompt's log-probabilities (echo with logprobs)
+    reason: str | None = None
+    error: str | None = None
+    t_last: float = 0.0
+
+
+class Answer:
+    """One request's choices as the engine's events arrive; text, stops and logprobs."""
+
+    def __init__(self, st: ServeState, job: Job, rid: int, t0: float) -> None:
+        self.st, self.job, self.rid, self.t0 = st, job, rid, t0
+        self.n = job.req.n
+        self.choices = [Choice(i) for i in range(len(job.prompts) * self.n)]
+        self.texts = ["" for _ in self.choices]
+        self.sent = [0 for _ in self.choices]  # characters streamed so far (per choice)
+        self.lp_sent = [0 for _ in self.choices]
+        self.left = len(self.choices)
+        self.t_first: float | None = None
+        self.hold = max((len(s) for s in job.stops), default=1) - 1
+        # the text is needed as tokens arrive only to find stop strings or to stream it; else it
+        # is decoded once, at the end (a decode of the whole text after every token is O(n^2))
+        self.live = bool(job.stops) or job.req.stream
+
+    def prompt_index(self, index: int) -> int:
+        return index // self.n
+
+    def event(self, msg: Prompt | Token | Finish | Error) -> list[int]:
+        """Take one engine event; the choices it changed. Raises ApiError for a pipeline failure."""
+        if isinstance(msg, Error) and (msg.rid is None or msg.index is None):
+            raise ApiError(503, f"the pipeline is unavailable: {msg.message}")
+        assert msg.index is not None  # an Error with a rid names its choice (messages.Error)
+        c = self.choices[msg.index]
+        now = time.perf_counter()
+        m = self.st.metrics
+        if isinstance(msg, Prompt):
+            c.prompt = msg
+        elif isinstance(msg, Token):
+            if c.reason is not None:
+                return []  # a token after this choice's stop string: already answered
+            if self.t_first is None:
+                self.t_first = now
+                m.ttft.observe(now - self.t0)
+            elif c.t_last:
+                m.itl.observe(now - c.t_last)
+            c.t_last = now
+            m.tokens.inc()
+            c.tokens.append(msg.token)
+            c.logprobs.append(msg.logprob)
+            c.top.append(msg.top)
+            if self.live:
+                self.texts[c.index] = self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                self._stop_strings(c)
+                if c.reason is not None:
+                    self.st.engine.cancel(self.rid, c.index)
+        elif isinstance(msg, Finish):
+            if c.reason is None:
+                c.reason = "stop" if msg.reason == "stop" else msg.reason
+                self.left -= 1
+        elif isinstance(msg, Error) and c.reason is None:
+            c.reason, c.error = "error", msg.message
+            self.left -= 1
+        return [c.index]
+
+    def text(self, index: int) -> str:
+        """The choice's whole text (after its end)."""
+        if not self.live:
+            c = self.choices[index]
+            return self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+        return self.texts[index]
+
+    def _stop_strings(self, c: Choice) -> None:
+        text = self.texts[c.index]
+        for s in self.job.stops:
+            at = text.find(s, max(0, self.sent[c.index] - len(s)))
+            if at >= 0:
+                self.texts[c.index] = text[:at]
+                c.reason = "stop"
+                self.left -= 1
+                return
+
+    def delta(self, index: int) -> str | None:
+        """New text of a choice that can go out now (a possible stop-string start held back)."""
+        c = self.choices[index]
+        text = self.texts[index]
+        end = len(text) if c.reason is not None else len(text) - self.hold
+        if c.reason is None and text.endswith("\ufffd"):
+            return None  # a multi-byte character is not complete yet
+        if end <= self.sent[index]:
+            return None if c.reason is None else ""
+        out = text[self.sent[index] : end]
+        self.sent[index] = end
+        return out
+
+    def logprobs(self, index: int, since: int = 0, *, prompt: bool = False) -> Logprobs | None:
+        """OpenAI's logprobs object for the tokens from `since` on; `prompt`: the echoed prompt's
+        tokens first (the first one's log-probability and alternatives null, as OpenAI and vLLM
+        give them). text_offset: each token's offset in the choice's text."""
+        if self.job.req.logprobs is None:
+            return None
+        c = self.choices[index]
+        tok = self.st.tokenizer
+        ids, lps, tops = c.tokens[since:], c.logprobs[since:], c.top[since:]
+        offset = 0
+        if prompt and c.prompt is not None:
+            ids = self.job.ids[self.prompt_index(index)] + ids
+            lps, tops = c.prompt.logprobs + lps, c.prompt.top + tops
+        elif self.job.req.echo:  # later tokens follow the echoed prompt in the text
+            offset = len(self.job.prompts[self.prompt_index(index)])
+        if since:
+            offset += len(tok.decode(c.tokens[:since]))
+        words = [tok.decode([t]) for t in ids]
+        offsets = []
+        for w in words:
+            offsets.append(offset)
+            offset += len(w)
+        return Logprobs(
+            tokens=words,
+            token_logprobs=lps,
+            top_logprobs=[
+                None if top is None else {tok.decode([int(t)]): lp for t, lp in top} for top in tops
+            ],
+            text_offset=offsets,
+        )
+
+    def usage(self) -> Usage:
+        p = sum(len(i) for i in self.job.ids)
+        c = sum(len(ch.tokens) for ch in self.choices)
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)

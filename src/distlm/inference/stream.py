@@ -1,0 +1,239 @@
+"""Answering a prepared request: submitted to the engine, then one JSON answer or a stream of
+server-sent events; a client gone or a deadline passed cancels the request's sequences."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from distlm.inference.errors import ApiError, error_doc
+from distlm.inference.prepare import Job
+from distlm.inference.render import Answer
+from distlm.inference.responses import (
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    Logprobs,
+    Usage,
+)
+from distlm.inference.state import ServeState
+from distlm.log import get_logger
+
+log = get_logger(__name__)
+
+
+async def run_completion(st: ServeState, request: Request, job: Job):
+    engine, serve = st.engine, st.serve
+    sequences = len(job.ids) * job.req.n
+    room = st.inference.lanes + serve.max_queued_sequences - engine.outstanding
+    if sequences > room:
+        raise ApiError(
+            429,
+            f"the queue is full ({engine.outstanding} sequences open, at most "
+            f"{st.inference.lanes + serve.max_queued_sequences}: inference.lanes + "
+            "serve.max_queued_sequences); retry later",
+            headers={"Retry-After": "1"},
+        )
+    t0 = time.perf_counter()
+    st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
+    rid, queue = engine.submit(job.ids, job.req.n, job.params)
+    answer = Answer(st, job, rid, t0)
+    info = request.scope.setdefault("distlm", {})
+    info["rid"] = rid
+    deadline = time.monotonic() + serve.request_timeout_s
+    if job.req.stream:
+        return StreamingResponse(
+            _stream(st, answer, queue, deadline, info),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    return await _complete(st, request, answer, queue, deadline, info)
+
+
+async def _next(queue: asyncio.Queue, deadline: float, what: str):
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, left)):
+            return await queue.get()
+    except TimeoutError:
+        raise ApiError(
+            504, f"{what} not done within the request timeout (serve.request_timeout_s)"
+        ) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read: the next message is a disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _finish(st: ServeState, answer: Answer, info: dict) -> None:
+    st.engine.forget(answer.rid)
+    info["tokens"] = sum(len(c.tokens) for c in answer.choices)
+    if answer.t_first is not None:
+        info["ttft_s"] = answer.t_first - answer.t0
+    st.metrics.e2e.observe(time.perf_counter() - answer.t0)
+
+
+_GONE = object()  # on a request's queue: its client went away
+
+
+async def _complete(st: ServeState, request: Request, answer: Answer, queue, deadline, info):
+    gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(_GONE))
+    try:
+        while answer.left:
+            msg = (
+                queue.get_nowait()
+                if not queue.empty()
+                else await _next(queue, deadline, "the completion")
+            )
+            if msg is _GONE:
+                st.engine.cancel(answer.rid)
+                info["cancelled"] = "client gone"
+                return Response(status_code=499)  # nobody reads it; the access log does
+            answer.event(msg)
+    except ApiError as e:
+        st.engine.cancel(answer.rid)
+        if e.status == 504:
+            info["cancelled"] = "timed out"
+        raise
+    finally:
+        gone.cancel()
+        _finish(st, answer, info)
+    failed = [c for c in answer.choices if c.error is not None]
+    if failed:
+        raise ApiError(500, f"choice {failed[0].index}: {failed[0].error}")
+    job = answer.job
+    choices = []
+    for c in answer.choices:
+        text = answer.text(c.index)
+        if job.req.echo:
+            text = job.prompts[answer.prompt_index(c.index)] + text
+        choices.append(
+            CompletionChoice(
+                text=text,
+                index=c.index,
+                logprobs=answer.logprobs(c.index, prompt=job.req.echo),
+                finish_reason=c.reason,
+                prompt_truncated_tokens=job.truncated[answer.prompt_index(c.index)],
+            )
+        )
+    out = Completion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=st.model_id,
+        choices=choices,
+        usage=answer.usage(),
+        warnings=_warnings(job) or None,
+    )
+    return JSONResponse(out.model_dump(mode="json"))
+
+
+async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
+    """Server-sent events; a client gone mid-stream cancels the request (generator closed)."""
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    job = answer.job
+    finished = False
+
+    def chunk(
+        index: int,
+        text: str,
+        reason: str | None,
+        *,
+        logprobs: Logprobs | None = None,
+        prompt_truncated_tokens: int | None = None,
+    ) -> bytes:
+        choice = ChunkChoice(
+            text=text,
+            index=index,
+            finish_reason=reason,
+            logprobs=logprobs,
+            prompt_truncated_tokens=prompt_truncated_tokens,
+        )
+        return _sse(_chunk(st, cid, [choice]))
+
+    # echo with logprobs: a choice's prompt goes out with its log-probabilities, after its prefill
+    scored = job.req.echo and job.req.logprobs is not None
+    try:
+        if job.req.echo and not scored:
+            for i in range(len(answer.choices)):
+                yield chunk(i, job.prompts[answer.prompt_index(i)], None)
+        echoed = [not scored for _ in answer.choices]
+        while answer.left:
+            try:
+                changed = answer.event(await _next(queue, deadline, "the stream"))
+            except ApiError as e:
+                if e.status == 504:
+                    info["cancelled"] = "timed out"
+                    st.engine.cancel(answer.rid)
+                yield _sse(error_doc(e.status, e.message))
+                finished = True
+                return
+            for i in changed:
+                c = answer.choices[i]
+                if c.error is not None:
+                    yield _sse(error_doc(500, f"choice {i}: {c.error}"))
+                    continue
+                if not echoed[i] and c.prompt is not None:
+                    echoed[i] = True
+                    lp = answer.logprobs(i, prompt=True)
+                    yield chunk(i, job.prompts[answer.prompt_index(i)], None, logprobs=lp)
+                text = answer.delta(i)
+                if text is None:
+                    continue
+                lp = None
+                if len(c.tokens) > answer.lp_sent[i]:
+                    lp = answer.logprobs(i, answer.lp_sent[i])
+                    answer.lp_sent[i] = len(c.tokens)
+                if c.reason is not None:
+                    yield chunk(
+                        i,
+                        text,
+                        c.reason,
+                        logprobs=lp,
+                        prompt_truncated_tokens=job.truncated[answer.prompt_index(i)],
+                    )
+                elif text or lp:
+                    yield chunk(i, text, None, logprobs=lp)
+        if job.req.stream_options is not None and job.req.stream_options.include_usage:
+            yield _sse(_chunk(st, cid, [], usage=answer.usage()))
+        yield b"data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:  # the client went away (the generator was closed): free the lanes
+            info["cancelled"] = "client gone"
+            log.info("request %d: client went away mid-stream; cancelling it", answer.rid)
+            st.engine.cancel(answer.rid)
+        _finish(st, answer, info)
+
+
+def _sse(answer: BaseModel) -> bytes:
+    # json.dumps, as the events were written before the answers were typed: the same bytes
+    return f"data: {json.dumps(answer.model_dump(mode='json'))}\n\n".encode()
+
+
+def _chunk(
+    st: ServeState, cid: str, choices: list[ChunkChoice], *, usage: Usage | None = None
+) -> CompletionChunk:
+    return CompletionChunk(
+        id=cid, created=int(time.time()), model=st.model_id, choices=choices, usage=usage
+    )
+
+
+def _warnings(job: Job) -> list[str]:
+    return [
+        f"prompt {i}: dropped its first {cut} tokens to fit the context "
+        "(inference.prompt_overflow is truncate)"
+        for i, cut in enumerate(job.truncated)
+        if cut
+    ]
