@@ -415,7 +415,7 @@ def run_baseline(a, name: str, cfg_path: Path, inputs: dict, work: Path, n: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--config", default=str(ROOT / "config" / "config.yaml"))
     ap.add_argument("--results", default=str(ROOT / "results"), help="the workflow's results/")

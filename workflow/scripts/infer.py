@@ -11,7 +11,7 @@ from distlm.config import read_resolved
 from distlm.inference.pipeline import run_batch
 from distlm.log import setup_logging
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument(
     "--config", required=True, help="resolved config (results/config/inference.json)"
 )

@@ -15,7 +15,7 @@ import sys
 from distlm.config import read_resolved
 from distlm.log import setup_logging
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
 parser.add_argument("--config", required=True, help="resolved config (results/config/serve.json)")
 parser.add_argument("--model", required=True, help="model folder with shards/ (one per rank)")
 parser.add_argument("--launcher", help='command that starts the pipeline ("mpiexec -n 3")')
