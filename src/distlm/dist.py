@@ -161,14 +161,17 @@ def distributed(
         # A torchrun restart reuses the agent's store, which still holds the failed attempt's keys
         # (gloo/NCCL peer addresses): without a fresh prefix the new workers dial dead ones.
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
+        # TCPStore and PrefixStore are public (documented) but not in torch.distributed's __all__
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             world,
             is_master=rank == 0 and not use_agent,
             timeout=_dt.timedelta(seconds=timeout_s),
         )
-        kwargs["store"] = dist.PrefixStore(f"distlm/attempt-{restart}", store)
+        kwargs["store"] = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
+            f"distlm/attempt-{restart}", store
+        )
     dist.init_process_group(
         backend=backend,
         rank=rank,
