@@ -24,6 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -303,7 +304,9 @@ class Trainer:
         if self.topo.is_main:
             model = load_model_dir(self.paths.model, device=self.device, dtype=torch.float32)
         else:
-            model = build_model(self.model_config).to(device=self.device, dtype=torch.float32)
+            model = build_model(self.model_config).to(  # pyright: ignore[reportCallIssue]
+                device=self.device, dtype=torch.float32
+            )  # transformers' decorated PreTrainedModel.to loses `self` in its stub
         model.train()
         model.loss_type = "ForCausalLM"  # the shifted cross-entropy, named (silences a warning)
         self.model = model
@@ -508,7 +511,8 @@ class Trainer:
         else:
             module = ReferenceLoss(self.model)
         if self.tcfg["compile"]:
-            module = torch.compile(module)
+            # an nn.Module compiles to an OptimizedModule (torch.compile's stub says Callable)
+            module = cast(torch.nn.Module, torch.compile(module))
         self.fwd = module  # input_ids -> mean next-token loss, for evaluation (no DDP hooks)
         self.ddp = DDP(
             module,
@@ -560,6 +564,7 @@ class Trainer:
             loss_red[1 + STOP_SIGNALS.index(self._stop_signal)] = 1.0
         loss_red[-1] = float(self.lease is not None and self.lease.lost is not None)
         work = dist.all_reduce(loss_red, async_op=True)
+        assert work is not None  # async_op=True: a Work (the stub says Optional)
         gnorm_v = gnorm.item()
         if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
             work.wait()
@@ -649,9 +654,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """All ranks call: RNG states are gathered to rank 0, which writes the checkpoint."""
         rng = ckpt_mod.rng_state(self.device)
-        gathered = [None] * self.topo.world_size if self.topo.is_main else None
+        gathered: list[Any] | None = [None] * self.topo.world_size if self.topo.is_main else None
         dist.gather_object(rng, gathered, dst=0)
-        if self.topo.is_main:
+        if gathered is not None:  # rank 0
             t0 = time.perf_counter()
             state = {
                 "identity": self.identity(),
