@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import jsonschema.validators
 import yaml
 
 from distlm import DistlmError
