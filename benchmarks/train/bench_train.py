@@ -199,10 +199,10 @@ def hf_worker(a, cfg: dict) -> None:
     stamps: list[float] = []
 
     class StepClock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
+        def on_train_begin(self, *_args, **_kw):  # (args, state, control, **kw)
             stamps.append(time.perf_counter())
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, *_args, **_kw):
             if a.device == "cuda":
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())

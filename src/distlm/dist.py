@@ -1,8 +1,6 @@
 """Process-group topology: decided once, then asked questions of.
 
     with distributed(backend="gloo", timeout_s=120) as topo:
-        with topo.main_first():          # rank 0 does it, the others wait, then read its result
-            ...
         if topo.is_main: ...
 
 Works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR set) and as a single plain process
@@ -52,15 +50,6 @@ class Topology:
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
-
-    @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first; the other ranks enter it after rank 0 has left it."""
-        if not self.is_main:
-            self.barrier()
-        yield
-        if self.is_main:
-            self.barrier()
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
