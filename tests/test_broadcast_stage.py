@@ -23,11 +23,11 @@ def test_stage_report_in_the_tiny_workflow(workflow_run):
     model = workflow_run / "results/model/base"
     sd = load_safetensors(model / WEIGHTS)
     receivers = cfg["broadcast"]["receivers"]
-    assert report["transport"] == cfg["broadcast"]["transport"] == "torch"
+    assert report["transport"] == cfg["transfer"]["transport"] == "torch"
     assert report["backend"] == "gloo" and report["world_size"] == 1 + receivers
     assert report["bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
     assert report["tensors"] == len(sd)
-    assert report["bucket_bytes"] == int(cfg["broadcast"]["bucket_mb"] * 2**20)
+    assert report["bucket_bytes"] == int(cfg["transfer"]["bucket_mb"] * 2**20)
     assert report["buckets"] == -(-report["stream_bytes"] // report["bucket_bytes"]) > 1
     assert report["model_sha256"] == read_meta(model)["model_sha256"]
     assert [r["rank"] for r in report["receivers"]] == list(range(1, receivers + 1))

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlm.config import load_config, read_resolved, write_resolved
+from distlm.config import load_config
 from distlm.log import setup_logging
+from distlm.settings.stage import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import TrainPaths, run_training
 from distlm.train import trainer as T
@@ -52,10 +53,8 @@ for kv in args.overrides:
     for kk in ks:
         d = d.setdefault(kk, {})
     d[last] = v
-# the stage's resolved config, as the resolve_config rule writes it for every rank
-resolved = out / "config" / f"train-rank{os.environ.get('RANK', '0')}.json"
-write_resolved(stage_config(load_config(args.config, overrides), "train"), resolved)
-cfg = read_resolved(resolved)
+# the stage's typed config, as the resolve_config rule writes it for every rank
+cfg = TrainConfig.of(stage_config(load_config(args.config, overrides), "train"))
 PH = os.environ.get("PHASES") == "1"
 if env.get("threads"):
     torch.set_num_threads(int(env["threads"]))
