@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up"): installs the Debian packages that the system-level tests need
 # when run as root (network namespaces, a local SLURM cluster, headless Chromium), runs the linters
-# (ruff check, ruff format --check, snakefmt --check, snakemake --lint), then pytest; it fails when
+# (ruff check, ruff format --check, snakefmt --check, snakemake --lint) and the type checker
+# (pyright, configured in pyproject.toml), then pytest; it fails when
 # either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
 # development loop is `python -m pytest -m "not slow"`.
 set -euo pipefail
@@ -24,7 +25,7 @@ fi
 
 # Lint first (seconds), then the tests, so that pytest's summary is the last thing printed.
 lint_failed=0
-echo "tests/run.sh: lint (ruff check, ruff format --check, snakefmt --check, snakemake --lint)"
+echo "tests/run.sh: lint (ruff check, ruff format --check, snakefmt --check, snakemake --lint, pyright)"
 python -m ruff check || lint_failed=1
 python -m ruff format --check || lint_failed=1
 python -m snakefmt --check Snakefile workflow/rules/*.smk || lint_failed=1
@@ -32,6 +33,7 @@ lintdir=$(mktemp -d)
 python -m snakemake --lint --directory "$lintdir" -s Snakefile >"$lintdir/lint.txt" 2>&1 || lint_failed=1
 grep -q "Congratulations" "$lintdir/lint.txt" || { cat "$lintdir/lint.txt"; lint_failed=1; }
 rm -rf "$lintdir"
+python -m pyright || lint_failed=1
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2
 
 status=0

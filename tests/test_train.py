@@ -27,10 +27,11 @@ from distlm.settings.stage import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
+from distlm.train import faults as faults_mod
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.synthetic import make_inputs
-from distlm.train.trainer import resolve_precision
+from distlm.train.trainer import fused_adamw_available, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "workflow" / "scripts" / "train.py"
@@ -609,3 +610,55 @@ def test_tensorboard_folder_removed_under_the_run_is_rebuilt(tmp_path, caplog):
     acc = EventAccumulator(str(tb))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_fused_adamw_available_tells_what_torch_runs():
+    """CPU torch >= 2.4 has the fused AdamW kernel; the meta device is outside torch.optim's
+    fused devices, so AdamW(fused=True) refuses it and the answer is False."""
+    assert fused_adamw_available(torch.device("cpu")) is True
+    assert fused_adamw_available(torch.device("meta")) is False
+    p = torch.zeros(1, device="meta", requires_grad=True)
+    p.grad = torch.ones(1, device="meta")
+    with pytest.raises(RuntimeError, match="fused"):
+        torch.optim.AdamW([p], fused=True).step()
+
+
+def test_fused_adamw_is_not_claimed_where_torch_has_no_kernel(monkeypatch):
+    """A torch whose CPU build lacks the kernel (as before 2.4) answers with the dispatcher's
+    NotImplementedError on the first fused step: the trainer then steps the unfused AdamW."""
+    real = torch.optim.AdamW
+
+    class NoFusedKernel(real):
+        def step(self, closure=None):
+            if self.defaults.get("fused"):
+                raise NotImplementedError(
+                    "Could not run 'aten::_fused_adamw_' with arguments from the 'CPU' backend."
+                )
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", NoFusedKernel)
+    fused_adamw_available.cache_clear()
+    try:
+        assert fused_adamw_available(torch.device("cpu")) is False
+    finally:
+        fused_adamw_available.cache_clear()
+
+
+def test_test_faults_are_armed_once_and_only_where_they_act(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    none = {"nan_at_step": None, "kill_after_step": None}
+    # no fault asked for: nothing for the step loop to call
+    assert faults_mod.arm(**none, rank=1, world_size=2) is None
+    # the kill acts on the last rank of the first attempt only
+    assert faults_mod.arm(**{**none, "kill_after_step": 3}, rank=0, world_size=2) is None
+    armed = faults_mod.arm(**{**none, "kill_after_step": 3}, rank=1, world_size=2)
+    assert armed is not None and armed.kill_after_step == 3
+    armed.after_step(2, rank=1)  # not its step: returns
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert faults_mod.arm(**{**none, "kill_after_step": 3}, rank=1, world_size=2) is None
+    # the NaN acts on every rank, at its step only
+    nan = faults_mod.arm(**{**none, "nan_at_step": 2}, rank=0, world_size=2)
+    assert nan is not None and nan.kill_after_step is None
+    loss = torch.tensor(1.5)
+    assert nan.loss(1, loss) is loss
+    assert torch.isnan(nan.loss(2, loss))

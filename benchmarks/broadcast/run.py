@@ -93,6 +93,8 @@ def run_world(fabric: str, receivers: int, args, fab=None) -> list[dict]:
         cmds = [worker] * world
         envs = [_env(r, world, "127.0.0.1", port) for r in range(world)]
     else:
+        if fab is None:
+            raise ValueError(f"fabric {fabric!r}: no fabric to start the ranks on")
         port = 29400
         cmds = [fab.command(r, worker) for r in range(world)]
         envs = [_env(r, world, fab.address(0), port, fab.env(r)) for r in range(world)]

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,10 @@ from distlm.transfer import TransferOptions, broadcast_state_dict
 
 
 def gpt2_shapes(n_layer=12, n_embd=768, vocab=50257, n_pos=1024) -> dict[str, tuple[int, ...]]:
-    s = {"transformer.wte.weight": (vocab, n_embd), "transformer.wpe.weight": (n_pos, n_embd)}
+    s: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (vocab, n_embd),
+        "transformer.wpe.weight": (n_pos, n_embd),
+    }
     for i in range(n_layer):
         p = f"transformer.h.{i}."
         s.update(
@@ -135,7 +139,7 @@ def main() -> None:
             del flat
             # Correctness, outside the timed region: every receiver holds the sender's bits.
             fp = torch.tensor(fingerprint(sd), dtype=torch.int64)
-            got = [None] * topo.world_size
+            got: list[Any] = [None] * topo.world_size  # filled by all_gather_object
             dist.all_gather_object(
                 got,
                 {

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--model", help="model folder (default: a seeded init, see --layers/--embd)")
     p.add_argument("--prompts", default=str(ROOT / "config" / "prompts.txt"))
     p.add_argument(
@@ -67,6 +67,8 @@ def seeded_model(folder: Path, args) -> Path:
 
     tokdir = folder / "tokenizer"
     tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
+    if not isinstance(tok.eos_token_id, int):
+        raise SystemExit(f"tokenizer {tokdir}: eos_token_id {tok.eos_token_id!r} is not one id")
     cfg = init_config(
         ModelInitSettings(
             n_positions=256,
@@ -132,7 +134,9 @@ def hf_runner(model_dir: Path, texts: list[str], n: int):
         t0, total = time.perf_counter(), 0
         with torch.inference_mode():
             for x in ids:
-                total += model.generate(x, **kw).shape[1] - x.shape[1]
+                # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
+                out = model.generate(x, **kw)  # pyright: ignore[reportAttributeAccessIssue]
+                total += out.shape[1] - x.shape[1]
         wall = time.perf_counter() - t0
         return {
             "tokens": total,

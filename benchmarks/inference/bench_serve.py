@@ -47,7 +47,7 @@ PROMPTS = ROOT / "config" / "prompts.txt"
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--model", help="model folder (default: the seeded model of bench.py)")
     p.add_argument("--stages", default="2", help="pipeline stage counts to measure, e.g. 1,2")
     p.add_argument("--lanes", type=int, default=16)
@@ -101,7 +101,8 @@ def baseline_app(model_dir: Path):
     def complete(req: Completion):
         ids = torch.tensor([tok(req.prompt, add_special_tokens=False)["input_ids"]])
         with torch.inference_mode():
-            out = model.generate(
+            # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
+            out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
                 ids,
                 max_new_tokens=req.max_tokens,
                 do_sample=False,

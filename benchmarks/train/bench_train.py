@@ -202,10 +202,10 @@ def hf_worker(a, cfg: TrainConfig) -> None:
     stamps: list[float] = []
 
     class StepClock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
+        def on_train_begin(self, *_args, **_kw):  # (args, state, control, **kw)
             stamps.append(time.perf_counter())
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, *_args, **_kw):
             if a.device == "cuda":
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
@@ -419,7 +419,7 @@ def run_baseline(a, name: str, cfg_path: Path, inputs: dict, work: Path, n: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--config", default=str(ROOT / "config" / "config.yaml"))
     ap.add_argument("--results", default=str(ROOT / "results"), help="the workflow's results/")

@@ -11,38 +11,50 @@ TensorBoard, progress bar, log line) is timed as the rest. Rank 0 prints the sta
 and mean from metrics.csv, steps 11 on. A diagnostic, not the benchmark (bench_train.py).
 """
 
+import argparse
 import json
 import math
 import os
 import statistics as st
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from distlm.config import load_config, sections
+from distlm.config import load_config
 from distlm.log import setup_logging
+from distlm.settings.stage import TrainConfig
+from distlm.stages import stage_config
 from distlm.train import TrainPaths, run_training
 from distlm.train import trainer as T
 
-out = Path(sys.argv[1])
-cfg = sections(
-    load_config("config/config.yaml"), ["runtime", "data", "model", "broadcast", "train"]
+parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+parser.add_argument("out", type=Path, help="output folder (the training stage's results/train)")
+parser.add_argument(
+    "overrides",
+    nargs="*",
+    metavar="KEY=JSON",
+    help="dotted config override, e.g. train.max_steps=60; env.threads=N sets torch's threads",
 )
+parser.add_argument("--config", default="config/config.yaml", help="workflow config file")
+args = parser.parse_args()
+out: Path = args.out
+overrides: dict = {}
 env = {}
-for kv in sys.argv[2:]:
+for kv in args.overrides:
     k, v = kv.split("=", 1)
     v = json.loads(v)
     if k.startswith("env."):
         env[k[4:]] = v
         continue
-    d = cfg
+    d = overrides
     *ks, last = k.split(".")
     for kk in ks:
-        d = d[kk]
+        d = d.setdefault(kk, {})
     d[last] = v
+# the stage's typed config, as the resolve_config rule writes it for every rank
+cfg = TrainConfig.of(stage_config(load_config(args.config, overrides), "train"))
 PH = os.environ.get("PHASES") == "1"
 if env.get("threads"):
     torch.set_num_threads(int(env["threads"]))
@@ -137,7 +149,7 @@ if rank == 0:
     print(
         json.dumps(
             {
-                "args": sys.argv[2:],
+                "args": args.overrides,
                 "omp": os.environ.get("OMP_NUM_THREADS"),
                 "threads": torch.get_num_threads(),
                 "steps": len(t),

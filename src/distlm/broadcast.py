@@ -45,7 +45,7 @@ def run_broadcast_stage(
             f"broadcast.receivers is {receivers}, so the stage needs {expected} ranks; "
             f"it was launched with {topo.world_size}"
         )
-    if topo.is_main:
+    if tensors is not None:  # rank 0
         log.info(
             "sending %s: %d tensors, %.1f MB to %d receivers over %s (buckets %s MB, chunks %s MB)",
             weights,

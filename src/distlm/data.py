@@ -333,10 +333,10 @@ class TokenBlocks:
             check_tokens_file(f, self.path)
             if split not in f:
                 raise DistlmError(f"{self.path}: no split {split!r}")
-            self.block_size = int(f.attrs["block_size"])
-            self.vocab_size = int(f.attrs["vocab_size"])
-            self.n_blocks = int(f[split]["blocks"].shape[0])
-            self.n_tokens = int(f[split]["tokens"].shape[0])
+            self.block_size = _int_attr(f, self.path, "block_size")
+            self.vocab_size = _int_attr(f, self.path, "vocab_size")
+            self.n_blocks = int(_dataset(f, self.path, split, "blocks").shape[0])
+            self.n_tokens = int(_dataset(f, self.path, split, "tokens").shape[0])
 
     def __len__(self) -> int:
         return self.n_blocks
@@ -345,7 +345,7 @@ class TokenBlocks:
         if self._file is None:
             self._file = h5py.File(self.path, "r")
             # cached: the group lookup costs ~100x a row read (training reads rows every step)
-            self._ds = self._file[self.split]["blocks"]
+            self._ds = _dataset(self._file, self.path, self.split, "blocks")
         return self._ds
 
     def __getitem__(self, idx) -> np.ndarray:
@@ -361,7 +361,7 @@ class TokenBlocks:
     def tokens(self) -> np.ndarray:
         """The split's whole token stream (for sliding-window evaluation)."""
         with h5py.File(self.path, "r") as f:
-            return f[self.split]["tokens"][:].astype(np.int64)
+            return _dataset(f, self.path, self.split, "tokens")[:].astype(np.int64)
 
     def close(self) -> None:
         if self._file is not None:
@@ -380,11 +380,28 @@ def check_tokens_file(f: h5py.File, path: Path) -> None:
         raise DistlmError(f"{path}: not a distlm token file (format {f.attrs.get('format')!r})")
 
 
+def _dataset(f: h5py.File, path: Path, split: str, name: str) -> h5py.Dataset:
+    node = f.get(f"{split}/{name}")
+    if not isinstance(node, h5py.Dataset):
+        raise DistlmError(f"{path}: {split}/{name} is not a dataset ({type(node).__name__})")
+    return node
+
+
+def _int_attr(f: h5py.File, path: Path, name: str) -> int:
+    value = f.attrs.get(name)
+    if not isinstance(value, (int, np.integer)):
+        raise DistlmError(f"{path}: attribute {name!r} is {value!r}, not an integer")
+    return int(value)
+
+
 def read_tokens_meta(path: str | Path) -> dict:
     try:
         with h5py.File(path, "r") as f:
             check_tokens_file(f, Path(path))
-            return json.loads(f.attrs["meta"])
+            meta = f.attrs.get("meta")
+            if not isinstance(meta, str):
+                raise DistlmError(f"{path}: attribute 'meta' is {meta!r}, not a JSON string")
+            return json.loads(meta)
     except OSError as e:
         raise DistlmError(f"{path}: cannot read token file ({e})") from None
 

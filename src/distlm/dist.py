@@ -1,8 +1,6 @@
 """Process-group topology: decided once, then asked questions of.
 
     with distributed(backend="gloo", timeout_s=120) as topo:
-        with topo.main_first():          # rank 0 does it, the others wait, then read its result
-            ...
         if topo.is_main: ...
 
 Works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR set) and as a single plain process
@@ -52,15 +50,6 @@ class Topology:
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
-
-    @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first; the other ranks enter it after rank 0 has left it."""
-        if not self.is_main:
-            self.barrier()
-        yield
-        if self.is_main:
-            self.barrier()
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
@@ -161,14 +150,17 @@ def distributed(
         # A torchrun restart reuses the agent's store, which still holds the failed attempt's keys
         # (gloo/NCCL peer addresses): without a fresh prefix the new workers dial dead ones.
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(
+        # TCPStore and PrefixStore are public (documented) but not in torch.distributed's __all__
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             world,
             is_master=rank == 0 and not use_agent,
             timeout=_dt.timedelta(seconds=timeout_s),
         )
-        kwargs["store"] = dist.PrefixStore(f"distlm/attempt-{restart}", store)
+        kwargs["store"] = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
+            f"distlm/attempt-{restart}", store
+        )
     dist.init_process_group(
         backend=backend,
         rank=rank,

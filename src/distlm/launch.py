@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "       (inside a SLURM job: one srun task per node, c10d rendezvous on the first)"
     )
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__ + "\n" + usage)
+        print(f"{__doc__}\n{usage}")
         return 0 if argv else 2
     try:
         if argv[0] == "srun-torchrun":

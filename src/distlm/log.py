@@ -10,7 +10,10 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 T = TypeVar("T")
 _FORMAT = "%(asctime)s.%(msecs)03d [rank %(rank)s] %(levelname)s %(name)s: %(message)s"
@@ -71,8 +74,9 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-def progress(iterable: Iterable[T] | None = None, *, enabled: bool = True, **kwargs) -> Iterable[T]:
+def progress(iterable: Iterable[T] | None = None, *, enabled: bool = True, **kwargs) -> tqdm[T]:
     """A tqdm bar on stderr when `enabled` (pass `topo.is_main`); otherwise a silent iterator."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, disable=not enabled, dynamic_ncols=True, mininterval=1.0, **kwargs)
+    bar = tqdm(iterable, disable=not enabled, dynamic_ncols=True, mininterval=1.0, **kwargs)
+    return cast("tqdm[T]", bar)  # tqdm.auto's class is a tqdm; its overloads lose T

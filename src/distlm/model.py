@@ -192,7 +192,8 @@ def load_model_dir(
         model.tie_weights()
     if dtype is not None:
         model = model.to(dtype)
-    return model.to(device).eval()
+    # transformers' decorated PreTrainedModel.to loses `self` in its stub
+    return model.to(device).eval()  # pyright: ignore[reportArgumentType]
 
 
 MODEL_FORMAT = "distlm-model/1"
@@ -534,7 +535,7 @@ def serialize(
             f"data.block_size: {data_meta['block_size']} ({tokens_path}) is beyond model "
             f"{mcfg.name or 'init'}'s context of {config.n_positions}"
         )
-    model = model.to(DTYPES[mcfg.dtype])
+    model = model.to(DTYPES[mcfg.dtype])  # pyright: ignore[reportArgumentType] (as above)
     sd = state_dict_for_save(model)
     meta = {
         "created_by": "model",

@@ -21,7 +21,7 @@ from distlm.train import TrainPaths, run_training
 
 @record
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument(
         "--config", required=True, help="resolved config JSON (results/config/train.json)"
     )

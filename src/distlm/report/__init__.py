@@ -14,7 +14,13 @@ figure or table that says so; a malformed metrics file raises ReportError naming
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from distlm.report.items import FIGURES, ITEMS, SECTIONS, SUMMARY, TABLES, Item, category, outputs
+
+if TYPE_CHECKING:  # for the type checker: at run time they load lazily (below)
+    from distlm.report.build import build_report
+    from distlm.report.inputs import LAYOUT, Inputs, ReportError, collect
 
 # pandas and matplotlib load with the readers and the builder, on first use: the workflow imports
 # distlm.report.items while it builds the DAG and needs neither.

@@ -165,6 +165,8 @@ def build_report(
                     f"({'/'.join(item.path(f) for f in formats)})</figcaption></figure>"
                 )
         else:
+            if obj is not None and not isinstance(obj, pd.DataFrame):
+                raise TypeError(f"table {item.name}: its builder returned a {type(obj).__name__}")
             body = table_html(obj) if obj is not None else _note(reason)
             path = out_dir / item.path()
             write_text(path, _page(item.title, f"<h3>{html.escape(item.title)}</h3>\n{body}"))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
 
@@ -75,6 +76,12 @@ class Inputs:
 # ----------------------------------------------------------------------------- helpers
 
 
+def _numeric(col: Any) -> pd.Series:
+    """A column (`df[name]`, which pandas types as Series | DataFrame) as numbers, NaN where a cell
+    is not one (pandas' overloads say it may be a scalar; for a Series it is a Series)."""
+    return cast(pd.Series, pd.to_numeric(col, errors="coerce"))
+
+
 def _fail(path: Path, what: str, problem: str) -> ReportError:
     return ReportError(f"{path}: malformed {what}: {problem}")
 
@@ -97,11 +104,13 @@ def _csv(path: Path, what: str, *, sep: str = ",", required: tuple[str, ...] = (
             path, what, f"missing column(s) {', '.join(absent)} (columns: {', '.join(df.columns)})"
         )
     for c in required:
-        num = pd.to_numeric(df[c], errors="coerce")
-        bad = num.isna() & df[c].notna()
+        num = _numeric(df[c])
+        bad = (num.isna() & df[c].notna()).to_numpy()
         if bad.any():
-            row = int(bad.idxmax())
-            raise _fail(path, what, f"column {c!r} row {row + 1}: {df[c][row]!r} is not a number")
+            row = int(bad.argmax())
+            raise _fail(
+                path, what, f"column {c!r} row {row + 1}: {df[c].iloc[row]!r} is not a number"
+            )
         df[c] = num
     return df
 
@@ -138,7 +147,7 @@ def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
     return facts, pd.DataFrame(rows)
 
 
-def read_benchmarks(folder: Path, exclude: set[str] = frozenset()) -> pd.DataFrame | None:
+def read_benchmarks(folder: Path, exclude: AbstractSet[str] = frozenset()) -> pd.DataFrame | None:
     """Snakemake `benchmark:` TSVs -> one row per rule: wall seconds, peak RSS (MB), CPU seconds."""
     # In the order the jobs finished (a benchmark is written when its job ends).
     files = sorted(
@@ -158,7 +167,7 @@ def read_benchmarks(folder: Path, exclude: set[str] = frozenset()) -> pd.DataFra
             ("cpu_time", "cpu_s"),
             ("mean_load", "mean_load"),
         ):
-            row[out] = pd.to_numeric(df[col], errors="coerce").mean() if col in df else math.nan
+            row[out] = _numeric(df[col]).mean() if col in df else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -21,7 +21,16 @@ Results agree with transformers' path to float rounding (tests/test_train.py), n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _chunk_rows(vocab: int, device: torch.device) -> int:
@@ -59,9 +68,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
             g[torch.arange(g.shape[0], device=g.device), tc] -= 1.0
             g = g.div_(n).to(dtype)  # d(mean loss) / d(logits)
-            if want_h:
+            if grad_h is not None:
                 grad_h[s : s + rows] = torch.mm(g, w)
-            if want_w:
+            if grad_w is not None:
                 if grad_w.dtype == dtype:
                     grad_w.addmm_(g.t(), hc)
                 else:
@@ -80,7 +89,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
-@torch.compiler.disable  # under train.compile the body is compiled and this runs eagerly
+def _eager(fn: Callable[P, R]) -> Callable[P, R]:
+    """torch.compiler.disable with its type (torch leaves it unannotated)."""
+    return cast("Callable[P, R]", torch.compiler.disable(fn))
+
+
+@_eager  # under train.compile the body is compiled and this runs eagerly
 def linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, rows: int | None = None
 ) -> torch.Tensor:
@@ -96,7 +110,7 @@ class CausalLMLoss(torch.nn.Module):
     Holds the model as its only child, so DDP sees the same parameters in the same order.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: GPT2LMHeadModel) -> None:
         super().__init__()
         self.model = model
 
@@ -106,14 +120,15 @@ class CausalLMLoss(torch.nn.Module):
         return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
 
 
-def fuse_gelu(model: torch.nn.Module) -> int:
+def fuse_gelu(model: GPT2LMHeadModel) -> int:
     """Swap GPT-2's `gelu_new` modules for the one-kernel tanh GELU; returns how many."""
     from transformers.activations import NewGELUActivation
 
     n = 0
     for block in model.transformer.h:
-        if isinstance(block.mlp.act, NewGELUActivation):
-            block.mlp.act = torch.nn.GELU(approximate="tanh")
+        mlp = block.get_submodule("mlp")
+        if isinstance(mlp.get_submodule("act"), NewGELUActivation):
+            mlp.act = torch.nn.GELU(approximate="tanh")
             n += 1
     return n
 

@@ -13,9 +13,13 @@ import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distlm.io import write_text
 from distlm.log import get_logger
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 log = get_logger(__name__)
 
@@ -45,6 +49,16 @@ def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def _tb_step(tb: SummaryWriter, row: dict) -> None:
+    for k in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
+        tb.add_scalar(f"train/{k}", row[k], row["step"])
+
+
+def _tb_val(tb: SummaryWriter, row: dict) -> None:
+    tb.add_scalar("val/loss", row["val_loss"], row["step"])
+    tb.add_scalar("val/perplexity", row["val_perplexity"], row["step"])
+
+
 class Metrics:
     """Collects rows; `enabled` (rank 0) also writes TensorBoard events and the CSV files."""
 
@@ -68,7 +82,7 @@ class Metrics:
             r for r in (history or {}).get("val", []) if r["step"] <= start_step
         ]
         self.tb_dir = tb_dir
-        self._tb = None
+        self._tb: SummaryWriter | None = None
         if enabled and tb_dir is not None:
             self._open_tb()
 
@@ -79,20 +93,20 @@ class Metrics:
 
         assert self.tb_dir is not None
         shutil.rmtree(self.tb_dir, ignore_errors=True)
-        self._tb = SummaryWriter(str(self.tb_dir))
+        self._tb = tb = SummaryWriter(str(self.tb_dir))
         for r in self.train_rows:
-            self._tb_step(r)
+            _tb_step(tb, r)
         for r in self.val_rows:
-            self._tb_val(r)
+            _tb_val(tb, r)
 
-    def _tb_write(self, write: Callable[[], None]) -> None:
+    def _tb_write(self, write: Callable[[SummaryWriter], None]) -> None:
         """A TensorBoard write; when its folder went away under the run (Snakemake removes the
         outputs of a job it thinks incomplete, e.g. a rerun after Snakemake was killed while this
         job runs on), the folder is rebuilt from the history and training goes on."""
         if self._tb is None:
             return
         try:
-            write()
+            write(self._tb)
         except OSError as e:
             log.warning(
                 "TensorBoard events in %s cannot be written (%s): rebuilding the folder from the "
@@ -104,21 +118,13 @@ class Metrics:
                 self._tb.close()
             self._open_tb()
 
-    def _tb_step(self, row: dict) -> None:
-        for k in ("loss", "perplexity", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
-            self._tb.add_scalar(f"train/{k}", row[k], row["step"])
-
-    def _tb_val(self, row: dict) -> None:
-        self._tb.add_scalar("val/loss", row["val_loss"], row["step"])
-        self._tb.add_scalar("val/perplexity", row["val_perplexity"], row["step"])
-
     def log_step(self, row: dict) -> None:
         self.train_rows.append(row)
-        self._tb_write(lambda: self._tb_step(row))
+        self._tb_write(lambda tb: _tb_step(tb, row))
 
     def log_val(self, row: dict) -> None:
         self.val_rows.append(row)
-        self._tb_write(lambda: self._tb_val(row))
+        self._tb_write(lambda tb: _tb_val(tb, row))
 
     def history(self) -> dict:
         return {"train": list(self.train_rows), "val": list(self.val_rows)}
@@ -129,7 +135,7 @@ class Metrics:
             return
         write_text(self.metrics_csv, _csv(TRAIN_COLUMNS, self.train_rows))
         write_text(self.val_csv, _csv(VAL_COLUMNS, self.val_rows))
-        self._tb_write(lambda: self._tb.flush())
+        self._tb_write(lambda tb: tb.flush())
 
     def close(self) -> None:
         if self._tb is not None:

@@ -67,7 +67,7 @@ class StepSampler:
         self._perm: np.ndarray | None = None
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
+        if self._perm is None or epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm = torch.randperm(self.n_blocks, generator=g).numpy()
             self._perm_epoch = epoch

@@ -16,7 +16,7 @@ world size blocks); it is not rescaled when the world size changes, so keep the 
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 import math
 import os
 import signal
@@ -24,6 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
 from distlm.stages import STAGES
 from distlm.train import checkpoint as ckpt_mod
+from distlm.train import faults as faults_mod
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu
 from distlm.train.metrics import Metrics, perplexity
 from distlm.train.profiling import StepProfiler
@@ -158,9 +160,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+@functools.cache
 def fused_adamw_available(device: torch.device) -> bool:
-    # Fused AdamW kernels exist for CUDA and (torch >= 2.4) for the CPU.
-    return device.type in ("cuda", "cpu")
+    """Whether this torch build steps AdamW(fused=True) on `device`: tried once per device on a
+    one-element parameter. torch 2.13 has the fused kernel (`aten::_fused_adamw_`) for CPU, CUDA,
+    MPS, XPU, HPU and MTIA (CPU since torch 2.4); a device type outside torch.optim's fused list
+    is refused with a RuntimeError, one without the kernel with NotImplementedError."""
+    p = torch.zeros(1, device=device, requires_grad=True)
+    p.grad = torch.ones(1, device=device)
+    try:
+        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("no fused AdamW on %s (%s): the unfused AdamW steps", device, e)
+        return False
+    return True
 
 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -293,7 +306,9 @@ class Trainer:
         if self.topo.is_main:
             model = load_model_dir(self.paths.model, device=self.device, dtype=torch.float32)
         else:
-            model = build_model(self.model_config).to(device=self.device, dtype=torch.float32)
+            model = build_model(self.model_config).to(  # pyright: ignore[reportCallIssue]
+                device=self.device, dtype=torch.float32
+            )  # transformers' decorated PreTrainedModel.to loses `self` in its stub
         model.train()
         model.loss_type = "ForCausalLM"  # the shifted cross-entropy, named (silences a warning)
         self.model = model
@@ -301,8 +316,13 @@ class Trainer:
             self.precision
         ]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.nan_at = self.tcfg.fault.nan_at_step
-        self.kill_after = self.tcfg.fault.kill_after_step
+        # test faults: None (nothing in the step loop) unless a test asks for one
+        self.faults = faults_mod.arm(
+            nan_at_step=self.tcfg.fault.nan_at_step,
+            kill_after_step=self.tcfg.fault.kill_after_step,
+            rank=self.topo.rank,
+            world_size=self.topo.world_size,
+        )
 
     def _setup_optimizer(self) -> None:
         t = self.tcfg
@@ -493,7 +513,8 @@ class Trainer:
         else:
             module = ReferenceLoss(self.model)
         if self.tcfg.compile:
-            module = torch.compile(module)
+            # an nn.Module compiles to an OptimizedModule (torch.compile's stub says Callable)
+            module = cast(torch.nn.Module, torch.compile(module))
         self.fwd = module  # input_ids -> mean next-token loss, for evaluation (no DDP hooks)
         self.ddp = DDP(
             module,
@@ -526,8 +547,8 @@ class Trainer:
             with sync:
                 with self._autocast():
                     loss = self.ddp(x) / accum
-                if self.nan_at is not None and step + 1 == self.nan_at:
-                    loss = loss * float("nan")  # test hook (train.fault.nan_at_step)
+                if self.faults is not None:
+                    loss = self.faults.loss(step + 1, loss)  # train.fault.nan_at_step
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
@@ -545,6 +566,7 @@ class Trainer:
             loss_red[1 + STOP_SIGNALS.index(self._stop_signal)] = 1.0
         loss_red[-1] = float(self.lease is not None and self.lease.lost is not None)
         work = dist.all_reduce(loss_red, async_op=True)
+        assert work is not None  # async_op=True: a Work (the stub says Optional)
         gnorm_v = gnorm.item()
         if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
             work.wait()
@@ -632,9 +654,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """All ranks call: RNG states are gathered to rank 0, which writes the checkpoint."""
         rng = ckpt_mod.rng_state(self.device)
-        gathered = [None] * self.topo.world_size if self.topo.is_main else None
+        gathered: list[Any] | None = [None] * self.topo.world_size if self.topo.is_main else None
         dist.gather_object(rng, gathered, dst=0)
-        if self.topo.is_main:
+        if gathered is not None:  # rank 0
             t0 = time.perf_counter()
             state = {
                 "identity": self.identity(),
@@ -715,21 +737,6 @@ class Trainer:
         self.topo.barrier()
         return meta
 
-    def _fault_kill(self) -> None:
-        """Test hook (train.fault.kill_after_step): the last rank dies hard, on the first attempt only."""
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
-        if (
-            self.kill_after == self.step
-            and first_attempt
-            and self.topo.rank == self.topo.world_size - 1
-        ):
-            log.warning(
-                "train.fault.kill_after_step=%d: killing rank %d", self.step, self.topo.rank
-            )
-            for h in logging.getLogger("distlm").handlers:
-                h.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict | None:
@@ -777,8 +784,8 @@ class Trainer:
                             f"{why}: the checkpoint of step {self.step} is written; run the same "
                             "command again to resume from it"
                         )
-                    if self.kill_after is not None:
-                        self._fault_kill()
+                    if self.faults is not None:
+                        self.faults.after_step(self.step, self.topo.rank)
         finally:
             bar.close()
             for sig, h in handlers.items():

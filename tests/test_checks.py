@@ -1,0 +1,132 @@
+"""Repository checks: every benchmark script starts, and the conda envs' pins agree with
+pyproject.toml and CI."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARK_SCRIPTS = sorted(p.relative_to(ROOT) for p in (ROOT / "benchmarks").rglob("*.py"))
+ENVS = sorted((ROOT / "workflow" / "envs").glob("*.yaml"))
+
+
+def test_there_are_benchmark_scripts_and_envs():
+    assert len(BENCHMARK_SCRIPTS) >= 7, BENCHMARK_SCRIPTS
+    assert len(ENVS) >= 5, ENVS
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[Path, subprocess.CompletedProcess]:
+    """`python <script> --help` of every benchmark script, all started at once (seconds each)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
+    procs = {
+        script: subprocess.Popen(
+            [sys.executable, str(script), "--help"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for script in BENCHMARK_SCRIPTS
+    }
+    out = {}
+    for script, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        out[script] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+@pytest.mark.parametrize("script", BENCHMARK_SCRIPTS, ids=str)
+def test_benchmark_script_starts(script, helps):
+    """`python <script> --help` exits 0: its imports resolve and its arguments parse."""
+    r = helps[script]
+    assert r.returncode == 0, f"{script} --help exited {r.returncode}:\n{r.stderr[-3000:]}"
+    assert "usage:" in r.stdout, f"{script} --help printed no usage:\n{r.stdout[-2000:]}"
+
+
+def _pyproject_requirements() -> dict[str, SpecifierSet]:
+    """Package name -> the specifiers pyproject.toml puts on it (dependencies and every extra)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        reqs += extra
+    out: dict[str, SpecifierSet] = {"python": SpecifierSet(project["requires-python"])}
+    for line in reqs:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        out[name] = out.get(name, SpecifierSet()) & req.specifier
+    return out
+
+
+def _env_pins(path: Path) -> dict[str, str]:
+    """Package name -> pinned version in a conda env file: conda `name=ver` and pip `name==ver`."""
+    doc = yaml.safe_load(path.read_text())
+    pins: dict[str, str] = {}
+    for dep in doc["dependencies"]:
+        if isinstance(dep, dict):
+            for line in dep.get("pip", []):
+                if line.startswith("-"):  # -e ../.. (distlm itself)
+                    continue
+                req = Requirement(line)
+                specs = list(req.specifier)
+                assert len(specs) == 1 and specs[0].operator == "==", (
+                    f"{path.name}: pip dependency {line!r} is not pinned with =="
+                )
+                pins[canonicalize_name(req.name)] = specs[0].version
+        else:
+            name, sep, version = str(dep).partition("=")
+            assert sep and version and not version.startswith("="), (
+                f"{path.name}: conda dependency {dep!r} is not pinned as name=version"
+            )
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def _ci_torch() -> str:
+    """The torch build CI installs (.ci/run), the one the test command runs with."""
+    m = re.search(r"\btorch==([0-9][0-9.]*)", (ROOT / ".ci" / "run").read_text())
+    assert m, ".ci/run pins no torch==VERSION"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("env", ENVS, ids=lambda p: p.name)
+def test_env_pins_agree_with_pyproject(env):
+    """Every package an env pins and pyproject.toml declares: the pin satisfies pyproject's
+    specifier; torch is the version CI tests (.ci/run)."""
+    declared = _pyproject_requirements()
+    pins = _env_pins(env)
+    checked = 0
+    for name, version in pins.items():
+        if name in declared:
+            checked += 1
+            assert Version(version) in declared[name], (
+                f"{env.name}: {name} {version} does not satisfy pyproject.toml's "
+                f"{name}{declared[name]}"
+            )
+    assert checked >= 3, f"{env.name}: pins {sorted(pins)}, few of them declared in pyproject.toml"
+    if "torch" in pins:
+        assert pins["torch"] == _ci_torch(), (
+            f"{env.name}: torch {pins['torch']}, but CI (.ci/run) tests torch {_ci_torch()}"
+        )
+
+
+def test_envs_pin_one_version_of_each_package():
+    """A package pinned in several envs has the same version in all of them."""
+    seen: dict[str, tuple[str, str]] = {}
+    for env in ENVS:
+        for name, version in _env_pins(env).items():
+            first = seen.setdefault(name, (version, env.name))
+            assert first[0] == version, (
+                f"{name}: {env.name} pins {version}, {first[1]} pins {first[0]}"
+            )
