@@ -131,6 +131,7 @@ def run_benchmarks(results: Path, variants: dict[str, str]) -> list[Path]:
 class RunData:
     name: str
     varied: dict[str, Any]
+    train: str  # its training variant: runs that share it share their curves
     metrics: pd.DataFrame | None
     val: pd.DataFrame | None
     evals: pd.DataFrame | None
@@ -152,6 +153,7 @@ def collect_runs(results: Path, desc: dict[str, Any]) -> list[RunData]:
             RunData(
                 name=name,
                 varied=r["varied"],
+                train=r["variants"]["train"],
                 metrics=_read(lay["metrics"], read_metrics),
                 val=_read(lay["val"], read_val),
                 evals=_read(lay["eval_trained"], read_eval, "trained"),
@@ -169,24 +171,26 @@ def _last(df: pd.DataFrame | None, col: str) -> float:
     return float(df[col].iloc[-1]) if df is not None and not df.empty else math.nan
 
 
-def _label(run: RunData) -> str:
-    return run.name
-
-
 def figure_loss(runs: list[RunData]) -> Figure | None:
+    """One line per training variant: runs that share their training (they differ only in
+    later stages) share a line, labelled with all their names."""
     if not any(r.val is not None or r.metrics is not None for r in runs):
         return None
     fig, (ax,) = _figure(1, 1, "Validation loss per run (train loss faint)")
     fig.set_size_inches(9.5, 5.2)
-    for i, r in enumerate(runs):
-        color = f"C{i % 10}"
+    trainings: dict[str, list[RunData]] = {}
+    for r in runs:
+        trainings.setdefault(r.train, []).append(r)
+    for i, group in enumerate(trainings.values()):
+        r, color = group[0], f"C{i % 10}"
+        label = ", ".join(g.name for g in group)
         if r.metrics is not None:
-            ax.plot(r.metrics["step"], r.metrics["loss"], color=color, alpha=0.22, lw=1)
+            ax.plot(r.metrics["step"], r.metrics["loss"], color=color, alpha=0.3, lw=1)
         if r.val is not None:
-            ax.plot(r.val["step"], r.val["val_loss"], "o-", color=color, lw=2, ms=4, label=r.name)
+            ax.plot(r.val["step"], r.val["val_loss"], "o-", color=color, lw=2, ms=4, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.legend(fontsize=9, title="run (validation)", ncols=2 if len(runs) > 6 else 1)
+    ax.legend(fontsize=9, title="validation loss of run(s)")
     return fig
 
 
@@ -213,9 +217,10 @@ def table_runs(runs: list[RunData], varied: list[str]) -> pd.DataFrame:
         )
     df = pd.DataFrame(rows)
     best = df["final val loss"].idxmin() if df["final val loss"].notna().any() else None
-    df.insert(0, "best", ["\u2605" if i == best else "" for i in df.index])
+    if best is not None:
+        df.loc[best, "run"] = f"\u2605 {df.loc[best, 'run']}"
     df.attrs["caption"] = (
-        "\u2605 lowest final validation loss. train tokens/s: median over logged steps; wall s "
+        "\u2605 lowest final validation loss (runs that share their training share it too). train tokens/s: median over logged steps; wall s "
         "and peak MB: the train job's Snakemake benchmark (max RSS of the job's processes)."
     )
     df.attrs["best"] = best
