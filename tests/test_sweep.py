@@ -187,7 +187,7 @@ def test_tiny_sweep_writes_per_run_outputs_and_the_comparison(sweep_run):
         assert (wd / run.jobs["train"] / "train/final/model.safetensors").is_file()
         assert (wd / run.jobs["train"] / "train/checkpoints").is_dir()  # its own checkpoints
         page = (wd / f"results/runs/{name}/report/summary.html").read_text()
-        assert "Validation loss" in page and "not collected" not in page.split("<h2")[1]
+        assert "Validation loss" in page and 'class="not-collected"' not in page
     # runs with one learning rate share their training; every run has its own inference
     train = {n: r.jobs["train"] for n, r in runs.items()}
     assert train[RUNS[0]] == train[RUNS[1]] != train[RUNS[2]] == train[RUNS[3]]
@@ -202,6 +202,19 @@ def test_tiny_sweep_writes_per_run_outputs_and_the_comparison(sweep_run):
     assert table.count('class="best"') == 1
     for f in ("figures/sweep_loss.png", "tables/sweep_runs.html", "figures/sweep_inference.png"):
         assert (wd / "results/report" / f).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_snakemake_report_labels_each_runs_outputs_with_the_run(sweep_run, tmp_path):
+    wd, _ = sweep_run
+    out = tmp_path / "report.html"
+    cmd = snakemake_cmd(wd, "--report", str(out), configfiles=(TINY, TINY_SWEEP))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    text = out.read_text()
+    for run in RUNS:  # every per-run figure and table, and the run's page
+        assert len(re.findall(rf'"run": "{re.escape(run)}"', text)) == 18, run
+    assert '"0. Sweep"' in text or "0. Sweep" in text
 
 
 @pytest.mark.slow

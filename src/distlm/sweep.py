@@ -35,6 +35,7 @@ import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -214,7 +215,7 @@ class Plan:
     runs: dict[str, Run]
     shared: dict[str, dict[str, list[str]]]  # job -> variant -> names of the runs sharing it
 
-    @property
+    @cached_property
     def by_variant(self) -> dict[str, tuple[str, Run]]:
         """variant -> (its job, the first run that has it)."""
         return {
