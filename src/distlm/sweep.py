@@ -296,6 +296,29 @@ def job_counts(plan: Plan) -> dict[str, tuple[int, int]]:
     return counts
 
 
+def run_dir(run: str) -> str:
+    """results/runs/<run>: the per-run view the report writes."""
+    return f"{RUNS}/{run}"
+
+
+def describe(plan: Plan) -> dict[str, Any]:
+    """What the report needs of a sweep, as plain data (the report rule's param): per run its
+    override, varied values and job variants; the varied keys; the variants of each job."""
+    varied = plan.varied()
+    return {
+        "varied": varied,
+        "runs": {
+            name: {
+                "override": run.override,
+                "varied": {k: leaves(run.config).get(k) for k in varied},
+                "variants": run.variants,
+            }
+            for name, run in plan.runs.items()
+        },
+        "shared": plan.shared,
+    }
+
+
 class SweepRun(Document):
     """results/runs/<run>/run.json: one run of a sweep, written by the report."""
 

@@ -72,13 +72,32 @@ def setting(key, fn=lambda v: v):
 
 
 def upstream(job, output):
-    """Output `output` of job `job` (distlm.stages.JOBS) that a rule reads: in a sweep, of the
-    variant of `job` that the consuming job's variant was derived from."""
+    """Output `output` of job `job` (distlm.stages.JOBS), an input of the job that consumes it;
+    in a sweep, of the variant of `job` that the consuming job's variant was derived from.
+    """
     _, wildcards = split_job(job)
     path = STAGES[JOBS[job][0]].path(output, **wildcards)
     if SWEEP:
         return lambda wc: variant_path(path, SWEEP.upstream(wc.variant, job))
     return path
+
+
+def model_folder(wildcards):
+    """The model folder of {model} (MODEL_FOLDERS, model.smk); in a sweep, of the variant that
+    this job variant consumes."""
+    path = MODEL_FOLDERS[wildcards.model]
+    if SWEEP:
+        return variant_path(
+            path, SWEEP.upstream(wildcards.variant, MODEL_JOBS[wildcards.model])
+        )
+    return path
+
+
+def run_labels(run, **labels):
+    """report() labels of a sweep run's output: the run and its values of the varied keys, so
+    `snakemake --report` lets one switch between runs."""
+    varied = SWEEP_DESCRIPTION["runs"][run]["varied"]
+    return {"run": run, **{k: str(v) for k, v in varied.items()}, **labels}
 
 
 def sweep_shell(cmd):

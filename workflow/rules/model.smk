@@ -23,17 +23,7 @@ MODEL_FOLDERS = {
     "base": STAGES["model"].path("model"),
     "trained": STAGES["train"].path("final"),
 }
-MODEL_JOBS = {"base": "serialize_model", "trained": "train"}
-
-
-def model_folder(wildcards):
-    """The model folder of {model}; in a sweep, of the variant this job variant consumes."""
-    path = MODEL_FOLDERS[wildcards.model]
-    if SWEEP:
-        return variant_path(
-            path, SWEEP.upstream(wildcards.variant, MODEL_JOBS[wildcards.model])
-        )
-    return path
+MODEL_JOBS = {"base": "serialize_model", "trained": "train"}  # common.smk: model_folder
 
 
 # Pipeline shards: a model folder cut into inference.stages shards (sha256 manifest), read only

@@ -1,9 +1,13 @@
 # The report of a sweep (README "Sweeps"): the runs side by side in results/report/, and each
 # run's own report and run.json in results/runs/<run>/. It replaces report.smk's rule when the
 # config has a `sweep`; every other rule runs once per job variant (workflow/rules/common.smk).
-from distlm.report.items import category, outputs as report_items
-from distlm.report.sweep import SECTION, describe, run_dir, sweep_outputs
-from distlm.sweep import SWEEP_JOBS
+from distlm.report.items import (
+    SWEEP_SECTION,
+    category,
+    outputs as report_items,
+    sweep_outputs,
+)
+from distlm.sweep import SWEEP_JOBS, describe, run_dir
 
 REPORT_DIR = STAGES["report"].dir
 REPORT_CFG = stage_config(
@@ -21,13 +25,6 @@ SWEEP_TARGETS = [
 ]
 
 
-def run_labels(run, **labels):
-    """report() labels of a run's output: the run and its varied values, so `snakemake
-    --report` lets one switch between runs."""
-    varied = SWEEP_DESCRIPTION["runs"][run]["varied"]
-    return {"run": run, **{k: str(v) for k, v in varied.items()}, **labels}
-
-
 rule report:
     input:
         SWEEP_TARGETS,
@@ -36,7 +33,7 @@ rule report:
             report(
                 f"{REPORT_DIR}/{path}",
                 caption=f"../report/{item.name}.rst",
-                category=SECTION,
+                category=SWEEP_SECTION,
                 labels={"item": item.title, "type": item.kind, "file": path},
             )
             for item, path in sweep_outputs(FORMATS)

@@ -1,6 +1,7 @@
 """The report of a sweep: the runs side by side, and each run's own report.
 
     from distlm.report.sweep import build_sweep_report
+    from distlm.sweep import describe
     build_sweep_report("results", "results/report", runs=describe(plan), formats=["png"])
 
 writes results/report/summary.html (the comparison: validation loss of every run on one figure
@@ -39,8 +40,9 @@ from distlm.report.inputs import (
     read_timing,
     read_val,
 )
+from distlm.report.items import SWEEP_ITEMS
 from distlm.stages import RESULTS, STAGES
-from distlm.sweep import RUNS, VARIANTS, Plan, SweepRun, leaves
+from distlm.sweep import VARIANTS, SweepRun, run_dir
 
 log = get_logger(__name__)
 
@@ -56,56 +58,6 @@ LAYOUT_JOBS = {
     "timing": "inference",
     "generations": "inference",
 }
-
-
-@dataclass(frozen=True)
-class SweepItem:
-    """One figure or table of the sweep comparison (results/report/<kind>s/<name>.<fmt>)."""
-
-    name: str
-    kind: str
-    title: str
-
-    def path(self, fmt: str = "png") -> str:
-        return f"figures/{self.name}.{fmt}" if self.kind == "figure" else f"tables/{self.name}.html"
-
-
-SWEEP_ITEMS = (
-    SweepItem("sweep_loss", "figure", "Validation loss of every run (train loss faint)"),
-    SweepItem("sweep_runs", "table", "Runs: varied keys, results, cost; best run marked"),
-    SweepItem("sweep_inference", "figure", "Inference tokens/s and time to first token per run"),
-    SweepItem("sweep_jobs", "table", "Jobs: variants run, shared between runs"),
-)
-SECTION = "0. Sweep"
-
-
-def sweep_outputs(formats=("png",)) -> list[tuple[SweepItem, str]]:
-    """Every (item, path relative to the report folder) of the comparison, summary excluded."""
-    return [
-        (i, i.path(f)) for i in SWEEP_ITEMS for f in (formats if i.kind == "figure" else ("html",))
-    ]
-
-
-def run_dir(run: str) -> str:
-    return f"{RUNS}/{run}"
-
-
-def describe(plan: Plan) -> dict[str, Any]:
-    """What the report needs of a sweep, as plain data (the report rule's param): per run its
-    override, varied values and job variants; the varied keys; the variants of each job."""
-    varied = plan.varied()
-    return {
-        "varied": varied,
-        "runs": {
-            name: {
-                "override": run.override,
-                "varied": {k: leaves(run.config).get(k) for k in varied},
-                "variants": run.variants,
-            }
-            for name, run in plan.runs.items()
-        },
-        "shared": plan.shared,
-    }
 
 
 # ----------------------------------------------------------------------------- inputs
