@@ -153,7 +153,7 @@ def sweep_run(tmp_path_factory) -> tuple[Path, dict[str, int]]:
 
 def _dry(wd: Path, tmp: Path, sweep: dict, name: str) -> dict[str, int]:
     edit = tmp / f"{name}.yaml"
-    edit.write_text(yaml.safe_dump({"sweep": sweep}))
+    edit.write_text(yaml.safe_dump({"sweep": sweep}, sort_keys=False))  # grid order names runs
     cmd = snakemake_cmd(wd, "-n", "--nolock", configfiles=(TINY, edit))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
