@@ -127,6 +127,25 @@ def test_variants_depend_on_the_run_alone():
     assert moved == {"evaluate[base]", "evaluate[trained]"}
 
 
+def test_the_report_says_what_is_missing_and_drops_runs_that_left(tmp_path):
+    from distlm.report.sweep import build_sweep_report
+    from distlm.sweep import describe
+
+    results = tmp_path / "results"
+    stale = results / "runs" / "gone"
+    stale.mkdir(parents=True)
+    (stale / "run.json").write_text("{}")
+    p = plan({"runs": {"a": {"train.lr": 0.003}}})
+    written = build_sweep_report(results, results / "report", runs=describe(p))
+    assert not stale.exists()
+    run = read_document(results / "runs/a/run.json", SweepRun)
+    assert run.override == {"train": {"lr": 0.003}} and run.varied == {}
+    assert run.jobs["train"] == f"results/variants/{p.runs['a'].variants['train']}"
+    summary = (results / "report/summary.html").read_text()
+    assert "a</a>" in summary and written[0] == results / "report/summary.html"
+    assert (results / "report/figures/sweep_loss.png").stat().st_size > 0  # says not collected
+
+
 # ----------------------------------------------------------------------------- the workflow
 
 

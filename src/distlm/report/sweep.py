@@ -20,6 +20,7 @@ import datetime as _dt
 import html
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from distlm.report.inputs import (
 )
 from distlm.report.items import SWEEP_ITEMS
 from distlm.stages import RESULTS, STAGES
-from distlm.sweep import VARIANTS, SweepRun, run_dir
+from distlm.sweep import RUNS, VARIANTS, SweepRun, run_dir
 
 log = get_logger(__name__)
 
@@ -277,6 +278,14 @@ def build_sweep_report(
     desc, varied = runs, runs["varied"]
     data = collect_runs(results, desc)
     written: list[Path] = []
+    runs_root = results / RUNS[len(RESULTS) + 1 :]
+    if runs_root.is_dir():  # the per-run view of runs no longer in the sweep (their variants stay)
+        for gone in sorted(p for p in runs_root.iterdir() if p.name not in desc["runs"]):
+            log.info("removing %s: run %r is no longer in the sweep", gone, gone.name)
+            if gone.is_dir() and not gone.is_symlink():
+                shutil.rmtree(gone)
+            else:
+                gone.unlink()
     for name, r in desc["runs"].items():
         folder = results / run_dir(name)[len(RESULTS) + 1 :]
         doc = SweepRun(
