@@ -32,6 +32,10 @@ python -m snakefmt --check Snakefile workflow/rules/*.smk || lint_failed=1
 lintdir=$(mktemp -d)
 python -m snakemake --lint --directory "$lintdir" -s Snakefile >"$lintdir/lint.txt" 2>&1 || lint_failed=1
 grep -q "Congratulations" "$lintdir/lint.txt" || { cat "$lintdir/lint.txt"; lint_failed=1; }
+# ... and the DAG of a sweep (config/sweep.yaml: every rule with its {variant} wildcard)
+python -m snakemake --lint --directory "$lintdir" -s Snakefile --configfile config/sweep.yaml \
+  >"$lintdir/lint-sweep.txt" 2>&1 || lint_failed=1
+grep -q "Congratulations" "$lintdir/lint-sweep.txt" || { cat "$lintdir/lint-sweep.txt"; lint_failed=1; }
 rm -rf "$lintdir"
 python -m pyright || lint_failed=1
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2

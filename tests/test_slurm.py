@@ -361,3 +361,36 @@ def test_a_failing_job_is_reported_with_its_slurm_log(cluster, profile, tmp_path
     assert "distlm-check: rank 1 on node2 fails" in out, out[-3000:]
     f = job_fields(cluster, jobs["fail"]["slurm_id"])
     assert f["JobState"] == "FAILED", f
+
+
+def test_a_sweeps_training_runs_are_in_the_queue_together(cluster, profile, tmp_path):
+    """Two learning rates of a sweep train in two stage folders (own checkpoints, own lease), so
+    their jobs are independent: SLURM runs both at once (README "Sweeps")."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("sweep:\n  grid:\n    train.lr: [0.003, 0.001]\n")
+    wd = tmp_path / "wd"
+    proc = run_snakemake(
+        wd,
+        "--configfile",
+        str(TINY),
+        str(SLURM_CONFIG),
+        str(sweep),
+        "--until",
+        "train",
+        configfile=None,
+        profile=profile,
+        env=cluster.env_changes(),
+    )
+    subs = submissions(proc.stdout + proc.stderr)
+    assert len(subs["train"]) == 2, subs
+    spans = []
+    for job_id in subs["train"]:
+        f = job_fields(cluster, job_id)
+        assert f["JobState"] == "COMPLETED", f
+        spans.append((f["StartTime"], f["EndTime"]))  # ISO 8601: they sort as strings
+    (start_a, end_a), (start_b, end_b) = spans
+    assert max(start_a, start_b) < min(end_a, end_b), (
+        f"the trainings ran one after the other: {spans}"
+    )
+    leases = list((wd / "results/variants").glob("*/train/checkpoints"))
+    assert len(leases) == 2, leases

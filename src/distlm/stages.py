@@ -256,10 +256,17 @@ def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
 # ----------------------------------------------------------------------------- rerun table
 
 
+# Top-level sections that are no stage's setting: `sweep` turns one config into named runs
+# (distlm.sweep; README "Sweeps"), so it has no row in the rerun table.
+NOT_STAGE_KEYS = ("sweep",)
+
+
 def schema_keys(schema: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Every leaf key of the config schema, dotted, in schema order."""
+    """Every leaf key of the config schema that a stage may read, dotted, in schema order."""
     keys = []
     for name, sub in schema.get("properties", {}).items():
+        if not prefix and name in NOT_STAGE_KEYS:
+            continue
         key = f"{prefix}{name}"
         if sub.get("type") == "object" and "properties" in sub:
             keys.extend(schema_keys(sub, key + "."))

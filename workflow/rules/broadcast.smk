@@ -4,21 +4,23 @@
 rule broadcast:
     input:
         cfg=resolved_config("broadcast"),
-        model=rules.serialize_model.output.model,
+        model=upstream("serialize_model", "model"),
     output:
         **outputs_of("broadcast"),
     log:
-        "logs/broadcast/torchrun.log",
+        log_of("logs/broadcast/torchrun.log"),
     benchmark:
         benchmark_of("broadcast")
     conda:
         "../envs/torch.yaml"
-    threads: 1 + config["broadcast"]["receivers"]
+    threads: setting("broadcast.receivers", lambda n: 1 + n)
     params:
         script=entry_point("broadcast.py"),
         cfg=params_of("broadcast"),
-        nproc=1 + config["broadcast"]["receivers"],
+        nproc=setting("broadcast.receivers", lambda n: 1 + n),
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
-        " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
-        " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log:q} 2>&1"
+        sweep_shell(
+            "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
+            " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
+            " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log:q} 2>&1"
+        )

@@ -9,10 +9,10 @@ rule resolve_config:
     output:
         resolved_config("{stage}"),
     log:
-        "logs/config/{stage}.log",
+        log_of("logs/config/{stage}.log"),
     conda:
         "../envs/data.yaml"
     params:
-        cfg=lambda wc: params_of(wc.stage),
+        cfg=lambda wc: stage_config(config_of(wc), wc.stage),
     script:
         "../scripts/resolve_config.py"

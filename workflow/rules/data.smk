@@ -3,7 +3,7 @@ rule prepare_data:
     output:
         **outputs_of("data"),
     log:
-        "logs/data/prepare.log",
+        log_of("logs/data/prepare.log"),
     benchmark:
         benchmark_of("prepare_data")
     conda:

@@ -3,23 +3,25 @@
 rule evaluate:
     input:
         cfg=resolved_config("eval"),
-        tokens=rules.prepare_data.output.tokens,
-        model=lambda wc: MODEL_FOLDERS[wc.model],
+        tokens=upstream("prepare_data", "tokens"),
+        model=model_folder,
     output:
         **outputs_of("eval", model="{model}"),
     log:
-        "logs/eval/{model}.log",
+        log_of("logs/eval/{model}.log"),
     benchmark:
         benchmark_of("evaluate_{model}")
     conda:
         "../envs/torch.yaml"
-    threads: config["eval"]["nproc_per_node"]
+    threads: setting("eval.nproc_per_node")
     params:
         script=entry_point("evaluate.py"),
         cfg=params_of("eval"),
-        nproc=config["eval"]["nproc_per_node"],
+        nproc=setting("eval.nproc_per_node"),
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
-        " --config {input.cfg:q} --model {input.model:q} --tokens {input.tokens:q}"
-        " --name {wildcards.model} --out {output.json:q}"
-        " --rank-log 'logs/eval/{wildcards.model}.rank{{rank}}.log' > {log:q} 2>&1"
+        sweep_shell(
+            "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
+            " --config {input.cfg:q} --model {input.model:q} --tokens {input.tokens:q}"
+            " --name {wildcards.model} --out {output.json:q}"
+            " --rank-log 'logs/eval/{wildcards.model}.rank{{rank}}.log' > {log:q} 2>&1"
+        )

@@ -7,24 +7,24 @@ from distlm.inference.prompts import resolve_prompts_path
 rule inference:
     input:
         cfg=resolved_config("inference"),
-        model=STAGES["shard"].path("pipeline", model="trained"),
+        model=upstream("shard[trained]", "pipeline"),
         # relative to the working directory first, then the repository root
         prompts=lambda wc: tracked_path(
-            resolve_prompts_path(config["inference"]["prompts"], ROOT)
+            resolve_prompts_path(config_of(wc)["inference"]["prompts"], ROOT)
         ),
     output:
         **outputs_of("inference"),
     log:
-        "logs/inference/infer.log",
+        log_of("logs/inference/infer.log"),
     benchmark:
         benchmark_of("inference")
     conda:
         "../envs/mpi.yaml"
-    threads: config["inference"]["stages"]
+    threads: setting("inference.stages")
     params:
         script=entry_point("infer.py"),
         cfg=params_of("inference"),
-        stages=config["inference"]["stages"],
+        stages=setting("inference.stages"),
     shell:
         "{resources.mpi} -n {params.stages} python {params.script:q} --config {input.cfg:q}"
         " --model {input.model:q} --prompts {input.prompts:q}"

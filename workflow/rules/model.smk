@@ -1,12 +1,12 @@
 # Model download/serialize: hub id, local folder or seeded init -> model folder (safetensors).
 rule serialize_model:
     input:
-        tokens=rules.prepare_data.output.tokens,
-        tokenizer=rules.prepare_data.output.tokenizer,
+        tokens=upstream("prepare_data", "tokens"),
+        tokenizer=upstream("prepare_data", "tokenizer"),
     output:
         **outputs_of("model"),
     log:
-        "logs/model/serialize.log",
+        log_of("logs/model/serialize.log"),
     benchmark:
         benchmark_of("serialize_model")
     conda:
@@ -18,22 +18,23 @@ rule serialize_model:
         "../scripts/serialize_model.py"
 
 
-# The folders the shard and evaluate rules read, by the {model} wildcard.
+# The folders the shard and evaluate rules read, by the {model} wildcard, and their jobs.
 MODEL_FOLDERS = {
     "base": STAGES["model"].path("model"),
     "trained": STAGES["train"].path("final"),
 }
+MODEL_JOBS = {"base": "serialize_model", "trained": "train"}  # common.smk: model_folder
 
 
 # Pipeline shards: a model folder cut into inference.stages shards (sha256 manifest), read only
 # by the pipeline-parallel stages; so a change of inference.stages re-cuts, never retrains.
 rule shard:
     input:
-        model=lambda wc: MODEL_FOLDERS[wc.model],
+        model=model_folder,
     output:
         **outputs_of("shard", model="{model}"),
     log:
-        "logs/shard/{model}.log",
+        log_of("logs/shard/{model}.log"),
     benchmark:
         benchmark_of("shard_{model}")
     conda:

@@ -6,27 +6,29 @@
 rule train:
     input:
         cfg=resolved_config("train"),
-        tokens=rules.prepare_data.output.tokens,
-        tokenizer=rules.prepare_data.output.tokenizer,
-        model=rules.serialize_model.output.model,
+        tokens=upstream("prepare_data", "tokens"),
+        tokenizer=upstream("prepare_data", "tokenizer"),
+        model=upstream("serialize_model", "model"),
     output:
         **outputs_of("train"),
     log:
-        "logs/train/train.log",
+        log_of("logs/train/train.log"),
     benchmark:
         benchmark_of("train")
     conda:
         "../envs/torch.yaml"
-    threads: config["train"]["nproc_per_node"]
+    threads: setting("train.nproc_per_node")
     params:
         script=entry_point("train.py"),
         cfg=params_of("train"),
-        nproc=config["train"]["nproc_per_node"],
-        max_restarts=config["train"]["max_restarts"],
+        nproc=setting("train.nproc_per_node"),
+        max_restarts=setting("train.max_restarts"),
         out=lambda wildcards, output: str(Path(output.metrics).parent),
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc}"
-        " --max-restarts={params.max_restarts} {params.script:q}"
-        " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
-        " --model {input.model:q} --out {params.out:q}"
-        " --rank-log 'logs/train/rank{{rank}}.log' >> {log:q} 2>&1"
+        sweep_shell(
+            "{resources.torchrun} --nproc-per-node={params.nproc}"
+            " --max-restarts={params.max_restarts} {params.script:q}"
+            " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
+            " --model {input.model:q} --out {params.out:q}"
+            " --rank-log 'logs/train/rank{{rank}}.log' >> {log:q} 2>&1"
+        )

@@ -132,13 +132,21 @@ def build_report(
     *,
     formats=("png",),
     exclude_rules=("report",),
+    layout: dict[str, str] | None = None,
+    benchmark_files: list[Path] | None = None,
+    title: str = "distlm run report",
+    preface: str = "",
 ) -> list[Path]:
     """Collect every metrics file under `results` and write the report into `out_dir`.
 
     Returns the paths written: summary.html, figures/<name>.<fmt>, tables/<name>.html.
+    `layout`, `benchmark_files`, `title` and `preface` (HTML after the title) make the page of one
+    run of a sweep (distlm.report.sweep).
     """
     results, out_dir = Path(results), Path(out_dir)
-    inp = collect(results, exclude_rules=exclude_rules)
+    inp = collect(
+        results, exclude_rules=exclude_rules, layout=layout, benchmark_files=benchmark_files
+    )
     for key, why in inp.missing.items():
         log.info("%s: %s", key, why)
     written: list[Path] = []
@@ -177,7 +185,8 @@ def build_report(
                 )
 
     parts = [
-        "<h1>distlm run report</h1>",
+        f"<h1>{html.escape(title)}</h1>",
+        preface,
         (
             f'<p class="meta">Results folder: {html.escape(str(results.resolve()))} &middot; '
             f"generated {_dt.datetime.now(_dt.UTC):%Y-%m-%d %H:%M UTC} &middot; "
@@ -199,7 +208,7 @@ def build_report(
         parts.extend(blocks[s])
         parts.append("</section>")
     summary = out_dir / SUMMARY
-    write_text(summary, _page("distlm run report", "\n".join(parts)))
+    write_text(summary, _page(title, "\n".join(parts)))
     written.insert(0, summary)
     log.info(
         "wrote %s (%d figures, %d tables, %d inputs not collected)",

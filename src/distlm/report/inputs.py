@@ -68,9 +68,10 @@ class Inputs:
     generations: pd.DataFrame | None = None
     benchmarks: pd.DataFrame | None = None
     missing: dict[str, str] = field(default_factory=dict)
+    layout: dict[str, str] = field(default_factory=lambda: dict(LAYOUT))  # one sweep run's own
 
     def path(self, key: str) -> Path:
-        return self.results / LAYOUT[key]
+        return self.results / self.layout[key]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -149,11 +150,13 @@ def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
 
 def read_benchmarks(folder: Path, exclude: AbstractSet[str] = frozenset()) -> pd.DataFrame | None:
     """Snakemake `benchmark:` TSVs -> one row per rule: wall seconds, peak RSS (MB), CPU seconds."""
+    return read_benchmark_files(p for p in folder.glob("*.tsv") if p.stem not in exclude)
+
+
+def read_benchmark_files(files) -> pd.DataFrame | None:
+    """`read_benchmarks` of the given TSVs (a sweep run's jobs lie in several folders)."""
     # In the order the jobs finished (a benchmark is written when its job ends).
-    files = sorted(
-        (p for p in folder.glob("*.tsv") if p.stem not in exclude),
-        key=lambda p: (p.stat().st_mtime, p.name),
-    )
+    files = sorted(files, key=lambda p: (p.stat().st_mtime, p.name))
     if not files:
         return None
     rows = []
@@ -392,9 +395,16 @@ def read_generations(path: Path, limit: int = 20) -> pd.DataFrame:
 # ----------------------------------------------------------------------------- collect
 
 
-def collect(results: str | os.PathLike, *, exclude_rules=("report",)) -> Inputs:
-    """Read every metrics file under `results`; absent ones get a reason in `Inputs.missing`."""
-    inp = Inputs(results=Path(results))
+def collect(
+    results: str | os.PathLike,
+    *,
+    exclude_rules=("report",),
+    layout: dict[str, str] | None = None,
+    benchmark_files: list[Path] | None = None,
+) -> Inputs:
+    """Read every metrics file under `results`; absent ones get a reason in `Inputs.missing`.
+    `layout` (LAYOUT's keys) and `benchmark_files` place one run of a sweep (distlm.report.sweep)."""
+    inp = Inputs(results=Path(results), layout={**LAYOUT, **(layout or {})})
 
     def absent(key: str, why: str) -> None:
         p = inp.path(key)
@@ -441,7 +451,10 @@ def collect(results: str | os.PathLike, *, exclude_rules=("report",)) -> Inputs:
     else:
         absent("generations", "the inference stage has not run")
     bench = inp.path("benchmarks")
-    inp.benchmarks = read_benchmarks(bench, set(exclude_rules)) if bench.is_dir() else None
+    if benchmark_files is not None:
+        inp.benchmarks = read_benchmark_files(benchmark_files)
+    else:
+        inp.benchmarks = read_benchmarks(bench, set(exclude_rules)) if bench.is_dir() else None
     if inp.benchmarks is None:
         absent("benchmarks", "no rule with a benchmark has run")
     return inp

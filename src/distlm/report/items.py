@@ -111,3 +111,32 @@ def outputs(formats=("png",)) -> list[tuple[Item, str]]:
         for item in ITEMS
         for fmt in (formats if item.kind == "figure" else ("html",))
     ]
+
+
+# The comparison of a sweep's runs (distlm.report.sweep), results/report/<kind>s/<name>.<fmt>.
+@dataclass(frozen=True)
+class SweepItem:
+    """One figure or table of the sweep comparison (results/report/<kind>s/<name>.<fmt>)."""
+
+    name: str
+    kind: str
+    title: str
+
+    def path(self, fmt: str = "png") -> str:
+        return f"figures/{self.name}.{fmt}" if self.kind == "figure" else f"tables/{self.name}.html"
+
+
+SWEEP_ITEMS = (
+    SweepItem("sweep_loss", "figure", "Validation loss of every run (train loss faint)"),
+    SweepItem("sweep_runs", "table", "Runs: varied keys, results, cost; best run marked"),
+    SweepItem("sweep_inference", "figure", "Inference tokens/s and time to first token per run"),
+    SweepItem("sweep_jobs", "table", "Jobs: variants run, shared between runs"),
+)
+SWEEP_SECTION = "0. Sweep"  # its `snakemake --report` category
+
+
+def sweep_outputs(formats=("png",)) -> list[tuple[SweepItem, str]]:
+    """Every (item, path relative to the report folder) of the comparison, summary excluded."""
+    return [
+        (i, i.path(f)) for i in SWEEP_ITEMS for f in (formats if i.kind == "figure" else ("html",))
+    ]

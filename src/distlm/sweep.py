@@ -1,0 +1,331 @@
+"""Sweeps: many named runs over one base config, each job run once per distinct setting.
+
+    from distlm.sweep import plan_sweep
+    plan = plan_sweep(cfg)            # None when cfg has no `sweep` section
+    plan.runs["lr-0.001"].variants    # {"prepare_data": "3fa2c1d09b7e", "train": ..., ...}
+
+A run is a partial config merged over the base config (`sweep.runs`), or one point of the grid
+shorthand (`sweep.grid`: dotted key -> list of values, crossed). Every merged run config goes
+through `distlm.config.validate_config`, the base config's validation, and an error names the
+run and the key, before any job starts.
+
+Sharing is derived from the stage declarations (`distlm.stages`), never per key: a job's *variant*
+is the sha256 of its job name, the config keys its stage reads (`STAGES[stage].keys`, for that
+run) and the variants of the jobs it consumes (`JOBS`). Runs whose variant of a job agree share
+that job. A variant depends on nothing but the run's own config, so:
+
+- adding a run plans only the jobs whose variants are new, plus the report;
+- removing a run plans only the report (no shared job's path names a run);
+- editing a run's override changes the variants of the jobs that read the key and of those that
+  consume them, and nothing else; reverting the edit finds the old variant's outputs again.
+
+Each job variant writes exactly what the job writes without a sweep, under
+`results/variants/<variant>/` (logs under `logs/variants/<variant>/`): `results/train/final` of
+variant 3fa2c1d09b7e is `results/variants/3fa2c1d09b7e/train/final`, its checkpoints and lease
+`results/variants/3fa2c1d09b7e/train/checkpoints/`, so two runs' trainers run at once. The report
+writes the per-run view, `results/runs/<run>/run.json` (its override, varied keys and the variant
+folder of each job) and `results/runs/<run>/report/` (the run's own report pages).
+
+This module imports nothing heavy: the workflow reads it while it builds the DAG.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from distlm.config import ConfigError, deep_merge, validate_config
+from distlm.documents import Document
+from distlm.io import digest
+from distlm.stages import JOBS, RESULTS, STAGES, stage_config
+
+VARIANTS = f"{RESULTS}/variants"  # one folder per job variant: results/variants/<variant>/...
+RUNS = f"{RESULTS}/runs"  # the per-run view the report writes: results/runs/<run>/...
+LOGS = "logs"
+VARIANT_CHARS = 12  # hex digits of a variant's sha256 (48 bits: no collision in any real sweep)
+VARIANT_PATTERN = f"[0-9a-f]{{{VARIANT_CHARS}}}"
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+NAME_MAX = 80
+_NAME = re.compile(NAME_PATTERN)
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# Sections a run may not override: one report for the whole sweep, and serve is no job of a sweep.
+WHOLE_SWEEP = ("sweep", "report", "serve")
+SWEEP_JOBS = tuple(job for job in JOBS if job != "report")  # the jobs each run has a variant of
+
+
+class SweepError(ConfigError):
+    """A sweep is malformed: the message names the run and the key."""
+
+
+class SweepSettings(BaseModel):
+    """The `sweep` section: named runs and a grid, expanded to named runs (at least one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    runs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Named runs: run name -> partial config merged over the base config "
+        "(nested sections or dotted keys, `train.lr: 1e-3`). Names match "
+        f"{NAME_PATTERN} (at most {NAME_MAX} characters): they are folder names.",
+    )
+    grid: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="Dotted key -> list of values; the cross product becomes runs named from "
+        "the values (`train.lr: [1e-3, 5e-4]` x `inference.stages: [1, 2]` -> lr-0.001_stages-1, "
+        "...).",
+    )
+
+
+def check_name(name: object, where: str) -> str:
+    """`name` if it is a safe run name (a folder name and a wildcard value), else SweepError."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > NAME_MAX:
+        raise SweepError(
+            f"{where}: run name {name!r} is not allowed: a run name is a folder name, "
+            f"{NAME_PATTERN} (a letter or digit, then letters, digits, '_', '.', '-'; no '/'), "
+            f"at most {NAME_MAX} characters"
+        )
+    return name
+
+
+def nested(override: Mapping[str, Any], where: str) -> dict:
+    """A run's override with dotted keys (`train.lr`) expanded into sections."""
+    out: dict = {}
+    for key, value in override.items():
+        if not isinstance(key, str) or not _DOTTED.fullmatch(key):
+            raise SweepError(f"{where}: {key!r} is not a config key")
+        if isinstance(value, Mapping):
+            value = nested(value, f"{where}.{key}")
+        parts = key.split(".")
+        out = deep_merge(out, _tree(parts, value))
+    return out
+
+
+def _tree(parts: list[str], value: Any) -> dict:
+    return {parts[0]: value} if len(parts) == 1 else {parts[0]: _tree(parts[1:], value)}
+
+
+def _token(value: Any) -> str:
+    """A grid value as a piece of a run name: 0.001, 2, true, cpu; a list joins with '+'."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "+".join(_token(v) for v in value)
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(value)).strip("_.") or "_"
+
+
+def grid_name(keys: list[str], point: tuple) -> str:
+    """The run name of one grid point: `<key>-<value>` joined with '_', a key by its shortest
+    dotted suffix that tells the grid's keys apart (`lr-0.001_stages-2`)."""
+    parts = []
+    for key, value in zip(keys, point):
+        split = key.split(".")
+        for n in range(1, len(split) + 1):
+            short = ".".join(split[-n:])
+            if sum(1 for k in keys if k == short or k.endswith("." + short)) == 1:
+                break
+        parts.append(f"{short}-{_token(value)}")
+    return "_".join(parts)
+
+
+def expand_runs(section: Mapping[str, Any]) -> dict[str, dict]:
+    """The `sweep` section -> run name -> nested override, grid points after named runs."""
+    try:
+        s = SweepSettings.model_validate(section)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in ("sweep", *err["loc"]))
+        raise SweepError(f"{where}: {err['msg']}") from None
+    runs: dict[str, dict] = {}
+    for name, override in s.runs.items():
+        check_name(name, f"sweep.runs.{name}")
+        runs[name] = nested(override, f"sweep.runs.{name}")
+    if s.grid:
+        keys = list(s.grid)
+        for key in keys:
+            if not _DOTTED.fullmatch(key):
+                raise SweepError(f"sweep.grid: {key!r} is not a dotted config key")
+            if not s.grid[key]:
+                raise SweepError(f"sweep.grid.{key}: give at least one value")
+        for point in itertools.product(*(s.grid[k] for k in keys)):
+            name = grid_name(keys, point)
+            where = f"sweep.grid ({', '.join(f'{k}={v!r}' for k, v in zip(keys, point))})"
+            check_name(name, where)
+            if name in runs:
+                raise SweepError(
+                    f"{where}: run name {name!r} is taken (by a named run or another grid point "
+                    "whose values read the same); name the runs under sweep.runs instead"
+                )
+            runs[name] = nested(dict(zip(keys, point)), where)
+    if not runs:
+        raise SweepError("sweep: no runs (give sweep.runs or sweep.grid, or remove sweep)")
+    return runs
+
+
+def leaves(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a nested config, by dotted key (a list is one leaf)."""
+    out: dict[str, Any] = {}
+    for k, v in cfg.items():
+        if isinstance(v, Mapping) and v:
+            out.update(leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def variant_path(path: str, variant: str) -> str:
+    """Where a job variant writes `path` (a path under results/ or logs/ without a sweep)."""
+    for root in (RESULTS, LOGS):
+        if path.startswith(root + "/"):
+            return f"{root}/variants/{variant}/{path[len(root) + 1 :]}"
+    raise ValueError(f"{path!r} is not under {RESULTS}/ or {LOGS}/")
+
+
+def split_job(job: str) -> tuple[str, dict[str, str]]:
+    """`evaluate[base]` -> ("evaluate", {"model": "base"}); `train` -> ("train", {})."""
+    if job.endswith("]"):
+        rule, model = job[:-1].split("[")
+        return rule, {"model": model}
+    return job, {}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a sweep: its override, its validated merged config, its variant of each job."""
+
+    name: str
+    override: dict
+    config: dict
+    variants: dict[str, str]  # job (distlm.stages.JOBS) -> variant
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A sweep expanded: its runs, and for each job variant the runs that share it."""
+
+    runs: dict[str, Run]
+    shared: dict[str, dict[str, list[str]]]  # job -> variant -> names of the runs sharing it
+
+    @cached_property
+    def by_variant(self) -> dict[str, tuple[str, Run]]:
+        """variant -> (its job, the first run that has it)."""
+        return {
+            v: (job, self.runs[names[0]])
+            for job, vs in self.shared.items()
+            for v, names in vs.items()
+        }
+
+    def config_of(self, variant: str) -> dict:
+        """The merged config of a run with `variant` (its stage's keys agree across such runs)."""
+        return self.by_variant[variant][1].config
+
+    def upstream(self, variant: str, job: str) -> str:
+        """The variant of `job` that the job variant `variant` consumes."""
+        return self.by_variant[variant][1].variants[job]
+
+    def varied(self) -> list[str]:
+        """Dotted keys whose values differ between runs, in config order."""
+        flat = [leaves(r.config) for r in self.runs.values()]
+        keys = list(dict.fromkeys(k for f in flat for k in f))
+        return [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+
+    def targets(self, job: str, output: str) -> list[str]:
+        """Paths of `output` of every variant of `job` (what `rule all` and the report ask for)."""
+        _, wildcards = split_job(job)
+        stage = STAGES[JOBS[job][0]]
+        return [variant_path(stage.path(output, **wildcards), v) for v in self.shared[job]]
+
+    def job_paths(self, run: str) -> dict[str, str]:
+        """A run's job -> its variant folder (results/variants/<variant>)."""
+        return {job: f"{VARIANTS}/{v}" for job, v in self.runs[run].variants.items()}
+
+
+def job_variants(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """Each job's variant for validated config `cfg`: its stage's keys + consumed variants."""
+    out: dict[str, str] = {}
+    for job in SWEEP_JOBS:
+        stage, consumes = JOBS[job]
+        key = {
+            "job": job,
+            "config": stage_config(cfg, stage),
+            "consumes": {c: out[c] for c in consumes},
+        }
+        out[job] = digest(key)[:VARIANT_CHARS]
+    return out
+
+
+def plan_sweep(cfg: Mapping[str, Any], *, source: str = "config") -> Plan | None:
+    """The sweep of validated config `cfg`, or None without a `sweep` section; SweepError or
+    ConfigError (naming the run and the key) when a run is malformed."""
+    if not cfg.get("sweep"):
+        if "sweep" in cfg:
+            raise SweepError(f"{source}: sweep: no runs (give sweep.runs or sweep.grid)")
+        return None
+    base = {k: v for k, v in cfg.items() if k != "sweep"}
+    runs: dict[str, Run] = {}
+    for name, override in expand_runs(cfg["sweep"]).items():
+        bad = [k for k in WHOLE_SWEEP if k in override]
+        if bad:
+            raise SweepError(
+                f"sweep run {name!r}: {bad[0]}: not a per-run setting (set it in the base config; "
+                "a sweep has one report, and serve is not a job of a sweep)"
+            )
+        merged = validate_config(deep_merge(base, override), source=f"sweep run {name!r}")
+        runs[name] = Run(name, override, merged, job_variants(merged))
+    shared: dict[str, dict[str, list[str]]] = {job: {} for job in SWEEP_JOBS}
+    for run in runs.values():
+        for job, v in run.variants.items():
+            shared[job].setdefault(v, []).append(run.name)
+    return Plan(runs, shared)
+
+
+def job_counts(plan: Plan) -> dict[str, tuple[int, int]]:
+    """job -> (jobs the sweep runs, jobs the same runs as separate working folders run)."""
+    n = len(plan.runs)
+    counts = {job: (len(vs), n) for job, vs in plan.shared.items()}
+    counts["report"] = (1, n)
+    return counts
+
+
+def run_dir(run: str) -> str:
+    """results/runs/<run>: the per-run view the report writes."""
+    return f"{RUNS}/{run}"
+
+
+def describe(plan: Plan) -> dict[str, Any]:
+    """What the report needs of a sweep, as plain data (the report rule's param): per run its
+    override, varied values and job variants; the varied keys; the variants of each job."""
+    varied = plan.varied()
+    return {
+        "varied": varied,
+        "runs": {
+            name: {
+                "override": run.override,
+                "varied": {k: leaves(run.config).get(k) for k in varied},
+                "variants": run.variants,
+            }
+            for name, run in plan.runs.items()
+        },
+        "shared": plan.shared,
+    }
+
+
+class SweepRun(Document):
+    """results/runs/<run>/run.json: one run of a sweep, written by the report."""
+
+    KIND: ClassVar[str] = "distlm-sweep-run"
+    VERSION: ClassVar[int] = 1
+
+    name: str
+    override: dict[str, Any]  # the partial config merged over the base config
+    varied: dict[str, Any]  # the sweep's varied keys -> this run's value
+    jobs: dict[str, str]  # job -> the variant folder holding its outputs (results/variants/<v>)
