@@ -19,11 +19,13 @@ import pytest
 import yaml
 from conftest import ROOT, TINY, snakemake_cmd
 
-from distlm.stages import rerun_table, reruns, schema_keys
+from distlm.config import deep_merge, validate_config
+from distlm.stages import rerun_table, reruns, schema_keys, select
 
 pytestmark = pytest.mark.slow
 
 SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+BASE = yaml.safe_load((ROOT / "config/config.yaml").read_text())
 
 DATA = {"prepare_data"}
 MODEL = {"serialize_model"}
@@ -83,7 +85,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
             "max_steps": 9,
             "micro_batch_size": 2,
             "grad_accum_steps": 2,
-            "lr": 0.002,
+            "lr": 0.003,
             "min_lr": 0.00002,
             "warmup_steps": 3,
             "weight_decay": 0.2,
@@ -200,6 +202,17 @@ def test_every_schema_key_has_a_row():
     extra = [k for k in MATRIX if k not in keys]
     assert not missing, f"schema keys without a row in the rerun matrix: {missing}"
     assert not extra, f"rows for keys the schema lacks: {extra}"
+
+
+def test_every_row_changes_its_key():
+    """A row whose edit equals the tiny config's value would pass on key order alone."""
+    base = validate_config(deep_merge(BASE, yaml.safe_load(TINY.read_text())))
+    same = []
+    for key, (overlay, _) in MATRIX.items():
+        edited = validate_config(deep_merge(base, overlay))
+        if select(edited, [key]) == select(base, [key]):
+            same.append(key)
+    assert not same, f"rows whose edit leaves the key as it was: {same}"
 
 
 def test_declarations_agree_with_the_matrix():

@@ -38,11 +38,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from distlm.config import ConfigError, deep_merge, validate_config
 from distlm.documents import Document
 from distlm.io import digest
+from distlm.settings.sweep import DOTTED_PATTERN, NAME_MAX, NAME_PATTERN, SweepSettings
 from distlm.stages import JOBS, RESULTS, STAGES, stage_config
 
 VARIANTS = f"{RESULTS}/variants"  # one folder per job variant: results/variants/<variant>/...
@@ -50,10 +51,8 @@ RUNS = f"{RESULTS}/runs"  # the per-run view the report writes: results/runs/<ru
 LOGS = "logs"
 VARIANT_CHARS = 12  # hex digits of a variant's sha256 (48 bits: no collision in any real sweep)
 VARIANT_PATTERN = f"[0-9a-f]{{{VARIANT_CHARS}}}"
-NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
-NAME_MAX = 80
 _NAME = re.compile(NAME_PATTERN)
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_DOTTED = re.compile(DOTTED_PATTERN)
 # Sections a run may not override: one report for the whole sweep, and serve is no job of a sweep.
 WHOLE_SWEEP = ("sweep", "report", "serve")
 SWEEP_JOBS = tuple(job for job in JOBS if job != "report")  # the jobs each run has a variant of
@@ -61,25 +60,6 @@ SWEEP_JOBS = tuple(job for job in JOBS if job != "report")  # the jobs each run 
 
 class SweepError(ConfigError):
     """A sweep is malformed: the message names the run and the key."""
-
-
-class SweepSettings(BaseModel):
-    """The `sweep` section: named runs and a grid, expanded to named runs (at least one)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    runs: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description="Named runs: run name -> partial config merged over the base config "
-        "(nested sections or dotted keys, `train.lr: 1e-3`). Names match "
-        f"{NAME_PATTERN} (at most {NAME_MAX} characters): they are folder names.",
-    )
-    grid: dict[str, list[Any]] = Field(
-        default_factory=dict,
-        description="Dotted key -> list of values; the cross product becomes runs named from "
-        "the values (`train.lr: [1e-3, 5e-4]` x `inference.stages: [1, 2]` -> lr-0.001_stages-1, "
-        "...).",
-    )
 
 
 def check_name(name: object, where: str) -> str:

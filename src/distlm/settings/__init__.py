@@ -34,6 +34,7 @@ from distlm.settings.model import ModelInitSettings, ModelSettings, ModelSourceS
 from distlm.settings.report import ReportSettings
 from distlm.settings.root import MOVED, Settings, known_architecture
 from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
+from distlm.settings.sweep import SweepSettings
 from distlm.settings.train import DdpSettings, FaultSettings, ProfileSettings, TrainSettings
 from distlm.settings.transfer import BroadcastSettings, TransferSettings
 
@@ -64,6 +65,7 @@ __all__ = [
     "ServePipelineSettings",
     "ServeSettings",
     "Settings",
+    "SweepSettings",
     "Temperature",
     "TopK",
     "TopP",

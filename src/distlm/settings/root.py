@@ -15,6 +15,7 @@ from distlm.settings.inference import InferenceSettings, ServeSettings
 from distlm.settings.model import ModelSettings
 from distlm.settings.report import ReportSettings
 from distlm.settings.runtime import RuntimeSettings
+from distlm.settings.sweep import SweepSettings, _no_default
 from distlm.settings.train import TrainSettings
 from distlm.settings.transfer import BroadcastSettings, TransferSettings
 
@@ -81,6 +82,14 @@ class Settings(Section):
         ),
     )
     report: ReportSettings = Field(default=ReportSettings(), description="Figures and the summary.")
+    sweep: SweepSettings | None = Field(
+        default=None,
+        description=(
+            'Not a stage\'s setting: named runs over this base config (README "Sweeps"; '
+            "distlm.sweep). Absent: one run, today's paths."
+        ),
+        json_schema_extra=_no_default,
+    )
 
     @model_validator(mode="before")
     @classmethod

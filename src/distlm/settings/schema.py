@@ -60,7 +60,7 @@ def _inline(node: Any, defs: dict) -> Any:
         if len(nulls) == 1 and len(others) == 1 and isinstance(others[0].get("type"), str):
             del out["anyOf"]
             out = {**others[0], **out, "type": [others[0]["type"], "null"]}
-    if "properties" in out:
+    if "properties" in node:
         out["properties"] = {
             k: _inline(v, defs) for k, v in node["properties"].items()
         }  # property names are keys, never dropped
