@@ -171,7 +171,8 @@ def table_runs(runs: list[RunData], varied: list[str]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     best = df["final val loss"].idxmin() if df["final val loss"].notna().any() else None
     if best is not None:
-        df.loc[best, "run"] = f"\u2605 {df.loc[best, 'run']}"
+        mark = df.index == best
+        df.loc[mark, "run"] = "\u2605 " + df.loc[mark, "run"].astype(str)
     df.attrs["caption"] = (
         "\u2605 lowest final validation loss (runs that share their training share it too). train tokens/s: median over logged steps; wall s "
         "and peak MB: the train job's Snakemake benchmark (max RSS of the job's processes)."
@@ -184,7 +185,7 @@ def figure_inference(runs: list[RunData], varied: list[str]) -> Figure | None:
     """tokens/s and TTFT against the first varied inference key; one line per value of the
     other varied keys."""
     keys = [k for k in varied if k.startswith("inference.")]
-    have = [r for r in runs if r.timing is not None and not r.timing.empty]
+    have = [(r, r.timing) for r in runs if r.timing is not None and not r.timing.empty]
     if not keys or not have:
         return None
     x, others = keys[0], [k for k in varied if k != keys[0]]
@@ -192,10 +193,11 @@ def figure_inference(runs: list[RunData], varied: list[str]) -> Figure | None:
         {
             "x": r.varied[x],
             "series": ", ".join(f"{k.split('.')[-1]}={r.varied[k]}" for k in others) or r.name,
-            "tokens_per_s": float(r.timing["tokens_per_s"].iloc[-1]),
-            "ttft": float(r.timing["ttft_mean_s"].iloc[-1]),
+            "tokens_per_s": float(timing["tokens_per_s"].iloc[-1]),
+            "ttft": float(timing["ttft_mean_s"].iloc[-1]),
         }
-        for r in have
+        for r, timing in have
+        if timing is not None
     ]
     df = pd.DataFrame(rows)
     numeric = pd.api.types.is_numeric_dtype(df["x"])
