@@ -20,10 +20,10 @@ from test_transfer_workers import (
 from distlm.dist import distributed
 from distlm.transfer import (
     ALIGN,
+    Checksum,
     Plan,
     TransferError,
     TransferOptions,
-    _Checksum,
     broadcast_state_dict,
     check_template,
     check_uccl,
@@ -120,7 +120,7 @@ def test_check_template_names_the_tensor():
 
 
 def test_checksum_detects_flipped_bits_moved_rows_and_odd_tails():
-    cs = _Checksum(4096, torch.device("cpu"))
+    cs = Checksum(4096, torch.device("cpu"))
     data = torch.randint(0, 255, (4096,), dtype=torch.uint8)
     ref, out = torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
     cs(data, ref)

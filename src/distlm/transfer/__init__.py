@@ -27,26 +27,18 @@ Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, glo
 see distlm.transfer.uccl). A transport that cannot run raises TransferError saying why.
 """
 
-from distlm.transfer.core import (
-    ALIGN,
-    DIRECT_MIN,
-    Entry,
-    Plan,
-    TorchPlane,
-    TransferResult,
-    _Checksum,  # noqa: F401  (tests check the checksum directly)
-    broadcast_state_dict,
-    check_template,
-    check_transport,
-    make_plan,
-)
+from distlm.transfer.checksum import Checksum
+from distlm.transfer.core import TransferResult, broadcast_state_dict
 from distlm.transfer.options import TRANSPORTS, TransferError, TransferOptions
+from distlm.transfer.plan import ALIGN, DIRECT_MIN, Entry, Plan, check_template, make_plan
+from distlm.transfer.planes import TorchPlane, check_transport
 from distlm.transfer.uccl import UcclPlane, check_uccl, uccl_problems
 
 __all__ = [
     "ALIGN",
     "DIRECT_MIN",
     "TRANSPORTS",
+    "Checksum",
     "Entry",
     "Plan",
     "TorchPlane",

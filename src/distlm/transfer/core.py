@@ -1,17 +1,13 @@
-"""The engine of `distlm.transfer`: the plan, checksums, links, data planes and the broadcast."""
+"""The broadcast: metadata exchange, the bucket stream along the chain, and the final verdict."""
 
 from __future__ import annotations
 
-import datetime as _dt
-import functools
 import itertools
 import json
-import re
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,15 +20,15 @@ from distlm.documents import (
     encode,
 )
 from distlm.log import get_logger
-from distlm.transfer.options import TRANSPORTS, TransferError, TransferOptions
-from distlm.transfer.uccl import UcclPlane, check_uccl
+from distlm.transfer.checksum import Checksum
+from distlm.transfer.link import Link, Pending
+from distlm.transfer.options import TransferError, TransferOptions
+from distlm.transfer.plan import Message, Plan, _dtype, _flat_bytes, check_template, make_plan
+from distlm.transfer.planes import check_transport, make_plane
+from distlm.transfer.watch import Watch
 
 log = get_logger(__name__)
 
-ALIGN = 64  # byte alignment of every tensor in the stream: any dtype view is legal
-DIRECT_MIN = 64 * 1024  # a tensor segment this large travels from/into the tensor itself, unpacked
-_HEARTBEAT_S = 1.0
-_PROTOCOL = "distlm-transfer/1"
 _CALLS = itertools.count()  # every rank calls broadcast_state_dict in the same order
 
 
@@ -65,520 +61,6 @@ class TransferVerdict(Document):
     VERSION: ClassVar[int] = 1
     ok: bool
     error: str
-
-
-# ----------------------------------------------------------------------------- the plan
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor in the byte stream; an alias (a tied tensor) has no bytes of its own."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    start: int  # byte offset in the stream
-    nbytes: int
-    alias: str | None = None  # name of the tensor it shares storage with
-
-
-class Piece(NamedTuple):
-    """Bytes of one tensor inside a bucket or a message."""
-
-    entry: Entry
-    offset: int  # byte offset in the tensor
-    length: int
-    at: int  # byte offset in the bucket (in a message: in the message)
-
-
-class Message(NamedTuple):
-    """One message a bucket travels in: bytes [lo, hi) of the bucket. A `direct` message is sent
-    from and received into one tensor's memory (no packing); otherwise its `pieces` are packed."""
-
-    lo: int
-    hi: int
-    pieces: tuple[Piece, ...] = ()
-    direct: Piece | None = None
-
-
-@dataclass(frozen=True)
-class Plan:
-    entries: tuple[Entry, ...]
-    stream_bytes: int  # aligned length of the stream
-    bucket_bytes: int
-    chunk_bytes: int
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries if e.alias is None)
-
-    @property
-    def buckets(self) -> int:
-        return max(1, -(-self.stream_bytes // self.bucket_bytes)) if self.stream_bytes else 0
-
-    def bucket_range(self, b: int) -> tuple[int, int]:
-        lo = b * self.bucket_bytes
-        return lo, min(lo + self.bucket_bytes, self.stream_bytes)
-
-    def chunks(self, b: int) -> list[tuple[int, int]]:
-        """Chunk byte ranges of bucket b, relative to the bucket start."""
-        lo, hi = self.bucket_range(b)
-        n = hi - lo
-        return [(c, min(c + self.chunk_bytes, n)) for c in range(0, n, self.chunk_bytes)]
-
-    def pieces(self, b: int) -> list[Piece]:
-        """The tensor bytes in bucket b, in stream order (`at` relative to the bucket)."""
-        return self._pieces[b] if b < len(self._pieces) else []
-
-    @functools.cached_property
-    def _pieces(self) -> list[list[Piece]]:
-        out: list[list] = [[] for _ in range(self.buckets)]
-        for e in self.entries:  # entries are in stream order: one pass over tensors and buckets
-            if e.alias is not None or e.nbytes == 0:
-                continue
-            pos, end = e.start, e.start + e.nbytes
-            while pos < end:
-                b = pos // self.bucket_bytes
-                lo, hi = self.bucket_range(b)
-                z = min(end, hi)
-                out[b].append(Piece(e, pos - e.start, z - pos, pos - lo))
-                pos = z
-        return out
-
-    def segments(self, b: int, lo: int, hi: int) -> list[Piece]:
-        """The pieces of bytes [lo, hi) of bucket b (`at` relative to the bucket)."""
-        out = []
-        for e, off, n, at in self.pieces(b):
-            a, z = max(lo, at), min(hi, at + n)
-            if a < z:
-                out.append(Piece(e, off + a - at, z - a, a))
-        return out
-
-    def messages(self, b: int, zero_copy: bool) -> tuple[Message, ...]:
-        """The messages bucket b travels in, byte ranges relative to the bucket.
-
-        Without zero copy a message is one chunk of the packed bucket. With it, a segment of at
-        least DIRECT_MIN bytes (or a whole chunk) inside one tensor is its own `direct` message,
-        sent from and received into the tensor's memory; the small segments between are packed
-        in runs (`pieces`, `at` relative to the message). Messages never cross a chunk boundary,
-        so forwarding stays chunk-grained.
-        """
-        key = (b, zero_copy)
-        if key not in self._messages:
-            self._messages[key] = self._layout(b, zero_copy)
-        return self._messages[key]
-
-    @functools.cached_property
-    def _messages(self) -> dict:
-        return {}
-
-    def _layout(self, b: int, zero_copy: bool) -> tuple[Message, ...]:
-        direct_min = min(DIRECT_MIN, self.chunk_bytes // 4)
-        out: list[Message] = []
-
-        def packed(run: list[Piece], lo: int, hi: int) -> None:
-            if run:
-                out.append(Message(lo, hi, tuple(p._replace(at=p.at - lo) for p in run)))
-
-        for lo, hi in self.chunks(b):
-            segs = self.segments(b, lo, hi)
-            if not zero_copy:  # every chunk, padding included, is one packed message
-                out.append(Message(lo, hi, tuple(p._replace(at=p.at - lo) for p in segs)))
-                continue
-            run: list[Piece] = []
-            for p in segs:
-                if p.length >= direct_min or p.length == hi - lo:
-                    if run:
-                        packed(run, run[0].at, run[-1].at + run[-1].length)
-                    run = []
-                    out.append(Message(p.at, p.at + p.length, direct=p._replace(at=0)))
-                else:
-                    run.append(p)
-            if run:
-                packed(run, run[0].at, run[-1].at + run[-1].length)
-        return tuple(out)
-
-    def tensors_in(self, b: int, lo: int = 0, hi: int | None = None) -> list[str]:
-        """Names of the tensors with bytes in [lo, hi) of bucket b."""
-        base = b * self.bucket_bytes
-        hi = self.bucket_range(b)[1] - base if hi is None else hi
-        return [
-            e.name
-            for e in self.entries
-            if e.alias is None
-            and e.nbytes
-            and e.start < base + hi
-            and e.start + e.nbytes > base + lo
-        ]
-
-    def to_json(self) -> dict:
-        return {
-            "protocol": _PROTOCOL,
-            "stream_bytes": self.stream_bytes,
-            "bucket_bytes": self.bucket_bytes,
-            "chunk_bytes": self.chunk_bytes,
-            "entries": [
-                [e.name, list(e.shape), e.dtype, e.start, e.nbytes, e.alias] for e in self.entries
-            ],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> Plan:
-        if d.get("protocol") != _PROTOCOL:
-            raise TransferError(f"sender speaks {d.get('protocol')!r}, this rank {_PROTOCOL!r}")
-        entries = tuple(Entry(n, tuple(s), t, a, nb, al) for n, s, t, a, nb, al in d["entries"])
-        return cls(entries, d["stream_bytes"], d["bucket_bytes"], d["chunk_bytes"])
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _storage_key(t: torch.Tensor):
-    return (
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        tuple(t.stride()),
-        t.dtype,
-        t.device,
-    )
-
-
-def make_plan(tensors: Mapping[str, torch.Tensor], *, bucket_mb: float, chunk_mb: float) -> Plan:
-    """Lay the tensors out in one aligned byte stream; tied tensors (same storage view) once."""
-    chunk = max(ALIGN, _align(int(chunk_mb * 2**20)))
-    bucket = max(chunk, -(-int(bucket_mb * 2**20) // chunk) * chunk)  # a whole number of chunks
-    entries, seen, pos = [], {}, 0
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TransferError(f"tensor {name!r}: not a torch.Tensor ({type(t).__name__})")
-        nbytes = t.numel() * t.element_size()
-        key = _storage_key(t) if nbytes else None
-        if key is not None and key in seen:
-            entries.append(
-                Entry(
-                    name,
-                    tuple(t.shape),
-                    _dtype_name(t.dtype),
-                    seen[key].start,
-                    nbytes,
-                    seen[key].name,
-                )
-            )
-            continue
-        e = Entry(name, tuple(t.shape), _dtype_name(t.dtype), pos, nbytes)
-        entries.append(e)
-        if key is not None:
-            seen[key] = e
-        pos = _align(pos + nbytes)
-    return Plan(tuple(entries), pos, bucket, chunk)
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise TransferError(f"unknown dtype {name!r} in the sender's metadata")
-    return dt
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 view of a contiguous tensor's bytes."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-def check_template(plan: Plan, template: Mapping[str, torch.Tensor], where: str) -> list[str]:
-    """Problems between what arrives and the receiver's template; each names the tensor."""
-    problems = []
-    names = [e.name for e in plan.entries]
-    missing = [n for n in names if n not in template]
-    extra = [n for n in template if n not in set(names)]
-    if missing:
-        problems.append(
-            f"{where}: the sender sends tensor {missing[0]!r} which the template lacks ({len(missing)} such)"
-        )
-    if extra:
-        problems.append(f"{where}: template tensor {extra[0]!r} is not sent ({len(extra)} such)")
-    for e in plan.entries:
-        t = template.get(e.name)
-        if t is None:
-            continue
-        if tuple(t.shape) != e.shape:
-            problems.append(
-                f"{where}: tensor {e.name!r} has shape {tuple(t.shape)} here, the sender sends {e.shape}"
-            )
-        elif _dtype_name(t.dtype) != e.dtype:
-            problems.append(
-                f"{where}: tensor {e.name!r} has dtype {_dtype_name(t.dtype)} here, the sender sends {e.dtype}"
-            )
-    devices = {t.device for t in template.values()}
-    if len(devices) > 1:
-        problems.append(
-            f"{where}: template tensors are on several devices {sorted(map(str, devices))}"
-        )
-    return problems
-
-
-# ----------------------------------------------------------------------------- checksums
-
-
-class _Checksum:
-    """128-bit linear checksum of a message, mod 2^64, computed in one pass on its device.
-
-    The message's 64-bit words are cut into rows of ROW words (1 KiB); with s_r the sum of row r,
-    d0 = sum_r a_r s_r and d1 = sum_r b_r s_r, with random odd weights a, b. Any changed word,
-    dropped, duplicated, zeroed or misplaced row changes both (odd weights are invertible mod 2^64);
-    what it cannot see is a change that keeps every row's sum (two words of one row swapped). That is
-    the price of one streaming reduction at memory speed, next to the transfer it guards: an
-    integrity check of the transport, not a cryptographic digest.
-    """
-
-    ROW = 128  # words per row
-
-    def __init__(self, max_bytes: int, device: torch.device) -> None:
-        g = torch.Generator().manual_seed(0x5EED)
-        rows = max_bytes // (8 * self.ROW) + 2
-        w = torch.randint(-(2**62), 2**62, (2, rows), dtype=torch.int64, generator=g) | 1
-        self.weights = w.to(device)
-
-    def __call__(self, data: torch.Tensor, out: torch.Tensor) -> None:
-        if data.storage_offset() % 8:  # rare: a view into a tensor at an odd offset
-            data = data.clone()
-        n8 = data.numel() // 8 * 8
-        words = data[:n8].view(torch.int64)
-        full = words.numel() // self.ROW
-        sums = words[: full * self.ROW].view(full, self.ROW).sum(1)  # (rows,)
-        tail = words[full * self.ROW :].sum().reshape(1)  # < ROW words: one more row
-        if n8 < data.numel():  # the last < 8 bytes, as one zero-padded word in that row
-            last = torch.zeros(8, dtype=torch.uint8, device=data.device)
-            last[: data.numel() - n8] = data[n8:]
-            tail = tail + last.view(torch.int64)
-        sums = torch.cat([sums, tail])
-        out.copy_((self.weights[:, : sums.numel()] * sums).sum(1))
-
-
-# ----------------------------------------------------------------------------- links and liveness
-
-
-class Pending(NamedTuple):
-    """A posted send or receive: what to wait on, and what to name when it fails."""
-
-    work: Any
-    peer: int
-    what: str
-
-
-class _Link:
-    """Point-to-point messages over a torch.distributed group, each wait bounded by timeout_s."""
-
-    def __init__(self, group, device: torch.device, timeout_s: float, watch: _Watch) -> None:
-        self.group = group
-        self.device = device  # where control tensors live (cuda for NCCL)
-        self.timeout = _dt.timedelta(seconds=timeout_s)
-        self.watch = watch
-        self._tags: dict[tuple[str, int], int] = {}
-
-    def _tag(self, kind: str, peer: int) -> int:
-        n = self._tags.get((kind, peer), 0)
-        self._tags[(kind, peer)] = n + 1
-        return n % (2**31)
-
-    def isend(self, t: torch.Tensor, peer: int, what: str):
-        try:
-            work = dist.isend(t, peer, group=self.group, tag=self._tag("out", peer))
-        except Exception as e:
-            self.watch.fail(peer, f"sending {what}", e)
-        return Pending(work, peer, f"sending {what}")
-
-    def irecv(self, t: torch.Tensor, peer: int, what: str):
-        try:
-            work = dist.irecv(t, peer, group=self.group, tag=self._tag("in", peer))
-        except Exception as e:
-            self.watch.fail(peer, f"receiving {what}", e)
-        return Pending(work, peer, f"receiving {what}")
-
-    def wait(self, handle: Pending) -> None:
-        work, peer, what = handle
-        try:
-            work.wait(self.timeout)
-        except Exception as e:
-            self.watch.fail(peer, what, e)
-
-    def send_bytes(self, blob: bytes, peer: int, what: str) -> None:
-        n = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
-        self.wait(self.isend(n, peer, f"{what} (length)"))
-        if blob:
-            payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
-            self.wait(self.isend(payload, peer, what))
-
-    def recv_bytes(self, peer: int, what: str) -> bytes:
-        n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.wait(self.irecv(n, peer, f"{what} (length)"))
-        size = int(n.item())
-        if size == 0:
-            return b""
-        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self.wait(self.irecv(payload, peer, what))
-        return payload.cpu().numpy().tobytes()
-
-
-class _Watch:
-    """Heartbeats in the torch.distributed store; on a failed wait, finds the rank that stopped."""
-
-    def __init__(self, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> None:
-        self.prefix, self.rank, self.ranks = prefix, rank, ranks
-        self.reported = False
-        self.store = _default_store()
-        self._stop = threading.Event()
-        self._thread = None
-        self.probe_s = max(2.5 * _HEARTBEAT_S, min(5.0, timeout_s / 4))
-        if self.store is not None:
-            self._thread = threading.Thread(
-                target=self._beat, name="distlm-transfer-heartbeat", daemon=True
-            )
-            self._thread.start()
-
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.prefix}/{kind}/{rank}"
-
-    def _beat(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.store.add(self._key("hb", self.rank), 1)
-            except Exception:  # the store is gone: the failure shows up in the data path
-                return
-            self._stop.wait(_HEARTBEAT_S)
-
-    def close(self, *, done: bool = True) -> None:
-        self._stop.set()
-        if self.store is not None and done:
-            try:
-                self.store.set(self._key("done", self.rank), "1")
-            except Exception:
-                pass
-
-    def _reported(self) -> dict[int, str]:
-        out = {}
-        for r in self.ranks:
-            try:
-                if self.store.check([self._key("failed", r)]):
-                    out[r] = self.store.get(self._key("failed", r)).decode()
-            except Exception:
-                break
-        return out
-
-    def diagnose(self) -> str:
-        """Which ranks stopped beating, else which reported a failure (a few seconds of probing)."""
-        if self.store is None:
-            return ""
-        try:
-            before = {
-                r: self.store.add(self._key("hb", r), 0) for r in self.ranks if r != self.rank
-            }
-            time.sleep(self.probe_s)
-            after = {r: self.store.add(self._key("hb", r), 0) for r in before}
-            done = {r for r in before if self.store.check([self._key("done", r)])}
-        except Exception as e:
-            return f"the torch.distributed store is unreachable ({type(e).__name__}), so rank 0's host may be gone"
-        dead = [r for r in before if after[r] == before[r] and r not in done]
-        if dead:
-            return (
-                "rank "
-                + ", ".join(map(str, dead))
-                + f" stopped (no heartbeat for {self.probe_s:.1f} s)"
-            )
-        reported = {r: why for r, why in self._reported().items() if r != self.rank}
-        return "; ".join(f"rank {r} failed: {why}" for r, why in reported.items())
-
-    def fail(self, peer: int, what: str, err: BaseException) -> None:
-        text = _short(err)
-        kind = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() else "failed"
-        here = f"{what} with rank {peer} {kind} ({type(err).__name__}: {text})"
-        cause = self.diagnose()
-        self.report(here)  # others see what happened here, not this rank's guess about the cause
-        msg = f"rank {self.rank}: {cause}. Here: {here}" if cause else f"rank {self.rank}: {here}"
-        raise TransferError(msg) from None
-
-    def report(self, msg: str) -> None:
-        self.reported = True
-        if self.store is not None:
-            try:
-                self.store.set(self._key("failed", self.rank), msg[:300])
-            except Exception:
-                pass
-        self.close(done=False)
-
-
-def _short(err: BaseException) -> str:
-    """The gist of a backend error: without gloo's source path and boilerplate advice."""
-    text = str(err).splitlines()[0] if str(err) else type(err).__name__
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
-    return text.split(". This is typically")[0][:160]
-
-
-def _default_store():
-    try:
-        from torch.distributed import distributed_c10d as c10d
-
-        return c10d._get_default_store()
-    except Exception:
-        return None
-
-
-# ----------------------------------------------------------------------------- data planes
-
-
-class TorchPlane:
-    """Bulk data over torch.distributed point-to-point (NCCL or gloo), straight from the given views."""
-
-    name = "torch"
-    zero_copy = True  # chunks inside one tensor are sent from / received into the tensor itself
-
-    def __init__(self, link: _Link) -> None:
-        self.link = link
-
-    def setup(self, buffers: list[torch.Tensor], prev: int | None, nxt: int | None) -> None:
-        pass
-
-    def isend(self, view: torch.Tensor, peer: int, what: str):
-        return self.link.isend(view, peer, what)
-
-    def irecv(self, view: torch.Tensor, peer: int, what: str):
-        return self.link.irecv(view, peer, what)
-
-    def wait(self, handle) -> None:
-        self.link.wait(handle)
-
-    def close(self) -> None:
-        pass
-
-
-def check_transport(transport: str, device: torch.device, backend: str) -> None:
-    """Raise TransferError saying why `transport` cannot run here; never substitutes another."""
-    if transport == "torch":
-        if backend == "nccl" and device.type != "cuda":
-            raise TransferError(
-                f"transport torch with backend nccl needs CUDA tensors, these are on {device}"
-            )
-        if backend == "gloo" and device.type != "cpu":
-            raise TransferError(
-                f"transport torch with backend gloo moves CPU tensors; these are on {device} (use nccl)"
-            )
-        return
-    if transport == "uccl":
-        check_uccl(device)
-        return
-    raise TransferError(f"unknown transport {transport!r} ({', '.join(TRANSPORTS)})")
-
-
-def _make_plane(transport: str, link: _Link, **kw):
-    if transport == "torch":
-        return TorchPlane(link)
-    return UcclPlane(link, **kw)
 
 
 # ----------------------------------------------------------------------------- the broadcast
@@ -626,8 +108,8 @@ def broadcast_state_dict(
     ctrl_device = device if backend == "nccl" else torch.device("cpu")
 
     prefix = f"distlm/transfer/{next(_CALLS)}"
-    watch = _Watch(prefix, rank, chain, opts.timeout_s)
-    link = _Link(group, ctrl_device, opts.timeout_s, watch)
+    watch = Watch(prefix, rank, chain, opts.timeout_s)
+    link = Link(group, ctrl_device, opts.timeout_s, watch)
     plane = None
     try:
         t0 = time.perf_counter()
@@ -639,7 +121,7 @@ def broadcast_state_dict(
         nbuf = min(2, plan.buckets)
         size = min(plan.bucket_bytes, plan.stream_bytes)
         buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(nbuf)]
-        plane = _make_plane(
+        plane = make_plane(
             opts.transport,
             link,
             store=watch.store,
@@ -649,7 +131,7 @@ def broadcast_state_dict(
             timeout_s=opts.timeout_s,
         )
         plane.setup(buffers, prev, nxt)
-        checksum = _Checksum(plan.chunk_bytes, device)
+        checksum = Checksum(plan.chunk_bytes, device)
         t1 = time.perf_counter()
         if is_src:
             timing = _send(plan, dest, buffers, plane, link, checksum, nxt)
@@ -687,7 +169,7 @@ def _device_for(tensors, opts: TransferOptions, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _exchange_metadata(link: _Link, plan, tensors, chain, rank, device):
+def _exchange_metadata(link: Link, plan, tensors, chain, rank, device):
     """Plan down the chain; every receiver checks it and reports; the source says go or stop."""
     src, me = chain[0], chain.index(rank)
     if me == 0:
@@ -773,7 +255,7 @@ def _message_views(
     return out
 
 
-def _send(plan: Plan, tensors, buffers, plane, link: _Link, checksum: _Checksum, nxt) -> dict:
+def _send(plan: Plan, tensors, buffers, plane, link: Link, checksum: Checksum, nxt) -> dict:
     timing = {"pack_seconds": 0.0, "checksum_seconds": 0.0, "packed_bytes": 0}
     flats = {}
     for e in plan.entries:
@@ -920,7 +402,7 @@ def _stats(plan, opts, backend, device, rank, src, chain, seconds, t_meta, timin
 
 
 def _finish(
-    link: _Link, stats: TransferStats, chain: list[int], rank: int, src: int, t1: float
+    link: Link, stats: TransferStats, chain: list[int], rank: int, src: int, t1: float
 ) -> TransferStats:
     """Receivers report to the source; it tells all whether everyone verified. Raises if not."""
     if rank != src:
