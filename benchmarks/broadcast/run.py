@@ -93,6 +93,7 @@ def run_world(fabric: str, receivers: int, args, fab=None) -> list[dict]:
         cmds = [worker] * world
         envs = [_env(r, world, "127.0.0.1", port) for r in range(world)]
     else:
+        assert fab is not None  # main() opens the fabric for every fabric but loopback
         port = 29400
         cmds = [fab.command(r, worker) for r in range(world)]
         envs = [_env(r, world, fab.address(0), port, fab.env(r)) for r in range(world)]

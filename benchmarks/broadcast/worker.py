@@ -19,11 +19,15 @@ import torch
 import torch.distributed as dist
 
 from distlm.dist import distributed
-from distlm.transfer import TransferOptions, broadcast_state_dict
+from distlm.transfer import broadcast_state_dict
+from distlm.transfer.options import TransferSettings  # TEMP: distlm.settings
 
 
 def gpt2_shapes(n_layer=12, n_embd=768, vocab=50257, n_pos=1024) -> dict[str, tuple[int, ...]]:
-    s = {"transformer.wte.weight": (vocab, n_embd), "transformer.wpe.weight": (n_pos, n_embd)}
+    s: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (vocab, n_embd),
+        "transformer.wpe.weight": (n_pos, n_embd),
+    }
     for i in range(n_layer):
         p = f"transformer.h.{i}."
         s.update(
@@ -122,10 +126,10 @@ def main() -> None:
             elif method == "flat":
                 flat_method(topo, sd, flat, extra)
             elif method == "distlm":
-                opts = TransferOptions(
+                settings = TransferSettings(
                     bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb, timeout_s=args.timeout_s
                 )
-                res = broadcast_state_dict(sd, src=0, options=opts)  # receivers: filled in place
+                res = broadcast_state_dict(sd, settings=settings)  # receivers: filled in place
                 extra = {
                     k: getattr(res.stats, k) for k in ("buckets", "checksum_seconds", "verified")
                 }
@@ -135,7 +139,7 @@ def main() -> None:
             del flat
             # Correctness, outside the timed region: every receiver holds the sender's bits.
             fp = torch.tensor(fingerprint(sd), dtype=torch.int64)
-            got = [None] * topo.world_size
+            got: list[dict] = [{}] * topo.world_size
             dist.all_gather_object(
                 got,
                 {

@@ -16,7 +16,8 @@ from distlm.documents import BroadcastReport, write_document
 from distlm.io import sha256_file
 from distlm.log import get_logger
 from distlm.model import META, WEIGHTS, load_safetensors, read_meta
-from distlm.transfer import TransferError, TransferOptions, broadcast_state_dict
+from distlm.transfer import TransferError, broadcast_state_dict
+from distlm.transfer.options import TransferSettings
 
 log = get_logger(__name__)
 
@@ -27,7 +28,8 @@ def run_broadcast_stage(
     """World = 1 sender + `broadcast.receivers`. Rank 0 writes the report (atomically) after
     every receiver has verified its buckets; returns it on rank 0, None elsewhere."""
     bcfg = cfg["broadcast"]
-    opts = TransferOptions.from_config(bcfg, device=topo.device)
+    keys = ("transport", "bucket_mb", "chunk_mb", "timeout_s")
+    opts = TransferSettings(**{k: bcfg[k] for k in keys if k in bcfg})
     model_dir = Path(model_dir)
     tensors, meta = None, {}
     if topo.is_main:
@@ -57,7 +59,7 @@ def run_broadcast_stage(
             opts.bucket_mb,
             opts.chunk_mb,
         )
-    s = broadcast_state_dict(tensors, src=0, options=opts).stats
+    s = broadcast_state_dict(tensors, settings=opts, device=topo.device).stats
     log.info(
         "%s %.1f MB in %.3f s (%.3f GB/s), %d buckets, verified: %s",
         "sent" if topo.is_main else "received",

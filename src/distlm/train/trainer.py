@@ -445,14 +445,16 @@ class Trainer:
         """Rank 0's weights reach every other rank through the transfer module, then are checked."""
         if not self.topo.is_distributed:
             return
-        from distlm.transfer import TransferOptions, broadcast_state_dict
+        from distlm.transfer import broadcast_state_dict
+        from distlm.transfer.options import TransferSettings
 
         b = self.cfg["broadcast"]
         tensors = weights_of(self.model)
-        opts = TransferOptions.from_config(b)
+        keys = ("transport", "bucket_mb", "chunk_mb", "timeout_s")
+        opts = TransferSettings(**{k: b[k] for k in keys if k in b})
         t0 = time.perf_counter()
         with torch.no_grad():
-            result = broadcast_state_dict(tensors, src=0, options=opts)
+            result = broadcast_state_dict(tensors, settings=opts)
             for k, t in result.tensors.items():
                 if t is not tensors[k] and t.data_ptr() != tensors[k].data_ptr():
                     tensors[k].copy_(t)

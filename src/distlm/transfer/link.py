@@ -12,7 +12,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from distlm.documents import Document, encode
+from distlm.transfer.errors import TransferError
+from distlm.transfer.messages import M, read_message
 from distlm.transfer.watch import Watch
+
+MAX_MESSAGE_BYTES = 256 * 2**20  # a control message's length above this is refused, not allocated
 
 
 class Pending(NamedTuple):
@@ -70,8 +75,21 @@ class Link:
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.wait(self.irecv(n, peer, f"{what} (length)"))
         size = int(n.item())
+        if not 0 <= size <= MAX_MESSAGE_BYTES:
+            raise TransferError(
+                f"rank {peer} announced a {size}-byte {what}; "
+                f"control messages are at most {MAX_MESSAGE_BYTES} bytes"
+            )
         if size == 0:
             return b""
         payload = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.wait(self.irecv(payload, peer, what))
         return payload.cpu().numpy().tobytes()
+
+    def send_message(self, msg: Document, peer: int, what: str) -> None:
+        """A typed, versioned message (distlm.transfer.messages) to `peer`."""
+        self.send_bytes(encode(msg), peer, what)
+
+    def recv_message(self, peer: int, cls: type[M], what: str) -> M:
+        """A `cls` message from `peer`; another kind or version is refused, naming the sender."""
+        return read_message(self.recv_bytes(peer, what), cls, peer)

@@ -15,11 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from distlm.transfer.options import TransferError
+from distlm.transfer.errors import TransferError
 
 ALIGN = 64  # byte alignment of every tensor in the stream: any dtype view is legal
 DIRECT_MIN = 64 * 1024  # a tensor segment this large travels from/into the tensor itself, unpacked
-_PROTOCOL = "distlm-transfer/1"
 
 
 @dataclass(frozen=True)
@@ -162,24 +161,6 @@ class Plan:
             and e.start < base + hi
             and e.start + e.nbytes > base + lo
         ]
-
-    def to_json(self) -> dict:
-        return {
-            "protocol": _PROTOCOL,
-            "stream_bytes": self.stream_bytes,
-            "bucket_bytes": self.bucket_bytes,
-            "chunk_bytes": self.chunk_bytes,
-            "entries": [
-                [e.name, list(e.shape), e.dtype, e.start, e.nbytes, e.alias] for e in self.entries
-            ],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> Plan:
-        if d.get("protocol") != _PROTOCOL:
-            raise TransferError(f"sender speaks {d.get('protocol')!r}, this rank {_PROTOCOL!r}")
-        entries = tuple(Entry(n, tuple(s), t, a, nb, al) for n, s, t, a, nb, al in d["entries"])
-        return cls(entries, d["stream_bytes"], d["bucket_bytes"], d["chunk_bytes"])
 
 
 def _align(n: int) -> int:

@@ -1,4 +1,5 @@
-"""Data planes: what carries the bulk bytes of the buckets. Choose or add a transport here.
+"""Data planes: what carries the bulk bytes of the buckets. Add a transport here (and choose it in
+`TransferSession.start`).
 
 A plane posts sends and receives of byte views (`isend`, `irecv`, `wait`); `zero_copy` says whether
 it may send from and receive into the tensors' own memory. "torch" is torch.distributed
@@ -7,18 +8,32 @@ point-to-point (NCCL or gloo) on the control link; "uccl" is in distlm.transfer.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar, Protocol
+
 import torch
 
+from distlm.transfer.errors import TRANSPORTS, TransferError
 from distlm.transfer.link import Link
-from distlm.transfer.options import TRANSPORTS, TransferError
-from distlm.transfer.uccl import UcclPlane, check_uccl
+from distlm.transfer.uccl import check_uccl
+
+
+class Plane(Protocol):
+    """What the bucket stream asks of a transport."""
+
+    zero_copy: ClassVar[bool]  # may send from / receive into the tensors' own memory
+
+    def setup(self, buffers: list[torch.Tensor], prev: int | None, nxt: int | None) -> None: ...
+    def isend(self, view: torch.Tensor, peer: int, what: str) -> Any: ...
+    def irecv(self, view: torch.Tensor, peer: int, what: str) -> Any: ...
+    def wait(self, handle: Any) -> None: ...
+    def close(self) -> None: ...
 
 
 class TorchPlane:
     """Bulk data over torch.distributed point-to-point (NCCL or gloo), straight from the given views."""
 
-    name = "torch"
-    zero_copy = True  # chunks inside one tensor are sent from / received into the tensor itself
+    # Chunks inside one tensor are sent from / received into the tensor itself.
+    zero_copy: ClassVar[bool] = True
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -55,9 +70,3 @@ def check_transport(transport: str, device: torch.device, backend: str) -> None:
         check_uccl(device)
         return
     raise TransferError(f"unknown transport {transport!r} ({', '.join(TRANSPORTS)})")
-
-
-def make_plane(transport: str, link: Link, **kw):
-    if transport == "torch":
-        return TorchPlane(link)
-    return UcclPlane(link, **kw)

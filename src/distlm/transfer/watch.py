@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 import threading
 import time
+from typing import NoReturn
 
-from distlm.transfer.options import TransferError
+from torch.distributed.distributed_c10d import Store
+
+from distlm.transfer.errors import TransferError
 
 _HEARTBEAT_S = 1.0
 
@@ -17,7 +20,7 @@ class Watch:
     def __init__(self, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> None:
         self.prefix, self.rank, self.ranks = prefix, rank, ranks
         self.reported = False
-        self.store = _default_store()
+        self.store = _default_store()  # None: no heartbeats, a failure names only the peer
         self._stop = threading.Event()
         self._thread = None
         self.probe_s = max(2.5 * _HEARTBEAT_S, min(5.0, timeout_s / 4))
@@ -31,9 +34,11 @@ class Watch:
         return f"{self.prefix}/{kind}/{rank}"
 
     def _beat(self) -> None:
+        store = self.store
+        assert store is not None  # started only with a store
         while not self._stop.is_set():
             try:
-                self.store.add(self._key("hb", self.rank), 1)
+                store.add(self._key("hb", self.rank), 1)
             except Exception:  # the store is gone: the failure shows up in the data path
                 return
             self._stop.wait(_HEARTBEAT_S)
@@ -46,27 +51,26 @@ class Watch:
             except Exception:
                 pass
 
-    def _reported(self) -> dict[int, str]:
+    def _reported(self, store: Store) -> dict[int, str]:
         out = {}
         for r in self.ranks:
             try:
-                if self.store.check([self._key("failed", r)]):
-                    out[r] = self.store.get(self._key("failed", r)).decode()
+                if store.check([self._key("failed", r)]):
+                    out[r] = store.get(self._key("failed", r)).decode()
             except Exception:
                 break
         return out
 
     def diagnose(self) -> str:
         """Which ranks stopped beating, else which reported a failure (a few seconds of probing)."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return ""
         try:
-            before = {
-                r: self.store.add(self._key("hb", r), 0) for r in self.ranks if r != self.rank
-            }
+            before = {r: store.add(self._key("hb", r), 0) for r in self.ranks if r != self.rank}
             time.sleep(self.probe_s)
-            after = {r: self.store.add(self._key("hb", r), 0) for r in before}
-            done = {r for r in before if self.store.check([self._key("done", r)])}
+            after = {r: store.add(self._key("hb", r), 0) for r in before}
+            done = {r for r in before if store.check([self._key("done", r)])}
         except Exception as e:
             return f"the torch.distributed store is unreachable ({type(e).__name__}), so rank 0's host may be gone"
         dead = [r for r in before if after[r] == before[r] and r not in done]
@@ -76,10 +80,10 @@ class Watch:
                 + ", ".join(map(str, dead))
                 + f" stopped (no heartbeat for {self.probe_s:.1f} s)"
             )
-        reported = {r: why for r, why in self._reported().items() if r != self.rank}
+        reported = {r: why for r, why in self._reported(store).items() if r != self.rank}
         return "; ".join(f"rank {r} failed: {why}" for r, why in reported.items())
 
-    def fail(self, peer: int, what: str, err: BaseException) -> None:
+    def fail(self, peer: int, what: str, err: BaseException) -> NoReturn:
         text = _short(err)
         kind = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() else "failed"
         here = f"{what} with rank {peer} {kind} ({type(err).__name__}: {text})"
@@ -105,7 +109,7 @@ def _short(err: BaseException) -> str:
     return text.split(". This is typically")[0][:160]
 
 
-def _default_store():
+def _default_store() -> Store | None:
     try:
         from torch.distributed import distributed_c10d as c10d
 
