@@ -13,6 +13,8 @@ from distlm.config import load_config
 from distlm.dist import distributed
 from distlm.documents import BroadcastReport, read_document
 from distlm.model import WEIGHTS, load_safetensors, read_meta
+from distlm.settings.stage import BroadcastConfig
+from distlm.stages import stage_config
 from distlm.transfer import TransferError
 
 
@@ -23,11 +25,11 @@ def test_stage_report_in_the_tiny_workflow(workflow_run):
     model = workflow_run / "results/model/base"
     sd = load_safetensors(model / WEIGHTS)
     receivers = cfg["broadcast"]["receivers"]
-    assert report["transport"] == cfg["broadcast"]["transport"] == "torch"
+    assert report["transport"] == cfg["transfer"]["transport"] == "torch"
     assert report["backend"] == "gloo" and report["world_size"] == 1 + receivers
     assert report["bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
     assert report["tensors"] == len(sd)
-    assert report["bucket_bytes"] == int(cfg["broadcast"]["bucket_mb"] * 2**20)
+    assert report["bucket_bytes"] == int(cfg["transfer"]["bucket_mb"] * 2**20)
     assert report["buckets"] == -(-report["stream_bytes"] // report["bucket_bytes"]) > 1
     assert report["model_sha256"] == read_meta(model)["model_sha256"]
     assert [r["rank"] for r in report["receivers"]] == list(range(1, receivers + 1))
@@ -48,7 +50,7 @@ def test_stage_report_in_the_tiny_workflow(workflow_run):
 
 
 def test_stage_refuses_a_tampered_model_and_a_wrong_world(workflow_run, tmp_path):
-    cfg = load_config(TINY)
+    cfg = BroadcastConfig.of(stage_config(load_config(TINY), "broadcast"))
     model = tmp_path / "model"
     shutil.copytree(workflow_run / "results/model/base", model)
     with distributed(backend="gloo", timeout_s=30) as topo:

@@ -26,11 +26,22 @@ def test_shipped_configs_are_valid(name):
         ({"colour": 1}, "colour: unknown key"),
         ({"train": {"max_stepz": 3}}, "train.max_stepz: unknown key"),
         ({"data": {"block_size": "big"}}, "data.block_size: 'big' is not of type 'integer'"),
-        ({"train": {"lr": -1}}, "train.lr"),
-        ({"broadcast": {"transport": "carrier-pigeon"}}, "broadcast.transport"),
+        ({"train": {"lr": -1}}, "train.lr: input should be greater than 0, got -1"),
+        (
+            {"transfer": {"transport": "carrier-pigeon"}},
+            "transfer.transport: 'carrier-pigeon' is not one of 'torch' or 'uccl'",
+        ),
+        ({"broadcast": {"transport": "torch"}}, "broadcast.transport: moved to transfer.transport"),
+        ({"broadcast": {"chunk_mb": 2}}, "broadcast.chunk_mb: moved to transfer.chunk_mb"),
+        ({"inference": {"greedy": True}}, "inference.greedy: removed: greedy decoding is"),
+        ({"eval": {"splits": ["test", "test"]}}, "eval.splits: 'test' is listed twice"),
         (
             {"inference": {"stages": 5}},
             "inference.stages: 5 pipeline stages but the model has only 4",
+        ),
+        (
+            {"serve": {"stages": 5}},
+            "serve.stages: 5 pipeline stages but the model has only 4",
         ),
         (
             {"data": {"block_size": 512}},

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from distlm import DistlmError
-from distlm.config import deep_merge, validate_config
+from distlm.config import deep_merge, validate_settings
 from distlm.data import TokenBlocks, load_embedded, prepare, read_tokens_meta
 from distlm.documents import DataStats, read_document
 
@@ -19,13 +19,14 @@ SMALL = {
 
 
 def cfg(**over):
-    return validate_config(deep_merge(SMALL, over))
+    return validate_settings(deep_merge(SMALL, over))
 
 
 def run(tmp_path, c):
     out = tmp_path / "data"
     stats = prepare(
-        c,
+        c.data,
+        c.model,
         tokens_path=out / "tokens.h5",
         tokenizer_dir=out / "tokenizer",
         stats_path=out / "stats.json",

@@ -38,6 +38,8 @@ from distlm.model import (
     state_dict_for_save,
     write_model_dir,
 )
+from distlm.settings import EvalSettings
+from distlm.settings.stage import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, N_POSITIONS = 61, 32
@@ -87,7 +89,7 @@ def tiny(tmp_path_factory) -> dict:
     return {"root": root, "model": root / "model", "tokens": root / "tokens.h5", "streams": streams}
 
 
-def eval_cfg(context, stride, **over) -> dict:
+def eval_cfg(context, stride, **over) -> EvalConfig:
     ev = {
         "nproc_per_node": 1,
         "context": context,
@@ -97,7 +99,9 @@ def eval_cfg(context, stride, **over) -> dict:
         "splits": ["validation", "test"],
         **over,
     }
-    return {"runtime": {"device": "cpu", "backend": "gloo", "timeout_s": 60}, "eval": ev}
+    return EvalConfig.of(
+        {"runtime": {"device": "cpu", "backend": "gloo", "timeout_s": 60}, "eval": ev}
+    )
 
 
 def reference(model, tokens: np.ndarray, context: int, stride: int) -> tuple[float, int]:
@@ -196,13 +200,13 @@ def test_windows_bad_arguments():
 
 
 def test_resolve_window_defaults_and_limits():
-    assert resolve_window({"context": None, "stride": None}, 1024) == (1024, 1024)
-    assert resolve_window({"context": None, "stride": 512}, 1024) == (1024, 512)
-    assert resolve_window({"context": 64, "stride": None}, 128) == (64, 64)
+    assert resolve_window(EvalSettings(), 1024) == (1024, 1024)
+    assert resolve_window(EvalSettings(stride=512), 1024) == (1024, 512)
+    assert resolve_window(EvalSettings(context=64), 128) == (64, 64)
     with pytest.raises(DistlmError, match="eval.context: 256 is beyond"):
-        resolve_window({"context": 256, "stride": None}, 128, where="results/model/base")
+        resolve_window(EvalSettings(context=256), 128, where="results/model/base")
     with pytest.raises(DistlmError, match="eval.stride: 2048 is larger"):
-        resolve_window({"context": None, "stride": 2048}, 1024)
+        resolve_window(EvalSettings(stride=2048), 1024)
 
 
 def test_config_rejects_stride_beyond_context():

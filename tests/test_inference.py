@@ -22,6 +22,7 @@ from distlm.inference.pipeline import (
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
 from distlm.inference.stage import Item, load_stage
+from distlm.settings import ModelInitSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = ROOT / "workflow" / "scripts" / "infer.py"
@@ -59,7 +60,7 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
     train_tokenizer([t for _, t in load_embedded()[:150]], 400, 2, tokdir)
     tok = AutoTokenizer.from_pretrained(tokdir)
     cfg = init_config(
-        {"n_positions": 64, "n_embd": 32, "n_layer": N_LAYER, "n_head": 2, "dropout": 0.0},
+        ModelInitSettings(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0),
         len(tok),
         tok.eos_token_id,
     )
@@ -301,11 +302,15 @@ def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
 
 
 def write_config(path: Path, *, serve: dict | None = None, **over) -> Path:
-    """A resolved config as the workflow writes it: `over` in `inference`, `serve` in `serve`."""
+    """A resolved config as the workflow writes it: `over` in `inference`, `serve` in `serve`;
+    the serve stage's document when `serve` is given, else the inference stage's."""
     from distlm.config import validate_config
+    from distlm.settings.stage import write_stage_config
+    from distlm.stages import stage_config
 
+    stage = "inference" if serve is None else "serve"
     cfg = validate_config({"inference": over, "serve": serve or {}})
-    path.write_text(json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")}))
+    write_stage_config(stage, stage_config(cfg, stage), path)
     return path
 
 

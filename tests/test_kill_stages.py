@@ -31,11 +31,12 @@ from distlm.data import prepare
 from distlm.log import setup_logging
 from distlm.model import serialize
 setup_logging()
-cfg = json.loads(Path(sys.argv[1]).read_text())
+from distlm.settings import Settings
+cfg = Settings.model_validate(json.loads(Path(sys.argv[1]).read_text()))
 out = Path(sys.argv[2])
-prepare(cfg, tokens_path=out / "data" / "tokens.h5", tokenizer_dir=out / "data" / "tokenizer",
+prepare(cfg.data, cfg.model, tokens_path=out / "data" / "tokens.h5", tokenizer_dir=out / "data" / "tokenizer",
         stats_path=out / "data" / "stats.json")
-serialize(cfg, tokenizer_dir=out / "data" / "tokenizer", tokens_path=out / "data" / "tokens.h5",
+serialize(cfg.model, tokenizer_dir=out / "data" / "tokenizer", tokens_path=out / "data" / "tokens.h5",
           out_dir=out / "model" / "base")
 """
 

@@ -130,13 +130,14 @@ def _wait_for(pred, what: str, bound_s: float = 180.0) -> None:
 @pytest.mark.slow
 def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
     from distlm.config import validate_config
+    from distlm.settings.stage import write_stage_config
     from distlm.stages import stage_config
 
     inputs = make_inputs(tmp_path / "inputs")
     cfg = validate_config(
         {
             "runtime": {"timeout_s": 60},
-            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "transfer": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
             "train": {
                 "max_steps": 100000,
                 "micro_batch_size": 4,
@@ -148,7 +149,7 @@ def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
             },
         }
     )
-    (tmp_path / "train.json").write_text(json.dumps(stage_config(cfg, "train")))
+    write_stage_config("train", stage_config(cfg, "train"), tmp_path / "train.json")
     out = tmp_path / "train"
     cmd = [
         sys.executable,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distlm import DistlmError
-from distlm.config import deep_merge, validate_config
+from distlm.config import deep_merge, validate_config, validate_settings
 from distlm.data import prepare
 from distlm.io import read_json
 from distlm.model import (
@@ -24,6 +24,7 @@ from distlm.model import (
     write_model_dir,
     write_pipeline_dir,
 )
+from distlm.settings import ModelInitSettings, ModelSourceSettings
 
 BASE = {
     "data": {"block_size": 32, "tokenizer": {"vocab_size": 400}},
@@ -34,9 +35,10 @@ BASE = {
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
-    c = validate_config(BASE)
+    c = validate_settings(BASE)
     prepare(
-        c,
+        c.data,
+        c.model,
         tokens_path=out / "tokens.h5",
         tokenizer_dir=out / "tokenizer",
         stats_path=out / "stats.json",
@@ -46,9 +48,11 @@ def data(tmp_path_factory):
 
 def make(tmp_path, data, stages, **model):
     """A serialized model folder and its pipeline folder of `stages` shards."""
-    c = validate_config(deep_merge(BASE, {"model": model}))
+    c = validate_settings(deep_merge(BASE, {"model": model}))
     folder = tmp_path / "model"
-    serialize(c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=folder)
+    serialize(
+        c.model, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=folder
+    )
     out = tmp_path / f"pipeline-{stages}"
     write_pipeline_dir(folder, out, stages=stages)
     return out, read_json(out / "distlm.json")
@@ -80,12 +84,16 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
 
 def test_serialize_reads_only_the_model_keys(data, tmp_path):
     """The model stage gets exactly its declared keys (distlm.stages): no inference, no data."""
+    from distlm.settings.stage import ModelConfig
     from distlm.stages import stage_config
 
-    c = stage_config(validate_config(BASE), "model")
-    assert set(c) == {"model"}
+    params = stage_config(validate_config(BASE), "model")
+    assert set(params) == {"model"}
     meta = serialize(
-        c, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=tmp_path / "m"
+        ModelConfig.of(params).model,
+        tokenizer_dir=data / "tokenizer",
+        tokens_path=data / "tokens.h5",
+        out_dir=tmp_path / "m",
     )
     assert meta["created_by"] == "model" and not (tmp_path / "m" / "shards").exists()
 
@@ -143,7 +151,7 @@ def test_folders_carry_what_save_pretrained_writes(tmp_path, data, folder):
 def test_balance_by_bytes():
     # GPT-2-small-shaped: embeddings weigh ~5.5 blocks, so the end stages get fewer blocks.
     cfg = init_config(
-        {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024, "dropout": 0.0},
+        ModelInitSettings(n_layer=12, n_head=12, n_embd=768, n_positions=1024, dropout=0.0),
         50257,
         50256,
     )
@@ -197,23 +205,29 @@ def test_local_model_folder_source(tmp_path, data):
     from transformers import AutoTokenizer
 
     cfg = init_config(
-        {"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0
+        ModelInitSettings(n_layer=3, n_head=2, n_embd=32, n_positions=64, dropout=0.0), 400, 0
     )
     model = build_model(cfg, seed=7)
     model.save_pretrained(src)
     AutoTokenizer.from_pretrained(data / "tokenizer").save_pretrained(src)
-    c = validate_config(
+    c = validate_settings(
         deep_merge(
             BASE, {"model": {"source": "local", "name": str(src)}, "inference": {"stages": 3}}
         )
     )
     d = tmp_path / "d"
     stats = prepare(
-        c, tokens_path=d / "tokens.h5", tokenizer_dir=d / "tokenizer", stats_path=d / "stats.json"
+        c.data,
+        c.model,
+        tokens_path=d / "tokens.h5",
+        tokenizer_dir=d / "tokenizer",
+        stats_path=d / "stats.json",
     )
     assert stats.tokenizer.startswith("the model's own")
     out = tmp_path / "out"
-    meta = serialize(c, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out)
+    meta = serialize(
+        c.model, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out
+    )
     assert meta["source"]["source"] == "local"
     ref = state_dict_for_save(model)
     got = load_safetensors(out / "model.safetensors")
@@ -222,9 +236,9 @@ def test_local_model_folder_source(tmp_path, data):
 
 def test_unknown_hub_model_offline_is_named(hub_offline):
     with pytest.raises(DistlmError, match="model.name 'no-such-org/no-such-model-xyz'"):
-        load_source({"source": "hub", "name": "no-such-org/no-such-model-xyz", "revision": None})
+        load_source(ModelSourceSettings(source="hub", name="no-such-org/no-such-model-xyz"))
     with pytest.raises(DistlmError, match="model folder not found"):
-        load_source({"source": "local", "name": "/nonexistent/folder", "revision": None})
+        load_source(ModelSourceSettings(source="local", name="/nonexistent/folder"))
 
 
 def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
@@ -232,7 +246,7 @@ def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
     out = tmp_path / "model"
     before = (out / "model.safetensors").read_bytes()
     cfg = init_config(
-        {"n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "dropout": 0.0}, 400, 0
+        ModelInitSettings(n_layer=2, n_head=2, n_embd=32, n_positions=64, dropout=0.0), 400, 0
     )
     sd = state_dict_for_save(build_model(cfg, seed=1))
     with pytest.raises(DistlmError):

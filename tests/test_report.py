@@ -36,6 +36,7 @@ from distlm.report import (
     outputs,
 )
 from distlm.report.inputs import collect
+from distlm.settings import ProfileSettings
 from distlm.train.metrics import Metrics
 from distlm.train.profiling import StepProfiler
 
@@ -83,7 +84,7 @@ def write_train(results: Path, steps: int = 12) -> None:
 
 def write_profile(results: Path, ranks=(0, 1), enabled: bool = True) -> None:
     """A real torch.profiler window through the training stage's StepProfiler, per rank."""
-    cfg = {"enabled": enabled, "wait": 0, "warmup": 1, "active": 1, "top_ops": 8}
+    cfg = ProfileSettings(enabled=enabled, wait=0, warmup=1, active=1, top_ops=8)
     for rank in ranks:
         prof = StepProfiler(
             cfg,

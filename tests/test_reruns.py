@@ -8,6 +8,7 @@ time), so it stays within a couple of minutes.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, snakemake_cmd
 
 from distlm.stages import rerun_table, reruns, schema_keys
 
@@ -69,11 +70,11 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "model.init.n_positions": ({"model": {"init": {"n_positions": 96}}}, ALL_FROM_MODEL),
     "model.init.dropout": ({"model": {"init": {"dropout": 0.1}}}, ALL_FROM_MODEL),
     "model.init.seed": ({"model": {"init": {"seed": 1}}}, ALL_FROM_MODEL),
-    "broadcast.transport": ({"broadcast": {"transport": "uccl"}}, BROADCAST | TRAIN | REPORT),
+    "transfer.transport": ({"transfer": {"transport": "uccl"}}, BROADCAST | TRAIN | REPORT),
+    "transfer.bucket_mb": ({"transfer": {"bucket_mb": 0.5}}, BROADCAST | TRAIN | REPORT),
+    "transfer.chunk_mb": ({"transfer": {"chunk_mb": 0.125}}, BROADCAST | TRAIN | REPORT),
+    "transfer.timeout_s": ({"transfer": {"timeout_s": 30}}, BROADCAST | TRAIN | REPORT),
     "broadcast.receivers": ({"broadcast": {"receivers": 1}}, BROADCAST | REPORT),
-    "broadcast.bucket_mb": ({"broadcast": {"bucket_mb": 0.5}}, BROADCAST | TRAIN | REPORT),
-    "broadcast.chunk_mb": ({"broadcast": {"chunk_mb": 0.125}}, BROADCAST | TRAIN | REPORT),
-    "broadcast.timeout_s": ({"broadcast": {"timeout_s": 30}}, BROADCAST | TRAIN | REPORT),
     **{
         f"train.{k}": ({"train": {k: v}}, TRAIN | REPORT)
         for k, v in {
@@ -121,7 +122,6 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "inference.stages": ({"inference": {"stages": 2}}, {"shard[trained]"} | INFER | REPORT),
     "inference.prompts": ({"inference": {"prompts": "tests/configs/tiny.yaml"}}, INFER | REPORT),
     "inference.max_new_tokens": ({"inference": {"max_new_tokens": 4}}, INFER | REPORT),
-    "inference.greedy": ({"inference": {"greedy": True}}, INFER | REPORT),  # config.yaml: false
     "inference.temperature": ({"inference": {"temperature": 0.31}}, INFER | REPORT),
     "inference.top_k": ({"inference": {"top_k": 5}}, INFER | REPORT),
     "inference.top_p": ({"inference": {"top_p": 0.5}}, INFER | REPORT),
@@ -150,6 +150,7 @@ for _k, _v in {
     "linger_s": 2,
     "linger_bytes": 1024,
     "request_timeout_s": 60,
+    "stages": 2,  # its own shards (rule serve_shard), outside rule all
 }.items():
     MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)  # serve is not in rule all
 
@@ -248,3 +249,25 @@ def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, tmp_path
     ):
         got = planned(workflow_run, {}, tmp_path, f"forcerun-{rule}", "--forcerun", rule)
         assert got == want, (rule, sorted(got))
+
+
+def test_serve_has_shards_of_its_own(workflow_run, tmp_path):
+    """serve.stages cuts the trained model into serve's own shards (rule serve_shard): it never
+    re-cuts batch inference's, and inference.stages never re-cuts serve's."""
+    assert planned(workflow_run, {}, tmp_path, "serve-first", "serve_shard") == {"serve_shard"}
+    proc = subprocess.run(
+        snakemake_cmd(workflow_run, "serve_shard"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    manifest = json.loads(
+        (workflow_run / "results/serve/pipeline/shards/manifest.json").read_text()
+    )
+    assert manifest["stages"] == 1  # serve.stages' default, apart from inference.stages: 3
+    assert planned(workflow_run, {}, tmp_path, "serve-done", "serve_shard") == set()
+    other = {"inference": {"stages": 1}}
+    assert planned(workflow_run, other, tmp_path, "serve-inf", "serve_shard") == set()
+    edit = {"serve": {"stages": 2}}
+    assert planned(workflow_run, edit, tmp_path, "serve-edit", "serve_shard") == {"serve_shard"}

@@ -33,8 +33,8 @@ def test_declared_keys_exist_and_every_key_has_a_reader():
 def test_a_stage_gets_exactly_its_keys():
     cfg = load_config(TINY)
     train = stage_config(cfg, "train")
-    assert set(train) == {"runtime", "train", "broadcast"}
-    assert set(train["broadcast"]) == {"transport", "bucket_mb", "chunk_mb", "timeout_s"}
+    assert set(train) == {"runtime", "train", "transfer"}
+    assert set(train["transfer"]) == {"transport", "bucket_mb", "chunk_mb", "timeout_s"}
     assert stage_config(cfg, "shard") == {"inference": {"stages": 3}}
     assert "serve" not in stage_config(cfg, "inference").get("inference", {})
     with pytest.raises(KeyError, match="does not exist"):

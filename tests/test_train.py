@@ -15,11 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from distlm import DistlmError
 from distlm.config import validate_config
 from distlm.dist import threads_per_rank
+from distlm.documents import write_document
 from distlm.model import load_model_dir, read_meta
+from distlm.settings import TrainSettings
+from distlm.settings.stage import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
@@ -32,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "workflow" / "scripts" / "train.py"
 
 
-def train_cfg(**train) -> dict:
+def train_cfg(**train) -> TrainConfig:
     base = {
         "max_steps": 6,
         "micro_batch_size": 4,
@@ -53,11 +57,11 @@ def train_cfg(**train) -> dict:
     cfg = validate_config(
         {
             "runtime": {"timeout_s": 60},
-            "broadcast": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
+            "transfer": {"bucket_mb": 0.25, "chunk_mb": 0.0625, "timeout_s": 60},
             "train": base,
         }
     )
-    return stage_config(cfg, "train")
+    return TrainConfig.of(stage_config(cfg, "train"))
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +88,58 @@ def paths(inputs, out: Path, **over) -> TrainPaths:
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
-    t = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4, "max_steps": 20}
+    t = TrainSettings(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=20)
     lrs = [lr_at(s, t) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in itertools.pairwise(lrs[4:]))
-    assert lrs[-1] > t["min_lr"] and lr_at(20, t) == pytest.approx(0.1)
+    assert lrs[-1] > t.min_lr and lr_at(20, t) == pytest.approx(0.1)
 
 
 def test_global_batch_must_divide():
-    assert (
-        plan_batch(
-            {"micro_batch_size": 4, "global_batch_size": 32, "grad_accum_steps": 1}, 2
-        ).grad_accum
-        == 4
-    )
+    assert plan_batch(TrainSettings(micro_batch_size=4, global_batch_size=32), 2).grad_accum == 4
     with pytest.raises(DistlmError, match="train.global_batch_size: 30 is not divisible"):
-        plan_batch({"micro_batch_size": 4, "global_batch_size": 30, "grad_accum_steps": 1}, 2)
+        plan_batch(TrainSettings(micro_batch_size=4, global_batch_size=30), 2)
+
+
+# The run identities of three train configs as distlm computed them before typed settings
+# (commit f6845ef, dict configs), with the file-derived parts fixed: the typed trainer must find
+# those runs' checkpoints, so it must compute the same identities.
+IDENTITIES_BEFORE = {
+    "default": ({}, "bc526e6333982684"),
+    "config.yaml": (yaml.safe_load((ROOT / "config/config.yaml").read_text()), "54c90b28536240ca"),
+    "int-reals": (
+        {
+            "train": {
+                "lr": 1,
+                "min_lr": 0,
+                "weight_decay": 0,
+                "grad_clip": 2,
+                "beta1": 0,
+                "global_batch_size": 32,
+            }
+        },
+        "67273c63715f60f3",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(IDENTITIES_BEFORE))
+def test_run_identity_is_unchanged_by_typed_settings(name):
+    from types import SimpleNamespace
+
+    from distlm.train.trainer import Trainer
+
+    raw, before = IDENTITIES_BEFORE[name]
+    cfg = TrainConfig.of(stage_config(validate_config(raw), "train"))
+    tr = Trainer.__new__(Trainer)
+    tr.cfg, tr.tcfg = cfg, cfg.train
+    tr.base_meta = {"arch_digest": "a" * 64, "model_sha256": "b" * 64}
+    tr.data_meta = {"config_digest": "c" * 64}
+    tr.block_size, tr.train_blocks = 128, range(1000)
+    tr.topo = SimpleNamespace(world_size=2)
+    tr.plan = plan_batch(cfg.train, 2)
+    tr.precision = "fp32"
+    assert ck.run_id(tr.identity()) == before
 
 
 def test_sampler_ranks_disjoint_and_epoch_covers_every_block():
@@ -277,10 +317,12 @@ def test_bad_inputs_are_refused(tmp_path):
 # ----------------------------------------------------------------------------- torchrun, 2 ranks
 
 
-def _torchrun(cfg: dict, inputs, out: Path, *, restarts: int = 0) -> subprocess.CompletedProcess:
+def _torchrun(
+    cfg: TrainConfig, inputs, out: Path, *, restarts: int = 0
+) -> subprocess.CompletedProcess:
     cfg_path = out.parent / f"{out.name}.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg_path.write_text(json.dumps(cfg))
+    write_document(cfg_path, cfg)
     cmd = [
         sys.executable,
         "-m",

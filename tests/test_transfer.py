@@ -19,6 +19,7 @@ from test_transfer_workers import (
 
 from distlm.dist import distributed
 from distlm.documents import encode
+from distlm.settings import TransferSettings
 from distlm.transfer import (
     ALIGN,
     Checksum,
@@ -31,7 +32,6 @@ from distlm.transfer import (
     uccl_problems,
 )
 from distlm.transfer.messages import MetadataCheck, read_message
-from distlm.transfer.options import TransferSettings  # TEMP: distlm.settings
 
 # ----------------------------------------------------------------------------- units
 

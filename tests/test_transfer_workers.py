@@ -15,8 +15,8 @@ import traceback
 import torch
 
 from distlm.dist import distributed, free_port
+from distlm.settings import TransferSettings
 from distlm.transfer import TransferError, broadcast_state_dict
-from distlm.transfer.options import TransferSettings  # TEMP: distlm.settings
 
 
 def _entry(fn, rank: int, world: int, port: int, q, args) -> None:

@@ -48,6 +48,16 @@ def test_bad_config_fails_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
     proc = run_snakemake(tmp_path, "--config", 'train={"max_stepz": 1}', check=False)
     assert proc.returncode != 0 and "train.max_stepz: unknown key" in proc.stderr
+    # a key of an earlier release says where it went
+    proc = run_snakemake(tmp_path, "--config", 'broadcast={"transport": "torch"}', check=False)
+    assert proc.returncode != 0
+    assert "broadcast.transport: moved to transfer.transport" in proc.stderr
+    # --config hands nested values over as strings: they become the numbers their keys ask for
+    # (then Snakemake's validate checks the result against the generated schema)
+    run_snakemake(
+        tmp_path, "-n", "--config", 'train={"max_steps": "7"}', 'transfer={"bucket_mb": "0.5"}'
+    )
+    assert not (tmp_path / "results").exists()
 
 
 def test_real_setup_plans(tmp_path):
@@ -80,3 +90,71 @@ def test_lint_and_format_are_clean(tmp_path):
         [sys.executable, "-m", "snakefmt", "--check", *files], capture_output=True, text=True
     )
     assert fmt.returncode == 0, fmt.stderr
+
+
+def test_snakemake_serve_answers_on_its_own_shards_and_ctrl_c_ends_it(workflow_run, tmp_path):
+    """The README's `snakemake --profile profiles/local serve`: it cuts serve.stages shards, serves
+    a real client, and Ctrl-C (SIGINT to the foreground process group) leaves no process behind."""
+    import os
+    import signal
+    import urllib.request
+
+    from conftest import snakemake_cmd
+    from procs import alive
+
+    from distlm.dist import free_port
+
+    port = free_port()
+    over = tmp_path / "serve.yaml"
+    over.write_text(yaml.safe_dump({"serve": {"port": port, "stages": 2}}))
+    log = tmp_path / "snakemake.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            snakemake_cmd(workflow_run, "serve", configfiles=(TINY, over)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+    try:
+        deadline = time.monotonic() + 240
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    health = json.loads(r.read())
+                    break
+            except OSError:
+                time.sleep(1)
+        assert health is not None and health["status"] == "ok", log.read_text()[-3000:]
+        body = json.dumps({"model": health["model"], "prompt": "The", "max_tokens": 4}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["text"]
+        manifest = json.loads(
+            (workflow_run / "results/serve/pipeline/shards/manifest.json").read_text()
+        )
+        assert manifest["stages"] == 2
+        group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == proc.pid]
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        time.sleep(1)
+        left = [p for p in group if alive(p)]
+        assert not left, f"still running after Ctrl-C: {left}\n{log.read_text()[-3000:]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _pgid(pid: int) -> int | None:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from distlm.dist import distributed
+from distlm.settings import TransferSettings
 from distlm.transfer import broadcast_state_dict
-from distlm.transfer.options import TransferSettings  # TEMP: distlm.settings
 
 
 def gpt2_shapes(n_layer=12, n_embd=768, vocab=50257, n_pos=1024) -> dict[str, tuple[int, ...]]:

@@ -63,17 +63,18 @@ def seeded_model(folder: Path, args) -> Path:
     """A GPT-2-architecture model with a tokenizer trained on the embedded corpus."""
     from distlm.data import load_embedded, train_tokenizer
     from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+    from distlm.settings import ModelInitSettings
 
     tokdir = folder / "tokenizer"
     tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
     cfg = init_config(
-        {
-            "n_positions": 256,
-            "n_embd": args.embd,
-            "n_layer": args.layers,
-            "n_head": args.heads,
-            "dropout": 0.0,
-        },
+        ModelInitSettings(
+            n_positions=256,
+            n_embd=args.embd,
+            n_layer=args.layers,
+            n_head=args.heads,
+            dropout=0.0,
+        ),
         len(tok),
         tok.eos_token_id,
     )
@@ -208,7 +209,7 @@ def distlm_run(
     from distlm.config import validate_config
 
     icfg = validate_config(
-        {"inference": {"stages": stages, "max_new_tokens": n, "greedy": True, "timeout_s": 120}}
+        {"inference": {"stages": stages, "max_new_tokens": n, "temperature": 0.0, "timeout_s": 120}}
     )["inference"]
     spec = work / f"spec-{stages}.json"
     out = work / f"out-{stages}.json"

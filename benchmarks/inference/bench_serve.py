@@ -368,6 +368,8 @@ def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels
     from bench import sharded
 
     from distlm.config import validate_config
+    from distlm.settings.stage import write_stage_config
+    from distlm.stages import stage_config
 
     cfg = validate_config(
         {
@@ -380,7 +382,7 @@ def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels
         }
     )
     cfg_path = work / f"serve-s{stages}.json"
-    cfg_path.write_text(json.dumps({k: cfg[k] for k in ("runtime", "inference", "serve")}))
+    write_stage_config("serve", stage_config(cfg, "serve"), cfg_path)
     return [
         sys.executable,
         str(SERVE),

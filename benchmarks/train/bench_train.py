@@ -40,6 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from distlm.documents import read_document
+from distlm.settings.stage import TrainConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PRESETS = {
@@ -125,7 +128,7 @@ def summarize(step_s: list[float], tokens_per_step: int) -> dict:
 # ----------------------------------------------------------------------------- worker side
 
 
-def bare_worker(a, cfg: dict) -> None:
+def bare_worker(a, cfg: TrainConfig) -> None:
     """A minimal DDP loop: forward, backward, fused AdamW, zero_grad, on in-memory blocks."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -134,8 +137,8 @@ def bare_worker(a, cfg: dict) -> None:
     from distlm.dist import distributed
     from distlm.model import load_model_dir
 
-    t, rt = cfg["train"], cfg["runtime"]
-    with distributed(backend=rt["backend"], device=rt["device"], timeout_s=600) as topo:
+    t, rt = cfg.train, cfg.runtime
+    with distributed(backend=rt.backend, device=rt.device, timeout_s=600) as topo:
         dev = topo.device
         blocks = TokenBlocks(a.tokens, "train")
         data = torch.from_numpy(blocks[list(range(len(blocks)))])
@@ -145,14 +148,14 @@ def bare_worker(a, cfg: dict) -> None:
         ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
         opt = torch.optim.AdamW(
             model.parameters(),
-            lr=t["lr"],
-            betas=(t["beta1"], t["beta2"]),
-            weight_decay=t["weight_decay"],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            weight_decay=t.weight_decay,
             fused=True,
         )
         amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision_resolved)
-        g = torch.Generator().manual_seed(rt["seed"] + topo.rank)
-        mb = t["micro_batch_size"]
+        g = torch.Generator().manual_seed(rt.seed + topo.rank)
+        mb = t.micro_batch_size
         stamps = [time.perf_counter()]
         for _ in range(a.steps):
             x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
@@ -172,7 +175,7 @@ def bare_worker(a, cfg: dict) -> None:
             )
 
 
-def hf_worker(a, cfg: dict) -> None:
+def hf_worker(a, cfg: TrainConfig) -> None:
     """`transformers.Trainer` on the same weights, blocks and optimizer settings."""
     import torch
     from transformers import (
@@ -184,7 +187,7 @@ def hf_worker(a, cfg: dict) -> None:
 
     from distlm.data import TokenBlocks
 
-    t, rt = cfg["train"], cfg["runtime"]
+    t, rt = cfg.train, cfg.runtime
     blocks = TokenBlocks(a.tokens, "train")
     data = torch.from_numpy(blocks[list(range(len(blocks)))])
     blocks.close()
@@ -214,28 +217,28 @@ def hf_worker(a, cfg: dict) -> None:
         args = TrainingArguments(
             output_dir=out,
             max_steps=a.steps,
-            per_device_train_batch_size=t["micro_batch_size"],
-            gradient_accumulation_steps=t["grad_accum_steps"],
-            learning_rate=t["lr"],
+            per_device_train_batch_size=t.micro_batch_size,
+            gradient_accumulation_steps=t.grad_accum_steps,
+            learning_rate=t.lr,
             lr_scheduler_type="cosine_with_min_lr",
-            lr_scheduler_kwargs={"min_lr": t["min_lr"]},
-            warmup_steps=t["warmup_steps"],
-            weight_decay=t["weight_decay"],
-            adam_beta1=t["beta1"],
-            adam_beta2=t["beta2"],
+            lr_scheduler_kwargs={"min_lr": t.min_lr},
+            warmup_steps=t.warmup_steps,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.beta1,
+            adam_beta2=t.beta2,
             adam_epsilon=1e-8,
-            max_grad_norm=t["grad_clip"],
+            max_grad_norm=t.grad_clip,
             optim="adamw_torch_fused",
             bf16=a.precision_resolved == "bf16",
             fp16=a.precision_resolved == "fp16",
             use_cpu=a.device == "cpu",
-            ddp_backend=cfg["runtime"]["backend"],
+            ddp_backend=cfg.runtime.backend,
             dataloader_drop_last=True,
             remove_unused_columns=False,
             eval_strategy="no",
             save_strategy="no",
             report_to="none",
-            seed=rt["seed"],
+            seed=rt.seed,
         )
         trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[StepClock()])
         trainer.train()
@@ -244,7 +247,7 @@ def hf_worker(a, cfg: dict) -> None:
             _write_worker_result(
                 a,
                 step_s=[b - e for e, b in itertools.pairwise(stamps)],
-                tokens_per_step=t["micro_batch_size"] * t["grad_accum_steps"] * ws * data.shape[1],
+                tokens_per_step=t.micro_batch_size * t.grad_accum_steps * ws * data.shape[1],
             )
 
 
@@ -300,9 +303,10 @@ def make_gpt2_inputs(root: Path, p: dict) -> dict[str, Path]:
     )
 
 
-def resolved_config(a, work: Path) -> tuple[dict, Path]:
+def resolved_config(a, work: Path) -> tuple[TrainConfig, Path]:
     """The train stage's resolved config: the config file with the benchmark's settings."""
-    from distlm.config import load_config, read_resolved, write_resolved
+    from distlm.config import load_config
+    from distlm.settings.stage import write_stage_config
     from distlm.stages import stage_config
 
     p = PRESETS[a.preset]
@@ -324,8 +328,8 @@ def resolved_config(a, work: Path) -> tuple[dict, Path]:
         node[last] = json.loads(value)
     cfg = load_config(a.config, over)
     path = work / "train.json"
-    write_resolved(stage_config(cfg, "train"), path)  # the keys the train stage reads
-    return read_resolved(path), path
+    write_stage_config("train", stage_config(cfg, "train"), path)  # the train stage's keys
+    return read_document(path, TrainConfig), path
 
 
 def torchrun(a, script: list[str], env: dict, log: Path) -> None:
@@ -445,11 +449,10 @@ def main() -> None:
     ap.add_argument("--precision-resolved", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        from distlm.config import read_resolved
         from distlm.log import setup_logging
 
         setup_logging(None, level=30)
-        cfg = read_resolved(a.config_resolved)
+        cfg = read_document(a.config_resolved, TrainConfig)
         (bare_worker if a.worker == "bare" else hf_worker)(a, cfg)
         return
     if a.workdir:
@@ -488,12 +491,12 @@ def drive(a, work: Path) -> None:
     else:
         inputs = make_gpt2_inputs(work / "inputs", p)
     cfg, cfg_path = resolved_config(a, work)
-    t = cfg["train"]
-    a.steps_resolved = t["max_steps"]
+    t = cfg.train
+    a.steps_resolved = t.max_steps
     if a.steps_resolved <= a.skip:
         sys.exit(f"--steps {a.steps_resolved} leaves nothing after --skip {a.skip}")
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
-    a.precision_resolved = resolve_precision(t["precision"], device)
+    a.precision_resolved = resolve_precision(t.precision, device)
 
     names = a.only or ["distlm", "bare", "hf"]
     step_s: dict[str, list[float]] = {k: [] for k in names}
@@ -531,20 +534,20 @@ def drive(a, work: Path) -> None:
         "threads_per_rank": {k: v.get("threads_per_rank") for k, v in info.items()},
         "preset": a.preset,
         "model": model_dims(inputs["model"]),
-        "micro_batch_per_rank": t["micro_batch_size"],
-        "grad_accum": t["grad_accum_steps"],
+        "micro_batch_per_rank": t.micro_batch_size,
+        "grad_accum": t.grad_accum_steps,
         "tokens_per_step": tokens_per_step,
         "precision": a.precision_resolved,
         "optimizer": {
-            k: t[k]
+            k: getattr(t, k)
             for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")
         },
         "steps_per_run": a.steps_resolved,
         "skipped_steps_per_run": a.skip,
         "repeats": a.repeats,
-        "distlm_stage": {
-            k: t[k] for k in ("log_every", "eval_every", "eval_batches", "ckpt_every", "profile")
-        },
+        "distlm_stage": t.model_dump(
+            include={"log_every", "eval_every", "eval_batches", "ckpt_every", "profile"}
+        ),
         "runs": info,
         "summary": summary,
         "ratios_distlm": ratios,
@@ -566,7 +569,7 @@ def drive(a, work: Path) -> None:
             m["n_layer"],
             m["n_head"],
             m["n_embd"],
-            tokens_per_step // (t["micro_batch_size"] * t["grad_accum_steps"] * a.nproc),
+            tokens_per_step // (t.micro_batch_size * t.grad_accum_steps * a.nproc),
         )
         peak = peak_flops(result["device"], a.precision_resolved)
         result["mfu"] = {

@@ -8,28 +8,25 @@ rank through distlm.transfer, every receiver verifies, rank 0 writes the Broadca
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from distlm.documents import BroadcastReport, write_document
 from distlm.io import sha256_file
 from distlm.log import get_logger
 from distlm.model import META, WEIGHTS, load_safetensors, read_meta
+from distlm.settings.stage import BroadcastConfig
 from distlm.transfer import TransferError, broadcast_state_dict
-from distlm.transfer.options import TransferSettings
 
 log = get_logger(__name__)
 
 
 def run_broadcast_stage(
-    cfg: Mapping[str, Any], *, topo, model_dir: str | Path, report_path: str | Path
+    cfg: BroadcastConfig, *, topo, model_dir: str | Path, report_path: str | Path
 ) -> BroadcastReport | None:
     """World = 1 sender + `broadcast.receivers`. Rank 0 writes the report (atomically) after
     every receiver has verified its buckets; returns it on rank 0, None elsewhere."""
-    bcfg = cfg["broadcast"]
-    keys = ("transport", "bucket_mb", "chunk_mb", "timeout_s")
-    opts = TransferSettings(**{k: bcfg[k] for k in keys if k in bcfg})
+    receivers = cfg.broadcast.receivers
+    opts = cfg.transfer
     model_dir = Path(model_dir)
     tensors, meta = None, {}
     if topo.is_main:
@@ -42,10 +39,10 @@ def run_broadcast_stage(
                 f"({meta['model_sha256']})"
             )
         tensors = load_safetensors(weights, device=str(topo.device))
-    expected = 1 + bcfg["receivers"]
+    expected = 1 + receivers
     if topo.world_size != expected:
         raise TransferError(
-            f"broadcast.receivers is {bcfg['receivers']}, so the stage needs {expected} ranks; "
+            f"broadcast.receivers is {receivers}, so the stage needs {expected} ranks; "
             f"it was launched with {topo.world_size}"
         )
     if topo.is_main:
@@ -54,7 +51,7 @@ def run_broadcast_stage(
             weights,
             len(tensors),
             sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
-            bcfg["receivers"],
+            receivers,
             opts.transport,
             opts.bucket_mb,
             opts.chunk_mb,
@@ -75,11 +72,11 @@ def run_broadcast_stage(
         model=str(model_dir),
         model_sha256=meta.get("model_sha256"),
         world_size=topo.world_size,
-        receivers_configured=bcfg["receivers"],
+        receivers_configured=receivers,
         bucket_mb=opts.bucket_mb,
         chunk_mb=opts.chunk_mb,
         timeout_s=opts.timeout_s,
-        config_digest=cfg.get("_digest"),
+        config_digest=cfg.digest,
         stats=s,
     )
     write_document(report_path, report)

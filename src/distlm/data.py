@@ -28,6 +28,7 @@ from distlm import DistlmError
 from distlm.documents import DataStats, SplitStats, write_document
 from distlm.io import atomic_dir, atomic_path, digest
 from distlm.log import get_logger, progress
+from distlm.settings import DataSettings, ModelSourceSettings
 
 log = get_logger(__name__)
 
@@ -133,18 +134,18 @@ def read_local_file(path: str | Path, text_field: str) -> list[str]:
     return records
 
 
-def load_local(cfg: dict) -> dict[str, Split]:
-    files = cfg["local"]
+def load_local(cfg: DataSettings) -> dict[str, Split]:
+    files = {s: getattr(cfg.local, s) for s in SPLITS}
     if not files["validation"] or not files["test"]:
         # Only train given (or some splits missing): carve whole files/records out of train.
         docs = []
         for p in files["train"]:
-            for i, r in enumerate(read_local_file(p, cfg["text_field"])):
+            for i, r in enumerate(read_local_file(p, cfg.text_field)):
                 docs.append((f"{p}#{i}", r))
         carved = split_documents(
             docs,
-            cfg["validation_fraction"],
-            cfg["test_fraction"],
+            cfg.validation_fraction,
+            cfg.test_fraction,
             f"data.local.train {files['train']}",
         )
         out = {"train": carved["train"]}
@@ -152,7 +153,7 @@ def load_local(cfg: dict) -> dict[str, Split]:
             out[s] = (
                 Split(
                     s,
-                    [r for p in files[s] for r in read_local_file(p, cfg["text_field"])],
+                    [r for p in files[s] for r in read_local_file(p, cfg.text_field)],
                     str(files[s]),
                 )
                 if files[s]
@@ -161,20 +162,20 @@ def load_local(cfg: dict) -> dict[str, Split]:
         return out
     return {
         s: Split(
-            s, [r for p in files[s] for r in read_local_file(p, cfg["text_field"])], str(files[s])
+            s, [r for p in files[s] for r in read_local_file(p, cfg.text_field)], str(files[s])
         )
         for s in SPLITS
     }
 
 
-def load_hub(cfg: dict) -> dict[str, Split]:
+def load_hub(cfg: DataSettings) -> dict[str, Split]:
     """Load through `datasets.load_dataset`: a hub id, or a local folder laid out like one."""
     import datasets
 
-    hub = cfg["hub"]
-    where = f"data.hub {hub['path']!r}" + (f" / {hub['name']!r}" if hub["name"] else "")
+    hub = cfg.hub
+    where = f"data.hub {hub.path!r}" + (f" / {hub.name!r}" if hub.name else "")
     try:
-        ds = datasets.load_dataset(hub["path"], hub["name"], revision=hub["revision"])
+        ds = datasets.load_dataset(hub.path, hub.name, revision=hub.revision)
     except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
         raise DistlmError(
             f"{where}: could not load the dataset ({type(e).__name__}: {e}). Offline? Set "
@@ -182,22 +183,22 @@ def load_hub(cfg: dict) -> dict[str, Split]:
         ) from None
     out = {}
     for s in SPLITS:
-        name = hub["splits"][s]
+        name = getattr(hub.splits, s)
         if name not in ds:
             raise DistlmError(f"{where}: no split {name!r} (data.hub.splits.{s}); has {list(ds)}")
-        if cfg["text_field"] not in ds[name].column_names:
+        if cfg.text_field not in ds[name].column_names:
             raise DistlmError(
-                f"{where}: split {name!r} has no column {cfg['text_field']!r} (data.text_field)"
+                f"{where}: split {name!r} has no column {cfg.text_field!r} (data.text_field)"
             )
-        out[s] = Split(s, list(ds[name][cfg["text_field"]]), f"{where} split {name!r}")
+        out[s] = Split(s, list(ds[name][cfg.text_field]), f"{where} split {name!r}")
     return out
 
 
-def load_splits(cfg: dict) -> dict[str, Split]:
-    src = cfg["source"]
+def load_splits(cfg: DataSettings) -> dict[str, Split]:
+    src = cfg.source
     if src == "embedded":
         splits = split_documents(
-            load_embedded(), cfg["validation_fraction"], cfg["test_fraction"], "pydoc_data.topics"
+            load_embedded(), cfg.validation_fraction, cfg.test_fraction, "pydoc_data.topics"
         )
     elif src == "local":
         splits = load_local(cfg)
@@ -234,19 +235,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int, o
     return tok
 
 
-def model_tokenizer(model_cfg: dict):
+def model_tokenizer(model_cfg: ModelSourceSettings):
     """The model's own tokenizer (hub id or local folder), or None for a random init."""
     from transformers import AutoTokenizer
 
-    if model_cfg["source"] == "init":
+    if model_cfg.source == "init":
         return None
-    name = model_cfg["name"]
-    local = model_cfg["source"] == "local"
+    name = model_cfg.name
+    local = model_cfg.source == "local"
+    if not name:  # Settings refuses this
+        raise DistlmError(f"model.name: required when model.source is {model_cfg.source}")
     if local and not Path(name).is_dir():
         raise DistlmError(f"model.name: model folder not found: {name}")
     try:
         return AutoTokenizer.from_pretrained(
-            name, revision=model_cfg["revision"], local_files_only=local
+            name, revision=model_cfg.revision, local_files_only=local
         )
     except Exception as e:
         raise DistlmError(
@@ -390,15 +393,18 @@ def read_tokens_meta(path: str | Path) -> dict:
 
 
 def prepare(
-    cfg: dict, *, tokens_path: str | Path, tokenizer_dir: str | Path, stats_path: str | Path
+    dcfg: DataSettings,
+    mcfg: ModelSourceSettings,
+    *,
+    tokens_path: str | Path,
+    tokenizer_dir: str | Path,
+    stats_path: str | Path,
 ) -> DataStats:
-    """Run the dataset-prep stage for the validated config `cfg`; returns the stats written."""
+    """Run the dataset-prep stage (the data stage's keys: `data` and which model); returns the
+    stats written."""
     t0 = time.perf_counter()
-    dcfg, mcfg = cfg["data"], cfg["model"]
-    tokenizer_from = (
-        {k: mcfg[k] for k in ("source", "name", "revision")} if mcfg["source"] != "init" else None
-    )
-    cfg_digest = digest({"data": dcfg, "tokenizer_from": tokenizer_from})
+    tokenizer_from = mcfg.model_dump() if mcfg.source != "init" else None
+    cfg_digest = digest({"data": dcfg.model_dump(), "tokenizer_from": tokenizer_from})
     splits = load_splits(dcfg)
     for s in SPLITS:
         log.info("split %s: %d documents from %s", s, splits[s].documents, splits[s].origin)
@@ -406,46 +412,51 @@ def prepare(
     # Each output is renamed into place when complete, in the order tokens, tokenizer, stats: a
     # kill anywhere leaves no partial file, and stats.json (last) exists only beside the others.
     with atomic_dir(tokenizer_dir) as tok_tmp:
-        stats = _tokenize_and_write(cfg, splits, tok_tmp, cfg_digest, Path(tokens_path), t0)
+        stats = _tokenize_and_write(dcfg, mcfg, splits, tok_tmp, cfg_digest, Path(tokens_path), t0)
     write_document(stats_path, stats)
     return stats
 
 
 def _tokenize_and_write(
-    cfg, splits, tok_tmp: Path, cfg_digest: str, tokens_path: Path, t0
+    dcfg: DataSettings,
+    mcfg: ModelSourceSettings,
+    splits: dict[str, Split],
+    tok_tmp: Path,
+    cfg_digest: str,
+    tokens_path: Path,
+    t0: float,
 ) -> DataStats:
-    dcfg, mcfg = cfg["data"], cfg["model"]
     tok = model_tokenizer(mcfg)
     if tok is None:
         log.info(
             "training a byte-level BPE tokenizer (vocab %d) on the train split",
-            dcfg["tokenizer"]["vocab_size"],
+            dcfg.tokenizer.vocab_size,
         )
         tok = train_tokenizer(
             splits["train"].records,
-            dcfg["tokenizer"]["vocab_size"],
-            dcfg["tokenizer"]["min_frequency"],
+            dcfg.tokenizer.vocab_size,
+            dcfg.tokenizer.min_frequency,
             tok_tmp,
         )
         tok_kind = "byte-level BPE trained on the train split"
     else:
         tok.save_pretrained(tok_tmp)
-        tok_kind = f"the model's own ({mcfg['name']})"
+        tok_kind = f"the model's own ({mcfg.name})"
     vocab_size = len(tok)
 
-    streams = {s: encode(tok, splits[s], dcfg["separator"]) for s in SPLITS}
-    bs = dcfg["block_size"]
+    streams = {s: encode(tok, splits[s], dcfg.separator) for s in SPLITS}
+    bs = dcfg.block_size
     for s, ids in streams.items():
         if len(ids) < bs:
             raise DistlmError(
                 f"data split {s!r} ({splits[s].origin}) has {len(ids)} tokens, fewer than "
                 f"data.block_size={bs}: it yields no block"
             )
-    source = {"kind": dcfg["source"]}
-    if dcfg["source"] == "hub":
-        source.update({k: dcfg["hub"][k] for k in ("path", "name", "revision")})
-    elif dcfg["source"] == "local":
-        source["files"] = dcfg["local"]
+    source: dict = {"kind": dcfg.source}
+    if dcfg.source == "hub":
+        source.update(dcfg.hub.model_dump(include={"path", "name", "revision"}))
+    elif dcfg.source == "local":
+        source["files"] = dcfg.local.model_dump()
     else:
         source["corpus"] = "pydoc_data.topics (CPython reference documentation)"
     meta = {

@@ -35,8 +35,10 @@ import torch.nn.functional as F
 
 from distlm import DistlmError
 from distlm.documents import EvalReport, SplitEval, write_document
-from distlm.io import digest, sha256_file
+from distlm.io import sha256_file
 from distlm.log import get_logger, progress
+from distlm.settings import EvalSettings
+from distlm.settings.stage import EvalConfig
 
 log = get_logger(__name__)
 
@@ -77,14 +79,16 @@ def sliding_windows(
     return windows
 
 
-def resolve_window(ecfg: dict, n_positions: int, *, where: str = "model") -> tuple[int, int]:
+def resolve_window(
+    ecfg: EvalSettings, n_positions: int, *, where: str = "model"
+) -> tuple[int, int]:
     """(context, stride) from the eval config: context null = n_positions, stride null = context."""
-    context = ecfg["context"] if ecfg["context"] is not None else n_positions
+    context = ecfg.context if ecfg.context is not None else n_positions
     if context > n_positions:
         raise DistlmError(
             f"eval.context: {context} is beyond the context of {where} ({n_positions} positions)"
         )
-    stride = ecfg["stride"] if ecfg["stride"] is not None else context
+    stride = ecfg.stride if ecfg.stride is not None else context
     if stride > context:
         raise DistlmError(f"eval.stride: {stride} is larger than the context of {context} tokens")
     return context, stride
@@ -258,7 +262,7 @@ def check_data_matches(
 
 
 def evaluate_model(
-    cfg: dict,
+    cfg: EvalConfig,
     *,
     topo,
     model_dir: str | Path,
@@ -271,33 +275,33 @@ def evaluate_model(
     from distlm.data import TokenBlocks
     from distlm.data import read_tokens_meta as read_data_meta
 
-    model_dir, tokens_path, ecfg = Path(model_dir), Path(tokens_path), cfg["eval"]
+    model_dir, tokens_path, ecfg = Path(model_dir), Path(tokens_path), cfg.eval
     t0 = time.perf_counter()
     model, meta = load_model(model_dir, topo.device)
     data_meta = read_data_meta(tokens_path)
     check_data_matches(meta, data_meta, model_dir, tokens_path)
     context, stride = resolve_window(ecfg, model.config.n_positions, where=str(model_dir))
-    amp = autocast_dtype_for(ecfg["precision"], topo.device)
+    amp = autocast_dtype_for(ecfg.precision, topo.device)
     log.info(
         "%s (%s): context %d, stride %d, batch %d windows, %s on %s, %d rank(s)",
         name,
         model_dir,
         context,
         stride,
-        ecfg["batch_size"],
+        ecfg.batch_size,
         precision_name(amp),
         topo.device,
         topo.world_size,
     )
     splits = {}
-    for split in ecfg["splits"]:
+    for split in ecfg.splits:
         tokens = TokenBlocks(tokens_path, split).tokens()
         res = evaluate_stream(
             model,
             tokens,
             context=context,
             stride=stride,
-            batch_size=ecfg["batch_size"],
+            batch_size=ecfg.batch_size,
             topo=topo,
             autocast_dtype=amp,
             where=f"{tokens_path} split {split!r}",
@@ -335,12 +339,11 @@ def evaluate_model(
         },
         "context": context,
         "stride": stride,
-        "batch_size": ecfg["batch_size"],
+        "batch_size": ecfg.batch_size,
         "precision": precision_name(amp),
         "device": str(topo.device.type),
         "world_size": topo.world_size,
-        "config_digest": cfg.get("_digest")
-        or digest({k: v for k, v in cfg.items() if k != "_digest"}),
+        "config_digest": cfg.digest,
         "splits": splits,
     }
     report = None

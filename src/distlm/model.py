@@ -29,6 +29,7 @@ import torch
 from distlm import DistlmError
 from distlm.io import atomic_dir, digest, read_json, sha256_file, write_json
 from distlm.log import get_logger
+from distlm.settings import ModelInitSettings, ModelSettings, ModelSourceSettings
 
 log = get_logger(__name__)
 
@@ -45,18 +46,19 @@ _BLOCK = re.compile(r"^transformer\.h\.(\d+)\.")
 # ----------------------------------------------------------------------------- build / load
 
 
-def init_config(init: dict, vocab_size: int, eos_token_id: int | None):
+def init_config(init: ModelInitSettings, vocab_size: int, eos_token_id: int | None):
+    """The GPT-2 architecture of a random init (`model.init`) for this vocabulary."""
     from transformers import GPT2Config
 
     return GPT2Config(
         vocab_size=vocab_size,
-        n_positions=init["n_positions"],
-        n_embd=init["n_embd"],
-        n_layer=init["n_layer"],
-        n_head=init["n_head"],
-        resid_pdrop=init["dropout"],
-        embd_pdrop=init["dropout"],
-        attn_pdrop=init["dropout"],
+        n_positions=init.n_positions,
+        n_embd=init.n_embd,
+        n_layer=init.n_layer,
+        n_head=init.n_head,
+        resid_pdrop=init.dropout,
+        embd_pdrop=init.dropout,
+        attn_pdrop=init.dropout,
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
         tie_word_embeddings=True,
@@ -73,17 +75,19 @@ def build_model(config, *, seed: int | None = None):
     return GPT2LMHeadModel(config)
 
 
-def load_source(mcfg: dict):
+def load_source(mcfg: ModelSourceSettings):
     """Model from a hub id or a local HF folder, in float32; errors name the id or folder."""
     from transformers import GPT2LMHeadModel
 
-    name, local = mcfg["name"], mcfg["source"] == "local"
+    name, local = mcfg.name, mcfg.source == "local"
+    if not name:  # Settings refuses this
+        raise DistlmError(f"model.name: required when model.source is {mcfg.source}")
     if local and not Path(name).is_dir():
         raise DistlmError(f"model.name: model folder not found: {name}")
     try:
         model = GPT2LMHeadModel.from_pretrained(
             name,
-            revision=mcfg["revision"],
+            revision=mcfg.revision or "main",  # transformers' own default
             local_files_only=local,
             torch_dtype=torch.float32,
             attn_implementation="sdpa",
@@ -504,39 +508,40 @@ def load_shards(folder: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def serialize(cfg: dict, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Path) -> dict:
-    """The model stage: hub id / local folder / seeded init -> model folder."""
+def serialize(
+    mcfg: ModelSettings, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Path
+) -> dict:
+    """The model stage (`model`): hub id / local folder / seeded init -> model folder."""
     from distlm.data import read_tokens_meta as read_data_meta
 
-    mcfg = cfg["model"]
     data_meta = read_data_meta(tokens_path)
     vocab = data_meta["vocab_size"]
-    if mcfg["source"] == "init":
-        config = init_config(mcfg["init"], vocab, data_meta.get("eos_token_id"))
-        model = build_model(config, seed=mcfg["init"]["seed"])
-        source = {"kind": "init", "seed": mcfg["init"]["seed"]}
+    if mcfg.source == "init":
+        config = init_config(mcfg.init, vocab, data_meta.get("eos_token_id"))
+        model = build_model(config, seed=mcfg.init.seed)
+        source = {"kind": "init", "seed": mcfg.init.seed}
     else:
         model = load_source(mcfg)
         config = model.config
-        source = {k: mcfg[k] for k in ("source", "name", "revision")}
+        source = mcfg.model_dump(include={"source", "name", "revision"})
         if config.vocab_size < vocab:
             raise DistlmError(
-                f"model.name {mcfg['name']!r} has vocab_size {config.vocab_size} but the tokenizer in "
+                f"model.name {mcfg.name!r} has vocab_size {config.vocab_size} but the tokenizer in "
                 f"{tokenizer_dir} has {vocab} tokens"
             )
     if data_meta["block_size"] > config.n_positions:
         raise DistlmError(
             f"data.block_size: {data_meta['block_size']} ({tokens_path}) is beyond model "
-            f"{mcfg['name'] or 'init'}'s context of {config.n_positions}"
+            f"{mcfg.name or 'init'}'s context of {config.n_positions}"
         )
-    model = model.to(DTYPES[mcfg["dtype"]])
+    model = model.to(DTYPES[mcfg.dtype])
     sd = state_dict_for_save(model)
     meta = {
         "created_by": "model",
         "source": source,
-        "config_digest": digest({"model": mcfg}),
+        "config_digest": digest({"model": mcfg.model_dump()}),
         "data_config_digest": data_meta["config_digest"],
-        "dtype": mcfg["dtype"],
+        "dtype": mcfg.dtype,
     }
     return write_model_dir(
         out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir, meta=meta

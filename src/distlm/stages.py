@@ -2,13 +2,14 @@
 it writes and the document it reports.
 
     from distlm.stages import STAGES, stage_config
-    STAGES["train"].keys                   # ("runtime", "train", "broadcast.transport", ...)
+    STAGES["train"].keys                   # ("runtime", "train", "transfer")
     STAGES["train"].path("final")          # "results/train/final"
     stage_config(cfg, "train")             # the validated config cut down to exactly those keys
 
 The rules take their params (exactly a stage's keys) and output paths from here, the scripts get
-only those keys (a stage that reads another key fails with a KeyError in the tests, never silently
-depends on it), the trainer and the report's readers take the same paths, and config/README.md's
+only those keys, as the stage's typed document (`distlm.settings.stage`: one class per stage whose
+fields are exactly these keys, checked by a test; a stage that reads another key has no field for
+it, so it never silently depends on it), the trainer and the report's readers take the same paths, and config/README.md's
 table "what reruns when you change a key" is generated from these declarations
 (`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
 inference and the report, and never training.
@@ -82,14 +83,7 @@ def _outputs(**outs: str | tuple[str, bool]) -> dict[str, Output]:
 
 
 _DEVICE = ("runtime.device", "runtime.backend", "runtime.timeout_s")
-_TRANSFER = (
-    "broadcast.transport",
-    "broadcast.bucket_mb",
-    "broadcast.chunk_mb",
-    "broadcast.timeout_s",
-)
 _SAMPLING = (
-    "inference.greedy",
     "inference.temperature",
     "inference.top_k",
     "inference.top_p",
@@ -133,7 +127,7 @@ STAGES: dict[str, Stage] = {
             "broadcast",
             "broadcast",
             "broadcast",
-            keys=(*_DEVICE, "broadcast"),
+            keys=(*_DEVICE, "transfer", "broadcast"),
             outputs=_outputs(report="report.json"),
             document=("report", "BroadcastReport"),
             consumes=("serialize_model",),
@@ -143,7 +137,7 @@ STAGES: dict[str, Stage] = {
             "train",
             "train",
             "train",
-            keys=("runtime", "train", *_TRANSFER),
+            keys=("runtime", "train", "transfer"),
             outputs=_outputs(
                 final=("final", True),
                 metrics="metrics.csv",
@@ -182,17 +176,26 @@ STAGES: dict[str, Stage] = {
         Stage(
             "serve",
             "serve",
-            "serve",  # writes nothing: the foreground API server of `snakemake serve`
+            "serve",  # writes nothing but its shards: the foreground API server of `snakemake serve`
             keys=(
                 "runtime.device",
-                "inference.stages",
                 "inference.max_new_tokens",
                 *_SAMPLING,
                 "serve",
             ),
             outputs={},
-            consumes=("shard[trained]",),
+            consumes=("serve_shard",),
             summary="the pipeline behind an OpenAI-compatible API server (not in rule all)",
+        ),
+        Stage(
+            "serve_shard",
+            "serve_shard",
+            "serve",
+            # its own shards: serve's best stage count (1 on one machine) is not batch inference's
+            keys=("serve.stages",),
+            outputs=_outputs(pipeline=("pipeline", True)),
+            consumes=("train",),
+            summary="the trained model -> one shard per serve stage (serve.stages; not in rule all)",
         ),
         Stage(
             "report",
@@ -334,15 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    import yaml
+    from distlm.settings.schema import settings_schema
 
-    root = Path(__file__).resolve().parents[2]
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--write", action="store_true", help="rewrite the table in config/README.md")
     p.add_argument("--check", action="store_true", help="exit 1 when the table is out of date")
+    p.add_argument("--root", type=Path, default=Path.cwd(), help="the checkout (default: .)")
     args = p.parse_args(argv)
-    schema = yaml.safe_load((root / "workflow/schemas/config.schema.yaml").read_text())
-    readme_path = root / "config/README.md"
+    schema = settings_schema()
+    readme_path = args.root / "config/README.md"
     readme = readme_path.read_text(encoding="utf-8")
     new = with_table(readme, rerun_table(schema))
     if args.write:

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
 
 ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
@@ -11,12 +12,16 @@ sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout
 from distlm.config import ConfigError, validate_config
 from distlm.stages import BENCHMARKS, CONFIGS, EVAL_MODELS, STAGES, stage_config
 
+# The models (distlm.settings) validate first: their errors name the key (and where an old key
+# moved), and they turn --config strings into numbers. Snakemake's own validate then checks the
+# result against the schema generated from them (workflow/schemas/config.schema.yaml).
 try:
     _validated = validate_config(config, source="config")
 except ConfigError as e:
     raise WorkflowError(str(e))
 config.clear()
 config.update(_validated)
+validate(config, "../schemas/config.schema.yaml")
 
 
 wildcard_constraints:

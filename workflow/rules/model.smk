@@ -41,5 +41,6 @@ rule shard:
     threads: 1
     params:
         cfg=params_of("shard"),
+        stages=config["inference"]["stages"],
     script:
         "../scripts/shard.py"

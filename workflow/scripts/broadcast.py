@@ -11,9 +11,10 @@ import argparse
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distlm.broadcast import run_broadcast_stage
-from distlm.config import read_resolved
 from distlm.dist import distributed
+from distlm.documents import read_document
 from distlm.log import setup_logging
+from distlm.settings.stage import BroadcastConfig
 
 
 @record
@@ -29,9 +30,9 @@ def main() -> None:
     p.add_argument("--rank-log", required=True, help="per-rank log file; {rank} is filled in")
     args = p.parse_args()
     setup_logging(args.rank_log)
-    cfg = read_resolved(args.config)
-    rt = cfg["runtime"]
-    with distributed(backend=rt["backend"], device=rt["device"], timeout_s=rt["timeout_s"]) as topo:
+    cfg = read_document(args.config, BroadcastConfig)
+    rt = cfg.runtime
+    with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
         run_broadcast_stage(cfg, topo=topo, model_dir=args.model, report_path=args.report)
 
 

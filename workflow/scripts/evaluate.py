@@ -10,10 +10,11 @@ import argparse
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlm.config import read_resolved
 from distlm.dist import distributed
+from distlm.documents import read_document
 from distlm.evaluate import evaluate_model
 from distlm.log import setup_logging
+from distlm.settings.stage import EvalConfig
 
 
 @record
@@ -29,9 +30,9 @@ def main() -> None:
     p.add_argument("--rank-log", default=None, help="per-rank log file; {rank} is filled in")
     args = p.parse_args()
     setup_logging(args.rank_log)
-    cfg = read_resolved(args.config)
-    rt = cfg["runtime"]
-    with distributed(backend=rt["backend"], device=rt["device"], timeout_s=rt["timeout_s"]) as topo:
+    cfg = read_document(args.config, EvalConfig)
+    rt = cfg.runtime
+    with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
         evaluate_model(
             cfg,
             topo=topo,

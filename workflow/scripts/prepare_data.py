@@ -2,11 +2,14 @@
 
 from distlm.data import prepare
 from distlm.log import setup_logging
+from distlm.settings.stage import DataConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])
+cfg = DataConfig.of(snakemake.params.cfg)
 prepare(
-    snakemake.params.cfg,
+    cfg.data,
+    cfg.model,
     tokens_path=snakemake.output.tokens,
     tokenizer_dir=snakemake.output.tokenizer,
     stats_path=snakemake.output.stats,

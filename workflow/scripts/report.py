@@ -4,6 +4,7 @@ from pathlib import Path
 
 from distlm.log import setup_logging
 from distlm.report import build_report
+from distlm.settings.stage import ReportConfig
 from distlm.stages import RESULTS
 
 snakemake = snakemake
@@ -12,7 +13,7 @@ try:
     written = build_report(
         RESULTS,
         Path(snakemake.output.summary).parent,
-        formats=snakemake.params.cfg["report"]["formats"],
+        formats=ReportConfig.of(snakemake.params.cfg).report.formats,
         exclude_rules=[snakemake.rule],  # its own benchmark is written after it ends
     )
 except Exception:

@@ -4,11 +4,12 @@ from pathlib import Path
 
 from distlm.log import setup_logging
 from distlm.model import serialize
+from distlm.settings.stage import ModelConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])
 serialize(
-    snakemake.params.cfg,
+    ModelConfig.of(snakemake.params.cfg).model,
     tokenizer_dir=Path(snakemake.input.tokenizer),
     tokens_path=Path(snakemake.input.tokens),
     out_dir=Path(snakemake.output.model),

@@ -1,4 +1,5 @@
-"""Pipeline shards: a model folder -> one safetensors shard per pipeline stage (rule shard)."""
+"""Pipeline shards: a model folder -> one safetensors shard per pipeline stage (rules shard and
+serve_shard; params.stages is inference.stages or serve.stages)."""
 
 from distlm.log import setup_logging
 from distlm.model import write_pipeline_dir
@@ -8,5 +9,5 @@ setup_logging(snakemake.log[0])
 write_pipeline_dir(
     snakemake.input.model,
     snakemake.output.pipeline,
-    stages=snakemake.params.cfg["inference"]["stages"],
+    stages=snakemake.params.stages,
 )

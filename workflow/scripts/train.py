@@ -13,8 +13,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlm.config import read_resolved
+from distlm.documents import read_document
 from distlm.log import setup_logging
+from distlm.settings.stage import TrainConfig
 from distlm.train import TrainPaths, run_training
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     a = p.parse_args()
     setup_logging(a.rank_log)
     run_training(
-        read_resolved(a.config),
+        read_document(a.config, TrainConfig),
         TrainPaths(tokens=a.tokens, model=a.model, tokenizer=a.tokenizer, out=a.out),
     )
 

@@ -675,7 +675,7 @@ def _prepare(st: ServeState, raw: bytes) -> Job:
 
     params = make_params(
         max_new_tokens=opt(req.max_tokens, OPENAI_DEFAULT_MAX_TOKENS),
-        temperature=opt(req.temperature, 0.0 if icfg["greedy"] else icfg["temperature"]),
+        temperature=opt(req.temperature, icfg["temperature"]),
         top_k=opt(req.top_k, icfg["top_k"]),
         top_p=opt(req.top_p, icfg["top_p"]),
         seed=opt(req.seed, icfg["seed"]),

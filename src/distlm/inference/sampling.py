@@ -136,7 +136,7 @@ def params_from_config(icfg: dict, *, context: int, seed_offset: int = 0) -> Sam
     """The batch stage's sampling parameters from the `inference` config section."""
     return make_params(
         max_new_tokens=icfg["max_new_tokens"],
-        temperature=0.0 if icfg["greedy"] else icfg["temperature"],
+        temperature=icfg["temperature"],
         top_k=icfg["top_k"],
         top_p=icfg["top_p"],
         seed=icfg["seed"] + seed_offset,

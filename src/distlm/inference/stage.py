@@ -282,7 +282,8 @@ def load_stage(
     if manifest["stages"] != world:
         raise DistlmError(
             f"{folder}/shards/manifest.json has {manifest['stages']} stage shards but the pipeline "
-            f"runs {world} ranks: launch one rank per shard (inference.stages)"
+            f"runs {world} ranks: launch one rank per shard (inference.stages for batch "
+            "inference, serve.stages for serve)"
         )
     entry, tensors = load_stage_shard(folder, stage)  # sha256 checked first: fail before building
     config = load_config_json(folder)

@@ -15,6 +15,7 @@ import torch
 
 from distlm.io import atomic_path, write_json, write_text
 from distlm.log import get_logger
+from distlm.settings import ProfileSettings
 
 log = get_logger(__name__)
 
@@ -47,7 +48,13 @@ class StepProfiler:
     """Context manager around the training loop; call `step()` after every optimizer step."""
 
     def __init__(
-        self, cfg: dict, *, out_dir: Path, rank: int, device: torch.device, start_step: int
+        self,
+        cfg: ProfileSettings,
+        *,
+        out_dir: Path,
+        rank: int,
+        device: torch.device,
+        start_step: int,
     ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
@@ -62,8 +69,8 @@ class StepProfiler:
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         with atomic_path(trace) as tmp:
             prof.export_chrome_trace(str(tmp))
-        rows = top_ops(prof, device=self.device, limit=self.cfg["top_ops"])
-        window = {k: self.cfg[k] for k in ("wait", "warmup", "active")}
+        rows = top_ops(prof, device=self.device, limit=self.cfg.top_ops)
+        window = self.cfg.model_dump(include={"wait", "warmup", "active"})
         write_json(
             self.out_dir / f"top-ops-rank{self.rank}.json",
             {
@@ -95,7 +102,7 @@ class StepProfiler:
         log.info("profiler: wrote %s and the top %d operators by self time", trace, len(rows))
 
     def __enter__(self) -> Self:
-        if not self.cfg["enabled"]:
+        if not self.cfg.enabled:
             return self
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -105,9 +112,9 @@ class StepProfiler:
         self._prof = profile(
             activities=acts,
             schedule=schedule(
-                wait=self.cfg["wait"],
-                warmup=self.cfg["warmup"],
-                active=self.cfg["active"],
+                wait=self.cfg.wait,
+                warmup=self.cfg.warmup,
+                active=self.cfg.active,
                 repeat=1,
             ),
             on_trace_ready=self._on_ready,
@@ -129,12 +136,12 @@ class StepProfiler:
 
     def write_summary(self, steps_run: int) -> None:
         """Rank 0: record in profile.json whether a window was captured, and why not if not."""
-        needed = self.cfg["wait"] + self.cfg["warmup"] + self.cfg["active"]
+        needed = self.cfg.wait + self.cfg.warmup + self.cfg.active
         info = {
-            "enabled": self.cfg["enabled"],
-            "window": {k: self.cfg[k] for k in ("wait", "warmup", "active")},
+            "enabled": self.cfg.enabled,
+            "window": self.cfg.model_dump(include={"wait", "warmup", "active"}),
         }
-        if self.cfg["enabled"]:
+        if self.cfg.enabled:
             info["captured"] = self.exported
             info["first_step"] = self.start_step + 1
             if not self.exported:

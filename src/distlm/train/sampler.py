@@ -18,6 +18,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.data import TokenBlocks
+from distlm.settings import TrainSettings
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,12 @@ class BatchPlan:
         return self.per_rank * self.world_size
 
 
-def plan_batch(train_cfg: dict, world_size: int) -> BatchPlan:
+def plan_batch(train_cfg: TrainSettings, world_size: int) -> BatchPlan:
     """Derive the batch plan from config `train` and the world size; errors name the key."""
-    micro = train_cfg["micro_batch_size"]
-    gbs = train_cfg.get("global_batch_size")
+    micro = train_cfg.micro_batch_size
+    gbs = train_cfg.global_batch_size
     if gbs is None:
-        return BatchPlan(micro, train_cfg["grad_accum_steps"], world_size)
+        return BatchPlan(micro, train_cfg.grad_accum_steps, world_size)
     per_step = micro * world_size
     if gbs % per_step:
         raise DistlmError(

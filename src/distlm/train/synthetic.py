@@ -13,6 +13,7 @@ import numpy as np
 from distlm.data import write_tokens
 from distlm.io import digest
 from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+from distlm.settings import ModelInitSettings
 from distlm.stages import STAGES
 
 
@@ -68,14 +69,14 @@ def make_inputs(
     write_tokens(tokens, streams, block_size, vocab, meta)
     tokenizer = root / "tokenizer"
     tokenizer.mkdir(exist_ok=True)
-    init = {
-        "n_layer": n_layer,
-        "n_head": n_head,
-        "n_embd": n_embd,
-        "n_positions": n_positions or block_size,
-        "dropout": 0.0,
-        "seed": seed,
-    }
+    init = ModelInitSettings(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        n_positions=n_positions or block_size,
+        dropout=0.0,
+        seed=seed,
+    )
     config = init_config(init, vocab, 0)
     model = build_model(config, seed=seed)
     write_model_dir(
@@ -86,7 +87,7 @@ def make_inputs(
         meta={
             "created_by": "synthetic",
             "source": {"kind": "init", "seed": seed},
-            "config_digest": digest(init),
+            "config_digest": digest(init.model_dump()),
             "data_config_digest": meta["config_digest"],
             "dtype": "float32",
         },

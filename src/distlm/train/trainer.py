@@ -33,7 +33,7 @@ from distlm import DistlmError, __version__
 from distlm.data import TokenBlocks
 from distlm.data import read_tokens_meta as read_data_meta
 from distlm.dist import Topology
-from distlm.io import digest, remove_leftovers
+from distlm.io import remove_leftovers
 from distlm.lease import Lease
 from distlm.log import get_logger, progress
 from distlm.model import (
@@ -46,6 +46,8 @@ from distlm.model import (
     read_meta,
     write_model_dir,
 )
+from distlm.settings import TrainSettings
+from distlm.settings.stage import TrainConfig
 from distlm.stages import STAGES
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu
@@ -117,9 +119,9 @@ class TrainPaths:
 # ----------------------------------------------------------------------------- pure helpers
 
 
-def lr_at(step: int, tcfg: dict) -> float:
+def lr_at(step: int, tcfg: TrainSettings) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
-    lr, min_lr, warmup, total = tcfg["lr"], tcfg["min_lr"], tcfg["warmup_steps"], tcfg["max_steps"]
+    lr, min_lr, warmup, total = tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.max_steps
     if step < warmup:
         return lr * (step + 1) / warmup
     if step >= total:
@@ -188,9 +190,9 @@ def _no_buffer_sync() -> dict:
 class Trainer:
     """One rank's share of a DDP training run; see the module docstring for the phases."""
 
-    def __init__(self, cfg: dict, paths: TrainPaths, topo: Topology) -> None:
+    def __init__(self, cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> None:
         self.cfg = cfg
-        self.tcfg = cfg["train"]
+        self.tcfg = cfg.train
         self.paths = paths
         self.topo = topo
         self.device = topo.device
@@ -243,17 +245,17 @@ class Trainer:
                 f"{self.paths.tokens}: the train split has no blocks: nothing to train on"
             )
         self.plan = plan_batch(t, self.topo.world_size)
-        if self.topo.world_size != t["nodes"] * t["nproc_per_node"]:
+        if self.topo.world_size != t.nodes * t.nproc_per_node:
             log.warning(
                 "world size %d differs from train.nodes x train.nproc_per_node = %d x %d (the launcher "
                 "decides; the global batch is %d)",
                 self.topo.world_size,
-                t["nodes"],
-                t["nproc_per_node"],
+                t.nodes,
+                t.nproc_per_node,
                 self.plan.global_batch,
             )
         self.sampler = StepSampler(
-            len(self.train_blocks), self.plan, self.topo.rank, self.cfg["runtime"]["seed"]
+            len(self.train_blocks), self.plan, self.topo.rank, self.cfg.runtime.seed
         )
         self.loader = StepLoader(self.train_blocks, self.sampler, self.device)
         self.block_size = self.train_blocks.block_size
@@ -269,8 +271,8 @@ class Trainer:
             self.plan.grad_accum,
             self.topo.world_size,
             self.tokens_per_step,
-            self.sampler.epoch_of(t["max_steps"]),
-            t["max_steps"],
+            self.sampler.epoch_of(t.max_steps),
+            t.max_steps,
         )
 
     def _setup_model(self) -> None:
@@ -286,7 +288,7 @@ class Trainer:
                 f"{self.paths.tokens}: vocab size {self.data_meta['vocab_size']} exceeds model "
                 f"{self.paths.model}'s {self.model_config.vocab_size}"
             )
-        self.precision = resolve_precision(self.tcfg["precision"], self.device)
+        self.precision = resolve_precision(self.tcfg.precision, self.device)
         # Rank 0 reads the weights; the others build a template that the transfer module fills.
         if self.topo.is_main:
             model = load_model_dir(self.paths.model, device=self.device, dtype=torch.float32)
@@ -299,27 +301,27 @@ class Trainer:
             self.precision
         ]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.nan_at = self.tcfg["fault"]["nan_at_step"]
-        self.kill_after = self.tcfg["fault"]["kill_after_step"]
+        self.nan_at = self.tcfg.fault.nan_at_step
+        self.kill_after = self.tcfg.fault.kill_after_step
 
     def _setup_optimizer(self) -> None:
         t = self.tcfg
         fused = fused_adamw_available(self.device)
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, t["weight_decay"]),
-            lr=t["lr"],
-            betas=(t["beta1"], t["beta2"]),
+            param_groups(self.model, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
             eps=1e-8,
             fused=fused,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_at(s, t) / t["lr"]
+            self.optimizer, lambda s: lr_at(s, t) / t.lr
         )
         log.info(
             "optimizer: AdamW (fused=%s), precision %s, peak lr %g for the global batch",
             fused,
             self.precision,
-            t["lr"],
+            t.lr,
         )
 
     def identity(self) -> dict:
@@ -334,7 +336,7 @@ class Trainer:
                 "config_digest": self.data_meta["config_digest"],
                 "block_size": self.block_size,
                 "train_blocks": len(self.train_blocks),
-                "seed": self.cfg["runtime"]["seed"],
+                "seed": self.cfg.runtime.seed,
             },
             "topology": {
                 "world_size": self.topo.world_size,
@@ -344,7 +346,7 @@ class Trainer:
             },
             "optim": {
                 **{
-                    k: t[k]
+                    k: getattr(t, k)
                     for k in (
                         "lr",
                         "min_lr",
@@ -390,13 +392,13 @@ class Trainer:
             self.step = state["step"]
             self._history = state["metrics"]
             self.resumed_from = str(ck.path)
-            log.info("resuming from %s (step %d of %d)", ck.path, self.step, self.tcfg["max_steps"])
+            log.info("resuming from %s (step %d of %d)", ck.path, self.step, self.tcfg.max_steps)
         self._sync_weights()
         if rng_state is not None:
             ckpt_mod.set_rng_state(rng_state, self.device)
         else:
             # Different dropout masks per rank, reproducible from the config seed.
-            torch.manual_seed(self.cfg["runtime"]["seed"] + 1000 * self.topo.rank)
+            torch.manual_seed(self.cfg.runtime.seed + 1000 * self.topo.rank)
 
     def _choose_checkpoint(self) -> tuple[str, int] | None:
         """Rank 0: clear leftovers of killed writes, open this identity's run folder, then pick
@@ -410,14 +412,14 @@ class Trainer:
         self.run_dir = ckpt_mod.open_run(root, identity)
         ckpt_mod.clean_leftovers(self.run_dir)
         log.info("run identity %s: checkpoints in %s", self.run_dir.name, self.run_dir)
-        if self.tcfg["resume"] == "never":
+        if self.tcfg.resume == "never":
             log.warning(
                 "train.resume is never: removing this run's checkpoints in %s", self.run_dir
             )
             ckpt_mod.prune(self.run_dir, 0)
             return None
         found = ckpt_mod.latest_good(self.run_dir)
-        max_steps = self.tcfg["max_steps"]
+        max_steps = self.tcfg.max_steps
         if found is None:
             found = ckpt_mod.extension_source(root, identity)
             if found is None:
@@ -446,21 +448,18 @@ class Trainer:
         if not self.topo.is_distributed:
             return
         from distlm.transfer import broadcast_state_dict
-        from distlm.transfer.options import TransferSettings
 
-        b = self.cfg["broadcast"]
+        b = self.cfg.transfer
         tensors = weights_of(self.model)
-        keys = ("transport", "bucket_mb", "chunk_mb", "timeout_s")
-        opts = TransferSettings(**{k: b[k] for k in keys if k in b})
         t0 = time.perf_counter()
         with torch.no_grad():
-            result = broadcast_state_dict(tensors, settings=opts)
+            result = broadcast_state_dict(tensors, settings=b)
             for k, t in result.tensors.items():
                 if t is not tensors[k] and t.data_ptr() != tensors[k].data_ptr():
                     tensors[k].copy_(t)
         log.info(
             "initial weights from rank 0 via the %s transport in %.2f s",
-            b["transport"],
+            b.transport,
             time.perf_counter() - t0,
         )
         self._check_replicas_agree()
@@ -480,7 +479,7 @@ class Trainer:
             )
 
     def _wrap_ddp(self) -> None:
-        if self.tcfg["fast_kernels"]:
+        if self.tcfg.fast_kernels:
             # Same loss and gradients (to float rounding) with less memory traffic: see
             # distlm.train.kernels. The modules swapped hold no weights; the model saved is the same.
             fused = fuse_gelu(self.model)
@@ -492,17 +491,17 @@ class Trainer:
             )
         else:
             module = ReferenceLoss(self.model)
-        if self.tcfg["compile"]:
+        if self.tcfg.compile:
             module = torch.compile(module)
         self.fwd = module  # input_ids -> mean next-token loss, for evaluation (no DDP hooks)
         self.ddp = DDP(
             module,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=self.tcfg["ddp"]["bucket_cap_mb"],
+            bucket_cap_mb=self.tcfg.ddp.bucket_cap_mb,
             gradient_as_bucket_view=True,  # grads live in the all-reduce buckets: no copy
             **_no_buffer_sync(),  # no buffers to sync; weights already came from rank 0
             init_sync=False,  # the transfer module did (and checked) the initial broadcast
-            static_graph=self.tcfg["ddp"]["static_graph"],
+            static_graph=self.tcfg.ddp.static_graph,
         )
 
     # ------------------------------------------------------------------ steps
@@ -531,7 +530,7 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
-        clip = self.tcfg["grad_clip"] if self.tcfg["grad_clip"] > 0 else float("inf")
+        clip = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
         # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any rank
         # makes the all-reduced gradients, hence the (global) norm, non-finite on every rank: all
@@ -598,15 +597,13 @@ class Trainer:
     def evaluate(self) -> dict:
         """Mean validation loss over the first eval_batches x micro x world blocks, all ranks."""
         t = self.tcfg
-        n = min(
-            len(self.val_blocks), t["eval_batches"] * t["micro_batch_size"] * self.topo.world_size
-        )
+        n = min(len(self.val_blocks), t.eval_batches * t.micro_batch_size * self.topo.world_size)
         mine = list(range(self.topo.rank, n, self.topo.world_size))
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.model.eval()
         try:
-            for i in range(0, len(mine), t["micro_batch_size"]):
-                x = torch.from_numpy(self.val_blocks[mine[i : i + t["micro_batch_size"]]]).to(
+            for i in range(0, len(mine), t.micro_batch_size):
+                x = torch.from_numpy(self.val_blocks[mine[i : i + t.micro_batch_size]]).to(
                     self.device
                 )
                 with self._autocast():
@@ -658,7 +655,7 @@ class Trainer:
                 optimizer_state=self.optimizer.state_dict(),
                 rng_states=gathered,
                 state=state,
-                keep_last=self.tcfg["keep_last"],
+                keep_last=self.tcfg.keep_last,
             )
             log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
             self._metrics_io(self.metrics.flush)
@@ -694,7 +691,7 @@ class Trainer:
                 "steps_this_run": self.step if steps_run is None else steps_run,
                 "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
                 "wall_s": wall_s,
-                "settings": {k: v for k, v in self.tcfg.items() if k not in ("profile", "fault")},
+                "settings": self.tcfg.model_dump(exclude={"profile", "fault"}),
             }
             meta = write_model_dir(
                 self.paths.final,
@@ -708,7 +705,7 @@ class Trainer:
                         "base_model": str(self.paths.model),
                         "base_model_sha256": self.base_meta["model_sha256"],
                     },
-                    "config_digest": self.cfg.get("_digest") or digest(self.cfg),
+                    "config_digest": self.cfg.digest,
                     "data_config_digest": self.data_meta["config_digest"],
                     "dtype": dtype_name,
                     "training": training,
@@ -739,14 +736,14 @@ class Trainer:
         t_start = time.perf_counter()
         start = self.step
         profiler = StepProfiler(
-            t["profile"],
+            t.profile,
             out_dir=self.paths.profile,
             rank=self.topo.rank,
             device=self.device,
             start_step=start,
         )
         bar = progress(
-            total=t["max_steps"],
+            total=t.max_steps,
             initial=start,
             enabled=self.topo.is_main,
             desc="train",
@@ -754,21 +751,21 @@ class Trainer:
         )
         last_ckpt = start if self.resumed_from else -1
         handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
-        if start >= t["max_steps"]:
-            log.info("step %d of %d reached already: the final folder only", start, t["max_steps"])
+        if start >= t.max_steps:
+            log.info("step %d of %d reached already: the final folder only", start, t.max_steps)
         try:
             # No profiler at all when no step runs (the finished work of a killed job).
-            with profiler if start < t["max_steps"] else contextlib.nullcontext():
-                while self.step < t["max_steps"]:
+            with profiler if start < t.max_steps else contextlib.nullcontext():
+                while self.step < t.max_steps:
                     self.step_and_log(profiler=profiler, bar=bar)
-                    if self.step % t["eval_every"] == 0 or self.step == t["max_steps"]:
+                    if self.step % t.eval_every == 0 or self.step == t.max_steps:
                         self._validate()
-                    if self.step % t["ckpt_every"] == 0 or self.step == t["max_steps"]:
+                    if self.step % t.ckpt_every == 0 or self.step == t.max_steps:
                         self.save_checkpoint()
                         last_ckpt = self.step
-                    if self.stop_requested is not None and self.step < t["max_steps"]:
+                    if self.stop_requested is not None and self.step < t.max_steps:
                         why = (
-                            f"stopping at step {self.step} of {t['max_steps']} "
+                            f"stopping at step {self.step} of {t.max_steps} "
                             f"({self.stop_requested}: a SLURM time limit or preemption, scancel, "
                             "or a kill)"
                         )
@@ -794,7 +791,7 @@ class Trainer:
         self.metrics.flush()
         meta = self.write_final(time.perf_counter() - t_start, steps_run=self.step - start)
         if self.topo.is_main and self.run_dir is not None:
-            ckpt_mod.prune_runs(self.paths.checkpoints, t["keep_runs"], self.run_dir)
+            ckpt_mod.prune_runs(self.paths.checkpoints, t.keep_runs, self.run_dir)
         return meta
 
     @staticmethod
@@ -822,11 +819,11 @@ class Trainer:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
-        if self.step % t["log_every"] == 0 or self.step == t["max_steps"]:
+        if self.step % t.log_every == 0 or self.step == t.max_steps:
             log.info(
                 "step %d/%d loss %.4f ppl %.2f grad_norm %.3f lr %.3g %.0f tok/s %.1f ms",
                 self.step,
-                t["max_steps"],
+                t.max_steps,
                 row["loss"],
                 row["perplexity"],
                 row["grad_norm"],
@@ -859,12 +856,13 @@ class Trainer:
             self.lease.release()
 
 
-def run_training(cfg: dict, paths: TrainPaths) -> dict | None:
-    """The training stage on this rank: process group up, train, outputs written, torn down."""
+def run_training(cfg: TrainConfig, paths: TrainPaths) -> dict | None:
+    """The training stage on this rank (the train stage's keys: `runtime`, `train`, `transfer`):
+    process group up, train, outputs written, torn down."""
     from distlm.dist import distributed
 
-    rt = cfg["runtime"]
-    with distributed(backend=rt["backend"], device=rt["device"], timeout_s=rt["timeout_s"]) as topo:
+    rt = cfg.runtime
+    with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
         trainer = Trainer(cfg, paths, topo)
         try:
             trainer.setup()

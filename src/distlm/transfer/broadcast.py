@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from distlm.documents import TransferStats
+from distlm.settings import TransferSettings
 from distlm.transfer import handshake, stream
 from distlm.transfer.errors import TransferError
-from distlm.transfer.options import TransferSettings
 from distlm.transfer.plan import make_plan
 from distlm.transfer.session import FaultHook, TransferSession
 

@@ -2,8 +2,6 @@
 
 from distlm import DistlmError
 
-TRANSPORTS = ("torch", "uccl")  # the data planes (distlm.transfer.planes); never substituted
-
 
 class TransferError(DistlmError):
     """A transfer failed: the message names the rank, tensor or bucket at fault."""

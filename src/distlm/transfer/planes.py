@@ -8,13 +8,16 @@ point-to-point (NCCL or gloo) on the control link; "uccl" is in distlm.transfer.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, get_args
 
 import torch
 
-from distlm.transfer.errors import TRANSPORTS, TransferError
+from distlm.settings import TransferSettings
+from distlm.transfer.errors import TransferError
 from distlm.transfer.link import Link
 from distlm.transfer.uccl import check_uccl
+
+TRANSPORTS: tuple[str, ...] = get_args(TransferSettings.model_fields["transport"].annotation)
 
 
 class Plane(Protocol):

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from distlm.settings import TransferSettings
 from distlm.transfer.checksum import Checksum
 from distlm.transfer.errors import TransferError
 from distlm.transfer.link import Link
-from distlm.transfer.options import TransferSettings
 from distlm.transfer.plan import Plan
 from distlm.transfer.planes import Plane, TorchPlane, check_transport
 from distlm.transfer.uccl import UcclPlane

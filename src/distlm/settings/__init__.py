@@ -1,0 +1,73 @@
+"""Typed settings: one pydantic model per config section, the root `Settings` with the checks
+that span keys, and the JSON schema generated from them.
+
+    from distlm.settings import Settings, TrainSettings, load_settings
+    s = load_settings("config/config.yaml")      # Settings; ConfigError names a bad key
+    s.train.keep_last                            # int >= 1, described in TrainSettings
+
+Each section's model lives in a module named after its owner (runtime, data, model, transfer,
+train, eval, inference, report); `python -m distlm.settings --check` keeps
+workflow/schemas/config.schema.yaml equal to the schema made from them.
+"""
+
+from distlm.settings.base import (
+    MAX_SEED,
+    ConfigError,
+    MaxNewTokens,
+    Section,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+)
+from distlm.settings.data import DataSettings
+from distlm.settings.eval import EvalSettings
+from distlm.settings.inference import (
+    EngineSettings,
+    InferenceSettings,
+    PipelineSettings,
+    SamplingSettings,
+    ServePipelineSettings,
+    ServeSettings,
+)
+from distlm.settings.model import ModelInitSettings, ModelSettings, ModelSourceSettings
+from distlm.settings.report import ReportSettings
+from distlm.settings.root import MOVED, Settings, known_architecture
+from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
+from distlm.settings.train import DdpSettings, FaultSettings, ProfileSettings, TrainSettings
+from distlm.settings.transfer import BroadcastSettings, TransferSettings
+
+__all__ = [
+    "MAX_SEED",
+    "MOVED",
+    "BroadcastSettings",
+    "ConfigError",
+    "DataSettings",
+    "DdpSettings",
+    "DeviceSettings",
+    "EngineSettings",
+    "EvalSettings",
+    "FaultSettings",
+    "InferenceSettings",
+    "MaxNewTokens",
+    "ModelInitSettings",
+    "ModelSettings",
+    "ModelSourceSettings",
+    "PipelineSettings",
+    "ProcessGroupSettings",
+    "ProfileSettings",
+    "ReportSettings",
+    "RuntimeSettings",
+    "SamplingSettings",
+    "Section",
+    "Seed",
+    "ServePipelineSettings",
+    "ServeSettings",
+    "Settings",
+    "Temperature",
+    "TopK",
+    "TopP",
+    "TrainSettings",
+    "TransferSettings",
+    "known_architecture",
+]

@@ -1,0 +1,131 @@
+"""`train`: data-parallel training (distlm.train)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from distlm.settings.base import Real, Section
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+class DdpSettings(Section):
+    bucket_cap_mb: Real = Field(default=25, gt=0, description="DDP gradient bucket size in MiB.")
+    static_graph: bool = Field(default=False, description="DDP static-graph mode.")
+
+
+class FaultSettings(Section):
+    """Test hooks; leave null."""
+
+    nan_at_step: int | None = Field(
+        default=None, ge=1, description="Make the loss NaN at this step (a test hook)."
+    )
+    kill_after_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="SIGKILL the last rank after this step on the first attempt (a test hook).",
+    )
+
+
+class ProfileSettings(Section):
+    enabled: bool = Field(default=False, description="Run torch.profiler over a window of steps.")
+    wait: int = Field(default=1, ge=0, description="Profiler schedule: steps skipped first.")
+    warmup: int = Field(
+        default=1, ge=0, description="Profiler schedule: warm-up steps, not recorded."
+    )
+    active: int = Field(default=3, ge=1, description="Profiler schedule: steps recorded.")
+    top_ops: int = Field(default=25, ge=1, description="Operators listed in top-ops, by self time.")
+
+
+class TrainSettings(Section):
+    nodes: int = Field(
+        default=1, ge=1, description="Nodes (under SLURM the profile's nodes decide)."
+    )
+    nproc_per_node: int = Field(default=2, ge=1, description="Ranks torchrun starts per node.")
+    max_steps: int = Field(default=60, ge=1, description="Optimizer steps.")
+    micro_batch_size: int = Field(
+        default=8, ge=1, description="Blocks per rank per forward/backward."
+    )
+    grad_accum_steps: int = Field(
+        default=1,
+        ge=1,
+        description="Micro-batches per optimizer step; ignored when global_batch_size is set.",
+    )
+    lr: Real = Field(default=0.001, gt=0, description="Peak learning rate, for the global batch.")
+    min_lr: Real = Field(
+        default=0.0001, ge=0, description="Learning rate at the end of the cosine."
+    )
+    warmup_steps: int = Field(default=10, ge=0, description="Steps of the linear warmup to lr.")
+    weight_decay: Real = Field(
+        default=0.1, ge=0, description="AdamW weight decay (none on biases and norms)."
+    )
+    beta1: Real = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: Real = Field(default=0.95, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: Real = Field(
+        default=1.0, ge=0, description="Clip the global gradient norm to this; 0 = no clipping."
+    )
+    precision: Precision = Field(
+        default="auto",
+        description="auto = bf16 (else fp16) autocast on GPUs, fp32 on CPU; or fp32, bf16, fp16.",
+    )
+    compile: bool = Field(default=False, description="torch.compile the model before DDP wraps it.")
+    fast_kernels: bool = Field(
+        default=True,
+        description=(
+            "The LM head fused with the cross-entropy (in chunks) and the tanh GELU as one "
+            "kernel (distlm.train.kernels); false trains through transformers' own modules."
+        ),
+    )
+    ckpt_every: int = Field(
+        default=20, ge=1, description="Checkpoint every N steps and at the end."
+    )
+    keep_last: int = Field(
+        default=2,
+        ge=1,
+        description="Checkpoints kept of this run identity (the newest that verify).",
+    )
+    keep_runs: int = Field(
+        default=3,
+        ge=1,
+        description=(
+            "Run identities whose checkpoints are kept (the most recently used; the current one "
+            "always). An edit that changes the identity trains in a folder of its own; reverting "
+            "it finds the old run's checkpoints while it is among these."
+        ),
+    )
+    eval_every: int = Field(
+        default=20, ge=1, description="Validation every N steps and at the end."
+    )
+    eval_batches: int = Field(
+        default=4, ge=1, description="Validation batches (of micro_batch_size x world size blocks)."
+    )
+    log_every: int = Field(default=1, ge=1, description="A log line every N steps.")
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="torchrun --max-restarts; a restarted run resumes from the last good checkpoint.",
+    )
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Blocks per optimizer step over all ranks; sets grad_accum_steps to global_batch_size"
+            " / (micro_batch_size x world size), which must divide it. null: use "
+            "grad_accum_steps. lr is the peak rate for this global batch."
+        ),
+    )
+    resume: Literal["auto", "never"] = Field(
+        default="auto",
+        description=(
+            "auto resumes from the last good checkpoint of the same run identity (a finished one "
+            "is reused without a training step); never deletes that identity's checkpoints and "
+            "trains afresh."
+        ),
+    )
+    ddp: DdpSettings = Field(default=DdpSettings(), description="DistributedDataParallel options.")
+    fault: FaultSettings = Field(default=FaultSettings(), description="Test hooks; leave null.")
+    profile: ProfileSettings = Field(
+        default=ProfileSettings(), description="torch.profiler over a window of steps."
+    )

@@ -1,0 +1,198 @@
+"""The settings layer (distlm.settings): the models are the source, the schema file is generated
+from them and Snakemake's `validate` reads it, old keys say where they went."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, TINY
+from pydantic import BaseModel, ValidationError
+
+from distlm.config import ConfigError, validate_config
+from distlm.settings import (
+    MOVED,
+    InferenceSettings,
+    SamplingSettings,
+    Settings,
+)
+from distlm.settings.schema import SCHEMA_FILE, schema_yaml, settings_schema
+
+
+def test_schema_file_is_generated_from_the_models():
+    assert (ROOT / SCHEMA_FILE).read_text(encoding="utf-8") == schema_yaml()
+    proc = subprocess.run(
+        [sys.executable, "-m", "distlm.settings", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_check_fails_on_a_stale_file(tmp_path):
+    (tmp_path / "workflow/schemas").mkdir(parents=True)
+    (tmp_path / SCHEMA_FILE).write_text(schema_yaml().replace("default: 128", "default: 64"))
+    cmd = [sys.executable, "-m", "distlm.settings", "--check", "--root", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1 and "--write" in proc.stderr
+
+
+def _fields(model: type[BaseModel], prefix: str = ""):
+    for name, f in model.model_fields.items():
+        yield prefix + name, f
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _fields(ann, prefix + name + ".")
+
+
+def test_every_key_is_described_and_strict():
+    undescribed = [k for k, f in _fields(Settings) if not f.description]
+    assert not undescribed, f"keys without a description: {undescribed}"
+    for _, f in _fields(Settings):
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cfg = ann.model_config
+            assert cfg.get("extra") == "forbid" and cfg.get("frozen"), ann.__name__
+
+
+def _snakemake_validate(data: dict) -> dict:
+    from snakemake.utils import validate
+
+    validate(data, str(ROOT / SCHEMA_FILE), set_default=True)
+    return data
+
+
+@pytest.mark.parametrize(
+    "path", [TINY, ROOT / "config/config.yaml", ROOT / "config/gpt2-wikitext2.yaml"]
+)
+def test_snakemake_validate_fills_the_same_defaults(path):
+    """Snakemake's own `validate` reads the generated schema and fills every default the models
+    fill (a workflow that validates with it gets the same config)."""
+    raw = yaml.safe_load(path.read_text())
+    assert _snakemake_validate(copy.deepcopy(raw)) == validate_config(raw)
+    assert _snakemake_validate({}) == validate_config({})
+
+
+def test_snakemake_validate_refuses_what_the_models_refuse():
+    import snakemake.exceptions
+
+    for bad in ({"train": {"lr": 0}}, {"colour": 1}, {"broadcast": {"transport": "torch"}}):
+        with pytest.raises(snakemake.exceptions.WorkflowError):
+            _snakemake_validate(bad)
+        with pytest.raises(ConfigError):
+            validate_config(bad)
+
+
+@pytest.mark.parametrize(
+    "path", [TINY, ROOT / "config/config.yaml", ROOT / "config/gpt2-wikitext2.yaml"]
+)
+def test_settings_dump_to_the_config_as_written(path):
+    """The workflow's config (every rule's params) and the typed settings agree value for value
+    and type for type: an integer given for a real-valued key stays an integer, so every digest
+    of settings (stage configs, data and model digests, the train run identity) is unchanged."""
+    cfg = validate_config(yaml.safe_load(path.read_text()))
+    assert Settings.model_validate(cfg).model_dump() == cfg
+    cfg = validate_config({"transfer": {"bucket_mb": 2}, "train": {"lr": 1}})
+    s = Settings.model_validate(cfg)
+    assert type(s.transfer.bucket_mb) is int and type(s.train.lr) is int
+    assert type(s.runtime.timeout_s) is int  # the default, 300
+    assert type(Settings.model_validate({"train": {"lr": 0.5}}).train.lr) is float
+
+
+@pytest.mark.parametrize("key", sorted(MOVED))
+def test_moved_keys_say_where_they_went(key):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"{key}: (moved to|removed)") as e:
+        validate_config({section: {name: 1}})
+    new = {"broadcast": "transfer", "inference": "inference"}[section]
+    assert f"{new}." in str(e.value)
+    with pytest.raises(ValidationError, match=key.replace(".", r"\.")):
+        Settings.model_validate({section: {name: 1}})
+
+
+def test_sampling_ranges_are_defined_once():
+    """InferenceSettings' flat sampling keys have exactly SamplingSettings' types and ranges."""
+    for name, f in SamplingSettings.model_fields.items():
+        g = InferenceSettings.model_fields[name]
+        assert g.annotation == f.annotation and g.metadata == f.metadata, name
+    s = InferenceSettings(temperature=0.5, top_k=3, top_p=0.9, seed=7, max_new_tokens=5)
+    assert s.sampling == SamplingSettings(
+        temperature=0.5, top_k=3, top_p=0.9, seed=7, max_new_tokens=5
+    )
+    assert InferenceSettings().sampling.greedy  # the default: greedy, as `greedy: true` was
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"seed": -1}):
+        with pytest.raises(ValidationError):
+            SamplingSettings(**bad)
+
+
+def test_validation_needs_no_checkout(tmp_path):
+    """The library validates with the package alone, as a non-editable install has it: no file
+    outside src/distlm (the schema is made from the models in memory)."""
+    import shutil
+
+    shutil.copytree(ROOT / "src" / "distlm", tmp_path / "site" / "distlm")
+    site = str(tmp_path / "site")
+    code = (
+        "import distlm.config as c, distlm.settings.schema as s;"
+        f"assert c.__file__.startswith({site!r});"
+        "assert c.validate_config({})['train']['keep_last'] == 2;"
+        "assert s.settings_schema()['properties']['serve']['properties']['stages']['minimum'] == 1"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
+    """Every leaf key of a model, dotted, with its FieldInfo."""
+    out: dict[str, object] = {}
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(_leaves(ann, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = f
+    return out
+
+
+def test_stage_config_types_are_the_declared_keys():
+    """Each stage's document type holds exactly the keys distlm.stages declares for it, each with
+    Settings' own field (type, range, default): the two cannot drift."""
+    from distlm.settings.stage import STAGE_CONFIGS
+    from distlm.stages import STAGES, schema_keys
+
+    assert set(STAGE_CONFIGS) == set(STAGES)
+    every = _leaves(Settings)
+    assert list(every) == schema_keys(settings_schema())
+    for stage, cls in STAGE_CONFIGS.items():
+        mine = {k: f for k, f in _leaves(cls).items() if k != "digest"}
+        declared = [k for k in every if STAGES[stage].covers(k)]
+        assert sorted(mine) == sorted(declared), stage
+        for k, f in mine.items():
+            assert repr(f) == repr(every[k]), (stage, k)
+
+
+def test_stage_config_document_round_trip(tmp_path):
+    from distlm.documents import DocumentError, read_document
+    from distlm.io import digest
+    from distlm.settings.stage import EvalConfig, TrainConfig, write_stage_config
+    from distlm.stages import stage_config
+
+    cfg = validate_config(yaml.safe_load(TINY.read_text()))
+    params = stage_config(cfg, "train")
+    path = tmp_path / "train.json"
+    assert write_stage_config("train", params, path) == digest(params)
+    doc = read_document(path, TrainConfig)
+    assert doc.params() == params and doc.digest == digest(params)
+    assert doc.train.max_steps == cfg["train"]["max_steps"]
+    with pytest.raises(DocumentError, match="distlm-config-train"):
+        read_document(path, EvalConfig)
+    with pytest.raises(ValidationError, match="train.lr"):
+        TrainConfig.of({**params, "train": {**params["train"], "lr": -1}})
