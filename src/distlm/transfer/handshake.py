@@ -22,7 +22,7 @@ from distlm.transfer.messages import (
     TransferVerdict,
     read_message,
 )
-from distlm.transfer.plan import Plan, _dtype, check_template
+from distlm.transfer.plan import Plan, check_template, dtype_of
 from distlm.transfer.session import TransferSession
 
 Tensors = dict[str, torch.Tensor]
@@ -87,7 +87,7 @@ def _destination(
         if e.alias is not None:
             continue
         if template is None:
-            t = torch.empty(e.shape, dtype=_dtype(e.dtype), device=device)
+            t = torch.empty(e.shape, dtype=dtype_of(e.dtype), device=device)
             dest[e.name] = t
             staged[e.name] = t
         else:

@@ -193,14 +193,14 @@ def make_plan(tensors: Mapping[str, torch.Tensor], *, bucket_mb: float, chunk_mb
                 Entry(
                     name,
                     tuple(t.shape),
-                    _dtype_name(t.dtype),
+                    dtype_name(t.dtype),
                     seen[key].start,
                     nbytes,
                     seen[key].name,
                 )
             )
             continue
-        e = Entry(name, tuple(t.shape), _dtype_name(t.dtype), pos, nbytes)
+        e = Entry(name, tuple(t.shape), dtype_name(t.dtype), pos, nbytes)
         entries.append(e)
         if key is not None:
             seen[key] = e
@@ -208,18 +208,18 @@ def make_plan(tensors: Mapping[str, torch.Tensor], *, bucket_mb: float, chunk_mb
     return Plan(tuple(entries), pos, bucket, chunk)
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise TransferError(f"unknown dtype {name!r} in the sender's metadata")
     return dt
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous tensor's bytes."""
     return t.reshape(-1).view(torch.uint8)
 
@@ -244,9 +244,9 @@ def check_template(plan: Plan, template: Mapping[str, torch.Tensor], where: str)
             problems.append(
                 f"{where}: tensor {e.name!r} has shape {tuple(t.shape)} here, the sender sends {e.shape}"
             )
-        elif _dtype_name(t.dtype) != e.dtype:
+        elif dtype_name(t.dtype) != e.dtype:
             problems.append(
-                f"{where}: tensor {e.name!r} has dtype {_dtype_name(t.dtype)} here, the sender sends {e.dtype}"
+                f"{where}: tensor {e.name!r} has dtype {dtype_name(t.dtype)} here, the sender sends {e.dtype}"
             )
     devices = {t.device for t in template.values()}
     if len(devices) > 1:

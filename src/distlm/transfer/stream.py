@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from distlm.transfer.link import Pending
-from distlm.transfer.plan import Message, Plan, _flat_bytes
+from distlm.transfer.plan import Message, Plan, flat_bytes
 from distlm.transfer.session import TransferSession
 
 Tensors = dict[str, torch.Tensor]
@@ -82,7 +82,7 @@ def send(s: TransferSession, tensors: Tensors) -> Timing:
     flats = {}
     for e in plan.entries:
         if e.alias is None and e.nbytes:
-            flats[e.name] = _flat_bytes(tensors[e.name].detach().contiguous())
+            flats[e.name] = flat_bytes(tensors[e.name].detach().contiguous())
     pending: list[list[tuple[Any, Any]]] = [[] for _ in buffers]
     keep = []  # checksum tensors in flight
     for b in range(plan.buckets):
@@ -132,7 +132,7 @@ def relay(s: TransferSession, dest: Tensors, staged: Tensors) -> Timing:
     prev, nxt, hook = s.prev, s.nxt, s.fault_hook
     assert prev is not None  # a receiver
     timing = Timing()
-    flats = {name: _flat_bytes(t) for name, t in staged.items() if t.numel()}
+    flats = {name: flat_bytes(t) for name, t in staged.items() if t.numel()}
     nb = plan.buckets
     recvs: dict[int, _Posted] = {}
     forwards: list[list[tuple[Any, Any]]] = [[] for _ in buffers]
