@@ -113,6 +113,10 @@ def test_plan_message_round_trip_and_refusals():
     bad = blob.replace(b'"bucket_bytes":', b'"bucket_bytes":-', 1)
     with pytest.raises(TransferError, match="rank 2: malformed PlanMessage: field bucket_bytes"):
         read_message(bad, PlanMessage, 2)
+    lie = PlanMessage.of(plan).model_dump()
+    lie["entries"][0]["nbytes"] += 8
+    with pytest.raises(TransferError, match="bytes for shape"):
+        PlanMessage.model_validate(lie).to_plan()
     with pytest.raises(TransferError, match="not JSON"):
         read_message(b"\xff", PlanMessage, 1)
 

@@ -14,13 +14,14 @@ of a transfer must run the same distlm. The bulk bytes and the checksums are raw
 from __future__ import annotations
 
 import json
+import math
 from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from distlm.documents import Document, DocumentError
 from distlm.transfer.errors import TransferError
-from distlm.transfer.plan import Entry, Plan
+from distlm.transfer.plan import Entry, Plan, dtype_of
 
 M = TypeVar("M", bound=Document)
 
@@ -67,6 +68,21 @@ class PlanMessage(Document):
         )
 
     def to_plan(self) -> Plan:
+        """The plan, after checking that its entries describe one consistent byte stream."""
+        seen: set[str] = set()
+        for e in self.entries:
+            n = math.prod(e.shape) * dtype_of(e.dtype).itemsize
+            if e.name in seen:
+                raise TransferError(f"plan: tensor {e.name!r} appears twice")
+            if min(e.shape, default=0) < 0 or n != e.nbytes:
+                raise TransferError(
+                    f"plan: tensor {e.name!r} is {e.nbytes} bytes for shape {e.shape} {e.dtype}"
+                )
+            if e.alias is not None and e.alias not in seen:
+                raise TransferError(f"plan: tensor {e.name!r} aliases unknown {e.alias!r}")
+            if e.start + e.nbytes > self.stream_bytes:
+                raise TransferError(f"plan: tensor {e.name!r} ends past the stream")
+            seen.add(e.name)
         entries = tuple(
             Entry(e.name, tuple(e.shape), e.dtype, e.start, e.nbytes, e.alias) for e in self.entries
         )
