@@ -137,12 +137,13 @@ def test_bad_arguments():
 WORKER = """
 import json, os, torch
 from distlm.dist import distributed
-from distlm.transfer import broadcast_state_dict, TransferOptions
+from distlm.settings import TransferSettings
+from distlm.transfer import broadcast_state_dict
 torch.set_num_threads(1)
 with distributed(backend="gloo", timeout_s=60) as topo:
     g = torch.Generator().manual_seed(0)
     sd = {f"w{i}": torch.randn(256, 257, generator=g) for i in range(6)}
-    res = broadcast_state_dict(sd if topo.is_main else None, options=TransferOptions(bucket_mb=0.25, chunk_mb=0.0625, timeout_s=30))
+    res = broadcast_state_dict(sd if topo.is_main else None, settings=TransferSettings(bucket_mb=0.25, chunk_mb=0.0625, timeout_s=30))
     ok = all(torch.equal(res.tensors[k], v) for k, v in sd.items())
     print(json.dumps({"rank": topo.rank, "ok": ok, "chain": res.stats.chain}))
 """

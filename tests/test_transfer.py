@@ -18,18 +18,20 @@ from test_transfer_workers import (
 )
 
 from distlm.dist import distributed
+from distlm.documents import encode
+from distlm.settings import TransferSettings
 from distlm.transfer import (
     ALIGN,
-    Plan,
+    Checksum,
+    PlanMessage,
     TransferError,
-    TransferOptions,
-    _Checksum,
     broadcast_state_dict,
     check_template,
     check_uccl,
     make_plan,
     uccl_problems,
 )
+from distlm.transfer.messages import MetadataCheck, read_message
 
 # ----------------------------------------------------------------------------- units
 
@@ -97,12 +99,26 @@ def _split_like(expect, covered):
     return out
 
 
-def test_plan_json_round_trip_and_protocol_check():
+def test_plan_message_round_trip_and_refusals():
     plan = make_plan(mixed_state_dict(), bucket_mb=1, chunk_mb=0.25)
-    assert Plan.from_json(plan.to_json()) == plan
-    bad = plan.to_json() | {"protocol": "other/9"}
-    with pytest.raises(TransferError, match="other/9"):
-        Plan.from_json(bad)
+    blob = encode(PlanMessage.of(plan))
+    assert read_message(blob, PlanMessage, 0).to_plan() == plan
+    other = blob.replace(b'"distlm-transfer-plan/1"', b'"distlm-transfer-plan/9"')
+    with pytest.raises(
+        TransferError, match=r"rank 0 sent a 'distlm-transfer-plan/9' message.*same distlm version"
+    ):
+        read_message(other, PlanMessage, 0)
+    with pytest.raises(TransferError, match="MetadataCheck"):
+        read_message(blob, MetadataCheck, 3)
+    bad = blob.replace(b'"bucket_bytes":', b'"bucket_bytes":-', 1)
+    with pytest.raises(TransferError, match="rank 2: malformed PlanMessage: field bucket_bytes"):
+        read_message(bad, PlanMessage, 2)
+    lie = PlanMessage.of(plan).model_dump()
+    lie["entries"][0]["nbytes"] += 8
+    with pytest.raises(TransferError, match="bytes for shape"):
+        PlanMessage.model_validate(lie).to_plan()
+    with pytest.raises(TransferError, match="not JSON"):
+        read_message(b"\xff", PlanMessage, 1)
 
 
 def test_check_template_names_the_tensor():
@@ -120,7 +136,7 @@ def test_check_template_names_the_tensor():
 
 
 def test_checksum_detects_flipped_bits_moved_rows_and_odd_tails():
-    cs = _Checksum(4096, torch.device("cpu"))
+    cs = Checksum(4096, torch.device("cpu"))
     data = torch.randint(0, 255, (4096,), dtype=torch.uint8)
     ref, out = torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int64)
     cs(data, ref)
@@ -150,22 +166,11 @@ def test_checksum_detects_flipped_bits_moved_rows_and_odd_tails():
     assert torch.equal(ref, out)
 
 
-def test_options_are_validated():
-    with pytest.raises(TransferError, match="unknown transport 'rdma'"):
-        TransferOptions(transport="rdma")
-    with pytest.raises(TransferError, match="broadcast.bucket_mb"):
-        TransferOptions(bucket_mb=0)
-    o = TransferOptions.from_config(
-        {"transport": "torch", "receivers": 3, "bucket_mb": 8, "chunk_mb": 2, "timeout_s": 9}
-    )
-    assert (o.bucket_mb, o.chunk_mb, o.timeout_s) == (8, 2, 9)
-
-
 def test_single_rank_world_and_missing_process_group():
     with pytest.raises(TransferError, match="process group"):
-        broadcast_state_dict({"a": torch.ones(2)})
+        broadcast_state_dict({"a": torch.ones(2)}, settings=TransferSettings())
     with distributed(backend="gloo", timeout_s=30):
-        res = broadcast_state_dict({"a": torch.ones(2)}, options=TransferOptions(timeout_s=10))
+        res = broadcast_state_dict({"a": torch.ones(2)}, settings=TransferSettings(timeout_s=10))
         assert res.stats.receivers == [] and res.stats.verified
 
 
@@ -178,7 +183,7 @@ def test_uccl_is_refused_with_the_reasons_here():
     if not problems:
         pytest.skip("uccl can run on this machine; the refusal is not testable")
     with distributed(backend="gloo", timeout_s=30), pytest.raises(TransferError) as err:
-        broadcast_state_dict({"a": torch.ones(2)}, options=TransferOptions(transport="uccl"))
+        broadcast_state_dict({"a": torch.ones(2)}, settings=TransferSettings(transport="uccl"))
     msg = str(err.value)
     assert "'uccl' cannot run here" in msg
     for p in problems:

@@ -15,7 +15,8 @@ import traceback
 import torch
 
 from distlm.dist import distributed, free_port
-from distlm.transfer import TransferError, TransferOptions, broadcast_state_dict
+from distlm.settings import TransferSettings
+from distlm.transfer import TransferError, broadcast_state_dict
 
 
 def _entry(fn, rank: int, world: int, port: int, q, args) -> None:
@@ -119,7 +120,7 @@ def _template(sd: dict[str, torch.Tensor], *, noncontig: bool) -> dict[str, torc
 def round_trips(topo, bucket_mb: float, chunk_mb: float) -> dict:
     """Rank 1 fills a template in place, rank 2 allocates, rank 3 has a non-contiguous template."""
     sd = mixed_state_dict()
-    opts = TransferOptions(bucket_mb=bucket_mb, chunk_mb=chunk_mb, timeout_s=30)
+    opts = TransferSettings(bucket_mb=bucket_mb, chunk_mb=chunk_mb, timeout_s=30)
     if topo.is_main:
         tensors = sd
     elif topo.rank == 2:
@@ -127,7 +128,7 @@ def round_trips(topo, bucket_mb: float, chunk_mb: float) -> dict:
     else:
         tensors = _template(sd, noncontig=topo.rank == 3)
     before = {k: v for k, v in (tensors or {}).items()}
-    res = broadcast_state_dict(tensors, src=0, options=opts)
+    res = broadcast_state_dict(tensors, settings=opts)
     report = {"stats": res.stats.model_dump(), "identical": [], "in_place": True, "tied": None}
     report["identical"] = sorted(k for k in sd if same_bits(res.tensors[k], sd[k]))
     if tensors is not None and not topo.is_main:
@@ -145,12 +146,12 @@ def faults(topo) -> dict:
         "b.bias": torch.randn(64, generator=g),
         "c.big": torch.randn(200, 200, generator=g),
     }
-    opts = TransferOptions(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=30)
+    opts = TransferSettings(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=30)
     out = {}
 
-    def attempt(name, tensors, o=opts):
+    def attempt(name, tensors, hook=None):
         try:
-            broadcast_state_dict(tensors, src=0, options=o)
+            broadcast_state_dict(tensors, settings=opts, fault_hook=hook)
             out[name] = "ok"
         except TransferError as e:
             out[name] = str(e)
@@ -176,15 +177,15 @@ def faults(topo) -> dict:
     attempt(
         "corrupt",
         sd if topo.is_main else None,
-        TransferOptions(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=30, fault_hook=corrupt),
+        hook=corrupt,
     )
     # 4. and after all of that the group still works
-    res = broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
+    res = broadcast_state_dict(sd if topo.is_main else None, settings=opts)
     out["after"] = all(same_bits(res.tensors[k], sd[k]) for k in sd)
     # 5. nothing to send, or only zero-size tensors: no buckets, still a clean round trip
     zero = {"z": torch.empty(0), "y": torch.empty(3, 0, dtype=torch.int8)}
-    empty = broadcast_state_dict({} if topo.is_main else None, src=0, options=opts)
-    zeros = broadcast_state_dict(zero if topo.is_main else None, src=0, options=opts)
+    empty = broadcast_state_dict({} if topo.is_main else None, settings=opts)
+    zeros = broadcast_state_dict(zero if topo.is_main else None, settings=opts)
     out["empty"] = (
         empty.tensors == {}
         and empty.stats.buckets == 0
@@ -205,10 +206,10 @@ def dies(topo, mode: str) -> dict:
                 os._exit(17)
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    opts = TransferOptions(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=6, fault_hook=hook)
+    opts = TransferSettings(bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=6)
     t = time.monotonic()
     try:
-        broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
+        broadcast_state_dict(sd if topo.is_main else None, settings=opts, fault_hook=hook)
         return {"error": None, "seconds": time.monotonic() - t}
     except TransferError as e:
         return {"error": str(e), "seconds": time.monotonic() - t}
@@ -219,10 +220,8 @@ def uccl_round_trip(topo) -> dict:
     dev = torch.device("cuda", topo.rank)
     torch.cuda.set_device(dev)
     sd = {k: v.to(dev) for k, v in mixed_state_dict().items() if k != "head.weight"}
-    opts = TransferOptions(
-        transport="uccl", bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=60, device=dev
-    )
-    res = broadcast_state_dict(sd if topo.is_main else None, src=0, options=opts)
+    opts = TransferSettings(transport="uccl", bucket_mb=0.0625, chunk_mb=0.015625, timeout_s=60)
+    res = broadcast_state_dict(sd if topo.is_main else None, settings=opts, device=dev)
     return {
         "stats": res.stats.model_dump(),
         "identical": all(same_bits(res.tensors[k].cpu(), sd[k].cpu()) for k in sd),

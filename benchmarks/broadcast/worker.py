@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from distlm.dist import distributed
-from distlm.transfer import TransferOptions, broadcast_state_dict
+from distlm.settings import TransferSettings
+from distlm.transfer import broadcast_state_dict
 
 
 def gpt2_shapes(n_layer=12, n_embd=768, vocab=50257, n_pos=1024) -> dict[str, tuple[int, ...]]:
@@ -126,10 +127,10 @@ def main() -> None:
             elif method == "flat":
                 flat_method(topo, sd, flat, extra)
             elif method == "distlm":
-                opts = TransferOptions(
+                settings = TransferSettings(
                     bucket_mb=args.bucket_mb, chunk_mb=args.chunk_mb, timeout_s=args.timeout_s
                 )
-                res = broadcast_state_dict(sd, src=0, options=opts)  # receivers: filled in place
+                res = broadcast_state_dict(sd, settings=settings)  # receivers: filled in place
                 extra = {
                     k: getattr(res.stats, k) for k in ("buckets", "checksum_seconds", "verified")
                 }

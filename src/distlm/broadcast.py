@@ -15,7 +15,7 @@ from distlm.io import sha256_file
 from distlm.log import get_logger
 from distlm.model import META, WEIGHTS, load_safetensors, read_meta
 from distlm.settings.stage import BroadcastConfig
-from distlm.transfer import TransferError, TransferOptions, broadcast_state_dict
+from distlm.transfer import TransferError, broadcast_state_dict
 
 log = get_logger(__name__)
 
@@ -26,7 +26,7 @@ def run_broadcast_stage(
     """World = 1 sender + `broadcast.receivers`. Rank 0 writes the report (atomically) after
     every receiver has verified its buckets; returns it on rank 0, None elsewhere."""
     receivers = cfg.broadcast.receivers
-    opts = TransferOptions.from_config(cfg.transfer.model_dump(), device=topo.device)
+    opts = cfg.transfer
     model_dir = Path(model_dir)
     tensors, meta = None, {}
     if topo.is_main:
@@ -56,7 +56,7 @@ def run_broadcast_stage(
             opts.bucket_mb,
             opts.chunk_mb,
         )
-    s = broadcast_state_dict(tensors, src=0, options=opts).stats
+    s = broadcast_state_dict(tensors, settings=opts, device=topo.device).stats
     log.info(
         "%s %.1f MB in %.3f s (%.3f GB/s), %d buckets, verified: %s",
         "sent" if topo.is_main else "received",

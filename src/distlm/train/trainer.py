@@ -467,14 +467,13 @@ class Trainer:
         """Rank 0's weights reach every other rank through the transfer module, then are checked."""
         if not self.topo.is_distributed:
             return
-        from distlm.transfer import TransferOptions, broadcast_state_dict
+        from distlm.transfer import broadcast_state_dict
 
         b = self.cfg.transfer
         tensors = weights_of(self.model)
-        opts = TransferOptions.from_config(b.model_dump())
         t0 = time.perf_counter()
         with torch.no_grad():
-            result = broadcast_state_dict(tensors, src=0, options=opts)
+            result = broadcast_state_dict(tensors, settings=b)
             for k, t in result.tensors.items():
                 if t is not tensors[k] and t.data_ptr() != tensors[k].data_ptr():
                     tensors[k].copy_(t)

@@ -1,8 +1,8 @@
 """Send a state dict from one rank to every other rank: bucketed, pipelined, verified.
 
-    from distlm.transfer import broadcast_state_dict, TransferOptions
-    opts = TransferOptions(transport="torch", bucket_mb=64, chunk_mb=4, timeout_s=120)
-    result = broadcast_state_dict(sd if topo.is_main else template_or_None, src=0, options=opts)
+    from distlm.transfer import broadcast_state_dict
+    # settings: distlm.settings.TransferSettings (transport, bucket_mb, chunk_mb, timeout_s)
+    result = broadcast_state_dict(sd if topo.is_main else template_or_None, settings=settings)
     result.tensors   # the received (or sent) dict; a template is filled in place
     result.stats     # JSON-able figures: bytes, buckets, seconds, GB/s, verified, transport, ...
 
@@ -25,38 +25,40 @@ How it moves the bytes (what NCCL's ring broadcast and RL weight-sync engines do
 Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, gloo for CPU) and
 "uccl" (UCCL's P2P engine for the bulk data, torch.distributed for the small control messages;
 see distlm.transfer.uccl). A transport that cannot run raises TransferError saying why.
+
+Where things are:
+    broadcast.py  broadcast_state_dict: the steps below in order, and the figures it returns
+    session.py    TransferSession: one transfer's state (ranks, chain, device, link, plan, buffers)
+    plan.py       the bucket plan: tensors in the byte stream, buckets, chunks, zero-copy messages
+    handshake.py  the plan agreed before the bytes, the verdict after them
+    messages.py   the typed, versioned messages of the handshake
+    stream.py     the bucket stream: pack and send, receive, forward, check, unpack
+    checksum.py   the per-chunk checksum
+    link.py       control messages over torch.distributed, every wait bounded
+    watch.py      heartbeats; names the rank that stopped
+    planes.py     data planes: the "torch" transport, and how one is chosen
+    uccl.py       the "uccl" data plane, and why it cannot run where it cannot
+    errors.py     TransferError
 """
 
-from distlm.transfer.core import (
-    ALIGN,
-    DIRECT_MIN,
-    Entry,
-    Plan,
-    TorchPlane,
-    TransferResult,
-    _Checksum,  # noqa: F401  (tests check the checksum directly)
-    broadcast_state_dict,
-    check_template,
-    check_transport,
-    make_plan,
-)
-from distlm.transfer.options import TRANSPORTS, TransferError, TransferOptions
-from distlm.transfer.uccl import UcclPlane, check_uccl, uccl_problems
+from distlm.transfer.broadcast import TransferResult, broadcast_state_dict
+from distlm.transfer.checksum import Checksum
+from distlm.transfer.errors import TransferError
+from distlm.transfer.messages import PlanMessage
+from distlm.transfer.plan import ALIGN, Plan, check_template, make_plan
+from distlm.transfer.session import TransferSession
+from distlm.transfer.uccl import check_uccl, uccl_problems
 
 __all__ = [
     "ALIGN",
-    "DIRECT_MIN",
-    "TRANSPORTS",
-    "Entry",
+    "Checksum",
     "Plan",
-    "TorchPlane",
+    "PlanMessage",
     "TransferError",
-    "TransferOptions",
     "TransferResult",
-    "UcclPlane",
+    "TransferSession",
     "broadcast_state_dict",
     "check_template",
-    "check_transport",
     "check_uccl",
     "make_plan",
     "uccl_problems",

@@ -20,11 +20,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar, NoReturn
 
 import torch
 
 from distlm.log import get_logger
-from distlm.transfer.options import TransferError
+from distlm.transfer.errors import TransferError
 
 log = get_logger(__name__)
 
@@ -34,8 +35,8 @@ _FALLBACK_TRANSPORTS = ("tcp", "nccl")  # UCCL_P2P_TRANSPORT values that need no
 
 def _import_p2p():
     # uccl/__init__.py swallows import errors of p2p, so import the submodule explicitly.
-    import uccl
-    from uccl import p2p
+    import uccl  # pyright: ignore[reportMissingImports]
+    from uccl import p2p  # pyright: ignore[reportMissingImports]
 
     return uccl, p2p
 
@@ -81,15 +82,15 @@ def check_uccl(device: torch.device) -> None:
     problems = uccl_problems(device)
     if problems:
         raise TransferError(
-            "broadcast.transport 'uccl' cannot run here:\n  " + "\n  ".join(problems)
+            "transfer.transport 'uccl' cannot run here:\n  " + "\n  ".join(problems)
         )
 
 
 class UcclPlane:
     """Chunks of the registered bucket buffers over UCCL P2P connections along the chain."""
 
-    name = "uccl"
-    zero_copy = False  # only the registered bucket buffers travel: every chunk is packed
+    # Only the registered bucket buffers travel: every chunk is packed.
+    zero_copy: ClassVar[bool] = False
 
     def __init__(
         self, link, *, store, prefix: str, rank: int, device: torch.device, timeout_s: float
@@ -108,7 +109,7 @@ class UcclPlane:
         self.mrs: list[int] = []
         self.conn: dict[int, int] = {}
 
-    def _fail(self, what: str, peer: int | None = None) -> None:
+    def _fail(self, what: str, peer: int | None = None) -> NoReturn:
         where = f" with rank {peer}" if peer is not None else ""
         raise TransferError(f"rank {self.rank}: uccl {what}{where} failed")
 
@@ -132,7 +133,7 @@ class UcclPlane:
             if not ok:
                 self._fail(f"connect to {ip}:{port}", nxt)
             self.conn[nxt] = conn_id
-        if acceptor is not None:
+        if acceptor is not None and prev is not None:
             acceptor.join(self.timeout_s)
             if not accepted or not accepted[0][0]:
                 self._fail("accept", prev)
