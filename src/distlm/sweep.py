@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from distlm.config import ConfigError, deep_merge, validate_config
 from distlm.documents import Document
@@ -281,22 +281,42 @@ def run_dir(run: str) -> str:
     return f"{RUNS}/{run}"
 
 
-def describe(plan: Plan) -> dict[str, Any]:
-    """What the report needs of a sweep, as plain data (the report rule's param): per run its
-    override, varied values and job variants; the varied keys; the variants of each job."""
+class RunDescription(BaseModel):
+    """One run of a sweep as the report sees it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    override: dict[str, Any]  # the partial config merged over the base config
+    varied: dict[str, Any]  # the sweep's varied keys -> this run's value
+    variants: dict[str, str]  # job -> its variant
+
+
+class SweepDescription(BaseModel):
+    """What the report needs of a sweep (the report rule's param, as `model_dump()`; the script
+    validates it back): the runs, the varied keys, the runs each job variant serves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    varied: list[str]
+    runs: dict[str, RunDescription]
+    shared: dict[str, dict[str, list[str]]]  # job -> variant -> the runs it serves
+
+
+def describe(plan: Plan) -> SweepDescription:
+    """The sweep's description for the report."""
     varied = plan.varied()
-    return {
-        "varied": varied,
-        "runs": {
-            name: {
-                "override": run.override,
-                "varied": {k: leaves(run.config).get(k) for k in varied},
-                "variants": run.variants,
-            }
+    return SweepDescription(
+        varied=varied,
+        runs={
+            name: RunDescription(
+                override=run.override,
+                varied={k: leaves(run.config).get(k) for k in varied},
+                variants=run.variants,
+            )
             for name, run in plan.runs.items()
         },
-        "shared": plan.shared,
-    }
+        shared=plan.shared,
+    )
 
 
 class SweepRun(Document):

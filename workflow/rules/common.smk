@@ -101,7 +101,7 @@ def model_folder(wildcards):
 def run_labels(run, **labels):
     """report() labels of a sweep run's output: the run and its values of the varied keys, so
     `snakemake --report` lets one switch between runs."""
-    varied = SWEEP_DESCRIPTION["runs"][run]["varied"]
+    varied = SWEEP_DESCRIPTION.runs[run].varied
     return {"run": run, **{k: str(v) for k, v in varied.items()}, **labels}
 
 

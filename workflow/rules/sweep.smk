@@ -79,6 +79,6 @@ rule report:
     threads: 1
     params:
         cfg=REPORT_CFG,
-        sweep=SWEEP_DESCRIPTION,
+        sweep=SWEEP_DESCRIPTION.model_dump(),
     script:
         "../scripts/sweep_report.py"

@@ -4,7 +4,9 @@ from pathlib import Path
 
 from distlm.log import setup_logging
 from distlm.report.sweep import build_sweep_report
+from distlm.settings.stage import ReportConfig
 from distlm.stages import RESULTS
+from distlm.sweep import SweepDescription
 
 snakemake = snakemake
 log = setup_logging(snakemake.log[0])
@@ -12,8 +14,8 @@ try:
     written = build_sweep_report(
         RESULTS,
         Path(snakemake.output.summary).parent,
-        runs=snakemake.params.sweep,
-        formats=snakemake.params.cfg["report"]["formats"],
+        runs=SweepDescription.model_validate(snakemake.params.sweep),
+        formats=ReportConfig.of(snakemake.params.cfg).report.formats,
         exclude_rules=[snakemake.rule],
     )
 except Exception:

@@ -43,7 +43,7 @@ from distlm.report.inputs import (
 )
 from distlm.report.items import SWEEP_ITEMS
 from distlm.stages import RESULTS, STAGES
-from distlm.sweep import RUNS, VARIANTS, SweepRun, run_dir
+from distlm.sweep import RUNS, VARIANTS, SweepDescription, SweepRun, run_dir
 
 log = get_logger(__name__)
 
@@ -96,17 +96,17 @@ def _read(path: Path, reader, *args):
     return reader(path, *args) if path.is_file() else None
 
 
-def collect_runs(results: Path, desc: dict[str, Any]) -> list[RunData]:
+def collect_runs(results: Path, desc: SweepDescription) -> list[RunData]:
     out = []
-    for name, r in desc["runs"].items():
-        lay = {k: results / p for k, p in run_layout(r["variants"]).items()}
+    for name, r in desc.runs.items():
+        lay = {k: results / p for k, p in run_layout(r.variants).items()}
         timing = _read(lay["timing"], read_timing)
-        files = run_benchmarks(results, r["variants"])
+        files = run_benchmarks(results, r.variants)
         out.append(
             RunData(
                 name=name,
-                varied=r["varied"],
-                train=r["variants"]["train"],
+                varied=r.varied,
+                train=r.variants["train"],
                 metrics=_read(lay["metrics"], read_metrics),
                 val=_read(lay["val"], read_val),
                 evals=_read(lay["eval_trained"], read_eval, "trained"),
@@ -218,8 +218,8 @@ def figure_inference(runs: list[RunData], varied: list[str]) -> Figure | None:
     return fig
 
 
-def table_jobs(desc: dict[str, Any]) -> pd.DataFrame:
-    n = len(desc["runs"])
+def table_jobs(desc: SweepDescription) -> pd.DataFrame:
+    n = len(desc.runs)
     rows = [
         {
             "job": job,
@@ -229,7 +229,7 @@ def table_jobs(desc: dict[str, Any]) -> pd.DataFrame:
                 f"{v}: {', '.join(names)}" for v, names in vs.items() if len(names) > 1
             ),
         }
-        for job, vs in desc["shared"].items()
+        for job, vs in desc.shared.items()
     ]
     rows.append({"job": "report", "jobs run": 1, "as separate folders": n, "shared": "all runs"})
     df = pd.DataFrame(rows)
@@ -268,7 +268,7 @@ def build_sweep_report(
     results: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    runs: dict[str, Any],
+    runs: SweepDescription,
     formats=("png",),
     exclude_rules=("report",),
 ) -> list[Path]:
@@ -277,35 +277,35 @@ def build_sweep_report(
     from distlm.report.build import build_report
 
     results, out_dir = Path(results), Path(out_dir)
-    desc, varied = runs, runs["varied"]
+    desc, varied = runs, runs.varied
     data = collect_runs(results, desc)
     written: list[Path] = []
     runs_root = results / RUNS[len(RESULTS) + 1 :]
     if runs_root.is_dir():  # the per-run view of runs no longer in the sweep (their variants stay)
-        for gone in sorted(p for p in runs_root.iterdir() if p.name not in desc["runs"]):
+        for gone in sorted(p for p in runs_root.iterdir() if p.name not in desc.runs):
             log.info("removing %s: run %r is no longer in the sweep", gone, gone.name)
             if gone.is_dir() and not gone.is_symlink():
                 shutil.rmtree(gone)
             else:
                 gone.unlink()
-    for name, r in desc["runs"].items():
+    for name, r in desc.runs.items():
         folder = results / run_dir(name)[len(RESULTS) + 1 :]
         doc = SweepRun(
             name=name,
-            override=r["override"],
-            varied=r["varied"],
-            jobs={job: f"{VARIANTS}/{v}" for job, v in r["variants"].items()},
+            override=r.override,
+            varied=r.varied,
+            jobs={job: f"{VARIANTS}/{v}" for job, v in r.variants.items()},
         )
         write_document(folder / "run.json", doc)
         written.append(folder / "run.json")
-        values = ", ".join(f"{k} = {v}" for k, v in r["varied"].items())
+        values = ", ".join(f"{k} = {v}" for k, v in r.varied.items())
         written += build_report(
             results,
             folder / "report",
             formats=formats,
             exclude_rules=exclude_rules,
-            layout=run_layout(r["variants"]),
-            benchmark_files=run_benchmarks(results, r["variants"]),
+            layout=run_layout(r.variants),
+            benchmark_files=run_benchmarks(results, r.variants),
             title=f"distlm sweep run {name}",
             preface=(
                 f'<p class="meta"><a href="../../../report/{STAGES["report"].file("summary")}">'
@@ -345,14 +345,14 @@ def build_sweep_report(
             blocks.append(f'<h3 id="{item.name}">{html.escape(item.title)}</h3>\n{body}')
     links = "".join(
         f'<li><a href="../runs/{html.escape(n)}/report/{STAGES["report"].file("summary")}">'
-        f"{html.escape(n)}</a>: {html.escape(', '.join(f'{k} = {v}' for k, v in r['varied'].items()))}"
+        f"{html.escape(n)}</a>: {html.escape(', '.join(f'{k} = {v}' for k, v in r.varied.items()))}"
         "</li>"
-        for n, r in desc["runs"].items()
+        for n, r in desc.runs.items()
     )
     parts = [
         "<h1>distlm sweep report</h1>",
         (
-            f'<p class="meta">{len(desc["runs"])} runs over one base config &middot; varied: '
+            f'<p class="meta">{len(desc.runs)} runs over one base config &middot; varied: '
             f"{html.escape(', '.join(varied) or 'nothing')} &middot; results folder "
             f"{html.escape(str(results.resolve()))} &middot; generated "
             f"{_dt.datetime.now(_dt.UTC):%Y-%m-%d %H:%M UTC}</p>"
@@ -363,7 +363,7 @@ def build_sweep_report(
     summary = out_dir / STAGES["report"].file("summary")
     write_text(summary, _page("distlm sweep report", "\n".join(parts)))
     written.insert(0, summary)
-    log.info("wrote %s (%d runs, varied: %s)", summary, len(desc["runs"]), ", ".join(varied))
+    log.info("wrote %s (%d runs, varied: %s)", summary, len(desc.runs), ", ".join(varied))
     return written
 
 
