@@ -42,6 +42,6 @@ rule shard:
     threads: 1
     params:
         cfg=params_of("shard"),
-        stages=config["inference"]["stages"],
+        stages=setting("inference.stages"),
     script:
         "../scripts/shard.py"
