@@ -4,7 +4,8 @@ from distlm.train import TrainPaths, run_training
 run_training(cfg, TrainPaths(tokens=..., model=..., tokenizer=..., out=Path("results/train")))
 
 Modules, by what a change touches:
-    trainer.py     `Trainer` (setup phases, the step, validation, the step loop) and `run_training`
+    trainer.py     `Trainer`: the step, validation, the step loop; `run_training`
+    setup.py       `TrainerSetup` (Trainer's base): lease, data, model, optimiser, resume, DDP
     paths.py       `TrainPaths`: the stage's inputs and outputs, named as distlm.stages declares
     optim.py       learning-rate schedule (`lr_at`), precision, AdamW (parameter groups, fused)
     ddp.py         the loss module (fused kernels or transformers') wrapped in DDP

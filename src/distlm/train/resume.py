@@ -1,50 +1,70 @@
 """Run identity and resume: what a checkpoint must share with this run, which checkpoint (or
 finished run to extend) a start picks, loading it into the model, optimiser and schedule, and the
-check that every rank then holds the same weights.
-
-Functions of the `Trainer` whose state they read and set (its methods `identity`,
-`_resume_or_start`, `_choose_checkpoint` and `_check_replicas_agree` call them)."""
+check that every rank then holds the same weights. The `Trainer` calls these at set-up."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
+from distlm.dist import Topology
 from distlm.io import remove_leftovers
 from distlm.log import get_logger
 from distlm.model import check_state_dict
+from distlm.settings import TrainSettings
+from distlm.settings.stage import TrainConfig
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train.optim import weights_of
-
-if TYPE_CHECKING:
-    from distlm.train.trainer import Trainer
+from distlm.train.paths import TrainPaths
+from distlm.train.sampler import BatchPlan
 
 log = get_logger(__name__)
 
 
-def run_identity(tr: Trainer) -> dict:
+@dataclass(frozen=True)
+class Resumed:
+    """What a checkpoint gives back beyond the tensors it loads in place."""
+
+    step: int
+    history: dict  # the metrics rows so far
+    path: str
+    rng_state: Any  # this rank's RNG states, set after the weights are synced
+
+
+def run_identity(
+    cfg: TrainConfig,
+    *,
+    base_meta: dict,
+    data_meta: dict,
+    block_size: int,
+    train_blocks: int,
+    world_size: int,
+    plan: BatchPlan,
+    precision: str,
+) -> dict:
     """What a checkpoint must share with this run to be resumed (checked key by key)."""
-    t = tr.tcfg
+    t = cfg.train
     return {
         "model": {
-            "arch_digest": tr.base_meta["arch_digest"],
-            "base_model_sha256": tr.base_meta["model_sha256"],
+            "arch_digest": base_meta["arch_digest"],
+            "base_model_sha256": base_meta["model_sha256"],
         },
         "data": {
-            "config_digest": tr.data_meta["config_digest"],
-            "block_size": tr.block_size,
-            "train_blocks": len(tr.train_blocks),
-            "seed": tr.cfg.runtime.seed,
+            "config_digest": data_meta["config_digest"],
+            "block_size": block_size,
+            "train_blocks": train_blocks,
+            "seed": cfg.runtime.seed,
         },
         "topology": {
-            "world_size": tr.topo.world_size,
-            "micro_batch": tr.plan.micro_batch,
-            "grad_accum": tr.plan.grad_accum,
-            "global_batch": tr.plan.global_batch,
+            "world_size": world_size,
+            "micro_batch": plan.micro_batch,
+            "grad_accum": plan.grad_accum,
+            "global_batch": plan.global_batch,
         },
         "optim": {
             **{
@@ -60,73 +80,68 @@ def run_identity(tr: Trainer) -> dict:
                     "grad_clip",
                 )
             },
-            "precision": tr.precision,
+            "precision": precision,
         },
     }
 
 
-def resume_or_start(tr: Trainer) -> None:
-    """Find the last good checkpoint (rank 0 picks, all agree), load it, sync the weights.
-
-    A checkpoint at step max_steps with this run's identity is finished work: it is loaded
-    like any other, and `fit` writes the final folder from it without a training step.
-    """
-    tr._history = {}
-    choice = [tr._choose_checkpoint() if tr.topo.is_main else None]
-    if tr.topo.is_distributed:
-        dist.broadcast_object_list(choice, src=0)
-    rng_state = None
-    if choice[0] is not None:
-        ck = ckpt_mod.Checkpoint(Path(choice[0][0]), choice[0][1])
-        state = ckpt_mod.read_state(ck)
-        ckpt_mod.check_identity(ck, state["identity"], tr.identity())
-        rng_state = ckpt_mod.load_rng_state(ck, tr.topo.rank, tr.topo.world_size)
-        if tr.topo.is_main:
-            with torch.no_grad():
-                saved = ckpt_mod.load_weights(ck)
-                current = weights_of(tr.model)
-                check_state_dict(saved, current, str(ck.path / "model.safetensors"))
-                for k, v in current.items():
-                    v.copy_(saved[k])
-        tr.optimizer.load_state_dict(ckpt_mod.load_optimizer_state(ck, tr.device))
-        tr.scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            tr.scaler.load_state_dict(state["scaler"])
-        tr.step = state["step"]
-        tr._history = state["metrics"]
-        tr.resumed_from = str(ck.path)
-        log.info("resuming from %s (step %d of %d)", ck.path, tr.step, tr.tcfg.max_steps)
-    tr._sync_weights()
-    if rng_state is not None:
-        ckpt_mod.set_rng_state(rng_state, tr.device)
-    else:
-        # Different dropout masks per rank, reproducible from the config seed.
-        torch.manual_seed(tr.cfg.runtime.seed + 1000 * tr.topo.rank)
+def load_checkpoint(
+    choice: tuple[str, int],
+    *,
+    identity: dict,
+    topo: Topology,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    max_steps: int,
+) -> Resumed:
+    """All ranks: check the checkpoint's identity, load the optimiser, schedule and scaler; rank 0
+    loads the weights (the others get them from rank 0 next)."""
+    ck = ckpt_mod.Checkpoint(Path(choice[0]), choice[1])
+    state = ckpt_mod.read_state(ck)
+    ckpt_mod.check_identity(ck, state["identity"], identity)
+    rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
+    if topo.is_main:
+        with torch.no_grad():
+            saved = ckpt_mod.load_weights(ck)
+            current = weights_of(model)
+            check_state_dict(saved, current, str(ck.path / "model.safetensors"))
+            for k, v in current.items():
+                v.copy_(saved[k])
+    optimizer.load_state_dict(ckpt_mod.load_optimizer_state(ck, topo.device))
+    scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    log.info("resuming from %s (step %d of %d)", ck.path, state["step"], max_steps)
+    return Resumed(state["step"], state["metrics"], str(ck.path), rng_state)
 
 
-def choose_checkpoint(tr: Trainer) -> tuple[str, int] | None:
+def choose_checkpoint(
+    paths: TrainPaths, tcfg: TrainSettings, identity: dict
+) -> tuple[Path, tuple[str, int] | None]:
     """Rank 0: clear leftovers of killed writes, open this identity's run folder, then pick
     its newest checkpoint that verifies (or, with none, a finished run this one extends).
-    `train.resume: never` removes this identity's checkpoints first, no other's."""
-    root = tr.paths.checkpoints
-    remove_leftovers(tr.paths.out)
+    `train.resume: never` removes this identity's checkpoints first, no other's.
+    Returns (the run folder, the checkpoint's (path, step) or None)."""
+    root = paths.checkpoints
+    remove_leftovers(paths.out)
     ckpt_mod.clean_leftovers(root)
     ckpt_mod.migrate_legacy(root)
-    identity = tr.identity()
-    tr.run_dir = ckpt_mod.open_run(root, identity)
-    ckpt_mod.clean_leftovers(tr.run_dir)
-    log.info("run identity %s: checkpoints in %s", tr.run_dir.name, tr.run_dir)
-    if tr.tcfg.resume == "never":
-        log.warning("train.resume is never: removing this run's checkpoints in %s", tr.run_dir)
-        ckpt_mod.prune(tr.run_dir, 0)
-        return None
-    found = ckpt_mod.latest_good(tr.run_dir)
-    max_steps = tr.tcfg.max_steps
+    run_dir = ckpt_mod.open_run(root, identity)
+    ckpt_mod.clean_leftovers(run_dir)
+    log.info("run identity %s: checkpoints in %s", run_dir.name, run_dir)
+    if tcfg.resume == "never":
+        log.warning("train.resume is never: removing this run's checkpoints in %s", run_dir)
+        ckpt_mod.prune(run_dir, 0)
+        return run_dir, None
+    found = ckpt_mod.latest_good(run_dir)
+    max_steps = tcfg.max_steps
     if found is None:
         found = ckpt_mod.extension_source(root, identity)
         if found is None:
             log.info("no checkpoint of this run yet: training from step 0")
-            return None
+            return run_dir, None
         log.warning(
             "extending the finished run %s (step %d) to train.max_steps %d: the learning-rate "
             "schedule continues as if it had been planned for %d steps",
@@ -143,17 +158,17 @@ def choose_checkpoint(tr: Trainer) -> tuple[str, int] | None:
             found.step,
             max_steps,
         )
-    return (str(found.path), found.step)
+    return run_dir, (str(found.path), found.step)
 
 
-def check_replicas_agree(tr: Trainer) -> None:
+def check_replicas_agree(model: torch.nn.Module, topo: Topology) -> None:
     """Every rank must start from bit-identical weights: compare a fingerprint across ranks."""
     with torch.no_grad():
-        fp = torch.stack([p.detach().double().sum() for p in tr.model.parameters()]).sum()
-        fp = torch.stack([fp, -fp]).to(tr.device)
+        fp = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
+        fp = torch.stack([fp, -fp]).to(topo.device)
         dist.all_reduce(fp, op=dist.ReduceOp.MAX)
-    mine = torch.stack([p.detach().double().sum() for p in tr.model.parameters()]).sum().item()
+    mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().item()
     if fp[0].item() != mine or -fp[1].item() != mine:
         raise DistlmError(
-            f"rank {tr.topo.rank}: weights differ from the other ranks after the initial broadcast"
+            f"rank {topo.rank}: weights differ from the other ranks after the initial broadcast"
         )
