@@ -17,7 +17,7 @@ stages: config.json, the tokenizer, distlm.json (the source folder and its sha25
 
 The package, by part: `layout` (file names, formats), `build` (config, init, hub or local source),
 `folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
-`serialize` (the model stage). Import from `distlm.model`.
+`stage` (the model stage: `serialize`). Import from `distlm.model`.
 """
 
 from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
@@ -44,7 +44,6 @@ from distlm.model.layout import (
     TIED,
     WEIGHTS,
 )
-from distlm.model.serialize import serialize
 from distlm.model.shards import (
     StagePlan,
     load_shards,
@@ -53,6 +52,7 @@ from distlm.model.shards import (
     read_manifest,
     write_pipeline_dir,
 )
+from distlm.model.stage import serialize
 
 __all__ = [
     "ARCHITECTURE",
