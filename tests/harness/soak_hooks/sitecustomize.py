@@ -10,7 +10,7 @@ import time
 
 EVENTS = os.environ.get("DISTLM_SOAK_EVENTS")
 if EVENTS and "RANK" in os.environ:
-    import distlm.model as model_mod
+    import distlm.model.folder as model_mod  # write_model_dir saves through its name
     import distlm.train.checkpoint as ckpt_mod
 
     WINDOW_S = float(os.environ.get("DISTLM_SOAK_WINDOW_S", "0.3"))

@@ -1,0 +1,88 @@
+"""GPT-2-architecture models: build, load, serialize, and split into pipeline-stage shards.
+
+A *model folder* (written by the model stage and by training's final checkpoint) holds:
+    model.safetensors        the state dict (tied lm_head.weight omitted, as Hugging Face does)
+    config.json              the transformers GPT2Config
+    tokenizer files          the tokenizer the token blocks were made with
+    distlm.json              provenance: source, config digest, sha256 of model.safetensors
+    generation_config.json   what `save_pretrained` writes beside config.json (bos/eos token ids)
+It is what `GPT2LMHeadModel.save_pretrained` writes (config.json names `architectures`, the
+tokenizer files carry their special tokens), so `AutoModelForCausalLM.from_pretrained(folder)`,
+`transformers serve` and vLLM load it as it is.
+
+A *pipeline folder* (rule shard, `write_pipeline_dir`) is a model folder cut for S pipeline
+stages: config.json, the tokenizer, distlm.json (the source folder and its sha256) and
+    shards/manifest.json     S pipeline stages: layer ranges, tensor names, bytes, sha256 per shard
+    shards/stage-XX.safetensors
+
+The package, by part: `layout` (file names, formats), `build` (config, init, hub or local source),
+`folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
+`stage` (the model stage: `serialize`). Import from `distlm.model`.
+"""
+
+from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
+from distlm.model.folder import (
+    arch_signature,
+    check_state_dict,
+    load_config_json,
+    load_model_dir,
+    load_safetensors,
+    read_meta,
+    save_config,
+    save_safetensors,
+    write_model_dir,
+)
+from distlm.model.layout import (
+    ARCHITECTURE,
+    DTYPES,
+    MANIFEST,
+    META,
+    MODEL_FORMAT,
+    PIPELINE_FORMAT,
+    SHARDS,
+    SHARDS_FORMAT,
+    TIED,
+    WEIGHTS,
+)
+from distlm.model.shards import (
+    StagePlan,
+    load_shards,
+    load_stage_shard,
+    plan_stages,
+    read_manifest,
+    write_pipeline_dir,
+)
+from distlm.model.stage import serialize
+
+__all__ = [
+    "ARCHITECTURE",
+    "DTYPES",
+    "MANIFEST",
+    "META",
+    "MODEL_FORMAT",
+    "PIPELINE_FORMAT",
+    "SHARDS",
+    "SHARDS_FORMAT",
+    "TIED",
+    "WEIGHTS",
+    "StagePlan",
+    "arch_signature",
+    "build_model",
+    "check_state_dict",
+    "init_config",
+    "load_config_json",
+    "load_model_dir",
+    "load_safetensors",
+    "load_shards",
+    "load_source",
+    "load_stage_shard",
+    "plan_stages",
+    "read_manifest",
+    "read_meta",
+    "save_config",
+    "save_safetensors",
+    "serialize",
+    "state_dict_for_save",
+    "write_model_dir",
+    "write_pipeline_dir",
+]

@@ -1,0 +1,189 @@
+"""Model folders: safetensors weights, config.json, tokenizer files and distlm.json, written
+atomically and loaded with their sha256, format and tensor shapes checked."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import torch
+
+from distlm import DistlmError
+from distlm.io import atomic_dir, digest, sha256_file, write_json
+from distlm.log import get_logger
+from distlm.model.build import build_model
+from distlm.model.layout import (
+    ARCHITECTURE,
+    META,
+    MODEL_FORMAT,
+    TIED,
+    WEIGHTS,
+    read_checked,
+)
+
+log = get_logger(__name__)
+
+
+def load_safetensors(path: str | Path, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Read a safetensors file; a corrupt or truncated file gets an error that names it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise DistlmError(f"weights file not found: {path}")
+    try:
+        return load_file(str(path), device=device)
+    except Exception as e:
+        raise DistlmError(
+            f"{path}: corrupt or truncated safetensors file ({type(e).__name__}: {e})"
+        ) from None
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None
+) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+
+
+def load_config_json(folder: str | Path):
+    from transformers import GPT2Config
+
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise DistlmError(f"model config not found: {p}")
+    try:
+        return GPT2Config.from_json_file(str(p))
+    except Exception as e:
+        raise DistlmError(f"{p}: not a readable GPT-2 config ({e})") from None
+
+
+def check_state_dict(
+    sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str
+) -> None:
+    """Names, shapes and dtypes of `sd` must match `expected`; the error names the tensor."""
+    missing = sorted(set(expected) - set(sd))
+    extra = sorted(set(sd) - set(expected))
+    if missing:
+        raise DistlmError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    if extra:
+        raise DistlmError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected)")
+    for k, v in expected.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise DistlmError(
+                f"{where}: tensor {k!r} has shape {tuple(sd[k].shape)}, config expects {tuple(v.shape)}"
+            )
+
+
+def load_model_dir(
+    folder: str | Path, *, device: str | torch.device = "cpu", dtype=None, verify: bool = True
+):
+    """Load a model folder into a GPT2LMHeadModel (eval mode); checks digest and tensor shapes."""
+    folder = Path(folder)
+    config = load_config_json(folder)
+    weights = folder / WEIGHTS
+    if verify:
+        meta = read_meta(folder)
+        actual = sha256_file(weights) if weights.is_file() else None
+        if meta.get("model_sha256") and actual != meta["model_sha256"]:
+            raise DistlmError(
+                f"{weights}: sha256 {actual} does not match {folder / META} ({meta['model_sha256']})"
+            )
+    sd = load_safetensors(weights)
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not (k in TIED and config.tie_word_embeddings)
+    }
+    check_state_dict(sd, expected, str(weights))
+    model = build_model(config)
+    model.load_state_dict(sd, strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    if dtype is not None:
+        model = model.to(dtype)
+    # transformers' decorated PreTrainedModel.to loses `self` in its stub
+    return model.to(device).eval()  # pyright: ignore[reportArgumentType]
+
+
+def read_meta(folder: str | Path) -> dict:
+    """distlm.json of a model folder (the model stage's or training's final)."""
+    return read_checked(Path(folder) / META, "model metadata", MODEL_FORMAT)
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_model_dir(
+    out_dir: str | Path,
+    *,
+    state_dict: dict[str, torch.Tensor],
+    config,
+    tokenizer_dir: str | Path,
+    meta: dict,
+    extra_files: dict[str, Path] | None = None,
+) -> dict:
+    """Write a complete model folder (atomically: all or nothing) and return its metadata."""
+    out_dir = Path(out_dir)
+    tokenizer_dir = Path(tokenizer_dir)
+    if not tokenizer_dir.is_dir():
+        raise DistlmError(f"tokenizer folder not found: {tokenizer_dir}")
+    with atomic_dir(out_dir) as tmp:
+        save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
+        save_config(config, tmp, dtype=next(iter(state_dict.values())).dtype)
+        copy_files(tokenizer_dir, tmp)
+        for name, src in (extra_files or {}).items():
+            shutil.copy2(src, tmp / name)
+        full_meta = {
+            "format": MODEL_FORMAT,
+            **meta,
+            "model_sha256": sha256_file(tmp / WEIGHTS),
+            "n_layer": config.n_layer,
+            "n_positions": config.n_positions,
+            "vocab_size": config.vocab_size,
+            "parameters": sum(t.numel() for t in state_dict.values()),
+            "arch_digest": digest(arch_signature(config)),
+        }
+        write_json(tmp / META, full_meta)
+    log.info(
+        "wrote %s: %d tensors, %.1f MB",
+        out_dir,
+        len(state_dict),
+        sum(tensor_nbytes(t) for t in state_dict.values()) / 1e6,
+    )
+    return full_meta
+
+
+def save_config(config, folder: Path, *, dtype: torch.dtype) -> None:
+    """config.json and generation_config.json as `GPT2LMHeadModel.save_pretrained` writes them.
+
+    `architectures` is what the ecosystem picks the model class by (`transformers serve` does
+    `getattr(transformers, config.architectures[0])`, and so does vLLM); a config built from
+    scratch (model.source init) has none until a model saves it."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(config)
+    config.architectures = [ARCHITECTURE]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    gen = GenerationConfig.from_model_config(config)
+    gen._from_model_config = True  # as save_pretrained marks it: defaults, no user settings
+    gen.save_pretrained(folder)
+
+
+def copy_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    for f in src.iterdir():
+        if f.is_file() and f.name not in skip:
+            shutil.copy2(f, dst / f.name)
+
+
+def arch_signature(config) -> dict:
+    """What must agree between a checkpoint and the model it claims to be."""
+    return {
+        k: getattr(config, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+    }

@@ -1,0 +1,253 @@
+"""Pipeline folders (rule shard): a model folder cut into S stage shards balanced by bytes, with
+shards/manifest.json (layer ranges, tensor names, bytes, sha256 per shard); loading one stage's
+shard, or all of them back into one state dict, with every sha256 checked."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distlm import DistlmError
+from distlm.io import atomic_dir, sha256_file, write_json
+from distlm.log import get_logger
+from distlm.model.folder import (
+    copy_files,
+    load_config_json,
+    load_safetensors,
+    read_meta,
+    save_safetensors,
+    tensor_nbytes,
+)
+from distlm.model.layout import (
+    MANIFEST,
+    META,
+    PIPELINE_FORMAT,
+    SHARDS,
+    SHARDS_FORMAT,
+    TIED,
+    WEIGHTS,
+    read_checked,
+)
+
+log = get_logger(__name__)
+
+
+_BLOCK = re.compile(r"^transformer\.h\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: transformer blocks [layer_start, layer_end) and the tensors it holds."""
+
+    stage: int
+    layer_start: int
+    layer_end: int
+    tensors: tuple[str, ...]
+    nbytes: int
+
+    @property
+    def has_embeddings(self) -> bool:
+        return "transformer.wte.weight" in self.tensors
+
+    @property
+    def has_head(self) -> bool:
+        return "transformer.ln_f.weight" in self.tensors
+
+
+def plan_stages(
+    sd: dict[str, torch.Tensor], n_layer: int, stages: int, *, tied: bool = True
+) -> list[StagePlan]:
+    """Split blocks into `stages` contiguous ranges minimising the largest stage's bytes.
+
+    Stage 0 also holds the embeddings (wte, wpe); the last stage the final norm and the LM head
+    (with tied embeddings it holds a copy of wte as lm_head.weight, counted in its bytes).
+    """
+    if not 1 <= stages <= n_layer:
+        raise DistlmError(f"inference.stages: {stages} stages for a model with {n_layer} layers")
+    block_names: list[list[str]] = [[] for _ in range(n_layer)]
+    head, embed = [], []
+    for k in sd:
+        m = _BLOCK.match(k)
+        if m:
+            block_names[int(m.group(1))].append(k)
+        elif k.startswith(("transformer.wte.", "transformer.wpe.")):
+            embed.append(k)
+        else:
+            head.append(k)
+    block_bytes = [sum(tensor_nbytes(sd[k]) for k in names) for names in block_names]
+    head_bytes = sum(tensor_nbytes(sd[k]) for k in head)
+    if tied and "lm_head.weight" not in sd:
+        head_bytes += tensor_nbytes(sd["transformer.wte.weight"])
+    embed_bytes = sum(tensor_nbytes(sd[k]) for k in embed)
+
+    # Exact DP over contiguous partitions (L, S are small): best[s][i] = min max cost of putting
+    # blocks [0, i) into stages 0..s.
+    L, S = n_layer, stages
+    prefix = [0]
+    for b in block_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def cost(s: int, i: int, j: int) -> int:
+        c = prefix[j] - prefix[i]
+        if s == 0:
+            c += embed_bytes
+        if s == S - 1:
+            c += head_bytes
+        return c
+
+    INF = float("inf")
+    best = [[INF] * (L + 1) for _ in range(S)]
+    cut = [[0] * (L + 1) for _ in range(S)]
+    for i in range(1, L + 1):
+        best[0][i] = cost(0, 0, i)
+    for s in range(1, S):
+        for j in range(s + 1, L + 1):
+            for i in range(s, j):
+                c = max(best[s - 1][i], cost(s, i, j))
+                if c < best[s][j]:
+                    best[s][j], cut[s][j] = c, i
+    bounds, j = [], L
+    for s in range(S - 1, -1, -1):
+        i = cut[s][j] if s > 0 else 0
+        bounds.append((i, j))
+        j = i
+    bounds.reverse()
+
+    plans = []
+    for s, (i, j) in enumerate(bounds):
+        names = [k for layer in range(i, j) for k in block_names[layer]]
+        if s == 0:
+            names = embed + names
+        if s == S - 1:
+            names = (
+                names + head + (["lm_head.weight"] if tied and "lm_head.weight" not in sd else [])
+            )
+        plans.append(StagePlan(s, i, j, tuple(names), cost(s, i, j)))
+    return plans
+
+
+def _shard_tensors(sd: dict[str, torch.Tensor], plan: StagePlan) -> dict[str, torch.Tensor]:
+    out = {}
+    for k in plan.tensors:
+        if k in sd:
+            out[k] = sd[k]
+        elif k in TIED:
+            out[k] = sd[TIED[k]].clone()  # the last stage's own copy of the tied embedding
+    return out
+
+
+def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: int) -> dict:
+    """Cut a model folder into `stages` pipeline shards (rule shard); return the manifest.
+
+    The pipeline folder holds what the pipeline's ranks need and nothing else: config.json, the
+    tokenizer, distlm.json (the source folder and its sha256) and shards/ with the manifest. It is
+    written atomically, so a killed job leaves no folder that looks complete."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    meta = read_meta(model_dir)
+    weights = model_dir / WEIGHTS
+    actual = sha256_file(weights) if weights.is_file() else None
+    if actual is None or actual != meta.get("model_sha256"):
+        raise DistlmError(
+            f"{weights}: sha256 {actual} does not match {model_dir / META} "
+            f"({meta.get('model_sha256')})"
+        )
+    config = load_config_json(model_dir)
+    state_dict = load_safetensors(weights)
+    plans = plan_stages(state_dict, config.n_layer, stages, tied=config.tie_word_embeddings)
+    with atomic_dir(out_dir) as tmp:
+        copy_files(model_dir, tmp, skip=(WEIGHTS,))  # config, tokenizer; shards carry weights
+        (tmp / SHARDS).mkdir()
+        shards = []
+        for p in plans:
+            fname = f"stage-{p.stage:02d}.safetensors"
+            save_safetensors(_shard_tensors(state_dict, p), tmp / SHARDS / fname)
+            shards.append(
+                {
+                    "stage": p.stage,
+                    "file": fname,
+                    "layers": [p.layer_start, p.layer_end],
+                    "has_embeddings": p.has_embeddings,
+                    "has_head": p.has_head,
+                    "tensors": list(p.tensors),
+                    "bytes": p.nbytes,
+                    "sha256": sha256_file(tmp / SHARDS / fname),
+                }
+            )
+        manifest = {
+            "format": SHARDS_FORMAT,
+            "stages": stages,
+            "n_layer": config.n_layer,
+            "model_sha256": actual,
+            "tied": dict(TIED) if config.tie_word_embeddings else {},
+            "shards": shards,
+        }
+        write_json(tmp / SHARDS / MANIFEST, manifest)
+        write_json(
+            tmp / META,
+            {
+                **meta,
+                "format": PIPELINE_FORMAT,
+                "source_model": str(model_dir),
+                "stages": [
+                    {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]}
+                    for s in shards
+                ],
+            },
+        )
+    log.info(
+        "wrote %s: %d stage shards of %s (layers %s)",
+        out_dir,
+        stages,
+        model_dir,
+        ", ".join(f"{s['layers'][0]}-{s['layers'][1] - 1}" for s in shards),
+    )
+    return manifest
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """shards/manifest.json of a pipeline folder (rule shard)."""
+    return read_checked(Path(folder) / SHARDS / MANIFEST, "shard manifest", SHARDS_FORMAT)
+
+
+def load_stage_shard(
+    folder: str | Path, stage: int, *, device: str = "cpu"
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest entry, tensors) of one stage, after checking the shard's sha256."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    entries = [s for s in manifest["shards"] if s["stage"] == stage]
+    if not entries:
+        raise DistlmError(
+            f"{folder / SHARDS / MANIFEST}: no stage {stage} (has {manifest['stages']})"
+        )
+    entry = entries[0]
+    path = folder / SHARDS / entry["file"]
+    if not path.is_file():
+        raise DistlmError(f"stage shard not found: {path}")
+    actual = sha256_file(path)
+    if actual != entry["sha256"]:
+        raise DistlmError(
+            f"{path}: sha256 {actual} does not match the manifest's {entry['sha256']} (stage {stage})"
+        )
+    tensors = load_safetensors(path, device=device)
+    if sorted(tensors) != sorted(entry["tensors"]):
+        raise DistlmError(f"{path}: tensors differ from the manifest's list for stage {stage}")
+    return entry, tensors
+
+
+def load_shards(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Reassemble the full state dict from the stage shards (tied copies checked and dropped)."""
+    manifest = read_manifest(folder)
+    sd: dict[str, torch.Tensor] = {}
+    for entry in manifest["shards"]:
+        _, tensors = load_stage_shard(folder, entry["stage"])
+        sd.update(tensors)
+    for dup, src in manifest["tied"].items():
+        if dup in sd:
+            if not torch.equal(sd[dup], sd[src]):
+                raise DistlmError(f"{folder}: tied tensor {dup!r} differs from {src!r}")
+            del sd[dup]
+    return sd

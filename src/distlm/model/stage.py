@@ -1,0 +1,54 @@
+"""The model stage (rule model): hub id, local folder or seeded init -> model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distlm import DistlmError
+from distlm.io import digest
+from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
+from distlm.model.folder import write_model_dir
+from distlm.model.layout import (
+    DTYPES,
+)
+from distlm.settings import ModelSettings
+
+
+def serialize(
+    mcfg: ModelSettings, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Path
+) -> dict:
+    """The model stage (`model`): hub id / local folder / seeded init -> model folder."""
+    from distlm.data import read_tokens_meta as read_data_meta
+
+    data_meta = read_data_meta(tokens_path)
+    vocab = data_meta["vocab_size"]
+    if mcfg.source == "init":
+        config = init_config(mcfg.init, vocab, data_meta.get("eos_token_id"))
+        model = build_model(config, seed=mcfg.init.seed)
+        source = {"kind": "init", "seed": mcfg.init.seed}
+    else:
+        model = load_source(mcfg)
+        config = model.config
+        source = mcfg.model_dump(include={"source", "name", "revision"})
+        if config.vocab_size < vocab:
+            raise DistlmError(
+                f"model.name {mcfg.name!r} has vocab_size {config.vocab_size} but the tokenizer in "
+                f"{tokenizer_dir} has {vocab} tokens"
+            )
+    if data_meta["block_size"] > config.n_positions:
+        raise DistlmError(
+            f"data.block_size: {data_meta['block_size']} ({tokens_path}) is beyond model "
+            f"{mcfg.name or 'init'}'s context of {config.n_positions}"
+        )
+    model = model.to(DTYPES[mcfg.dtype])  # pyright: ignore[reportArgumentType] (as above)
+    sd = state_dict_for_save(model)
+    meta = {
+        "created_by": "model",
+        "source": source,
+        "config_digest": digest({"model": mcfg.model_dump()}),
+        "data_config_digest": data_meta["config_digest"],
+        "dtype": mcfg.dtype,
+    }
+    return write_model_dir(
+        out_dir, state_dict=sd, config=config, tokenizer_dir=tokenizer_dir, meta=meta
+    )

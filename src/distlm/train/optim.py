@@ -1,0 +1,102 @@
+"""The optimisation recipe: learning-rate schedule, precision, AdamW (its parameter groups, fused
+kernel, schedule) and the weights a checkpoint holds. Pure functions of their inputs."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from distlm import DistlmError
+from distlm.log import get_logger
+from distlm.model import TIED
+from distlm.settings import TrainSettings
+
+log = get_logger(__name__)
+
+
+def lr_at(step: int, tcfg: TrainSettings) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+    lr, min_lr, warmup, total = tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.max_steps
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if step >= total:
+        return min_lr
+    frac = (step - warmup) / max(1, total - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (lr - min_lr)
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """fp32 / bf16 / fp16 for this device; an impossible request is an error, never a fallback."""
+    if device.type == "cpu":
+        if requested == "fp16":
+            raise DistlmError("train.precision: fp16 needs a GPU (use fp32 or bf16 on the CPU)")
+        return "fp32" if requested == "auto" else requested
+    bf16_ok = torch.cuda.is_bf16_supported()
+    if requested == "auto":
+        return "bf16" if bf16_ok else "fp16"
+    if requested == "bf16" and not bf16_ok:
+        raise DistlmError(
+            f"train.precision: bf16 but {torch.cuda.get_device_name(device)} lacks it; use fp16"
+        )
+    return requested
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (weights of linear layers and embeddings), not biases or norms (nanoGPT)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+@functools.cache
+def fused_adamw_available(device: torch.device) -> bool:
+    """Whether this torch build steps AdamW(fused=True) on `device`: tried once per device on a
+    one-element parameter. torch 2.13 has the fused kernel (`aten::_fused_adamw_`) for CPU, CUDA,
+    MPS, XPU, HPU and MTIA (CPU since torch 2.4); a device type outside torch.optim's fused list
+    is refused with a RuntimeError, one without the kernel with NotImplementedError."""
+    p = torch.zeros(1, device=device, requires_grad=True)
+    p.grad = torch.ones(1, device=device)
+    try:
+        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("no fused AdamW on %s (%s): the unfused AdamW steps", device, e)
+        return False
+    return True
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors without the tied duplicate (they share storage with the parameters)."""
+    sd = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        for dup in TIED:
+            sd.pop(dup, None)
+    return sd
+
+
+def make_optimizer(
+    model: torch.nn.Module, t: TrainSettings, device: torch.device, precision: str
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (fused where the device has the kernel) and its warmup-cosine schedule (`lr_at`)."""
+    fused = fused_adamw_available(device)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=1e-8,
+        fused=fused,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t.lr)
+    log.info(
+        "optimizer: AdamW (fused=%s), precision %s, peak lr %g for the global batch",
+        fused,
+        precision,
+        t.lr,
+    )
+    return optimizer, scheduler
