@@ -36,7 +36,7 @@ _FALLBACK_TRANSPORTS = ("tcp", "nccl")  # UCCL_P2P_TRANSPORT values that need no
 def _import_p2p():
     # uccl/__init__.py swallows import errors of p2p, so import the submodule explicitly.
     import uccl  # pyright: ignore[reportMissingImports]
-    from uccl import p2p  # pyright: ignore[reportMissingImports]
+    from uccl import p2p  # pyright: ignore[reportMissingImports, reportAttributeAccessIssue]
 
     return uccl, p2p
 
