@@ -10,6 +10,7 @@ ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
 
 from distlm.config import ConfigError, validate_config
+from distlm.settings.stage import STAGE_CONFIGS
 from distlm.stages import BENCHMARKS, CONFIGS, EVAL_MODELS, JOBS, STAGES, stage_config
 from distlm.sweep import VARIANT_PATTERN, plan_sweep, split_job, variant_path
 

@@ -4,7 +4,8 @@ localrules:
 
 
 # The keys a multi-process stage reads, written once for all its ranks; its params are the same
-# keys, so the file changes (and the stage reruns) only when one of them does.
+# keys and the document's format tag, so the file changes (and the stage reruns) only when one of
+# them does: a file an earlier release wrote in another format is rewritten, never misread.
 rule resolve_config:
     output:
         resolved_config("{stage}"),
@@ -14,5 +15,6 @@ rule resolve_config:
         "../envs/data.yaml"
     params:
         cfg=lambda wc: stage_config(config_of(wc), wc.stage),
+        format=lambda wc: STAGE_CONFIGS[wc.stage].tag(),
     script:
         "../scripts/resolve_config.py"
