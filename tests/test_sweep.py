@@ -274,7 +274,7 @@ def test_sweep_edits_rerun_only_what_they_touch(sweep_run, tmp_path):
             {"runs": {"fast": {"train.lrr": 0.1}}},
             r"sweep run 'fast' is invalid:\s+train\.lrr: unknown key",
         ),
-        ({"runs": {"../up": {}}}, r"sweep\.runs: '\.\./up' does not match"),
+        ({"runs": {"../up": {}}}, r"sweep\.runs\.\.\./up: run name '\.\./up' is not allowed"),
         (
             {"grid": {"inference.stages": [1, 9]}},
             r"sweep run 'stages-9' is invalid:\s+inference\.stages",
