@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from distlm import DistlmError
+from distlm.inference.engine.ring import PipelineTopology
+from distlm.inference.engine.scheduler import Scheduler, Sequence
+from distlm.inference.engine.stage import Item, load_stage
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
-from distlm.inference.ring import PipelineTopology
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
-from distlm.inference.scheduler import Scheduler, Sequence
-from distlm.inference.stage import Item, load_stage
 from distlm.inference.stats import StageStats
 from distlm.inference.validate import sampling_settings
 from distlm.settings import InferenceSettings, ModelInitSettings, SamplingSettings
@@ -427,8 +427,8 @@ def test_inference_stage_in_workflow(workflow_run):
 
 
 def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_reference):
-    from distlm.inference.batch import generate_batch
-    from distlm.inference.bootstrap import Pipeline
+    from distlm.inference.engine.batch import generate_batch
+    from distlm.inference.engine.bootstrap import Pipeline
 
     model = load_stage(tiny_models[1], 0, world=1)
     topo, stats = PipelineTopology(0, 1), StageStats(0)

@@ -198,7 +198,7 @@ def write_broadcast(results: Path) -> None:
 
 
 def timing_run(stages: int, lanes: int, prompts: int = 6) -> dict:
-    """One run in the layout distlm.inference.batch.generate_batch writes."""
+    """One run in the layout distlm.inference.engine.batch.generate_batch writes."""
     per_prompt = [
         {
             "index": i,

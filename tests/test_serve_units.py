@@ -11,7 +11,9 @@ import test_inference
 import torch
 from test_inference import PROMPTS
 
-from distlm.inference.access_log import escape
+from distlm.inference.engine.ring import Pick
+from distlm.inference.engine.sampler import Sampler
+from distlm.inference.engine.scheduler import Sequence
 from distlm.inference.messages import (
     VERSION,
     Cancel,
@@ -30,16 +32,14 @@ from distlm.inference.messages import (
     encode_batch,
 )
 from distlm.inference.prompts import RequestError
-from distlm.inference.requests import CompletionRequest, json_depth, parse_json
-from distlm.inference.ring import Pick
-from distlm.inference.sampler import Sampler
 from distlm.inference.sampling import (
     SamplingError,
     SamplingParams,
     make_params,
     pick_token,
 )
-from distlm.inference.scheduler import Sequence
+from distlm.inference.server.access_log import escape
+from distlm.inference.server.requests import CompletionRequest, json_depth, parse_json
 from distlm.inference.stats import StageBrief, StageInfo
 from distlm.inference.validate import sampling_settings
 from distlm.settings import MAX_SEED, SamplingSettings
@@ -101,7 +101,7 @@ def test_ring_messages_carry_a_version_and_refuse_another():
     type that is not a ring message stops the stage with an error naming both stages."""
     import pickle
 
-    from distlm.inference.ring import RING_VERSION, Hello, PipelineError, Work, open_envelope
+    from distlm.inference.engine.ring import RING_VERSION, Hello, PipelineError, Work, open_envelope
 
     work = Work((), None, release=(3,))
     got = open_envelope(pickle.loads(pickle.dumps((RING_VERSION, work))), rank=1, prev=0)
@@ -249,7 +249,7 @@ def test_finished_and_cancelled_lanes_free_their_kv_cache(tiny_models, hf_refere
     a stage with no lane busy holds no cache; fail_all frees every lane at once."""
     from test_inference import _scheduler
 
-    from distlm.inference.sampler import release_lanes
+    from distlm.inference.engine.sampler import release_lanes
 
     ids = _ids(hf_reference.tokenizer)
     sched = _scheduler(tiny_models[1], lanes=2)
@@ -279,9 +279,9 @@ def test_finished_and_cancelled_lanes_free_their_kv_cache(tiny_models, hf_refere
     assert all(f.finish_reason == "error" and f.error == "stage 1 died" for f in failed)
     assert model.cached_bytes() == 0 and sched.lanes_busy == 0 and not sched.busy
     # the last stage of two frees the lanes stage 0 names in Work.release (cache and sampler)
-    from distlm.inference.ring import Slot
-    from distlm.inference.sampler import last_stage
-    from distlm.inference.stage import Item, load_stage
+    from distlm.inference.engine.ring import Slot
+    from distlm.inference.engine.sampler import last_stage
+    from distlm.inference.engine.stage import Item, load_stage
 
     first, last = (load_stage(tiny_models[2], st, world=2) for st in (0, 1))
     item = Item(0, 1, 0, len(ids[0]))
@@ -317,7 +317,7 @@ def test_scheduler_cancel_frees_the_lane_at_once_or_at_the_next_token(tiny_model
 def test_scheduler_fails_one_sequence_whose_pick_fails(tiny_models, hf_reference, monkeypatch):
     from test_inference import _scheduler
 
-    from distlm.inference import sampler as pipeline
+    from distlm.inference.engine import sampler as pipeline
 
     ids = _ids(hf_reference.tokenizer)
     real = pipeline.pick_token
@@ -366,9 +366,9 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     beside other sequences; the figures equal a single-process GPT2LMHeadModel to 1e-4."""
     from test_inference import _scheduler
 
-    from distlm.inference.ring import Slot
-    from distlm.inference.sampler import last_stage
-    from distlm.inference.stage import Item, load_stage
+    from distlm.inference.engine.ring import Slot
+    from distlm.inference.engine.sampler import last_stage
+    from distlm.inference.engine.stage import Item, load_stage
 
     folder = tiny_models[1].parent / "model"
     ids = _ids(hf_reference.tokenizer)

@@ -523,7 +523,7 @@ def test_long_prompt_truncated_and_said_so_then_still_serving(server):
 def test_max_tokens_defaults_to_inference_max_new_tokens(server):
     """The serve stage declares inference.max_new_tokens; a request without max_tokens gets it
     (not OpenAI's 16), and a configured default above serve.max_tokens is refused at start."""
-    from distlm.inference.supervisor import check_default_max_tokens
+    from distlm.inference.server.supervisor import check_default_max_tokens
 
     status, body = server.request("POST", "/v1/completions", {"prompt": "A class"})
     assert status == 200, body
@@ -688,7 +688,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
 
     from distlm import DistlmError
     from distlm.config import validate_config
-    from distlm.inference.supervisor import Supervisor, read_token
+    from distlm.inference.server.supervisor import Supervisor, read_token
     from distlm.settings import EngineSettings, ServeSettings
 
     with socket.create_server(("127.0.0.1", 0)) as taken:

@@ -154,9 +154,9 @@ def worker(spec_path: str, out_path: str) -> None:
     The modes (and, in the one-stage run, Hugging Face generate in the same process) take turns
     within each repeat, so a change in the machine's load hits them alike.
     """
-    from distlm.inference.batch import generate_batch
-    from distlm.inference.bootstrap import mpi_pipeline, run_workers
-    from distlm.inference.scheduler import Scheduler
+    from distlm.inference.engine.batch import generate_batch
+    from distlm.inference.engine.bootstrap import mpi_pipeline, run_workers
+    from distlm.inference.engine.scheduler import Scheduler
     from distlm.settings import InferenceSettings
 
     spec = json.loads(Path(spec_path).read_text())

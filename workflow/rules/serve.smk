@@ -36,6 +36,6 @@ rule serve:
     shell:
         # The API server (this process, uvicorn) starts the MPI job with the profile's launcher and
         # talks to stage 0 over ZeroMQ; it answers 503 when the job dies
-        # (src/distlm/inference/supervisor.py).
+        # (src/distlm/inference/server/supervisor.py).
         "python {params.script:q} --launcher '{resources.mpi} -n {params.stages}'"
         " --config {input.cfg:q} --model {input.model:q} 2>&1 | tee {log:q}"

@@ -8,7 +8,7 @@
 import argparse
 
 from distlm.documents import read_document
-from distlm.inference.batch import run_batch
+from distlm.inference.engine.batch import run_batch
 from distlm.log import setup_logging
 from distlm.settings.stage import InferenceConfig
 

@@ -3,10 +3,10 @@
     python workflow/scripts/serve.py --launcher "mpiexec -n S" --config results/config/serve.json \
         --model results/train/final [--host 127.0.0.1] [--port 8000]
 
-This process is the API server (distlm.inference.supervisor): it listens on --host/--port (default
-serve.host/port), starts the pipeline with the launcher and talks to stage 0 over ZeroMQ. With
+This process is the API server (distlm.inference.server.supervisor): it listens on --host/--port
+(default serve.host/port), starts the pipeline with the launcher and talks to stage 0 over ZeroMQ. With
 --engine (what the API server passes to the launcher) every rank runs its stage and stage 0 runs
-the engine (distlm.inference.engine).
+the engine (distlm.inference.engine.serve).
 """
 
 import argparse
@@ -35,7 +35,7 @@ args = parser.parse_args()
 cfg = read_document(args.config, ServeConfig)
 
 if args.engine:
-    from distlm.inference.engine import run_engine
+    from distlm.inference.engine.serve import run_engine
 
     setup_logging()
     run_engine(
@@ -51,7 +51,7 @@ if args.engine:
 if args.launcher is None:
     parser.error("--launcher is required (or --engine, inside the MPI job)")
 setup_logging(rank="api")
-from distlm.inference.supervisor import run_api_server
+from distlm.inference.server.supervisor import run_api_server
 
 sys.exit(
     run_api_server(

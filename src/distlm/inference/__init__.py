@@ -1,33 +1,36 @@
 """Pipeline-parallel inference over MPI: one rank per model stage, lanes of prompts in flight,
-and an OpenAI-compatible API server in front of it.
+and an OpenAI-compatible API server in front of it. Two programs, one subpackage each, and what
+both speak here:
 
-The pipeline (inside the MPI job)
     prompts.py     prompt files, relative path lookup, prompt tokens, RequestError (no torch)
     sampling.py    SamplingParams and next-token choice: greedy / temperature / top-k / top-p
     validate.py    the one request path: prompts + SamplingSettings -> a validated request
-    stage.py       a stage's GPT-2 blocks and per-lane KV caches (packed micro-batches)
     stats.py       StageInfo / StageStats / StageBrief: what a stage reports about itself
+    messages.py    the engine channel's typed, versioned messages (msgpack over ZeroMQ)
+
+engine/  the pipeline (inside the MPI job)
+    stage.py       a stage's blocks and per-lane KV caches (packed micro-batches)
     ring.py        the ring of stages: topology, MPI links, versioned ring messages, wire format
     sampler.py     the last stage: per-lane sampling state, a micro-batch's picks
     scheduler.py   stage 0: lane policy, micro-batches, run_stage0 (the one stage-0 loop)
     worker.py      stages 1..S-1: forward what arrives, pass it on
     bootstrap.py   starting a rank: threads, its shard, the ring, MPI_Abort on any failure
     batch.py       the inference stage: a prompt file in, generations and timing out
-    engine.py      serve mode inside the job: stage 0 takes requests over ZeroMQ
-    messages.py    the engine channel's typed, versioned messages (msgpack over ZeroMQ)
+    serve.py       serve mode inside the job: stage 0 takes requests over ZeroMQ
 
-The API server (one process outside the job)
+server/  the API server (one process outside the job)
     supervisor.py  the process: uvicorn, the MPI job it starts and watches, signals
     app.py         FastAPI routes: /v1/completions, /v1/models, /health, /metrics
+    state.py       what the routes hold, and the narrow objects of the two steps below
     requests.py    the completions request model, body limits, JSON guards
     prepare.py     a request made ready: checked, tokenized (through validate.py)
-    client.py      the engine client: submit, cancel, events to their requests
-    render.py      one answer as events arrive: text, stop strings, logprobs, usage
     stream.py      answering: one JSON completion or server-sent events; cancellation
+    render.py      one answer as events arrive: text, stop strings, logprobs, usage
+    client.py      the engine client: submit, cancel, events to their requests
     responses.py   the typed answers (completion, chunk, models, health, error)
     errors.py      ApiError and OpenAI's error body
     metrics.py     the server's Prometheus series
     access_log.py  one escaped line per request
-    state.py       what the routes share (settings, tokenizer, engine client, metrics)
-    peer.py        `transformers serve`, the peer the benchmarks compare with
+
+The server never imports engine/ (torch, MPI): a contract in pyproject.toml checks it.
 """

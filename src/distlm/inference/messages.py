@@ -1,10 +1,10 @@
 """The engine channel: named, versioned messages between the API server and stage 0 (msgpack).
 
-The API server (`distlm.inference.client`, outside the MPI job) and stage 0's engine
-(`distlm.inference.engine`) speak over two ZeroMQ PUSH/PULL sockets on IPC, as vLLM's frontend and
-engine do. Every frame is `[VERSION, kind, {field: value}]`, or `[VERSION, "batch", [[kind,
-{field: value}], ...]]` for the messages of one engine step together (one frame per step, not
-one per token). Each message is a typed dataclass, its fields checked by pydantic on the way in
+The API server (`distlm.inference.server.client`, outside the MPI job) and stage 0's engine
+(`distlm.inference.engine.serve`) speak over two ZeroMQ PUSH/PULL sockets on IPC, as vLLM's
+frontend and engine do. Every frame is `[VERSION, kind, {field: value}]`, or
+`[VERSION, "batch", [[kind, {field: value}], ...]]` for the messages of one engine step together (one
+frame per step, not one per token). Each message is a typed dataclass, its fields checked by pydantic on the way in
 (a Submit's `params` is a SamplingParams, a Ready's `pipeline` StageInfos, ...); a frame of
 another version, an unknown kind, missing/extra fields or a field of the wrong type raises
 ChannelError instead of being guessed at.

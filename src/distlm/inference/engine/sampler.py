@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from distlm.inference.ring import Pick, PipelineError, Slot
+from distlm.inference.engine.ring import Pick, PipelineError, Slot
+from distlm.inference.engine.stage import StageModel
 from distlm.inference.sampling import (
     SamplingParams,
     new_generator,
@@ -15,7 +16,6 @@ from distlm.inference.sampling import (
     prompt_logprobs,
     top_logprobs,
 )
-from distlm.inference.stage import StageModel
 from distlm.log import get_logger
 
 log = get_logger(__name__)

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from distlm import DistlmError
+from distlm.inference.engine.stage import Item, StageModel
 from distlm.inference.sampling import SamplingParams
-from distlm.inference.stage import Item, StageModel
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 
 RING_VERSION = 1  # 1: typed StageInfo / StageBrief / StageStats, Work.release

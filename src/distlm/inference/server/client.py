@@ -25,8 +25,8 @@ from distlm.inference.messages import (
     decode_all,
     encode,
 )
-from distlm.inference.metrics import Metrics
 from distlm.inference.sampling import SamplingParams
+from distlm.inference.server.metrics import Metrics
 from distlm.log import get_logger
 
 log = get_logger(__name__)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from distlm.inference.ring import (
+from distlm.inference.engine.ring import (
     Hello,
     Pick,
     PipelineError,
@@ -24,8 +24,8 @@ from distlm.inference.ring import (
     stage_info,
     to_wire,
 )
-from distlm.inference.sampler import Sampler, fork_caches, last_stage, release_lanes
-from distlm.inference.stage import StageModel
+from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage, release_lanes
+from distlm.inference.engine.stage import StageModel
 from distlm.inference.stats import StageStats
 
 

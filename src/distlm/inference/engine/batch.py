@@ -13,9 +13,9 @@ import json
 import time
 
 from distlm import DistlmError
-from distlm.inference.bootstrap import Pipeline, mpi_pipeline, run_workers
+from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
+from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.prompts import RequestError, read_prompts
-from distlm.inference.scheduler import Sequence, run_stage0
 from distlm.inference.validate import prepare_request, sampling_settings
 from distlm.io import atomic_path, write_json
 from distlm.log import get_logger

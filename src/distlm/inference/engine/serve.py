@@ -4,10 +4,10 @@
         --model results/train/final --requests ipc:///tmp/x/requests --events ipc:///tmp/x/events \
         --api-pid PID
 
-The API server (distlm.inference.supervisor) starts this with the launcher; nobody else needs to. Stage 0
-serves no HTTP: it pulls Submit / Cancel / Shutdown from the `requests` socket and pushes Ready,
-Token, Finish, Error and Health to the `events` socket (distlm.inference.messages). One thread does
-everything, so the MPI calls, the scheduler and the sockets never race.
+The API server (distlm.inference.server.supervisor) starts this with the launcher; nobody else
+needs to. Stage 0 serves no HTTP: it pulls Submit / Cancel / Shutdown from the `requests` socket
+and pushes Ready, Token, Finish, Error and Health to the `events` socket (distlm.inference.messages).
+One thread does everything, so the MPI calls, the scheduler and the sockets never race.
 
 Stage 0 stops in order on Shutdown or SIGINT/SIGTERM, and on its own when the API server's process
 is gone. When the pipeline fails (a stage died or hangs), it sends Error(rid=None) so the API server
@@ -27,7 +27,9 @@ from typing import Self
 
 import zmq
 
-from distlm.inference.bootstrap import Pipeline, mpi_pipeline, run_workers
+from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
+from distlm.inference.engine.ring import Pick, PipelineError
+from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.messages import (
     Cancel,
     ChannelError,
@@ -43,8 +45,6 @@ from distlm.inference.messages import (
     encode,
     encode_batch,
 )
-from distlm.inference.ring import Pick, PipelineError
-from distlm.inference.scheduler import Sequence, run_stage0
 from distlm.io import pid_alive
 from distlm.log import get_logger
 from distlm.settings import MAX_SEED, EngineSettings

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from distlm.inference.prompts import RequestError
-from distlm.inference.responses import ErrorBody, ErrorDetail
+from distlm.inference.server.responses import ErrorBody, ErrorDetail
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

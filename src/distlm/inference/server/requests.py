@@ -15,8 +15,8 @@ import re
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from distlm.inference.errors import ApiError
 from distlm.inference.prompts import RequestError
+from distlm.inference.server.errors import ApiError
 
 # fields OpenAI defines that this server refuses unless neutral: field -> neutral values
 _REFUSED = {

@@ -6,13 +6,17 @@ serve stage declares the key, so the key decides)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
-from distlm.inference.errors import ApiError
+from distlm.inference.messages import Ready
 from distlm.inference.prompts import RequestError
-from distlm.inference.requests import (
+from distlm.inference.sampling import SamplingParams
+from distlm.inference.server.errors import ApiError
+from distlm.inference.server.requests import (
     _REFUSED,
     CompletionRequest,
     _check_prompt_shape,
@@ -20,9 +24,8 @@ from distlm.inference.requests import (
     _validation_error,
     parse_json,
 )
-from distlm.inference.sampling import SamplingParams
-from distlm.inference.state import ServeState
 from distlm.inference.validate import HTTP_NAMES, prepare_request, sampling_settings
+from distlm.settings import EngineSettings, ServeSettings
 
 
 @dataclass
@@ -37,8 +40,19 @@ class Job:
     stops: list[str]
 
 
-def prepare_completion(st: ServeState, raw: bytes) -> Job:
-    serve, inference, ready = st.serve, st.inference, st.engine.ready
+@dataclass(frozen=True)
+class Preparing:
+    """What making a request ready needs: the limits (serve), the sampling defaults and prompt
+    policy (inference), the tokenizer, and the pipeline's Ready (its context and vocabulary)."""
+
+    serve: ServeSettings
+    inference: EngineSettings
+    tokenizer: Any  # a transformers tokenizer
+    ready: Callable[[], Ready | None]  # the engine's Ready, None while the pipeline starts
+
+
+def prepare_completion(st: Preparing, raw: bytes) -> Job:
+    serve, inference, ready = st.serve, st.inference, st.ready()
     if ready is None:  # the route answers 503 while the pipeline starts; never reached then
         raise ApiError(503, "the pipeline is unavailable: the pipeline is starting")
     body = parse_json(raw, max_depth=serve.max_json_depth, max_digits=serve.max_number_digits)

@@ -16,7 +16,7 @@ pipeline is idle (serve mode) stage 0 sends an empty micro-batch round the ring 
 
 MPI errors are returned, not fatal (MPI_ERRORS_RETURN), and become PipelineErrors naming both stages.
 A rank killed outright ends the whole job (the launcher kills the rest); in serve mode the API
-server outside the job (`distlm.inference.app`) then answers 503.
+server outside the job (`distlm.inference.server.app`) then answers 503.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from distlm import DistlmError
-from distlm.inference.ring import PipelineError, PipelineTopology, Ring
-from distlm.inference.scheduler import Scheduler
-from distlm.inference.stage import StageModel, load_stage
+from distlm.inference.engine.ring import PipelineError, PipelineTopology, Ring
+from distlm.inference.engine.scheduler import Scheduler
+from distlm.inference.engine.stage import StageModel, load_stage
+from distlm.inference.engine.worker import worker_loop
 from distlm.inference.stats import StageInfo, StageStats
-from distlm.inference.worker import worker_loop
 from distlm.log import get_logger
 from distlm.settings import EngineSettings
 

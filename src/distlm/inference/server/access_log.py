@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 
-from distlm.inference.metrics import Metrics
+from distlm.inference.server.metrics import Metrics
 from distlm.log import get_logger
 
 access = get_logger("distlm.inference.access")

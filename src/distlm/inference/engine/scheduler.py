@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from distlm.inference.ring import (
+from distlm.inference.engine.ring import (
     Backoff,
     Fork,
     Hello,
@@ -36,9 +36,9 @@ from distlm.inference.ring import (
     stage_info,
     to_wire,
 )
-from distlm.inference.sampler import Sampler, fork_caches, last_stage
+from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage
+from distlm.inference.engine.stage import Item, StageModel
 from distlm.inference.sampling import SamplingParams
-from distlm.inference.stage import Item, StageModel
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 
 

@@ -5,7 +5,7 @@ GET /metrics (Prometheus). A completions request is read and validated (requests
 (prepare.py: tokenized, its sampling checked), submitted to stage 0 (client.py) and answered
 (stream.py, render.py). A bad request gets a 4xx OpenAI-style error naming the field.
 
-The process around this (job supervision, uvicorn, signals) is `distlm.inference.supervisor`.
+The process around this (job supervision, uvicorn, signals) is `distlm.inference.server.supervisor`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from distlm.inference.access_log import escape
-from distlm.inference.errors import ApiError, error_doc, from_request
-from distlm.inference.prepare import prepare_completion
 from distlm.inference.prompts import RequestError
-from distlm.inference.requests import read_body
-from distlm.inference.responses import Health, ModelCard, ModelList
-from distlm.inference.state import ServeState
-from distlm.inference.stream import run_completion
+from distlm.inference.server.access_log import escape
+from distlm.inference.server.errors import ApiError, error_doc, from_request
+from distlm.inference.server.prepare import prepare_completion
+from distlm.inference.server.requests import read_body
+from distlm.inference.server.responses import Health, ModelCard, ModelList
+from distlm.inference.server.state import ServeState
+from distlm.inference.server.stream import run_completion
 
 
 def _authorized(st: ServeState, request: Request) -> bool:
@@ -114,9 +114,9 @@ def build_app(st: ServeState) -> FastAPI:
             request, limit=st.serve.max_request_bytes, timeout_s=st.serve.body_timeout_s
         )
         try:
-            job = prepare_completion(st, raw)
+            job = prepare_completion(st.preparing, raw)
         except RequestError as e:
             raise from_request(e) from None
-        return await run_completion(st, request, job)
+        return await run_completion(st.answering, request, job)
 
     return app

@@ -4,13 +4,15 @@ OpenAI's logprobs and usage objects."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from distlm.inference.errors import ApiError
 from distlm.inference.messages import Error, Finish, Prompt, Token
-from distlm.inference.prepare import Job
-from distlm.inference.responses import Logprobs, Usage
-from distlm.inference.state import ServeState
+from distlm.inference.server.errors import ApiError
+from distlm.inference.server.metrics import Metrics
+from distlm.inference.server.prepare import Job
+from distlm.inference.server.responses import Logprobs, Usage
 
 
 @dataclass
@@ -28,10 +30,23 @@ class Choice:
 
 
 class Answer:
-    """One request's choices as the engine's events arrive; text, stops and logprobs."""
+    """One request's choices as the engine's events arrive; text, stops and logprobs.
 
-    def __init__(self, st: ServeState, job: Job, rid: int, t0: float) -> None:
-        self.st, self.job, self.rid, self.t0 = st, job, rid, t0
+    It needs the tokenizer (text), the metrics (time to first token, inter-token latency,
+    tokens) and `cancel(rid, index)`, to stop a choice whose stop string has arrived."""
+
+    def __init__(
+        self,
+        job: Job,
+        rid: int,
+        t0: float,
+        *,
+        tokenizer: Any,  # a transformers tokenizer
+        metrics: Metrics,
+        cancel: Callable[[int, int], None],
+    ) -> None:
+        self.job, self.rid, self.t0 = job, rid, t0
+        self.tokenizer, self.metrics, self.cancel = tokenizer, metrics, cancel
         self.n = job.req.n
         self.choices = [Choice(i) for i in range(len(job.prompts) * self.n)]
         self.texts = ["" for _ in self.choices]
@@ -54,7 +69,7 @@ class Answer:
         assert msg.index is not None  # an Error with a rid names its choice (messages.Error)
         c = self.choices[msg.index]
         now = time.perf_counter()
-        m = self.st.metrics
+        m = self.metrics
         if isinstance(msg, Prompt):
             c.prompt = msg
         elif isinstance(msg, Token):
@@ -71,10 +86,10 @@ class Answer:
             c.logprobs.append(msg.logprob)
             c.top.append(msg.top)
             if self.live:
-                self.texts[c.index] = self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                self.texts[c.index] = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
                 self._stop_strings(c)
                 if c.reason is not None:
-                    self.st.engine.cancel(self.rid, c.index)
+                    self.cancel(self.rid, c.index)
         elif isinstance(msg, Finish):
             if c.reason is None:
                 c.reason = "stop" if msg.reason == "stop" else msg.reason
@@ -88,7 +103,7 @@ class Answer:
         """The choice's whole text (after its end)."""
         if not self.live:
             c = self.choices[index]
-            return self.st.tokenizer.decode(c.tokens, skip_special_tokens=True)
+            return self.tokenizer.decode(c.tokens, skip_special_tokens=True)
         return self.texts[index]
 
     def _stop_strings(self, c: Choice) -> None:
@@ -121,7 +136,7 @@ class Answer:
         if self.job.req.logprobs is None:
             return None
         c = self.choices[index]
-        tok = self.st.tokenizer
+        tok = self.tokenizer
         ids, lps, tops = c.tokens[since:], c.logprobs[since:], c.top[since:]
         offset = 0
         if prompt and c.prompt is not None:

@@ -7,15 +7,19 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from distlm.inference.errors import ApiError, error_doc
-from distlm.inference.prepare import Job
-from distlm.inference.render import Answer
-from distlm.inference.responses import (
+from distlm.inference.server.client import EngineClient
+from distlm.inference.server.errors import ApiError, error_doc
+from distlm.inference.server.metrics import Metrics
+from distlm.inference.server.prepare import Job
+from distlm.inference.server.render import Answer
+from distlm.inference.server.responses import (
     ChunkChoice,
     Completion,
     CompletionChoice,
@@ -23,31 +27,62 @@ from distlm.inference.responses import (
     Logprobs,
     Usage,
 )
-from distlm.inference.state import ServeState
 from distlm.log import get_logger
+from distlm.settings import EngineSettings, ServeSettings
 
 log = get_logger(__name__)
 
 
-async def run_completion(st: ServeState, request: Request, job: Job):
-    engine, serve = st.engine, st.serve
+@dataclass(frozen=True)
+class Answering:
+    """What answering a prepared request needs: the engine, the room in its queue and the
+    request deadline, the model's name, the tokenizer and the metrics."""
+
+    engine: EngineClient
+    room: int  # sequences open at once: inference.lanes + serve.max_queued_sequences
+    request_timeout_s: float  # serve.request_timeout_s
+    model_id: str
+    tokenizer: Any  # a transformers tokenizer
+    metrics: Metrics
+
+    @classmethod
+    def of(
+        cls,
+        serve: ServeSettings,
+        inference: EngineSettings,
+        *,
+        engine: EngineClient,
+        model_id: str,
+        tokenizer: Any,
+        metrics: Metrics,
+    ) -> Answering:
+        return cls(
+            engine,
+            inference.lanes + serve.max_queued_sequences,
+            serve.request_timeout_s,
+            model_id,
+            tokenizer,
+            metrics,
+        )
+
+
+async def run_completion(st: Answering, request: Request, job: Job):
+    engine = st.engine
     sequences = len(job.ids) * job.req.n
-    room = st.inference.lanes + serve.max_queued_sequences - engine.outstanding
-    if sequences > room:
+    if sequences > st.room - engine.outstanding:
         raise ApiError(
             429,
             f"the queue is full ({engine.outstanding} sequences open, at most "
-            f"{st.inference.lanes + serve.max_queued_sequences}: inference.lanes + "
-            "serve.max_queued_sequences); retry later",
+            f"{st.room}: inference.lanes + serve.max_queued_sequences); retry later",
             headers={"Retry-After": "1"},
         )
     t0 = time.perf_counter()
     st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
     rid, queue = engine.submit(job.ids, job.req.n, job.params)
-    answer = Answer(st, job, rid, t0)
+    answer = Answer(job, rid, t0, tokenizer=st.tokenizer, metrics=st.metrics, cancel=engine.cancel)
     info = request.scope.setdefault("distlm", {})
     info["rid"] = rid
-    deadline = time.monotonic() + serve.request_timeout_s
+    deadline = time.monotonic() + st.request_timeout_s
     if job.req.stream:
         return StreamingResponse(
             _stream(st, answer, queue, deadline, info),
@@ -76,7 +111,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _finish(st: ServeState, answer: Answer, info: dict) -> None:
+def _finish(st: Answering, answer: Answer, info: dict) -> None:
     st.engine.forget(answer.rid)
     info["tokens"] = sum(len(c.tokens) for c in answer.choices)
     if answer.t_first is not None:
@@ -87,7 +122,7 @@ def _finish(st: ServeState, answer: Answer, info: dict) -> None:
 _GONE = object()  # on a request's queue: its client went away
 
 
-async def _complete(st: ServeState, request: Request, answer: Answer, queue, deadline, info):
+async def _complete(st: Answering, request: Request, answer: Answer, queue, deadline, info):
     gone = asyncio.ensure_future(_disconnected(request))
     gone.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(_GONE))
     try:
@@ -139,7 +174,7 @@ async def _complete(st: ServeState, request: Request, answer: Answer, queue, dea
     return JSONResponse(out.model_dump(mode="json"))
 
 
-async def _stream(st: ServeState, answer: Answer, queue, deadline, info):
+async def _stream(st: Answering, answer: Answer, queue, deadline, info):
     """Server-sent events; a client gone mid-stream cancels the request (generator closed)."""
     cid = f"cmpl-{uuid.uuid4().hex}"
     job = answer.job
@@ -223,7 +258,7 @@ def _sse(answer: BaseModel) -> bytes:
 
 
 def _chunk(
-    st: ServeState, cid: str, choices: list[ChunkChoice], *, usage: Usage | None = None
+    st: Answering, cid: str, choices: list[ChunkChoice], *, usage: Usage | None = None
 ) -> CompletionChunk:
     return CompletionChunk(
         id=cid, created=int(time.time()), model=st.model_id, choices=choices, usage=usage

@@ -1,4 +1,5 @@
-"""The API server process: uvicorn serving `distlm.inference.app`, and the MPI job it supervises.
+"""The API server process: uvicorn serving `distlm.inference.server.app`, and the MPI job it
+supervises.
 
     python workflow/scripts/serve.py --launcher "mpiexec -n 2" --config results/config/serve.json \
         --model results/train/final
@@ -41,11 +42,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distlm import DistlmError
-from distlm.inference.access_log import AccessLog
-from distlm.inference.app import build_app
-from distlm.inference.client import EngineClient
-from distlm.inference.metrics import Metrics
-from distlm.inference.state import ServeState
+from distlm.inference.server.access_log import AccessLog
+from distlm.inference.server.app import build_app
+from distlm.inference.server.client import EngineClient
+from distlm.inference.server.metrics import Metrics
+from distlm.inference.server.state import ServeState
 from distlm.log import get_logger
 from distlm.settings import EngineSettings, ServeSettings
 
@@ -285,7 +286,7 @@ class Supervisor:
         metrics = Metrics()
         engine = EngineClient(f"ipc://{tmp}/requests", f"ipc://{tmp}/events", metrics)
         engine.start()
-        st = ServeState(
+        st = ServeState.build(
             self.serve,
             self.inference,
             model_id=self.model_dir.resolve().name,
