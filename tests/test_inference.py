@@ -147,6 +147,13 @@ def test_sampling_settings_and_make_params_reject_bad_values_naming_the_field():
     with pytest.raises(RequestError, match="above this server's limit of 10"):
         make_params(SamplingSettings(max_new_tokens=11), context=64, max_allowed=10)
     assert make_params(SamplingSettings(max_new_tokens=63), context=64).greedy
+    # the `inference` settings are the sampling settings: handed down as they are, not rebuilt
+    settings = InferenceSettings(temperature=0.7, top_k=5)
+    assert sampling_settings({"seed": None}, defaults=settings) is settings
+    request = sampling_settings({"seed": 3}, defaults=settings)
+    assert (request.temperature, request.top_k, request.seed) == (0.7, 5, 3)
+    assert not make_params(settings, context=64).greedy
+    assert make_params(InferenceSettings(), context=64).greedy  # the default, temperature 0
 
 
 def test_pick_token_greedy_topk_topp_and_seed():

@@ -31,7 +31,9 @@ class SamplingError(DistlmError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one sequence picks its tokens. temperature == 0 means greedy (argmax)."""
+    """How one sequence picks its tokens, as the engine channel and the ring carry it: a
+    SamplingSettings checked against the model and the server (make_params), with the
+    log-probabilities a request asks for. A temperature below GREEDY_BELOW is greedy (argmax)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # as an engine-channel field
 
@@ -46,7 +48,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax: the one definition of greedy (1 / temperature would overflow below it)."""
+        return self.temperature < GREEDY_BELOW
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,15 +96,12 @@ def make_params(
             f"max_new_tokens: {n} is above this server's limit of {max_allowed} (serve.max_tokens)",
             param="max_new_tokens",
         )
-    t = float(sampling.temperature)
-    if t < GREEDY_BELOW:
-        t = 0.0  # greedy: 1 / t would overflow the logits to inf
     k = sampling.top_k
     if vocab_size is not None and k >= vocab_size:
         k = 0  # keeping the whole vocabulary is no filter
     return SamplingParams(
         max_new_tokens=n,
-        temperature=t,
+        temperature=float(sampling.temperature),
         top_k=k,
         top_p=float(sampling.top_p),
         seed=sampling.seed,

@@ -1,7 +1,7 @@
 """The one request path: prompts (text or token ids) and sampling settings in, a validated,
 tokenized request out, for the API server and the batch stage alike.
 
-    sampling = sampling_settings({"temperature": 0.7}, defaults=settings.inference.sampling)
+    sampling = sampling_settings({"temperature": 0.7}, defaults=settings.inference)
     req = prepare_request(["A class"], sampling, tokenizer=tok, context=1024, overflow="truncate")
 
 Sampling ranges are SamplingSettings' (distlm.settings), checked there and nowhere else:
@@ -42,9 +42,13 @@ def sampling_settings(
     given: Mapping[str, object], *, defaults: SamplingSettings
 ) -> SamplingSettings:
     """`given` (None: not given) over `defaults`, validated by SamplingSettings; a RequestError
-    naming the field and its range otherwise."""
-    values = defaults.model_dump()
-    values.update({k: v for k, v in given.items() if v is not None})
+    naming the field and its range otherwise. With nothing given, `defaults` itself (the
+    `inference` settings are SamplingSettings: nothing is rebuilt)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return defaults
+    values = {k: getattr(defaults, k) for k in SamplingSettings.model_fields}
+    values.update(given)
     try:
         return SamplingSettings.model_validate(values)
     except ValidationError as e:

@@ -12,35 +12,10 @@ from distlm.settings.base import MaxNewTokens, Real, Section, Seed, Temperature,
 
 
 class SamplingSettings(Section):
-    """How one sequence picks its tokens: the one definition of the sampling ranges, used by the
-    batch stage (from `inference`) and by every API request."""
-
-    max_new_tokens: MaxNewTokens = 32
-    temperature: Temperature = 0.0
-    top_k: TopK = 0
-    top_p: TopP = 1.0
-    seed: Seed = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-class PipelineSettings(Section):
-    """`inference.stages` alone: what rule shard reads."""
-
-    stages: int = Field(
-        default=2,
-        ge=1,
-        le=64,
-        description="Pipeline stages = MPI ranks = shards; at most the model's layers.",
-    )
-
-
-class EngineSettings(Section):
-    """The pipeline engine's settings and the sampling defaults: `inference` but its stage count
-    and the batch stage's prompt file (what the serve stage reads; its stage count is
-    serve.stages)."""
+    """How one sequence picks its tokens: the one definition of the sampling keys and ranges.
+    `inference` is one (EngineSettings extends it: its flat keys are these), and so is every API
+    request's sampling, laid over it (distlm.inference.validate.sampling_settings). What the
+    sampler acts on is made from it by distlm.inference.sampling.make_params."""
 
     max_new_tokens: MaxNewTokens = Field(
         default=32, description="New tokens per prompt in the batch stage (fewer at end-of-text)."
@@ -67,6 +42,25 @@ class EngineSettings(Section):
         default=0,
         description="Sampling seed; prompt i of the batch stage uses seed + i. Serve: the default.",
     )
+
+
+class PipelineSettings(Section):
+    """`inference.stages` alone: what rule shard reads."""
+
+    stages: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Pipeline stages = MPI ranks = shards; at most the model's layers.",
+    )
+
+
+class EngineSettings(SamplingSettings):
+    """The pipeline engine's settings and the sampling defaults: `inference` but its stage count
+    and the batch stage's prompt file (what the serve stage reads; its stage count is
+    serve.stages). Its sampling keys are SamplingSettings' own: it is the batch stage's sampling
+    and every request's defaults as it is, never copied into another model."""
+
     lanes: int = Field(default=16, ge=1, description="Sequences in flight at once (KV-cache rows).")
     prompt_overflow: Literal["truncate", "reject"] = Field(
         default="truncate",
@@ -80,17 +74,6 @@ class EngineSettings(Section):
         gt=0,
         description="Stage 0 waits this long for tokens, other stages twice this; then abort.",
     )
-
-    @property
-    def sampling(self) -> SamplingSettings:
-        """The sampling keys as one SamplingSettings (the serve stage's request defaults)."""
-        return SamplingSettings(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-        )
 
 
 class InferenceSettings(EngineSettings, PipelineSettings):

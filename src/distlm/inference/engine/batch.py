@@ -41,7 +41,7 @@ def generate_batch(
     for i, text in enumerate(prompts):
         try:
             # each prompt its own seed: seed + i
-            sampling = sampling_settings({"seed": settings.seed + i}, defaults=settings.sampling)
+            sampling = sampling_settings({"seed": settings.seed + i}, defaults=settings)
             req = prepare_request(
                 [text],
                 sampling,

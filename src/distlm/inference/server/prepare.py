@@ -91,7 +91,7 @@ def prepare_completion(st: Preparing, raw: bytes) -> Job:
         else inference.prompt_overflow
     )
     try:
-        # what the request leaves out comes from the inference section (inference.sampling):
+        # what the request leaves out comes from the inference section (SamplingSettings):
         # a request without max_tokens gets inference.max_new_tokens
         sampling = sampling_settings(
             {
@@ -101,7 +101,7 @@ def prepare_completion(st: Preparing, raw: bytes) -> Job:
                 "top_p": req.top_p,
                 "seed": req.seed,
             },
-            defaults=inference.sampling,
+            defaults=inference,
         )
         if prompt_only:
             sampling = sampling.model_copy(update={"max_new_tokens": 0})
