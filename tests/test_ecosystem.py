@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import test_server
 import torch
+from harness.peer import transformers_serve_command, transformers_serve_env
 
 from distlm.dist import free_port
-from distlm.inference.peer import transformers_serve_command, transformers_serve_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "lm_eval"

@@ -1,4 +1,4 @@
-"""distlm.fabric: namespaces, shaping, cleanup on every exit path, and gloo across the fabric.
+"""The simulated multi-host fabric (tests/harness/fabric.py): namespaces, shaping, cleanup on every exit path, and gloo across the fabric.
 
 Needs root and iproute2 (`ip netns`, `tc`); skipped with the reason elsewhere.
 """
@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import pytest
-
-from distlm.dist import free_port
-from distlm.fabric import (
+from harness.fabric import (
     PREFIX,
     Fabric,
     FabricError,
@@ -22,7 +20,16 @@ from distlm.fabric import (
     unavailable_reason,
 )
 
+from distlm.dist import free_port
+
 REASON = unavailable_reason()
+# a child Python that imports the fabric finds it as the tests do (tests/ on its path)
+CHILD_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+    ),
+}
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.skipif(REASON is not None, reason=f"no netns fabric here: {REASON}"),
@@ -80,11 +87,11 @@ def test_stale_namespaces_of_dead_processes_are_cleaned():
 
 def test_a_killed_owner_leaves_nothing_after_the_next_cleanup():
     code = (
-        "from distlm.fabric import Fabric; import os, sys\n"
+        "from harness.fabric import Fabric; import os, sys\n"
         "f = Fabric(2, rate_mbit=None).__enter__(); print(f.tag, flush=True); os._exit(0)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=CHILD_ENV
     ).stdout
     tag = out.strip()
     assert any(ns.startswith(tag) for ns in _namespaces())  # os._exit skips every hook...
@@ -95,7 +102,7 @@ def test_a_killed_owner_leaves_nothing_after_the_next_cleanup():
 def test_a_probe_killed_halfway_leaves_nothing_after_the_next_cleanup():
     # the availability probe's process dies right after creating its namespace
     code = (
-        "import os, distlm.fabric as f\n"
+        "import os, harness.fabric as f\n"
         "real = f._run\n"
         "def run(cmd, what):\n"
         "    out = real(cmd, what)\n"
@@ -105,7 +112,9 @@ def test_a_probe_killed_halfway_leaves_nothing_after_the_next_cleanup():
         "f._run = run\n"
         "f.unavailable_reason()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=CHILD_ENV
+    )
     probe = out.stdout.strip()
     assert probe.startswith(f"{PREFIX}-") and probe.endswith("-probe") and probe in _namespaces()
     assert probe in cleanup_stale()

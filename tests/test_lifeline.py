@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.synthetic import make_inputs
 from procs import alive, children
-
-from distlm.train.synthetic import make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 10.0

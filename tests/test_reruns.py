@@ -108,8 +108,6 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     },
     "train.ddp.bucket_cap_mb": ({"train": {"ddp": {"bucket_cap_mb": 5}}}, TRAIN | REPORT),
     "train.ddp.static_graph": ({"train": {"ddp": {"static_graph": True}}}, TRAIN | REPORT),
-    "train.fault.nan_at_step": ({"train": {"fault": {"nan_at_step": 5}}}, TRAIN | REPORT),
-    "train.fault.kill_after_step": ({"train": {"fault": {"kill_after_step": 5}}}, TRAIN | REPORT),
     "train.profile.enabled": ({"train": {"profile": {"enabled": False}}}, TRAIN | REPORT),
     "train.profile.wait": ({"train": {"profile": {"wait": 2}}}, TRAIN | REPORT),
     "train.profile.warmup": ({"train": {"profile": {"warmup": 2}}}, TRAIN | REPORT),

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from harness.faults import fault_env, inject
+from harness.synthetic import make_inputs
 
 from distlm import DistlmError
 from distlm.config import validate_config
@@ -30,7 +32,6 @@ from distlm.train import checkpoint as ck
 from distlm.train import faults as faults_mod
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
-from distlm.train.synthetic import make_inputs
 from distlm.train.trainer import fused_adamw_available, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,10 +245,11 @@ def test_identity_mismatch_names_what_differs(tmp_path):
 # ----------------------------------------------------------------------------- world of one
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(inputs, tmp_path):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(inputs, tmp_path, monkeypatch):
     out = tmp_path / "train"
+    inject(monkeypatch, nan_at_step=3)
     with pytest.raises(TrainingDiverged, match="step 3: loss nan"):
-        run_training(train_cfg(fault={"nan_at_step": 3}), paths(inputs, out))
+        run_training(train_cfg(), paths(inputs, out))
     assert [c.step for c in ck.list_checkpoints(only_run(out))] == [2]
     ck.verify(ck.latest_good(only_run(out)))
     assert not (out / "final").exists()
@@ -319,7 +321,7 @@ def test_bad_inputs_are_refused(tmp_path):
 
 
 def _torchrun(
-    cfg: TrainConfig, inputs, out: Path, *, restarts: int = 0
+    cfg: TrainConfig, inputs, out: Path, *, restarts: int = 0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     cfg_path = out.parent / f"{out.name}.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -346,7 +348,7 @@ def _torchrun(
         "--rank-log",
         str(out / "logs" / "rank{rank}.log"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -355,11 +357,10 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     cfg = train_cfg(profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1})
     a = _torchrun(cfg, inputs, tmp_path / "a")
     assert a.returncode == 0, a.stderr[-4000:]
-    # the same run, its last rank SIGKILLed after step 3 (checkpoint at 2); torchrun restarts it
-    killed = train_cfg(
-        profile={"enabled": True, "wait": 1, "warmup": 1, "active": 1}, fault={"kill_after_step": 3}
-    )
-    b = _torchrun(killed, inputs, tmp_path / "b", restarts=1)
+    # the same run, its last rank SIGKILLed after step 3 (checkpoint at 2) by a test fault the
+    # harness hands to the ranks; torchrun restarts it
+    faults = fault_env(tmp_path / "faults.json", kill_after_step=3)
+    b = _torchrun(cfg, inputs, tmp_path / "b", restarts=1, env=faults)
     assert b.returncode == 0, b.stderr[-4000:]
     assert "killing rank 1" in (tmp_path / "b" / "logs" / "rank1.log").read_text()
     assert "resuming from" in (tmp_path / "b" / "logs" / "rank0.log").read_text()
@@ -646,18 +647,22 @@ def test_fused_adamw_is_not_claimed_where_torch_has_no_kernel(monkeypatch):
 
 def test_test_faults_are_armed_once_and_only_where_they_act(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    none = {"nan_at_step": None, "kill_after_step": None}
+    kill, spec = faults_mod.FaultSpec(kill_after_step=3), faults_mod.FaultSpec
     # no fault asked for: nothing for the step loop to call
-    assert faults_mod.arm(**none, rank=1, world_size=2) is None
+    assert faults_mod.REQUESTED is None
+    assert faults_mod.arm(rank=1, world_size=2) is None
+    assert faults_mod.arm(rank=1, world_size=2, spec=spec()) is None
     # the kill acts on the last rank of the first attempt only
-    assert faults_mod.arm(**{**none, "kill_after_step": 3}, rank=0, world_size=2) is None
-    armed = faults_mod.arm(**{**none, "kill_after_step": 3}, rank=1, world_size=2)
+    assert faults_mod.arm(rank=0, world_size=2, spec=kill) is None
+    armed = faults_mod.arm(rank=1, world_size=2, spec=kill)
     assert armed is not None and armed.kill_after_step == 3
     armed.after_step(2, rank=1)  # not its step: returns
+    inject(monkeypatch, kill_after_step=3)  # what the harness asks for is what arm reads
+    assert faults_mod.arm(rank=1, world_size=2) == armed
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert faults_mod.arm(**{**none, "kill_after_step": 3}, rank=1, world_size=2) is None
+    assert faults_mod.arm(rank=1, world_size=2, spec=kill) is None
     # the NaN acts on every rank, at its step only
-    nan = faults_mod.arm(**{**none, "nan_at_step": 2}, rank=0, world_size=2)
+    nan = faults_mod.arm(rank=0, world_size=2, spec=spec(nan_at_step=2))
     assert nan is not None and nan.kill_after_step is None
     loss = torch.tensor(1.5)
     assert nan.loss(1, loss) is loss

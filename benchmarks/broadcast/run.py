@@ -6,7 +6,7 @@
 A GPT-2-124M-shaped fp32 state dict (148 tensors, 498 MB at --scale 1; loopback runs a scaled-down
 copy, --loopback-scale, so the whole benchmark fits in minutes on 2 cores). For each fabric
 (loopback: all ranks on 127.0.0.1; shaped: every rank in its own network namespace behind a
---rate-mbit link, see distlm.fabric) and each receiver count, one gloo world runs all methods
+--rate-mbit link, see tests/harness/fabric.py) and each receiver count, one gloo world runs all methods
 (benchmarks/broadcast/worker.py). Writes JSON (default benchmarks/broadcast/results.json): every run
 with per-rank end times and peak RSS, then a summary with times, GB/s, ratios and the targets.
 The shaped fabric needs root and iproute2; without them it is skipped with the reason in the JSON.
@@ -31,6 +31,8 @@ from distlm.io import write_json
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
+# the simulated multi-host fabric is the test harness's (tests/harness/fabric.py)
+sys.path.insert(0, str(HERE.parents[1] / "tests"))
 
 
 def _launch(cmds: list[list[str]], envs: list[dict], timeout: float) -> list[dict]:
@@ -236,7 +238,7 @@ def main() -> None:
                     flush=True,
                 )
             continue
-        from distlm.fabric import Fabric, unavailable_reason
+        from harness.fabric import Fabric, unavailable_reason
 
         reason = unavailable_reason()
         if reason:

@@ -41,6 +41,7 @@ from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/peer.py: `transformers serve`
 sys.path.insert(0, str(Path(__file__).parent))
 SERVE = ROOT / "workflow" / "scripts" / "serve.py"
 PROMPTS = ROOT / "config" / "prompts.txt"
@@ -248,9 +249,9 @@ def main() -> None:
         return
     import torch
     from bench import seeded_model
+    from harness.peer import transformers_serve_command, transformers_serve_env
 
     from distlm.dist import free_port
-    from distlm.inference.peer import transformers_serve_command, transformers_serve_env
     from distlm.inference.prompts import read_prompts
 
     levels = [int(c) for c in args.clients.split(",")]

@@ -44,6 +44,7 @@ from distlm.documents import read_document
 from distlm.settings.stage import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/synthetic.py: the tiny inputs
 
 PRESETS = {
     # the embedded default: the workflow's own token blocks and base model (config/config.yaml)
@@ -289,7 +290,7 @@ def model_dims(model_dir: Path) -> dict:
 
 
 def make_gpt2_inputs(root: Path, p: dict) -> dict[str, Path]:
-    from distlm.train.synthetic import make_inputs
+    from harness.synthetic import make_inputs
 
     return make_inputs(
         root,

@@ -35,7 +35,7 @@ from distlm.settings.report import ReportSettings
 from distlm.settings.root import MOVED, Settings, known_architecture
 from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
 from distlm.settings.sweep import SweepSettings
-from distlm.settings.train import DdpSettings, FaultSettings, ProfileSettings, TrainSettings
+from distlm.settings.train import DdpSettings, ProfileSettings, TrainSettings
 from distlm.settings.transfer import BroadcastSettings, TransferSettings
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "DeviceSettings",
     "EngineSettings",
     "EvalSettings",
-    "FaultSettings",
     "InferenceSettings",
     "MaxNewTokens",
     "ModelInitSettings",

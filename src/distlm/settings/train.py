@@ -16,19 +16,6 @@ class DdpSettings(Section):
     static_graph: bool = Field(default=False, description="DDP static-graph mode.")
 
 
-class FaultSettings(Section):
-    """Test hooks; leave null."""
-
-    nan_at_step: int | None = Field(
-        default=None, ge=1, description="Make the loss NaN at this step (a test hook)."
-    )
-    kill_after_step: int | None = Field(
-        default=None,
-        ge=1,
-        description="SIGKILL the last rank after this step on the first attempt (a test hook).",
-    )
-
-
 class ProfileSettings(Section):
     enabled: bool = Field(default=False, description="Run torch.profiler over a window of steps.")
     wait: int = Field(default=1, ge=0, description="Profiler schedule: steps skipped first.")
@@ -125,7 +112,6 @@ class TrainSettings(Section):
         ),
     )
     ddp: DdpSettings = Field(default=DdpSettings(), description="DistributedDataParallel options.")
-    fault: FaultSettings = Field(default=FaultSettings(), description="Test hooks; leave null.")
     profile: ProfileSettings = Field(
         default=ProfileSettings(), description="torch.profiler over a window of steps."
     )

@@ -17,7 +17,6 @@ Modules, by what a change touches:
     stopping.py    divergence, and the signals that stop at a step boundary with a checkpoint
     metrics.py     metrics.csv, val.csv and TensorBoard; profiling.py: the step profiler
     faults.py      test faults (NaN loss, kill after a step), off unless a test arms them
-    synthetic.py   tiny inputs for tests and benchmarks
 """
 
 from distlm.train.trainer import Trainer, TrainingDiverged, TrainPaths, lr_at, run_training

@@ -1,8 +1,11 @@
-"""Test faults of the training stage (`train.fault.*`), armed once at set-up.
+"""Test faults of the training stage, armed once at set-up.
+
+The test harness asks for them, never the user's config: `REQUESTED` is None unless a test sets
+it (in process), or tests/harness/fault_hooks, a `sitecustomize` a test puts on a rank's
+PYTHONPATH, sets it from the JSON file the DISTLM_TEST_FAULTS environment variable names.
 
 `arm` returns None when no fault applies to this rank, and the trainer then does nothing for them
-in its step loop: no environment look-up, no call, one `is None` test per step. Armed (a test
-asked for one):
+in its step loop: no look-up, no call, one `is None` test per step. Armed (a test asked for one):
 
 - `nan_at_step` N: every rank's loss of step N becomes NaN, so training diverges there;
 - `kill_after_step` N: the last rank SIGKILLs itself after step N (and its checkpoint, if one
@@ -16,12 +19,25 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from distlm.log import get_logger
 
+if TYPE_CHECKING:
+    import torch
+
 log = get_logger("train")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """What a test asks for (each None: not asked)."""
+
+    nan_at_step: int | None = None  # every rank's loss of this step becomes NaN
+    kill_after_step: int | None = None  # the last rank SIGKILLs itself after this step
+
+
+REQUESTED: FaultSpec | None = None  # set by the test harness only (see above)
 
 
 @dataclass(frozen=True)
@@ -39,16 +55,19 @@ class Faults:
         """SIGKILL this process after step `kill_after_step` (logs flushed first)."""
         if step != self.kill_after_step:
             return
-        log.warning("train.fault.kill_after_step=%d: killing rank %d", step, rank)
+        log.warning("test fault kill_after_step=%d: killing rank %d", step, rank)
         for h in logging.getLogger("distlm").handlers:
             h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(
-    *, nan_at_step: int | None, kill_after_step: int | None, rank: int, world_size: int
-) -> Faults | None:
-    """The faults this rank carries out, or None when there are none (the usual case)."""
+def arm(*, rank: int, world_size: int, spec: FaultSpec | None = None) -> Faults | None:
+    """The faults of `spec` (default: REQUESTED) this rank carries out, or None when there are
+    none (the usual case)."""
+    spec = REQUESTED if spec is None else spec
+    if spec is None:
+        return None
+    nan_at_step, kill_after_step = spec.nan_at_step, spec.kill_after_step
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
     if kill_after_step is not None and not (first_attempt and rank == world_size - 1):
         kill_after_step = None

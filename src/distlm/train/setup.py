@@ -152,13 +152,8 @@ class TrainerSetup:
             self.precision
         ]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        # test faults: None (nothing in the step loop) unless a test asks for one
-        self.faults = faults_mod.arm(
-            nan_at_step=self.tcfg.fault.nan_at_step,
-            kill_after_step=self.tcfg.fault.kill_after_step,
-            rank=self.topo.rank,
-            world_size=self.topo.world_size,
-        )
+        # test faults: None (nothing in the step loop) unless the test harness asks for one
+        self.faults = faults_mod.arm(rank=self.topo.rank, world_size=self.topo.world_size)
 
     def _setup_optimizer(self) -> None:
         self.optimizer, self.scheduler = make_optimizer(

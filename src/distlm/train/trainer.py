@@ -79,7 +79,7 @@ class Trainer(TrainerSetup):
                 with self._autocast():
                     loss = self.ddp(x) / accum
                 if self.faults is not None:
-                    loss = self.faults.loss(step + 1, loss)  # train.fault.nan_at_step
+                    loss = self.faults.loss(step + 1, loss)  # a test's nan_at_step
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
