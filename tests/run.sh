@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up"): installs the Debian packages that the system-level tests need
 # when run as root (network namespaces, a local SLURM cluster, headless Chromium), runs the linters
-# (ruff check, ruff format --check, snakefmt --check, snakemake --lint) and the type checker
-# (pyright, configured in pyproject.toml), then pytest; it fails when
-# either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
+# (ruff check, ruff format --check, snakefmt --check, snakemake --lint), the type checker (pyright)
+# and the import layers (lint-imports), both configured in pyproject.toml, then pytest; it fails
+# when either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
 # development loop is `python -m pytest -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ fi
 
 # Lint first (seconds), then the tests, so that pytest's summary is the last thing printed.
 lint_failed=0
-echo "tests/run.sh: lint (ruff check, ruff format --check, snakefmt --check, snakemake --lint, pyright)"
+echo "tests/run.sh: lint (ruff check, ruff format --check, snakefmt --check, snakemake --lint, pyright, lint-imports)"
 python -m ruff check || lint_failed=1
 python -m ruff format --check || lint_failed=1
 python -m snakefmt --check Snakefile workflow/rules/*.smk || lint_failed=1
@@ -38,6 +38,7 @@ python -m snakemake --lint --directory "$lintdir" -s Snakefile --configfile conf
 grep -q "Congratulations" "$lintdir/lint-sweep.txt" || { cat "$lintdir/lint-sweep.txt"; lint_failed=1; }
 rm -rf "$lintdir"
 python -m pyright || lint_failed=1
+lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in pyproject.toml)
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2
 
 status=0
