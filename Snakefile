@@ -31,7 +31,7 @@ include: "workflow/rules/inference.smk"
 
 if SWEEP:
 
-    # A sweep (README "Sweeps"): every job once per variant, one report comparing the runs.
+    # A sweep (docs/sweeps.md): every job once per variant, one report comparing the runs.
     include: "workflow/rules/sweep.smk"
 
     rule all:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -102,10 +103,29 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory) -> Path:
-    """The whole tiny workflow, run once per test session; returns its working directory."""
+    """The whole tiny workflow, run once per test session; returns its working directory. Tests
+    read it; a test that runs jobs or edits files works on a copy (copy_workflow)."""
     wd = tmp_path_factory.mktemp("workflow")
     run_snakemake(wd)
     return wd
+
+
+def copy_workflow(src: Path, dest: Path, *, without: tuple[str, ...] = ()) -> Path:
+    """A copy of a finished working directory (results, logs and Snakemake's records, with their
+    mtimes), less the relative paths in `without` (a stage's outputs and logs, so that it runs
+    afresh there). A moved project reruns nothing (test_kill_workflow.py), so the copy plans what
+    the original would: the tests that need the tiny workflow's data and base model start from
+    one instead of building them again."""
+    shutil.copytree(src, dest, symlinks=True)
+    for rel in without:
+        shutil.rmtree(dest / rel)
+    return dest
+
+
+def pytest_configure(config):
+    """The slowest tests are listed at the end of every run (CI's time budget is read from it)."""
+    if config.option.durations is None:
+        config.option.durations = 30
 
 
 @pytest.fixture

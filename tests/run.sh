@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command (README "Set-up"): installs the Debian packages that the system-level tests need
+# The test command (README "Set-up: two commands"): installs the Debian packages that the system-level tests need
 # when run as root (network namespaces, a local SLURM cluster, headless Chromium), runs the linters
 # (ruff check, ruff format --check, snakefmt --check, snakemake --lint), the type checker (pyright)
 # and the import layers (lint-imports), both configured in pyproject.toml, then pytest; it fails

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY, snakemake_cmd
+from conftest import TINY, copy_workflow, snakemake_cmd
 from procs import alive, children
 
 from distlm.model import load_model_dir, read_meta
@@ -160,13 +160,17 @@ def _user(work: Path, soak_cfg: Path, events: Path, *args: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_kill_anywhere_soak_through_snakemake(tmp_path):
+def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
     soak_cfg = tmp_path / "soak.yaml"
     soak_cfg.write_text(yaml.safe_dump(SOAK))
-    ref, work = tmp_path / "ref", tmp_path / "soak"
+    # The stages before training come from the tiny workflow (the soak edits train.* only, so
+    # its data and base model are the same): the soak is about the train job and Snakemake
+    # around it. Its training starts afresh in both folders.
+    ref, work = (
+        copy_workflow(workflow_run, tmp_path / name, without=("results/train", "logs/train"))
+        for name in ("ref", "soak")
+    )
     _user(ref, soak_cfg, tmp_path / "ref-events", TARGET)  # uninterrupted
-    # the stages before training, once: the soak is about the train job and Snakemake around it
-    _user(work, soak_cfg, tmp_path / "pre-events", "results/model/base", "results/data/tokens.h5")
 
     rng = random.Random(20)
     events = tmp_path / "soak-events"

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 import test_inference
 import torch
+from pydantic import ValidationError
 from test_inference import PROMPTS
 
 from distlm.inference.engine.ring import Pick
@@ -143,14 +144,16 @@ def test_request_model_mirrors_openai():
         {"model": "m", "prompt": ["a", "b"], "n": 2, "stop": "x", "user": "u", "logprobs": 2}
     )
     assert r.prompts() == ["a", "b"] and r.stops() == ["x"]
-    for body in (
-        {"prompt": "a", "max_tokens": 1.5},
-        {"prompt": "a", "stream": 1},
-        {"prompt": "a", "unknown": 1},
-        {"max_tokens": 3},
+    for body, field, why in (
+        ({"prompt": "a", "max_tokens": 1.5}, "max_tokens", "int_type"),
+        ({"prompt": "a", "stream": 1}, "stream", "bool_type"),
+        ({"prompt": "a", "unknown": 1}, "unknown", "extra_forbidden"),
+        ({"max_tokens": 3}, "prompt", "missing"),
     ):
-        with pytest.raises(Exception, match="validation error"):
+        with pytest.raises(ValidationError) as e:
             CompletionRequest.model_validate(body)
+        [err] = e.value.errors()
+        assert (err["loc"], err["type"]) == ((field,), why), body
 
 
 def test_sampling_is_bounded():

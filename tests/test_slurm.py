@@ -365,7 +365,7 @@ def test_a_failing_job_is_reported_with_its_slurm_log(cluster, profile, tmp_path
 
 def test_a_sweeps_training_runs_are_in_the_queue_together(cluster, profile, tmp_path):
     """Two learning rates of a sweep train in two stage folders (own checkpoints, own lease), so
-    their jobs are independent: SLURM runs both at once (README "Sweeps")."""
+    their jobs are independent: SLURM runs both at once (docs/sweeps.md)."""
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text("sweep:\n  grid:\n    train.lr: [0.003, 0.001]\n")
     wd = tmp_path / "wd"

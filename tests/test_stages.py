@@ -44,7 +44,24 @@ def test_a_stage_gets_exactly_its_keys():
 def test_jobs_name_declared_stages_and_consumers():
     for job, (stage, consumes) in JOBS.items():
         assert stage in STAGES and all(c in JOBS for c in consumes), job
-    assert STAGES["report"].consumes == JOBS["report"][1]
+
+
+def test_every_job_feeds_the_report_which_runs_last():
+    """The report depends on every other job of `rule all`, directly or through what it consumes
+    (docs/stages.md, "Reports": it runs once, last, and again when any of them changes), and the
+    jobs are declared upstream first (each after what it consumes: no cycle, and the rerun table
+    lists them in the order they run)."""
+    order = list(JOBS)
+    for job, (_, consumes) in JOBS.items():
+        assert all(order.index(c) < order.index(job) for c in consumes), job
+    upstream, todo = set(), ["report"]
+    while todo:
+        for c in JOBS[todo.pop()][1]:
+            if c not in upstream:
+                upstream.add(c)
+                todo.append(c)
+    assert upstream == set(JOBS) - {"report"}
+    assert order[-1] == "report"
 
 
 def _string_literals(path: Path) -> set[str]:

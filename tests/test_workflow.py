@@ -99,18 +99,19 @@ def test_snakemake_serve_answers_on_its_own_shards_and_ctrl_c_ends_it(workflow_r
     import signal
     import urllib.request
 
-    from conftest import snakemake_cmd
+    from conftest import copy_workflow, snakemake_cmd
     from procs import alive
 
     from distlm.dist import free_port
 
+    work = copy_workflow(workflow_run, tmp_path / "work")  # serve_shard writes into it
     port = free_port()
     over = tmp_path / "serve.yaml"
     over.write_text(yaml.safe_dump({"serve": {"port": port, "stages": 2}}))
     log = tmp_path / "snakemake.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            snakemake_cmd(workflow_run, "serve", configfiles=(TINY, over)),
+            snakemake_cmd(work, "serve", configfiles=(TINY, over)),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal's foreground job
@@ -135,9 +136,7 @@ def test_snakemake_serve_answers_on_its_own_shards_and_ctrl_c_ends_it(workflow_r
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
         assert answer["usage"]["completion_tokens"] == 4 and answer["choices"][0]["text"]
-        manifest = json.loads(
-            (workflow_run / "results/serve/pipeline/shards/manifest.json").read_text()
-        )
+        manifest = json.loads((work / "results/serve/pipeline/shards/manifest.json").read_text())
         assert manifest["stages"] == 2
         group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == proc.pid]
         os.killpg(proc.pid, signal.SIGINT)

@@ -257,7 +257,7 @@ def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
 
 
 # Top-level sections that are no stage's setting: `sweep` turns one config into named runs
-# (distlm.sweep; README "Sweeps"), so it has no row in the rerun table.
+# (distlm.sweep; docs/sweeps.md), so it has no row in the rerun table.
 NOT_STAGE_KEYS = ("sweep",)
 
 

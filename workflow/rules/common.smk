@@ -19,7 +19,7 @@ from distlm.sweep import VARIANT_PATTERN, plan_sweep, split_job, variant_path
 # result against the schema generated from them (workflow/schemas/config.schema.yaml).
 try:
     _validated = validate_config(config, source="config")
-    # A sweep (README "Sweeps"): every run validated before any job starts; None without one.
+    # A sweep (docs/sweeps.md): every run validated before any job starts; None without one.
     SWEEP = plan_sweep(_validated, source="config")
 except ConfigError as e:
     raise WorkflowError(str(e))

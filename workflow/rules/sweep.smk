@@ -1,4 +1,4 @@
-# The report of a sweep (README "Sweeps"): the runs side by side in results/report/, and each
+# The report of a sweep (docs/sweeps.md): the runs side by side in results/report/, and each
 # run's own report and run.json in results/runs/<run>/. It replaces report.smk's rule when the
 # config has a `sweep`; every other rule runs once per job variant (workflow/rules/common.smk).
 from distlm.report.items import (

@@ -86,7 +86,7 @@ class Settings(Section):
     sweep: SweepSettings | None = Field(
         default=None,
         description=(
-            'Not a stage\'s setting: named runs over this base config (README "Sweeps"; '
+            "Not a stage's setting: named runs over this base config (docs/sweeps.md; "
             "distlm.sweep). Absent: one run, today's paths."
         ),
         json_schema_extra=_no_default,

@@ -16,7 +16,7 @@ DOTTED_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 class SweepSettings(Section):
     """Named runs over this base config, each job run once per distinct setting of the keys its
     stage reads; results/variants/<variant>/ per job variant, results/runs/<run>/ per run
-    (README "Sweeps"). Absent: one run, with today's paths."""
+    (docs/sweeps.md). Absent: one run, with today's paths."""
 
     runs: dict[str, dict[str, Any]] = Field(
         default_factory=dict,

@@ -3,7 +3,7 @@
 Same function as transformers' `GPT2LMHeadModel(input_ids, labels=input_ids).loss` (the mean
 cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
 default (2 ranks x 1 thread, 8 x 128 tokens per rank), the two together take about a fifth off the
-step (see benchmarks/train and the README's training section):
+step (see benchmarks/train and docs/performance.md, "Training"):
 
 - `linear_cross_entropy`: the LM head's logits (tokens x vocab; 16 MB a rank for the embedded
   default, 3.3 GB for GPT-2 at 16 x 1024) are never materialised whole. Chunks of rows go through
