@@ -29,7 +29,6 @@ MOVED: dict[str, str] = {
     "inference.greedy": (
         "removed: greedy decoding is inference.temperature: 0 (any temperature above 0 samples)"
     ),
-    "train.fault": "removed: test faults come from the test harness (tests/harness/faults.py)",
 }
 
 
