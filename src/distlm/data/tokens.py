@@ -27,7 +27,9 @@ def write_tokens(
     path: Path, streams: dict[str, np.ndarray], block_size: int, vocab_size: int, meta: dict
 ):
     dtype = token_dtype(vocab_size)
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    item = np.dtype(dtype).itemsize
+    size = sum((len(ids) + len(ids) // block_size * block_size) * item for ids in streams.values())
+    with atomic_path(path, size=size) as tmp, h5py.File(tmp, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["block_size"] = block_size
         f.attrs["vocab_size"] = vocab_size
