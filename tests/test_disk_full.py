@@ -170,7 +170,7 @@ def test_token_file_and_plain_writes_on_a_full_disk(tmp_path):
 
     from distlm.data import write_tokens
 
-    ids = np.arange(100_000, dtype=np.int64) % 1000
+    ids = np.arange(400_000, dtype=np.int64) % 1000  # 1.6 MB as uint16
     with tmpfs(tmp_path / "fs", 1 << 20) as fs:
         tokens = fs / "tokens.h5"
         write_tokens(tokens, {"train": ids[:1000]}, 10, 1000, {})
