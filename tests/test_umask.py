@@ -188,6 +188,9 @@ def test_a_teammate_evaluates_resumes_and_serves_what_another_trained(tmp_path):
             h.mkdir()
             shutil.chown(h, u, GROUP)
         wd = project / "work"
+        wd.mkdir()
+        os.chown(wd, pwd.getpwnam(USERS[0]).pw_uid, gid)
+        os.chmod(wd, 0o2775)
         port = free_port()
         over = project / "more.yaml"
         over.write_text(
