@@ -219,7 +219,7 @@ def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path):
     with tmpfs(wd / "results" / "data", 256 << 10) as data:
         proc = run_snakemake(wd, "train", configfile=conf, check=False)
         assert proc.returncode != 0
-        e = _disk_full_in(wd, "data", Path("results/data/tokens.h5"))
+        e = _disk_full_in(wd, "data", Path("results/data/tokens.h5"), proc.stdout + proc.stderr)
         assert e["needed"] > e["free"]
         assert not [p.name for p in data.iterdir() if p.name.startswith(".")]  # nothing partial
         assert not (data / "tokens.h5").exists()
@@ -231,7 +231,9 @@ def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path):
         proc = run_snakemake(wd, "train", configfile=conf, check=False)
         assert proc.returncode != 0
         (run,) = [p for p in fs.iterdir() if p.is_dir()]
-        e = _disk_full_in(wd, "train", run.relative_to(wd) / "step-00000012")
+        e = _disk_full_in(
+            wd, "train", run.relative_to(wd) / "step-00000012", proc.stdout + proc.stderr
+        )
         assert 0.95 * ckpt_bytes < e["needed"] <= ckpt_bytes and e["free"] < e["needed"]
         assert sorted(p.name for p in run.iterdir()) == [
             "identity.json",
@@ -278,9 +280,10 @@ def _logs(wd: Path, stage: str) -> str:
     )
 
 
-def _disk_full_in(wd: Path, stage: str, path: Path) -> dict[str, int]:
-    """The DiskFull message about `path` in a stage's logs: bytes needed and free."""
-    log = _logs(wd, stage)
+def _disk_full_in(wd: Path, stage: str, path: Path, output: str) -> dict[str, int]:
+    """The DiskFull message about `path` in a stage's logs or Snakemake's `output` (where a
+    `script:` rule's traceback goes): bytes needed and free."""
+    log = _logs(wd, stage) + output
     m = re.search(
         re.escape(str(path)) + r": No space left on device: writing it needs (\d+) bytes "
         r"\([^)]*\), (\d+) bytes \([^)]*\) are free on (\S+)\.",
