@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -35,7 +34,7 @@ from typing import ClassVar, Self
 
 from distlm import DistlmError
 from distlm.documents import Document, DocumentError, read_document
-from distlm.io import pid_alive
+from distlm.io import new_temp_file, pid_alive
 from distlm.log import get_logger
 
 log = get_logger(__name__)
@@ -81,7 +80,7 @@ def _me(what: str, token: str, beat: int = 0, started_at: float | None = None) -
 
 def _write_tmp(path: Path, doc: Holder) -> Path:
     """The document in a finished, fsynced temporary file next to `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = new_temp_file(path)  # with the umask's mode: other users of the folder read it
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(json.dumps(doc.to_json()) + "\n")
         f.flush()

@@ -4,6 +4,7 @@ chunked by rows); writing it, reading blocks (`TokenBlocks`) and its metadata, f
 from __future__ import annotations
 
 import json
+from io import BytesIO
 from pathlib import Path
 
 import h5py
@@ -27,7 +28,13 @@ def write_tokens(
     path: Path, streams: dict[str, np.ndarray], block_size: int, vocab_size: int, meta: dict
 ):
     dtype = token_dtype(vocab_size)
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    item = np.dtype(dtype).itemsize
+    size = sum((len(ids) + len(ids) // block_size * block_size) * item for ids in streams.values())
+    # Built in memory (the streams are there already), then written with one plain write: HDF5
+    # writing onto a full disk crashes the process in close() (a segfault, not an error), while a
+    # plain write raises ENOSPC, which distlm.io turns into DiskFull with the file left as it was.
+    image = BytesIO()
+    with h5py.File(image, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["block_size"] = block_size
         f.attrs["vocab_size"] = vocab_size
@@ -49,6 +56,8 @@ def write_tokens(
                 data=ids[: n_blocks * block_size].astype(dtype).reshape(n_blocks, block_size),
                 chunks=(rows, block_size),
             )
+    with atomic_path(path, size=size) as tmp:
+        tmp.write_bytes(image.getbuffer())
 
 
 class TokenBlocks:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.io import atomic_dir, digest, sha256_file, write_json
+from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes, write_json
 from distlm.log import get_logger
 from distlm.model.build import build_model
 from distlm.model.layout import (
@@ -133,7 +133,10 @@ def write_model_dir(
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
         raise DistlmError(f"tokenizer folder not found: {tokenizer_dir}")
-    with atomic_dir(out_dir) as tmp:
+    size = nbytes(state_dict) + sum(
+        tree_bytes(Path(p)) for p in (tokenizer_dir, *(extra_files or {}).values())
+    )
+    with atomic_dir(out_dir, size=size) as tmp:
         save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
         save_config(config, tmp, dtype=next(iter(state_dict.values())).dtype)
         copy_files(tokenizer_dir, tmp)

@@ -157,7 +157,7 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
     config = load_config_json(model_dir)
     state_dict = load_safetensors(weights)
     plans = plan_stages(state_dict, config.n_layer, stages, tied=config.tie_word_embeddings)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, size=sum(p.nbytes for p in plans)) as tmp:
         copy_files(model_dir, tmp, skip=(WEIGHTS,))  # config, tokenizer; shards carry weights
         (tmp / SHARDS).mkdir()
         shards = []

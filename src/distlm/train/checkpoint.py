@@ -42,7 +42,15 @@ from typing import Any
 import torch
 
 from distlm import DistlmError
-from distlm.io import atomic_dir, digest, read_json, remove_leftovers, sha256_file, write_json
+from distlm.io import (
+    atomic_dir,
+    digest,
+    nbytes,
+    read_json,
+    remove_leftovers,
+    sha256_file,
+    write_json,
+)
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
 
@@ -109,10 +117,12 @@ def save_checkpoint(
     state: dict,
     keep_last: int,
 ) -> Path:
-    """Write step `step`'s checkpoint atomically (call on rank 0), then keep only the last K."""
+    """Write step `step`'s checkpoint atomically (call on rank 0), then keep only the last K.
+    A full disk raises DiskFull (distlm.io) before anything older is pruned."""
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / checkpoint_name(step)
-    with atomic_dir(final) as tmp:
+    size = nbytes(weights) + nbytes(optimizer_state) + nbytes(rng_states)
+    with atomic_dir(final, size=size) as tmp:
         save_safetensors(
             weights, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)}
         )
