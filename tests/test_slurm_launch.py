@@ -339,13 +339,12 @@ def test_the_stop_notice_is_read_once_and_refused_when_malformed(tmp_path, monke
 
     alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=2)
     path = launch.notice_path(alloc, tmp_path)
-    assert path == tmp_path / ".distlm-launch" / "job-9-allocation-3.stop.json"
+    assert path == tmp_path / ".distlm-launch-job-9-allocation-3.stop.json"
     assert launch._read_notice(path) is None
     assert write_stop_notice(_notice("SIGUSR1"), {}) is None  # no launcher asked
-    path.parent.mkdir()
     assert write_stop_notice(_notice("SIGUSR1"), {launch.STOP_NOTICE_ENV: str(path)}) == path
-    assert launch._read_notice(path) == _notice("SIGUSR1") and not path.parent.exists()
-    path.parent.mkdir()
+    assert launch._read_notice(path) == _notice("SIGUSR1") and not path.exists()
+    assert list(tmp_path.iterdir()) == []
     path.write_text("{}")
     with pytest.raises(DocumentError, match="stop.json: no format tag"):
         launch._read_notice(path)

@@ -48,7 +48,6 @@ or stuck node is an error, never a hang.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
@@ -457,14 +456,12 @@ def _launcher_options(args: list[str]) -> tuple[LauncherOptions, list[str]]:
     return LauncherOptions(spread_procs, before, requeues), args
 
 
-# Where the trainer's StopNotice goes: the job's working directory, which every node shares (the
-# SLURM plugin's logs and the results live there too), one file per job and allocation.
-NOTICE_DIR = ".distlm-launch"
-
-
 def notice_path(alloc: Allocation, cwd: Path | None = None) -> Path:
+    """Where the trainer's StopNotice goes: the job's working directory, which every node shares
+    (the SLURM plugin's logs and the results live there too), one file per job and allocation
+    (no folder of its own: nothing that one job removes while another writes there)."""
     base = Path.cwd() if cwd is None else cwd
-    return base / NOTICE_DIR / f"job-{alloc.job_id}-allocation-{alloc.restarts + 1}.stop.json"
+    return base / f".distlm-launch-job-{alloc.job_id}-allocation-{alloc.restarts + 1}.stop.json"
 
 
 def _say(msg: str) -> None:
@@ -510,18 +507,13 @@ def requeue_decision(
 
 
 def _read_notice(path: Path) -> StopNotice | None:
-    """The notice at `path`, if the trainer wrote one; the file (and its folder, once empty) is
-    removed either way."""
+    """The notice at `path`, if the trainer wrote one; the file is removed either way."""
+    if not path.exists():
+        return None
     try:
-        if not path.exists():
-            return None
-        try:
-            return read_document(path, StopNotice)
-        finally:
-            path.unlink(missing_ok=True)
+        return read_document(path, StopNotice)
     finally:
-        with contextlib.suppress(OSError):  # another job's notice is there, or it is gone
-            path.parent.rmdir()
+        path.unlink(missing_ok=True)
 
 
 # After `scontrol requeue`, SLURM ends this allocation (SIGTERM to the batch script, then SIGKILL
@@ -562,7 +554,6 @@ def srun_torchrun(args: list[str]) -> int:
         STOP_NOTICE_ENV: str(notice),
     }
     try:
-        notice.parent.mkdir(parents=True, exist_ok=True)
         notice.unlink(missing_ok=True)
         cmd = srun_command(alloc, args, port=port, spread_procs=opts.spread_procs)
         _say(
