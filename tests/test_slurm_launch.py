@@ -68,13 +68,13 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
     )
     assert cmd[:8] == [
         "srun",
-        "--job-name=distlm-allocation-1",
         "--nodes=2",
         "--ntasks=2",
         "--ntasks-per-node=1",
         "--cpus-per-task=2",
         "--kill-on-bad-exit=1",
         f"--wait={launch.STRAGGLER_WAIT_S}",
+        "--job-name=distlm-allocation-1",
     ]
     assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
     assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in cmd

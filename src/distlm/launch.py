@@ -6,7 +6,7 @@ allocation's first node. The SLURM profile sets a rule's `torchrun` resource to 
 inside a job of N nodes runs
 
     srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 --wait=60 \\
-        python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
+        --job-name=distlm-allocation-K python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
         --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
 
 With `srun-torchrun --signal-before=SECONDS`, the launcher reads the job's end time (its time limit)
@@ -236,14 +236,14 @@ def srun_command(
         rdzv.append(f"--rdzv-conf=join_timeout={DEFAULT_JOIN_TIMEOUT_S}")
     return [
         "srun",
-        # the step's name in `squeue -s` and `sacct`: which allocation of the job this is
-        f"--job-name=distlm-allocation-{alloc.restarts + 1}",
         f"--nodes={n}",
         f"--ntasks={n}",
         "--ntasks-per-node=1",
         f"--cpus-per-task={alloc.cpus_per_task}",
         "--kill-on-bad-exit=1",
         f"--wait={STRAGGLER_WAIT_S}",
+        # the step's name in `squeue -s` and `sacct`: which allocation of the job this is
+        f"--job-name=distlm-allocation-{alloc.restarts + 1}",
         python,
         "-m",
         "distlm.launch",
