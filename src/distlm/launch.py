@@ -6,8 +6,9 @@ allocation's first node. The SLURM profile sets a rule's `torchrun` resource to 
 inside a job of N nodes runs
 
     srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 --wait=60 \\
-        --job-name=distlm-allocation-K python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
-        --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
+        --job-name=distlm-allocation-K python -m distlm.launch torchrun-node \\
+        --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- --nproc-per-node=4 workflow/scripts/train.py \\
+        --config cfg.json
 
 With `srun-torchrun --signal-before=SECONDS`, the launcher reads the job's end time (its time limit)
 from `scontrol show job` and, SECONDS before it, sends SIGUSR1 to the job's steps (`scancel
