@@ -38,7 +38,7 @@ cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profi
 profile = test_slurm.profile
 TARGET = "results/train/final"
 # Long enough that one allocation (1 minute, warned 30 s before its end) cannot train it all.
-STEPS = 4000
+STEPS = 3000
 LONG = {
     "train": {
         "max_steps": STEPS,
