@@ -105,6 +105,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
     wd, overlay = _prepared(tmp_path, workflow_run)
     env = cluster.env()
     # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
+    # (no --max-requeues: requeueing off, so the job ends; tests/test_slurm_requeue.py has it on)
     limited_profile = _profile_with(
         profile,
         tmp_path / "limited",

@@ -23,7 +23,7 @@ from harness import profile as test_profile
 SCONTROL_JOB = (
     "JobId=42 JobName=ab12 UserId=root(0) GroupId=root(0) JobState=RUNNING Reason=None "
     "NumNodes=2 NumCPUs=4 NumTasks=2 CPUs/Task=2 ReqB:S:C:T=0:0:*:* NodeList=node[1-2] "
-    "BatchHost=node1 WorkDir=/tmp/my work dir Command=(null)"
+    "BatchHost=node1 Requeue=1 Restarts=2 WorkDir=/tmp/my work dir Command=(null)"
 )
 
 
@@ -50,7 +50,7 @@ def test_read_allocation_expands_hostnames():
     run = FakeRun()
     alloc = launch.read_allocation("42", run=run)
     assert alloc.hosts == ("node1", "node2") and alloc.head == "node1"
-    assert alloc.cpus_per_task == 2
+    assert alloc.cpus_per_task == 2 and alloc.restarts == 2
     assert run.calls[1] == ["scontrol", "show", "hostnames", "node[1-2]"]
 
 
@@ -66,7 +66,7 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
     cmd = launch.srun_command(
         alloc, ["--nproc-per-node=4", "train.py", "--x", "1"], port=29400, python="py"
     )
-    assert cmd[:7] == [
+    assert cmd[:8] == [
         "srun",
         "--nodes=2",
         "--ntasks=2",
@@ -74,6 +74,7 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
         "--cpus-per-task=2",
         "--kill-on-bad-exit=1",
         f"--wait={launch.STRAGGLER_WAIT_S}",
+        "--job-name=distlm-allocation-1",
     ]
     assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
     assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in cmd
@@ -263,28 +264,87 @@ def test_harness_slurm_conf_has_one_line_per_node_and_no_accounting():
 
 
 def test_launcher_options_and_the_time_limit_warning(monkeypatch):
+    opts = launch.LauncherOptions
     assert launch._launcher_options(["--signal-before=120", "--spread-procs", "t.py"]) == (
-        True,
-        120.0,
+        opts(spread_procs=True, signal_before=120.0),
         ["t.py"],
     )
     assert launch._launcher_options(["--signal-before", "30", "--nproc-per-node=2", "t.py"]) == (
-        False,
-        30.0,
+        opts(signal_before=30.0),
         ["--nproc-per-node=2", "t.py"],
     )
+    assert launch._launcher_options(
+        ["--signal-before=30", "--max-requeues", "4", "-m", "distlm.x", "--max-requeues=9"]
+    ) == (opts(signal_before=30.0, max_requeues=4), ["-m", "distlm.x", "--max-requeues=9"])
     with pytest.raises(DistlmError, match="--signal-before needs a positive number"):
         launch._launcher_options(["--signal-before=soon", "t.py"])
+    with pytest.raises(DistlmError, match="--max-requeues needs a whole number >= 0, got '-1'"):
+        launch._launcher_options(["--signal-before=9", "--max-requeues=-1", "t.py"])
+    with pytest.raises(DistlmError, match="--max-requeues needs --signal-before"):
+        launch._launcher_options(["--max-requeues=3", "t.py"])
     assert launch.parse_end_time("Unknown") is None
     end = launch.parse_end_time("2026-11-22T19:30:00")
     assert end is not None and time.localtime(end).tm_hour == 19
     # 0.5 s before a limit 1 s away: scancel --signal=USR1 for the job, once, after ~0.5 s
     calls = []
     monkeypatch.setattr(launch, "_scontrol", lambda *a, **k: "JobId=9 EndTime=Unknown")
-    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, **k: calls.append(cmd))
+    monkeypatch.setattr(
+        launch.subprocess,
+        "run",
+        lambda cmd, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0),
+    )
     alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, end_time=time.time() + 1)
     warning = launch.LimitWarning(alloc, 0.5)
     t0 = time.monotonic()
     warning.start()
     warning._thread.join(timeout=5)
     assert calls == [["scancel", "--signal=USR1", "9"]] and time.monotonic() - t0 >= 0.4
+    assert warning.sent.is_set()
+
+
+def _notice(*signals: str, step: int = 700) -> launch.StopNotice:
+    return launch.StopNotice(
+        step=step, max_steps=4000, signals=list(signals), checkpoint_run="r", slurm_job="9"
+    )
+
+
+def test_only_a_time_limit_stop_at_a_checkpoint_is_requeued_within_the_bound():
+    alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=1)
+    opts = launch.LauncherOptions(signal_before=30.0, max_requeues=3)
+
+    usr1 = _notice("SIGUSR1")
+
+    def decide(rc=1, warned=True, notice=usr1, alloc=alloc, opts=opts):
+        return launch.requeue_decision(alloc, opts, rc=rc, warned=warned, notice=notice)
+
+    yes, why = decide()
+    assert yes and "requeueing job 9 (requeue 2 of at most 3)" in why and "step 700" in why
+    assert decide(rc=0) == (False, "training finished")
+    # an error, a NaN, a bad config: no notice, whatever the exit code
+    no, why = decide(notice=None)
+    assert not no and "without a stop notice" in why
+    # scancel or preemption (SIGTERM), or a SIGUSR1 this launcher did not send
+    assert not decide(notice=_notice("SIGTERM"))[0]
+    assert not decide(notice=_notice("SIGUSR1", "SIGTERM"), warned=False)[0]
+    # the bound, and requeueing off
+    last = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=3)
+    no, why = decide(alloc=last)
+    assert not no and "after 3 requeues of job 9: --max-requeues=3 reached" in why
+    assert not decide(opts=launch.LauncherOptions(signal_before=30.0))[0]
+
+
+def test_the_stop_notice_is_read_once_and_refused_when_malformed(tmp_path, monkeypatch):
+    from distlm.documents import DocumentError
+    from distlm.train.stopping import write_stop_notice
+
+    alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=2)
+    path = launch.notice_path(alloc, tmp_path)
+    assert path == tmp_path / ".distlm-launch-job-9-allocation-3.stop.json"
+    assert launch._read_notice(path) is None
+    assert write_stop_notice(_notice("SIGUSR1"), {}) is None  # no launcher asked
+    assert write_stop_notice(_notice("SIGUSR1"), {launch.STOP_NOTICE_ENV: str(path)}) == path
+    assert launch._read_notice(path) == _notice("SIGUSR1") and not path.exists()
+    assert list(tmp_path.iterdir()) == []
+    path.write_text("{}")
+    with pytest.raises(DocumentError, match="stop.json: no format tag"):
+        launch._read_notice(path)

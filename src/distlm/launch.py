@@ -6,8 +6,9 @@ allocation's first node. The SLURM profile sets a rule's `torchrun` resource to 
 inside a job of N nodes runs
 
     srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 --wait=60 \\
-        python -m distlm.launch torchrun-node --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- \\
-        --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
+        --job-name=distlm-allocation-K python -m distlm.launch torchrun-node \\
+        --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- --nproc-per-node=4 workflow/scripts/train.py \\
+        --config cfg.json
 
 With `srun-torchrun --signal-before=SECONDS`, the launcher reads the job's end time (its time limit)
 from `scontrol show job` and, SECONDS before it, sends SIGUSR1 to the job's steps (`scancel
@@ -17,6 +18,17 @@ torchrun's agents ignore SIGUSR1 (set before they start). This does not depend o
 SLURM plugin passing `--signal` to sbatch, nor on SLURM's coarse timing of it (up to a minute
 early), and it works for a job whose time limit is raised while it runs (read again before
 sending).
+
+With `--max-requeues=N` as well, a training that this warning stopped at a checkpoint is put back
+in the queue (`scontrol requeue JOBID`, as submitit does), at most N times per job: the same job id
+and name, so the Snakemake SLURM plugin keeps waiting on it (it reads REQUEUED and PENDING as
+still active), and the next allocation resumes from that checkpoint. The decision rests on an
+explicit signal from the trainer, never on an exit code: the launcher names a file in
+DISTLM_STOP_NOTICE, and rank 0 writes a StopNotice document there once the stop's checkpoint is
+durable. A failure without a notice (an error, a NaN loss, a bad config) or a stop on another
+signal (scancel, preemption: SLURM's own `--requeue` handles the latter) is never requeued. Each
+allocation is logged (`allocation K`, SLURM's restart count K-1) and its srun step is named
+`distlm-allocation-K` (`squeue -s`, `sacct`).
 
 With `srun-torchrun --spread-procs`, --nproc-per-node is the job's TOTAL process count, spread over
 the nodes as evenly as possible (3 on 2 nodes: 2 + 1): for stages whose world size is fixed by the
@@ -47,8 +59,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 from distlm import DistlmError
+from distlm.documents import Document, read_document
 
 # torchrun options this launcher decides: given by the caller they would contradict the allocation.
 _OWNED = (
@@ -82,6 +97,7 @@ class Allocation:
     hosts: tuple[str, ...]
     cpus_per_task: int
     end_time: float | None = None  # epoch seconds the time limit ends the job; None: no limit
+    restarts: int = 0  # times SLURM requeued the job (`Restarts`, SLURM_RESTART_COUNT)
 
     @property
     def head(self) -> str:
@@ -124,11 +140,13 @@ def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
         raise DistlmError(f"distlm-launch: SLURM job {job_id} has no NodeList (is it running?)")
     hosts = tuple(scontrol("show", "hostnames", nodelist).split())
     cpus = fields.get("CPUs/Task", "1")
+    restarts = fields.get("Restarts", "0")
     return Allocation(
         job_id=job_id,
         hosts=hosts,
         cpus_per_task=int(cpus) if cpus.isdigit() else 1,
         end_time=parse_end_time(fields.get("EndTime")),
+        restarts=int(restarts) if restarts.isdigit() else 0,
     )
 
 
@@ -225,6 +243,8 @@ def srun_command(
         f"--cpus-per-task={alloc.cpus_per_task}",
         "--kill-on-bad-exit=1",
         f"--wait={STRAGGLER_WAIT_S}",
+        # the step's name in `squeue -s` and `sacct`: which allocation of the job this is
+        f"--job-name=distlm-allocation-{alloc.restarts + 1}",
         python,
         "-m",
         "distlm.launch",
@@ -324,6 +344,7 @@ class LimitWarning:
         self.alloc = alloc
         self.before_s = before_s
         self._done = threading.Event()
+        self.sent = threading.Event()  # SIGUSR1 went to the job's steps
         self._thread = threading.Thread(target=self._run, daemon=True, name="limit-warning")
 
     def start(self) -> None:
@@ -358,24 +379,61 @@ class LimitWarning:
                 file=sys.stderr,
                 flush=True,
             )
-            subprocess.run(["scancel", "--signal=USR1", self.alloc.job_id], check=False, timeout=60)
+            sent = subprocess.run(
+                ["scancel", "--signal=USR1", self.alloc.job_id], check=False, timeout=60
+            )
+            if sent.returncode == 0:
+                self.sent.set()
             return
 
     def stop(self) -> None:
         self._done.set()
 
 
-def _launcher_options(args: list[str]) -> tuple[bool, float | None, list[str]]:
-    """(--spread-procs, --signal-before seconds, the torchrun args after them)."""
-    spread_procs, before = False, None
-    while args and args[0].startswith(("--spread-procs", "--signal-before")):
+# The trainer -> launcher signal that decides a requeue. The launcher names a file in this variable
+# (in the job's working directory, shared by every node); rank 0 of a training that stopped on a
+# signal at a step boundary writes a StopNotice there once that step's checkpoint is durable
+# (distlm.train.stopping). Only a notice that names SIGUSR1, after the launcher itself sent it
+# (--signal-before), makes the launcher requeue the job. No notice (an error, a NaN loss, a bad
+# config, a killed rank) or another signal (scancel's or preemption's SIGTERM) never does.
+STOP_NOTICE_ENV = "DISTLM_STOP_NOTICE"
+
+
+class StopNotice(Document):
+    """Training stopped on a signal at a step boundary, with that step's checkpoint written."""
+
+    KIND: ClassVar[str] = "distlm.train.stop_notice"
+    VERSION: ClassVar[int] = 1
+    step: int  # optimizer steps done: the checkpoint written, where the next attempt resumes
+    max_steps: int
+    signals: list[str]  # the stop signals that reached some rank, e.g. ["SIGUSR1"]
+    checkpoint_run: str  # the run identity's checkpoint folder
+    slurm_job: str | None  # SLURM_JOB_ID of the allocation that stopped
+
+
+@dataclass(frozen=True)
+class LauncherOptions:
+    """The launcher's own options, before the torchrun args."""
+
+    spread_procs: bool = False
+    signal_before: float | None = None  # seconds before the time limit to send SIGUSR1
+    max_requeues: int = 0  # requeues of the job after a time-limit stop (0: none)
+
+
+def _launcher_options(args: list[str]) -> tuple[LauncherOptions, list[str]]:
+    """(the launcher's options, the torchrun args after them)."""
+    spread_procs, before, requeues = False, None, 0
+    while args and args[0].startswith(("--spread-procs", "--signal-before", "--max-requeues")):
         opt, eq, value = args[0].partition("=")
         if opt == "--spread-procs" and not eq:
             spread_procs, args = True, args[1:]
             continue
+        if opt not in ("--signal-before", "--max-requeues"):
+            break
+        if not eq and len(args) > 1:
+            value, args = args[1], args[1:]
+        args = args[1:]
         if opt == "--signal-before":
-            if not eq and len(args) > 1:
-                value, args = args[1], args[1:]
             try:
                 before = float(value)
             except ValueError:
@@ -385,14 +443,101 @@ def _launcher_options(args: list[str]) -> tuple[bool, float | None, list[str]]:
                     f"distlm-launch: --signal-before needs a positive number of seconds, got "
                     f"{value!r}"
                 )
-            args = args[1:]
-            continue
-        break
-    return spread_procs, before, args
+        else:
+            if not value.isdigit():
+                raise DistlmError(
+                    f"distlm-launch: --max-requeues needs a whole number >= 0, got {value!r}"
+                )
+            requeues = int(value)
+    if requeues and before is None:
+        raise DistlmError(
+            "distlm-launch: --max-requeues needs --signal-before: the job is requeued only when "
+            "the launcher's own time-limit warning stopped training at a checkpoint"
+        )
+    return LauncherOptions(spread_procs, before, requeues), args
+
+
+def notice_path(alloc: Allocation, cwd: Path | None = None) -> Path:
+    """Where the trainer's StopNotice goes: the job's working directory, which every node shares
+    (the SLURM plugin's logs and the results live there too), one file per job and allocation
+    (no folder of its own: nothing that one job removes while another writes there)."""
+    base = Path.cwd() if cwd is None else cwd
+    return base / f".distlm-launch-job-{alloc.job_id}-allocation-{alloc.restarts + 1}.stop.json"
+
+
+def _say(msg: str) -> None:
+    print(f"distlm-launch: {msg}", file=sys.stderr, flush=True)
+
+
+def requeue_decision(
+    alloc: Allocation, opts: LauncherOptions, *, rc: int, warned: bool, notice: StopNotice | None
+) -> tuple[bool, str]:
+    """(requeue the job?, why): only a training that the launcher's own SIGUSR1 stopped at a
+    written checkpoint (its StopNotice names SIGUSR1) is requeued, at most max_requeues times."""
+    if rc == 0:
+        return False, "training finished"
+    if notice is None:
+        return False, (
+            f"training failed (exit code {rc}) without a stop notice: an error, not a "
+            "time-limit stop; not requeued"
+        )
+    if "SIGUSR1" not in notice.signals or not warned:
+        return False, (
+            f"training stopped at step {notice.step} of {notice.max_steps} on "
+            f"{', '.join(notice.signals)}, not on this launcher's time-limit warning (scancel, "
+            "preemption, a kill): not requeued by distlm-launch; the same command resumes there"
+        )
+    if opts.max_requeues == 0:
+        return False, (
+            f"training stopped at step {notice.step} of {notice.max_steps} for the time limit; "
+            "requeueing is off (no --max-requeues): the same command resumes there"
+        )
+    if alloc.restarts >= opts.max_requeues:
+        return False, (
+            f"training stopped at step {notice.step} of {notice.max_steps} for the time limit "
+            f"after {alloc.restarts} requeues of job {alloc.job_id}: --max-requeues="
+            f"{opts.max_requeues} reached, not requeued again. Raise --max-requeues in the "
+            "train rule's `torchrun` resource (profiles/slurm/config.yaml) or the `runtime`; the "
+            "same command resumes from that step"
+        )
+    return True, (
+        f"training stopped at step {notice.step} of {notice.max_steps} for the time limit: "
+        f"requeueing job {alloc.job_id} (requeue {alloc.restarts + 1} of at most "
+        f"{opts.max_requeues}); its next allocation resumes from step {notice.step}"
+    )
+
+
+def _read_notice(path: Path) -> StopNotice | None:
+    """The notice at `path`, if the trainer wrote one; the file is removed either way."""
+    if not path.exists():
+        return None
+    try:
+        return read_document(path, StopNotice)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+# After `scontrol requeue`, SLURM ends this allocation (SIGTERM to the batch script, then SIGKILL
+# after KillWait); the launcher waits for that rather than exiting first.
+REQUEUE_WAIT_S = 300
+
+
+def _requeue(alloc: Allocation) -> int:
+    try:
+        _scontrol("requeue", alloc.job_id)
+    except DistlmError as e:
+        _say(
+            f"could not requeue job {alloc.job_id} ({e}); does the cluster or the job forbid "
+            "requeues (JobRequeue=0, --no-requeue)? The same command resumes from the checkpoint"
+        )
+        return 1
+    time.sleep(REQUEUE_WAIT_S)
+    _say(f"job {alloc.job_id} was requeued but its allocation did not end in {REQUEUE_WAIT_S} s")
+    return 1
 
 
 def srun_torchrun(args: list[str]) -> int:
-    spread_procs, signal_before, args = _launcher_options(args)
+    opts, args = _launcher_options(args)
     check_torchrun_args(args)
     job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
     if not job_id:
@@ -402,27 +547,49 @@ def srun_torchrun(args: list[str]) -> int:
         )
     alloc = read_allocation(job_id)
     port, holder = rendezvous_port(alloc, socket.gethostname())
-    warning = LimitWarning(alloc, signal_before) if signal_before else None
+    warning = LimitWarning(alloc, opts.signal_before) if opts.signal_before else None
+    notice = notice_path(alloc)
+    env = {
+        **os.environ,
+        "SLURM_RESTART_COUNT": str(alloc.restarts),
+        STOP_NOTICE_ENV: str(notice),
+    }
     try:
-        cmd = srun_command(alloc, args, port=port, spread_procs=spread_procs)
-        print(f"distlm-launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd)
+        notice.unlink(missing_ok=True)
+        cmd = srun_command(alloc, args, port=port, spread_procs=opts.spread_procs)
+        _say(
+            f"job {alloc.job_id}, allocation {alloc.restarts + 1} (SLURM restart count "
+            f"{alloc.restarts}, at most {opts.max_requeues} requeues on the time limit)"
+        )
+        _say(shlex.join(cmd))
+        proc = subprocess.Popen(cmd, env=env)
         if warning is not None:
             warning.start()
-        return proc.wait()
+        rc = proc.wait()
     finally:
         if warning is not None:
             warning.stop()
         if holder is not None:
             holder.close()
+    requeue, why = requeue_decision(
+        alloc,
+        opts,
+        rc=rc,
+        warned=warning is not None and warning.sent.is_set(),
+        notice=_read_notice(notice),
+    )
+    if rc != 0:
+        _say(why)
+    if requeue:
+        return _requeue(alloc)
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = (
         "usage: distlm-launch srun-torchrun [--spread-procs] [--signal-before=SECONDS] "
-        "[torchrun options] script.py "
-        "[script args]\n"
+        "[--max-requeues=N] [torchrun options] (script.py | -m module) [args]\n"
         "       (inside a SLURM job: one srun task per node, c10d rendezvous on the first)"
     )
     if not argv or argv[0] in ("-h", "--help"):

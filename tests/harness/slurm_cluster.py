@@ -42,6 +42,9 @@ import time
 from pathlib import Path
 
 PARTITION = "debug"
+# A partition over the same nodes whose jobs preempt the default partition's (PriorityTier 2 over
+# 1, PreemptMode=REQUEUE): a test preempts a running job by submitting one here.
+URGENT_PARTITION = "urgent"
 CPUS_PER_NODE = 4  # virtual: SlurmdParameters=config_overrides lets nodes claim more than the host
 MEM_PER_NODE_MB = 8000
 PORT_RANGE = (
@@ -311,13 +314,23 @@ def slurm_conf(c: Cluster, ports: dict[str, int] | None = None) -> str:
         "MessageTimeout=20",
         "KillOnBadExit=1",
         "PlugStackConfig=/dev/null",
+        # Preemption as clusters do it: a job of the urgent partition requeues the jobs of the
+        # default one that hold the nodes it needs (SIGTERM, KillWait, then back to PENDING).
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
     ]
     for i, name in enumerate(c.node_names(), start=1):
         lines.append(
             f"NodeName={name} NodeAddr={c.node_addr(i)} NodeHostname={name} "
             f"CPUs={CPUS_PER_NODE} RealMemory={MEM_PER_NODE_MB} State=UNKNOWN"
         )
-    lines.append(f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+    lines.append(
+        f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1"
+    )
+    lines.append(
+        f"PartitionName={URGENT_PARTITION} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 "
+        "PreemptMode=OFF"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -538,7 +551,8 @@ def down(c: Cluster) -> None:
     pidfiles += sorted((s / "run").glob("*.pid")) + [s / "munge" / "munged.pid"]
     if shutil.which("scancel") and _ours(c, _daemons(c)["slurmctld"]):
         try:
-            _run(["scancel", "--full", "--partition", PARTITION], check=False, env=c.env())
+            for partition in (PARTITION, URGENT_PARTITION):
+                _run(["scancel", "--full", "--partition", partition], check=False, env=c.env())
         except HarnessError:
             pass  # the daemons are stopped below either way
     pids = sorted({pid for pf in pidfiles if (pid := _ours(c, pf))})

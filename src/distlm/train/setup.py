@@ -52,6 +52,7 @@ class TrainerSetup:
         self.run_dir: Path | None = None  # rank 0: this run identity's checkpoint folder
         self._stop_signal: int | None = None  # set by the signal handler, read at step ends
         self.stop_requested: str | None = None  # agreed by every rank at the last step end
+        self.stop_signals: list[str] = []  # the STOP_SIGNALS behind stop_requested
         self._history: dict = {}  # the metrics history of the checkpoint resumed from
 
     # ------------------------------------------------------------------ setup
@@ -63,10 +64,11 @@ class TrainerSetup:
             self.lease = Lease(self.paths.lease, what=f"training in {self.paths.out}")
             self.lease.acquire()
             log.info(
-                "attempt: host %s, pid %d, SLURM job %s, torchrun restart %s",
+                "attempt: host %s, pid %d, SLURM job %s, SLURM restart %s, torchrun restart %s",
                 socket.gethostname(),
                 os.getpid(),
                 os.environ.get("SLURM_JOB_ID", "-"),
+                os.environ.get("SLURM_RESTART_COUNT", "0"),
                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
             )
         self._setup_data()

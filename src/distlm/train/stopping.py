@@ -3,9 +3,16 @@ clean stop at the next step boundary (the step's all-reduce carries them to ever
 
 from __future__ import annotations
 
+import os
 import signal
+from collections.abc import Mapping
+from pathlib import Path
 
 from distlm import DistlmError
+from distlm.documents import write_document
+from distlm.launch import STOP_NOTICE_ENV, StopNotice
+
+__all__ = ["STOP_NOTICE_ENV", "StopNotice", "write_stop_notice"]
 
 
 class TrainingDiverged(DistlmError):
@@ -30,3 +37,19 @@ def stop_reason(signalled: list[float], world_size: int) -> str:
         for sig, n in zip(STOP_SIGNALS, signalled, strict=True)
         if n
     )
+
+
+def stop_signals(signalled: list[float]) -> list[str]:
+    """['SIGUSR1', ...]: the STOP_SIGNALS that reached at least one rank, in their order."""
+    return [sig.name for sig, n in zip(STOP_SIGNALS, signalled, strict=True) if n]
+
+
+def write_stop_notice(notice: StopNotice, environ: Mapping[str, str] = os.environ) -> Path | None:
+    """Rank 0, after the checkpoint of `notice.step` is durable: write `notice` where
+    `distlm-launch srun-torchrun` asked (STOP_NOTICE_ENV); None when no launcher asked (a local
+    run, torchrun by hand)."""
+    where = environ.get(STOP_NOTICE_ENV)
+    if not where:
+        return None
+    write_document(where, notice)
+    return Path(where)

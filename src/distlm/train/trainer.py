@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 
@@ -37,7 +38,15 @@ from distlm.train.optim import fused_adamw_available, lr_at, resolve_precision
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
 from distlm.train.setup import TrainerSetup
-from distlm.train.stopping import STOP_SIGNALS, TrainingDiverged, TrainingStopped, stop_reason
+from distlm.train.stopping import (
+    STOP_SIGNALS,
+    StopNotice,
+    TrainingDiverged,
+    TrainingStopped,
+    stop_reason,
+    stop_signals,
+    write_stop_notice,
+)
 
 # Re-exported: callers import these from here (tests, benchmarks/train).
 __all__ = [
@@ -119,6 +128,7 @@ class Trainer(TrainerSetup):
             )
         if any(signalled) and self.stop_requested is None:
             self.stop_requested = stop_reason(signalled, self.topo.world_size)
+            self.stop_signals = stop_signals(signalled)
         # No device synchronize: the .item() above already waited for forward and backward, and
         # the optimizer kernels overlap the next step's launches (counted in the next step time).
         # The step time runs from the end of the previous step, so it holds everything the loop
@@ -269,6 +279,8 @@ class Trainer(TrainerSetup):
                         log.warning("%s: its checkpoint is written first", why)
                         if last_ckpt != self.step:
                             self.save_checkpoint()
+                        if self.topo.is_main and self.run_dir is not None:
+                            self._tell_launcher()
                         raise TrainingStopped(
                             f"{why}: the checkpoint of step {self.step} is written; run the same "
                             "command again to resume from it"
@@ -290,6 +302,21 @@ class Trainer(TrainerSetup):
         if self.topo.is_main and self.run_dir is not None:
             ckpt_mod.prune_runs(self.paths.checkpoints, t.keep_runs, self.run_dir)
         return meta
+
+    def _tell_launcher(self) -> None:
+        """Rank 0, its checkpoint written: the StopNotice distlm-launch decides a requeue on."""
+        assert self.run_dir is not None
+        where = write_stop_notice(
+            StopNotice(
+                step=self.step,
+                max_steps=self.tcfg.max_steps,
+                signals=self.stop_signals,
+                checkpoint_run=str(self.run_dir),
+                slurm_job=os.environ.get("SLURM_JOB_ID"),
+            )
+        )
+        if where is not None:
+            log.info("stop notice for the launcher: %s", where)
 
     def _on_stop_signal(self, signum: int, _frame) -> None:
         # Only a flag: the step boundary acts on it (checkpoint, then TrainingStopped).

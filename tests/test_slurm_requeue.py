@@ -1,0 +1,240 @@
+"""One `snakemake --profile <the SLURM profile>` command trains to the end across allocations, on
+the local cluster (tests/harness/slurm_cluster.py):
+
+- a train job whose time limit (1 minute) is a fraction of the training: the launcher's SIGUSR1
+  30 s before it stops the ranks at a checkpoint, the launcher requeues the job (`scontrol
+  requeue`), Snakemake keeps waiting on the same job id, and the next allocation resumes there.
+  The job restarts at least once, no step trains twice, and the final weights are byte-identical
+  to an uninterrupted run of the same config and topology;
+- the bound: with `--max-requeues=1` a training that needs more allocations stops after one
+  requeue, and Snakemake reports the launcher's message;
+- a training that fails on its own (an injected NaN loss) is never requeued;
+- preemption with `--slurm-requeue`: a job of the urgent partition takes the nodes, SLURM requeues
+  the train job (SIGTERM: checkpoint at the step boundary), and the same command finishes.
+
+Between allocations SLURM holds a requeued job about two minutes (Reason=BeginTime), so each
+requeue costs that much here.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import test_slurm
+import yaml
+from conftest import TINY, snakemake_cmd
+from test_slurm import job_fields, sh, submissions
+
+from distlm.model import read_meta
+from distlm.train import checkpoint as ck
+
+pytestmark = pytest.mark.slurm
+cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profile
+profile = test_slurm.profile
+TARGET = "results/train/final"
+# Long enough that one allocation (1 minute, warned 30 s before its end) cannot train it all.
+STEPS = 3000
+LONG = {
+    "train": {
+        "max_steps": STEPS,
+        "ckpt_every": 1000,
+        "eval_every": STEPS,
+        "log_every": 50,
+        "profile": {"enabled": False},
+    }
+}
+LIMITED = {"runtime": 1}
+
+
+def _launcher(*opts: str) -> str:
+    return "'distlm-launch srun-torchrun --signal-before=30 " + " ".join(opts) + "'"
+
+
+def _profile_with(profile: Path, dest: Path, **train: object) -> Path:
+    """The test profile with rule train's resources changed (a CLI --set-resources would replace
+    the rule's whole entry, its `mpi` and `nodes` included)."""
+    cfg = yaml.safe_load((profile / "config.yaml").read_text())
+    cfg["set-resources"]["train"].update(train)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return dest
+
+
+def _prepared(tmp_path: Path, name: str, overlay_cfg: dict = LONG) -> tuple[Path, tuple]:
+    """A work dir whose data and base model exist (built with the local profile), and the config
+    files of its training."""
+    wd = tmp_path / name
+    wd.mkdir()
+    overlay = tmp_path / f"{name}.yaml"
+    overlay.write_text(yaml.safe_dump(overlay_cfg))
+    configs = (TINY, test_slurm.SLURM_CONFIG, overlay)
+    subprocess.run(
+        snakemake_cmd(wd, "results/model/base", "results/data/tokens.h5", configfiles=configs),
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    return wd, configs
+
+
+def _snakemake(cluster, wd: Path, configs: tuple, profile: Path, *extra: str, timeout=900):
+    return subprocess.run(
+        [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), *extra],
+        env={**os.environ, **cluster.env()},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _train_job(out: str) -> str:
+    (job_id,) = submissions(out)["train"]  # one submission: requeues keep the job id
+    return job_id
+
+
+def _attempts(wd: Path) -> list[int]:
+    """The SLURM restart count of each attempt, from the trainer's `attempt:` lines."""
+    log = (wd / "logs" / "train" / "rank0.log").read_text()
+    return [int(n) for n in re.findall(r"attempt: .*?, SLURM restart (\d+),", log)]
+
+
+def _metric_steps(wd: Path) -> list[int]:
+    with (wd / "results" / "train" / "metrics.csv").open() as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def _stops(wd: Path, how: str, steps: int = STEPS) -> list[int]:
+    log = (wd / "logs" / "train" / "rank0.log").read_text()
+    return [int(n) for n in re.findall(rf"stopping at step (\d+) of {steps} \({how}", log)]
+
+
+@pytest.mark.timeout(1500)
+def test_one_command_trains_past_the_time_limit_and_the_bound_holds(cluster, profile, tmp_path):
+    # the reference: the same config and topology, one allocation long enough for all of it
+    ref, configs = _prepared(tmp_path, "reference")
+    done = _snakemake(cluster, ref, configs, profile)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _attempts(ref) == [0]
+
+    # 1. runtime 1 minute, warned 30 s before, up to 3 requeues: ONE command trains to the end
+    wd, configs = _prepared(tmp_path, "requeued")
+    requeuing = _profile_with(
+        profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=3")
+    )
+    run = _snakemake(cluster, wd, configs, requeuing)
+    assert run.returncode == 0, run.stderr[-5000:]
+    job = _train_job(run.stdout + run.stderr)
+    restarts = int(job_fields(cluster, job)["Restarts"])
+    assert 1 <= restarts <= 3
+    assert _attempts(wd) == list(range(restarts + 1))  # one attempt per allocation, logged
+    stops = _stops(wd, "SIGUSR1")
+    assert len(stops) == restarts and stops == sorted(stops) and 0 < stops[0]
+    # Snakemake empties the rule's log at each allocation's start: the last one's launcher lines;
+    # the job's SLURM log (--open-mode=append) keeps every allocation's end
+    train_log = (wd / "logs" / "train" / "train.log").read_text()
+    assert f"job {job}, allocation {restarts + 1} (SLURM restart count {restarts}," in train_log
+    slurm_log = (wd / ".snakemake" / "slurm_logs" / "rule_train" / f"{job}.log").read_text()
+    assert slurm_log.count("DUE TO JOB REQUEUE") == restarts
+    # no step trained twice: each step once in metrics.csv, in order; each resume from the stop
+    assert _metric_steps(wd) == list(range(1, STEPS + 1))
+    rank0 = (wd / "logs" / "train" / "rank0.log").read_text()
+    for step in stops:
+        assert f"(step {step} of {STEPS}" in rank0.split(f"stopping at step {step} of")[1]
+    assert read_meta(wd / "results" / "train" / "final")["training"]["steps"] == STEPS
+    weights = [r / "results" / "train" / "final" / "model.safetensors" for r in (ref, wd)]
+    assert weights[0].read_bytes() == weights[1].read_bytes()
+
+    # 2. the bound: one requeue allowed, a training that needs more (twice as long): it stops
+    # after one, and Snakemake reports the launcher's message
+    longer = 2 * STEPS
+    wd2, configs2 = _prepared(
+        tmp_path, "bounded", {"train": {**LONG["train"], "max_steps": longer, "eval_every": longer}}
+    )
+    bounded = _profile_with(
+        profile, tmp_path / "bounded-profile", **LIMITED, torchrun=_launcher("--max-requeues=1")
+    )
+    short = _snakemake(cluster, wd2, configs2, bounded)
+    assert short.returncode != 0
+    job2 = _train_job(short.stdout + short.stderr)
+    assert job_fields(cluster, job2)["Restarts"] == "1"
+    assert _attempts(wd2) == [0, 1]
+    (last,) = _stops(wd2, "SIGUSR1", longer)[1:]
+    log2 = (wd2 / "logs" / "train" / "train.log").read_text()
+    assert (
+        f"training stopped at step {last} of {longer} for the time limit after 1 requeues of job "
+        f"{job2}: --max-requeues=1 reached, not requeued again"
+    ) in log2
+    assert "Error in rule train" in short.stderr
+    # Snakemake removed the failed job's outputs (metrics.csv); the checkpoint stays for a rerun
+    ((run, _),) = ck.list_runs(wd2 / "results" / "train" / "checkpoints")
+    assert last in [c.step for c in ck.list_checkpoints(run)]
+
+
+@pytest.mark.timeout(900)
+def test_a_training_that_fails_on_its_own_is_never_requeued(cluster, profile, tmp_path):
+    nan = {"train": {**LONG["train"], "fault": {"nan_at_step": 60}}}
+    wd, configs = _prepared(tmp_path, "nan", nan)
+    requeuing = _profile_with(
+        profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=3")
+    )
+    run = _snakemake(cluster, wd, configs, requeuing)
+    assert run.returncode != 0
+    job = _train_job(run.stdout + run.stderr)
+    fields = job_fields(cluster, job)
+    assert fields["Restarts"] == "0" and fields["JobState"] == "FAILED", fields
+    assert _attempts(wd) == [0]
+    log = (wd / "logs" / "train" / "train.log").read_text()
+    assert "without a stop notice: an error, not a time-limit stop; not requeued" in log
+    assert "requeueing job" not in log
+    assert "Error in rule train" in run.stderr
+
+
+@pytest.mark.timeout(900)
+def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(cluster, profile, tmp_path):
+    from harness import slurm_cluster as sc
+
+    wd, configs = _prepared(tmp_path, "preempted")
+    proc = subprocess.Popen(
+        [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), "--slurm-requeue"],
+        env={**os.environ, **cluster.env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = wd / "logs" / "train" / "rank0.log"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and len(re.findall(r" step \d+/\d+ loss", log.read_text())) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.5)
+    # a job of the urgent partition needs both nodes whole: SLURM preempts (requeues) the train job
+    urgent = sh(
+        cluster,
+        [
+            "sbatch",
+            "--parsable",
+            f"--partition={sc.URGENT_PARTITION}",
+            "--nodes=2",
+            "--exclusive",
+            "--time=1",
+            "--wrap=sleep 5",
+        ],
+    ).stdout.strip()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-5000:]
+    job = _train_job(out)
+    assert job_fields(cluster, job)["Restarts"] == "1"
+    assert job_fields(cluster, urgent)["JobState"] == "COMPLETED"
+    assert _attempts(wd) == [0, 1]
+    (stop,) = _stops(wd, "SIGTERM")
+    assert 0 < stop < STEPS
+    rank0 = log.read_text()
+    assert f"(step {stop} of {STEPS}" in rank0.split(f"stopping at step {stop} of")[1]
+    assert _metric_steps(wd) == list(range(1, STEPS + 1))
+    # SLURM requeued it, not the launcher (no time-limit warning was sent)
+    assert "requeueing job" not in (wd / "logs" / "train" / "train.log").read_text()
