@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import test_slurm
 import yaml
-from conftest import TINY, copy_workflow, snakemake_cmd
+from conftest import TINY, snakemake_cmd
 from test_slurm import sh, submissions
 
 from distlm.model import read_meta
@@ -58,13 +58,21 @@ def _profile_with(profile: Path, dest: Path, **train: object) -> Path:
     return dest
 
 
-def _prepared(tmp_path: Path, workflow_run: Path) -> tuple[Path, Path]:
-    """A work dir whose data and base model exist: a copy of the tiny workflow's (built with the
-    local profile: the files and Snakemake's records are the same whichever profile ran them; the
-    SLURM overlays edit train.* and eval.* only), without its training."""
-    wd = copy_workflow(workflow_run, tmp_path / "work", without=("results/train", "logs/train"))
+def _prepared(tmp_path: Path) -> tuple[Path, Path]:
+    """A work dir whose data and base model exist (built with the local profile: the files and
+    Snakemake's records are the same whichever profile ran them)."""
+    wd = tmp_path / "work"
+    wd.mkdir()
     overlay = tmp_path / "long.yaml"
     overlay.write_text(yaml.safe_dump(LONG))
+    subprocess.run(
+        snakemake_cmd(
+            wd, "results/model/base", "results/data/tokens.h5", configfiles=_configs(overlay)
+        ),
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
     return wd, overlay
 
 
@@ -99,10 +107,8 @@ def _training(wd: Path, since: int = 0) -> bool:
 
 
 @pytest.mark.timeout(900)
-def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
-    cluster, profile, tmp_path, workflow_run
-):
-    wd, overlay = _prepared(tmp_path, workflow_run)
+def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profile, tmp_path):
+    wd, overlay = _prepared(tmp_path)
     env = cluster.env()
     # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
     # (no --max-requeues: requeueing off, so the job ends; tests/test_slurm_requeue.py has it on)
@@ -151,8 +157,8 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, tmp_path, workflow_run):
-    wd, overlay = _prepared(tmp_path, workflow_run)
+def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, tmp_path):
+    wd, overlay = _prepared(tmp_path)
     env = {**os.environ, **cluster.env()}
     cmd = snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=profile)
     first = subprocess.Popen(
