@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from distlm import DistlmError
 from distlm.config import deep_merge, validate_config, validate_settings
@@ -24,7 +25,8 @@ from distlm.model import (
     write_model_dir,
     write_pipeline_dir,
 )
-from distlm.settings import ModelInitSettings, ModelSourceSettings
+from distlm.settings import ModelInitSettings, ModelSourceSettings, Settings
+from distlm.settings.stage import ModelConfig
 
 BASE = {
     "data": {"block_size": 32, "tokenizer": {"vocab_size": 400}},
@@ -46,12 +48,20 @@ def data(tmp_path_factory):
     return out
 
 
+def model_config(c: Settings) -> ModelConfig:
+    """The model stage's document of validated settings (as the rule's params hold it)."""
+    return ModelConfig.of({"model": c.model.model_dump(mode="json")})
+
+
 def make(tmp_path, data, stages, **model):
     """A serialized model folder and its pipeline folder of `stages` shards."""
     c = validate_settings(deep_merge(BASE, {"model": model}))
     folder = tmp_path / "model"
     serialize(
-        c.model, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=folder
+        model_config(c),
+        tokenizer_dir=data / "tokenizer",
+        tokens_path=data / "tokens.h5",
+        out_dir=folder,
     )
     out = tmp_path / f"pipeline-{stages}"
     write_pipeline_dir(folder, out, stages=stages)
@@ -84,18 +94,17 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
 
 def test_serialize_reads_only_the_model_keys(data, tmp_path):
     """The model stage gets exactly its declared keys (distlm.stages): no inference, no data."""
-    from distlm.settings.stage import ModelConfig
     from distlm.stages import stage_config
 
     params = stage_config(validate_config(BASE), "model")
     assert set(params) == {"model"}
     meta = serialize(
-        ModelConfig.of(params).model,
+        ModelConfig.of(params),
         tokenizer_dir=data / "tokenizer",
         tokens_path=data / "tokens.h5",
         out_dir=tmp_path / "m",
     )
-    assert meta["created_by"] == "model" and not (tmp_path / "m" / "shards").exists()
+    assert meta.created_by == "model" and not (tmp_path / "m" / "shards").exists()
 
 
 def test_sharding_refuses_a_tampered_model_and_too_many_stages(tmp_path, data):
@@ -226,9 +235,9 @@ def test_local_model_folder_source(tmp_path, data):
     assert stats.tokenizer.startswith("the model's own")
     out = tmp_path / "out"
     meta = serialize(
-        c.model, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out
+        model_config(c), tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out
     )
-    assert meta["source"]["source"] == "local"
+    assert meta.source["source"] == "local"
     ref = state_dict_for_save(model)
     got = load_safetensors(out / "model.safetensors")
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
@@ -251,7 +260,7 @@ def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
     sd = state_dict_for_save(build_model(cfg, seed=1))
     with pytest.raises(DistlmError):
         write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=tmp_path / "nope", meta={})
-    with pytest.raises(TypeError):  # fails mid-way: a meta that is not JSON
+    with pytest.raises(ValidationError):  # fails mid-way: a meta that is not a ModelMeta's part
         write_model_dir(
             out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", meta={"x": object()}
         )

@@ -20,7 +20,7 @@ import yaml
 from distlm import DistlmError
 from distlm.config import validate_config
 from distlm.dist import threads_per_rank
-from distlm.documents import write_document
+from distlm.documents import CheckpointState, ModelMeta, TokenMeta, write_document
 from distlm.model import load_model_dir, read_meta
 from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
@@ -126,21 +126,19 @@ IDENTITIES_BEFORE = {
 
 @pytest.mark.parametrize("name", list(IDENTITIES_BEFORE))
 def test_run_identity_is_unchanged_by_typed_settings(name):
-    from types import SimpleNamespace
-
-    from distlm.train.trainer import Trainer
-
     raw, before = IDENTITIES_BEFORE[name]
     cfg = TrainConfig.of(stage_config(validate_config(raw), "train"))
-    tr = Trainer.__new__(Trainer)
-    tr.cfg, tr.tcfg = cfg, cfg.train
-    tr.base_meta = {"arch_digest": "a" * 64, "model_sha256": "b" * 64}
-    tr.data_meta = {"config_digest": "c" * 64}
-    tr.block_size, tr.train_blocks = 128, range(1000)
-    tr.topo = SimpleNamespace(world_size=2)
-    tr.plan = plan_batch(cfg.train, 2)
-    tr.precision = "fp32"
-    assert ck.run_id(tr.identity()) == before
+    identity = ck.run_identity(
+        cfg,
+        base=ModelMeta.model_construct(arch_digest="a" * 64, model_sha256="b" * 64),
+        data=TokenMeta.model_construct(config_digest="c" * 64),
+        block_size=128,
+        train_blocks=1000,
+        world_size=2,
+        plan=plan_batch(cfg.train, 2),
+        precision="fp32",
+    )
+    assert ck.run_id(identity) == before
 
 
 def test_sampler_ranks_disjoint_and_epoch_covers_every_block():
@@ -199,14 +197,26 @@ def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
         assert got(x).item() == pytest.approx(ReferenceLoss(ref)(x).item(), rel=1e-6)
 
 
+def _state(step: int, identity: dict | None = None) -> CheckpointState:
+    return CheckpointState(
+        identity=identity or {},
+        data={},
+        scheduler={},
+        scaler={},
+        metrics={},
+        distlm_version="test",
+        step=step,
+    )
+
+
 def _save(d: Path, step: int, keep: int = 10) -> None:
-    ck.save_checkpoint(
+    """Rank 0's part of the save path (checkpoint.write) with small stand-in tensors."""
+    ck.write(
         d,
-        step,
         weights={"w": torch.full((4,), float(step))},
         optimizer_state={"state": {}, "param_groups": []},
         rng_states=[ck.rng_state(torch.device("cpu"))],
-        state={"identity": {}},
+        state=_state(step),
         keep_last=keep,
     )
 
@@ -224,7 +234,7 @@ def test_checkpoints_keep_last_and_skip_corrupt(tmp_path, caplog):
         good = ck.latest_good(tmp_path)
     assert good.step == 6
     assert "step-00000010" in caplog.text and "step-00000008" in caplog.text
-    assert "sha256" in caplog.text and "checkpoint index not found" in caplog.text
+    assert "sha256" in caplog.text and "CheckpointIndex not found" in caplog.text
 
 
 def test_identity_mismatch_names_what_differs(tmp_path):
@@ -279,7 +289,7 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
         (train_cfg(max_steps=1, keep_runs=5), paths(inputs, out)),  # fewer steps: another schedule
     ):
         run_training(cfg, p)
-        meta = read_meta(out / "final")["training"]
+        meta = read_meta(out / "final").training
         assert meta["resumed_from"] is None and meta["steps_this_run"] == meta["steps"]
     runs = [r for r, _ in ck.list_runs(out / "checkpoints")]
     assert len(runs) == 4 and run_a in runs
@@ -287,13 +297,13 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
     # the revert: the finished run is found, no step runs, the same bytes
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2, keep_runs=5), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
+    meta = read_meta(out / "final").training
     assert meta["steps_this_run"] == 0 and meta["resumed_from"] == str(run_a / "step-00000002")
     assert (out / "final" / "model.safetensors").read_bytes() == first
     # more steps extend the finished run (a documented exception): from step 2, one more step
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=3, keep_runs=3), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
+    meta = read_meta(out / "final").training
     assert meta["steps_this_run"] == 1 and meta["resumed_from"] == str(run_a / "step-00000002")
     assert "extending the finished run" in caplog.text
     # keep_runs 3 kept the three most recently used (the extension's, run_a and max_steps 1's):
@@ -302,7 +312,7 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
     assert len(runs) == 3 and run_a in runs
     # resume: never starts this identity afresh and leaves the others alone
     run_training(train_cfg(max_steps=2, resume="never", keep_runs=3), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    assert read_meta(out / "final").training["steps_this_run"] == 2
     assert len(ck.list_runs(out / "checkpoints")) == 3
 
 
@@ -372,12 +382,12 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     strip = lambda p: [",".join(r.split(",")[:6]) for r in p.read_text().splitlines()]
     assert strip(tmp_path / "a" / "metrics.csv") == strip(tmp_path / "b" / "metrics.csv")
     meta = read_meta(tmp_path / "b" / "final")
-    assert meta["created_by"] == "train" and meta["training"]["restart_count"] == 1
-    assert meta["training"]["resumed_from"].endswith("step-00000002")
+    assert meta.created_by == "train" and meta.training["restart_count"] == 1
+    assert meta.training["resumed_from"].endswith("step-00000002")
     # a world of one is another run (topology): it trains in its own folder, the 2-rank one stays
     run_training(cfg, paths(inputs, tmp_path / "a"))
     assert len(ck.list_runs(tmp_path / "a" / "checkpoints")) == 2
-    assert read_meta(tmp_path / "a" / "final")["training"]["world_size"] == 1
+    assert read_meta(tmp_path / "a" / "final").training["world_size"] == 1
     for r in (0, 1):
         line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
         assert f"[rank {r}]" in line and line[:4].isdigit()
@@ -393,11 +403,8 @@ def test_train_stage_in_tiny_workflow(workflow_run):
     final = res / "final"
     assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in base.iterdir())
     meta = read_meta(final)
-    assert meta["created_by"] == "train" and meta["training"]["steps"] == 8
-    assert (
-        meta["training"]["world_size"] == 2
-        and meta["arch_digest"] == read_meta(base)["arch_digest"]
-    )
+    assert meta.created_by == "train" and meta.training["steps"] == 8
+    assert meta.training["world_size"] == 2 and meta.arch_digest == read_meta(base).arch_digest
     load_model_dir(final)
     rows = (res / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,perplexity,grad_norm,lr") and len(rows) == 9
@@ -419,14 +426,14 @@ def test_finished_work_is_reused(inputs, tmp_path, caplog):
     out = tmp_path / "train"
     run_training(train_cfg(max_steps=2), paths(inputs, out))
     first = (out / "final" / "model.safetensors").read_bytes()
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    assert read_meta(out / "final").training["steps_this_run"] == 2
     import shutil
 
     shutil.rmtree(out / "final")
     (out / "metrics.csv").unlink()  # Snakemake removes the declared outputs before the job
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
+    meta = read_meta(out / "final").training
     assert meta["steps_this_run"] == 0 and meta["resumed_from"].endswith("step-00000002")
     assert "is this run's finished work" in caplog.text
     assert not [r for r in caplog.records if " loss " in r.getMessage()]  # no step, no eval
@@ -447,7 +454,7 @@ def test_checkpoints_of_the_layout_before_run_folders_are_adopted(inputs, tmp_pa
     (out / "checkpoints" / ck.LEGACY_REQUEST).write_text("{}")
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 0
+    assert read_meta(out / "final").training["steps_this_run"] == 0
     assert "moved legacy checkpoint" in caplog.text
     assert not (out / "checkpoints" / ck.LEGACY_REQUEST).exists()
 
@@ -480,7 +487,7 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", real)
     run_training(train_cfg(), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["resumed_from"].endswith("step-00000003")
+    assert read_meta(out / "final").training["resumed_from"].endswith("step-00000003")
     assert (out / "final" / "model.safetensors").read_bytes() == (
         ref / "final" / "model.safetensors"
     ).read_bytes()
