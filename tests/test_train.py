@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -669,3 +670,66 @@ def test_test_faults_are_armed_once_and_only_where_they_act(monkeypatch):
     loss = torch.tensor(1.5)
     assert nan.loss(1, loss) is loss
     assert torch.isnan(nan.loss(2, loss))
+
+
+# ----------------------------------------------------------------------------- checkpoint documents
+
+
+def _rewrite(c: ck.Checkpoint, name: str, edit) -> None:
+    """Change one file of a checkpoint and re-seal it in checkpoint.json (its hash matches)."""
+    from distlm.io import sha256_file
+
+    p = c.path / name
+    obj = json.loads(p.read_text())
+    edit(obj)
+    p.write_text(json.dumps(obj))
+    index = json.loads((c.path / "checkpoint.json").read_text())
+    index["sha256"][name] = sha256_file(p)
+    (c.path / "checkpoint.json").write_text(json.dumps(index))
+    ck._VERIFIED.clear()
+
+
+def test_checkpoint_documents_of_the_release_before_still_resume(tmp_path):
+    """state.json before it carried its format tag (what the release before wrote, under the same
+    distlm-checkpoint/1 index) reads as version 1: an upgrade resumes its checkpoints."""
+    _save(tmp_path, 2)
+    (c,) = ck.list_checkpoints(tmp_path)
+    index = json.loads((c.path / "checkpoint.json").read_text())
+    assert index["format"] == "distlm-checkpoint/1"  # the index's tag is unchanged
+    assert json.loads((c.path / "state.json").read_text())["format"] == "distlm-checkpoint-state/1"
+    _rewrite(c, "state.json", lambda s: s.pop("format"))
+    ck.verify(c)
+    assert ck.read_state(c) == _state(2)
+
+
+@pytest.mark.parametrize(
+    "name, tag, error",
+    [
+        ("state.json", "distlm-checkpoint-state/9", r"state.json: a 'distlm-checkpoint-state/9'"),
+        ("checkpoint.json", "distlm-checkpoint/9", r"checkpoint.json: a 'distlm-checkpoint/9'"),
+    ],
+)
+def test_checkpoint_documents_of_an_unknown_version_are_refused(tmp_path, caplog, name, tag, error):
+    _save(tmp_path, 2)
+    (c,) = ck.list_checkpoints(tmp_path)
+    if name == "state.json":
+        _rewrite(c, name, lambda s: s.__setitem__("format", tag))
+        with pytest.raises(DistlmError, match=error) as e:
+            ck.read_state(c)
+        assert "another version of distlm" in str(e.value)
+        assert f"Remove {tmp_path} (or set train.resume: never)" in str(e.value)
+    else:  # the index: the checkpoint does not verify, so a start skips it, naming it
+        index = json.loads((c.path / name).read_text())
+        (c.path / name).write_text(json.dumps({**index, "format": tag}))
+        ck._VERIFIED.clear()
+        with caplog.at_level(logging.WARNING, logger="distlm"):
+            assert ck.latest_good(tmp_path) is None
+        assert re.search(error, caplog.text)
+
+
+def test_a_malformed_checkpoint_state_names_the_field(tmp_path):
+    _save(tmp_path, 2)
+    (c,) = ck.list_checkpoints(tmp_path)
+    _rewrite(c, "state.json", lambda s: s.pop("identity"))
+    with pytest.raises(DistlmError, match=r"state.json: malformed CheckpointState: field identity"):
+        ck.read_state(c)
