@@ -78,7 +78,7 @@ def test_hdf5_contract(embedded):
     picked = tb[[5, 1, 3]]
     assert picked.dtype == np.int64 and picked.shape == (3, 32)
     assert np.array_equal(picked[0], tb[5]) and np.array_equal(picked[1], tb[1])
-    assert read_tokens_meta(out / "tokens.h5")["config_digest"] == stats.config_digest
+    assert read_tokens_meta(out / "tokens.h5").config_digest == stats.config_digest
 
 
 def write_wikitext_copy(root, docs):

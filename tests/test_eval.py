@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from distlm import DistlmError
 from distlm.config import ConfigError, load_config
-from distlm.data import TokenBlocks, write_tokens
+from distlm.data import TokenBlocks, read_tokens_meta, write_tokens
 from distlm.dist import distributed, free_port
+from distlm.documents import TokenMeta
 from distlm.evaluate import (
     autocast_dtype_for,
     check_data_matches,
@@ -34,6 +35,7 @@ from distlm.io import read_json, sha256_file, write_json
 from distlm.model import (
     build_model,
     load_safetensors,
+    read_meta,
     save_safetensors,
     state_dict_for_save,
     write_model_dir,
@@ -60,7 +62,14 @@ def tiny(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("eval")
     rng = np.random.default_rng(0)
     streams = {s: rng.integers(0, VOCAB, n).astype(np.int64) for s, n in SPLIT_LENGTHS.items()}
-    data_meta = {"config_digest": "d" * 64, "vocab_size": VOCAB, "block_size": 8}
+    data_meta = TokenMeta(
+        source={"kind": "synthetic"},
+        config_digest="d" * 64,
+        tokenizer="none",
+        vocab_size=VOCAB,
+        eos_token_id=None,
+        block_size=8,
+    )
     write_tokens(root / "tokens.h5", streams, 8, VOCAB, data_meta)
     # A large init range makes the logits depend strongly on the history, so a window that scores
     # the wrong tokens or sees the wrong context moves the loss far beyond the tolerance.
@@ -84,7 +93,13 @@ def tiny(tmp_path_factory) -> dict:
         state_dict=state_dict_for_save(model),
         config=config,
         tokenizer_dir=root / "tok",
-        meta={"created_by": "test", "data_config_digest": data_meta["config_digest"]},
+        meta={
+            "created_by": "test",
+            "source": {"kind": "init", "seed": 0},
+            "config_digest": "e" * 64,
+            "data_config_digest": data_meta.config_digest,
+            "dtype": "float32",
+        },
     )
     return {"root": root, "model": root / "model", "tokens": root / "tokens.h5", "streams": streams}
 
@@ -353,12 +368,14 @@ def test_missing_model_folder(tiny):
 def test_data_from_another_config_is_refused(tiny):
     with pytest.raises(DistlmError, match="made from data with config digest"):
         check_data_matches(
-            {"data_config_digest": "a" * 64},
-            {"config_digest": "b" * 64},
+            read_meta(tiny["model"]).model_copy(update={"data_config_digest": "a" * 64}),
+            read_tokens_meta(tiny["tokens"]),
             tiny["model"],
             tiny["tokens"],
         )
-    check_data_matches({}, {"config_digest": "b" * 64}, tiny["model"], tiny["tokens"])
+    check_data_matches(
+        read_meta(tiny["model"]), read_tokens_meta(tiny["tokens"]), tiny["model"], tiny["tokens"]
+    )
 
 
 def test_token_beyond_vocabulary(tiny):

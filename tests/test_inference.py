@@ -70,7 +70,17 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
             p.copy_(base + torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
     sd = state_dict_for_save(model)
     write_model_dir(
-        root / "model", state_dict=sd, config=cfg, tokenizer_dir=tokdir, meta={"source": "test"}
+        root / "model",
+        state_dict=sd,
+        config=cfg,
+        tokenizer_dir=tokdir,
+        meta={
+            "created_by": "test",
+            "source": {"kind": "init", "seed": 0},
+            "config_digest": "0" * 64,
+            "data_config_digest": "0" * 64,
+            "dtype": "float32",
+        },
     )
     for s, path in done.items():
         write_pipeline_dir(root / "model", path, stages=s)

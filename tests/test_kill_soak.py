@@ -213,7 +213,7 @@ def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
     strip = lambda p: [",".join(r.split(",")[:6]) for r in p.read_text().splitlines()]
     assert strip(a / "metrics.csv") == strip(b / "metrics.csv")
     assert strip(a / "val.csv") == strip(b / "val.csv")
-    assert read_meta(b / "final")["training"]["steps"] == MAX_STEPS
+    assert read_meta(b / "final").training["steps"] == MAX_STEPS
     leftovers = [
         p.name
         for d in (b, b / "checkpoints", *[r for r, _ in ck.list_runs(b / "checkpoints")])

@@ -32,11 +32,12 @@ from distlm.log import setup_logging
 from distlm.model import serialize
 setup_logging()
 from distlm.settings import Settings
+from distlm.settings.stage import ModelConfig
 cfg = Settings.model_validate(json.loads(Path(sys.argv[1]).read_text()))
 out = Path(sys.argv[2])
 prepare(cfg.data, cfg.model, tokens_path=out / "data" / "tokens.h5", tokenizer_dir=out / "data" / "tokenizer",
         stats_path=out / "data" / "stats.json")
-serialize(cfg.model, tokenizer_dir=out / "data" / "tokenizer", tokens_path=out / "data" / "tokens.h5",
+serialize(ModelConfig.of({"model": cfg.model.model_dump(mode="json")}), tokenizer_dir=out / "data" / "tokenizer", tokens_path=out / "data" / "tokens.h5",
           out_dir=out / "model" / "base")
 """
 
@@ -59,8 +60,8 @@ def _snapshot(out: Path) -> dict:
     if tokens.exists():
         meta = read_data_meta(tokens)
         snap["tokens"] = (
-            meta["config_digest"],
-            meta["vocab_size"],
+            meta.config_digest,
+            meta.vocab_size,
             *(TokenBlocks(tokens, s).tokens().tobytes() for s in ("train", "validation", "test")),
         )
     tok = out / "data" / "tokenizer"

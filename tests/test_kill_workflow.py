@@ -102,7 +102,7 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     assert (work / "results" / "eval" / "trained.json").is_file()
     final = work / "results" / "train" / "final"
     weights = (final / "model.safetensors").read_bytes()
-    steps = read_meta(final)["training"]["steps"]
+    steps = read_meta(final).training["steps"]
 
     # The whole project copied to another path (checkout, work dir, prompts; mtimes kept):
     # nothing is planned there. No tracked param or shell command holds an absolute path.
@@ -123,7 +123,7 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     # a job killed after its last checkpoint (final/ gone): the rerun writes final/ from it
     shutil.rmtree(final)
     _snakemake(checkout, work, "results/train/final")
-    meta = read_meta(final)["training"]
+    meta = read_meta(final).training
     assert meta["steps_this_run"] == 0 and meta["resumed_from"].endswith(f"step-{steps:08d}")
     assert (final / "model.safetensors").read_bytes() == weights
     assert "is this run's finished work" in (work / "logs" / "train" / "rank0.log").read_text()
@@ -144,7 +144,7 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     rows = []
     for name, args, edit, trains in table:
         proc = _snakemake(checkout, work, target, *args, edit=edit)
-        meta = read_meta(final)["training"]
+        meta = read_meta(final).training
         ran = sorted(job_counts(proc))
         trained = meta["steps_this_run"] == steps
         rows.append(f"| {name} | {', '.join(ran)} | {'trains' if trained else 'reuses'} |")

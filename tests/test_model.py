@@ -1,14 +1,16 @@
 """Model serialize and pipeline shards: sources, shards that round-trip exactly, corrupt files named."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from distlm import DistlmError
 from distlm.config import deep_merge, validate_config, validate_settings
 from distlm.data import prepare
-from distlm.io import read_json
+from distlm.io import read_json, sha256_file
 from distlm.model import (
     build_model,
     init_config,
@@ -19,13 +21,17 @@ from distlm.model import (
     load_stage_shard,
     plan_stages,
     read_manifest,
+    read_meta,
     serialize,
     state_dict_for_save,
+    verify_model_folder,
     write_model_dir,
     write_pipeline_dir,
 )
-from distlm.settings import ModelInitSettings, ModelSourceSettings
+from distlm.settings import ModelInitSettings, ModelSourceSettings, Settings
+from distlm.settings.stage import ModelConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 BASE = {
     "data": {"block_size": 32, "tokenizer": {"vocab_size": 400}},
     "model": {"init": {"n_layer": 5, "n_head": 2, "n_embd": 32, "n_positions": 64}},
@@ -46,12 +52,20 @@ def data(tmp_path_factory):
     return out
 
 
+def model_config(c: Settings) -> ModelConfig:
+    """The model stage's document of validated settings (as the rule's params hold it)."""
+    return ModelConfig.of({"model": c.model.model_dump(mode="json")})
+
+
 def make(tmp_path, data, stages, **model):
     """A serialized model folder and its pipeline folder of `stages` shards."""
     c = validate_settings(deep_merge(BASE, {"model": model}))
     folder = tmp_path / "model"
     serialize(
-        c.model, tokenizer_dir=data / "tokenizer", tokens_path=data / "tokens.h5", out_dir=folder
+        model_config(c),
+        tokenizer_dir=data / "tokenizer",
+        tokens_path=data / "tokens.h5",
+        out_dir=folder,
     )
     out = tmp_path / f"pipeline-{stages}"
     write_pipeline_dir(folder, out, stages=stages)
@@ -84,18 +98,17 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
 
 def test_serialize_reads_only_the_model_keys(data, tmp_path):
     """The model stage gets exactly its declared keys (distlm.stages): no inference, no data."""
-    from distlm.settings.stage import ModelConfig
     from distlm.stages import stage_config
 
     params = stage_config(validate_config(BASE), "model")
     assert set(params) == {"model"}
     meta = serialize(
-        ModelConfig.of(params).model,
+        ModelConfig.of(params),
         tokenizer_dir=data / "tokenizer",
         tokens_path=data / "tokens.h5",
         out_dir=tmp_path / "m",
     )
-    assert meta["created_by"] == "model" and not (tmp_path / "m" / "shards").exists()
+    assert meta.created_by == "model" and not (tmp_path / "m" / "shards").exists()
 
 
 def test_sharding_refuses_a_tampered_model_and_too_many_stages(tmp_path, data):
@@ -226,9 +239,9 @@ def test_local_model_folder_source(tmp_path, data):
     assert stats.tokenizer.startswith("the model's own")
     out = tmp_path / "out"
     meta = serialize(
-        c.model, tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out
+        model_config(c), tokenizer_dir=d / "tokenizer", tokens_path=d / "tokens.h5", out_dir=out
     )
-    assert meta["source"]["source"] == "local"
+    assert meta.source["source"] == "local"
     ref = state_dict_for_save(model)
     got = load_safetensors(out / "model.safetensors")
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
@@ -251,10 +264,156 @@ def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
     sd = state_dict_for_save(build_model(cfg, seed=1))
     with pytest.raises(DistlmError):
         write_model_dir(out, state_dict=sd, config=cfg, tokenizer_dir=tmp_path / "nope", meta={})
-    with pytest.raises(TypeError):  # fails mid-way: a meta that is not JSON
+    with pytest.raises(ValidationError):  # fails mid-way: a meta that is not a ModelMeta's part
         write_model_dir(
             out, state_dict=sd, config=cfg, tokenizer_dir=data / "tokenizer", meta={"x": object()}
         )
     assert (out / "model.safetensors").read_bytes() == before  # the old folder is intact
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp left behind
     assert read_json(out / "distlm.json")["created_by"] == "model"
+
+
+# ----------------------------------------------------------------------------- distlm.json
+
+
+def _edit_meta(folder, edit) -> None:
+    meta = read_json(folder / "distlm.json")
+    edit(meta)
+    (folder / "distlm.json").write_text(json.dumps(meta))
+
+
+def _every_reader(folder, tmp_path):
+    """Every stage's way into a model folder: loading it (train, eval), cutting it into shards,
+    and the broadcast stage's sender (it checks the folder before it needs its peers)."""
+    from types import SimpleNamespace
+
+    from distlm.broadcast import run_broadcast_stage
+    from distlm.config import load_config
+    from distlm.settings.stage import BroadcastConfig
+    from distlm.stages import stage_config
+
+    cfg = BroadcastConfig.of(
+        stage_config(load_config(ROOT / "tests/configs/tiny.yaml"), "broadcast")
+    )
+    topo = SimpleNamespace(is_main=True, device=torch.device("cpu"), world_size=1)
+    return {
+        "load_model_dir": lambda: load_model_dir(folder),
+        "verify_model_folder": lambda: verify_model_folder(folder),
+        "write_pipeline_dir": lambda: write_pipeline_dir(folder, tmp_path / "p", stages=2),
+        "broadcast": lambda: run_broadcast_stage(
+            cfg, topo=topo, model_dir=folder, report_path=tmp_path / "r.json"
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case, edit, error",
+    [
+        (
+            "missing hash",
+            lambda m: m.pop("model_sha256"),
+            r"distlm.json: malformed ModelMeta: field model_sha256: Field required",
+        ),
+        (
+            "null hash",
+            lambda m: m.__setitem__("model_sha256", None),
+            r"distlm.json: malformed ModelMeta: field model_sha256",
+        ),
+        (
+            "tampered hash",
+            lambda m: m.__setitem__("model_sha256", "0" * 64),
+            r"model.safetensors: sha256 [0-9a-f]{64} does not match .*distlm.json \(0{64}\)",
+        ),
+        (
+            "unknown version",
+            lambda m: m.__setitem__("format", "distlm-model/9"),
+            (
+                r"distlm.json: a 'distlm-model/9' document where 'distlm-model/1' \(ModelMeta\) "
+                r"was expected; it was written by another version of distlm"
+            ),
+        ),
+        (
+            "not a model folder's",
+            lambda m: m.__setitem__("format", "distlm-eval/2"),
+            r"distlm.json: a 'distlm-eval/2' document where 'distlm-model/1'",
+        ),
+    ],
+)
+def test_one_verify_rule_for_every_reader(tmp_path, data, case, edit, error):
+    """A model folder is checked one way wherever it is read: a missing, null or wrong hash and a
+    distlm.json of another kind or version are refused, naming the file."""
+    make(tmp_path, data, 1)
+    folder = tmp_path / "model"
+    assert verify_model_folder(folder).model_sha256 == sha256_file(folder / "model.safetensors")
+    _edit_meta(folder, edit)
+    for name, read in _every_reader(folder, tmp_path).items():
+        with pytest.raises(DistlmError, match=error):
+            read()
+        assert not (tmp_path / "p").exists() and not (tmp_path / "r.json").exists(), name
+
+
+def test_missing_weights_and_metadata_are_named(tmp_path, data):
+    make(tmp_path, data, 1)
+    folder = tmp_path / "model"
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(DistlmError, match=r"model.safetensors: weights file not found \(named by"):
+        verify_model_folder(folder)
+    (folder / "distlm.json").unlink()
+    with pytest.raises(DistlmError, match=r"ModelMeta not found: .*distlm.json"):
+        verify_model_folder(folder)
+
+
+def test_a_local_source_folder_distlm_wrote_is_verified_on_import(tmp_path, data):
+    """model.source: local on a folder distlm wrote: the model stage checks its hash first."""
+    make(tmp_path, data, 1)
+    src = tmp_path / "model"
+    c = validate_settings(deep_merge(BASE, {"model": {"source": "local", "name": str(src)}}))
+    out = tmp_path / "imported"
+    meta = serialize(
+        model_config(c),
+        tokenizer_dir=data / "tokenizer",
+        tokens_path=data / "tokens.h5",
+        out_dir=out,
+    )
+    assert meta.model_sha256 == read_meta(src).model_sha256  # the same weights, re-recorded
+    _edit_meta(src, lambda m: m.__setitem__("model_sha256", "0" * 64))
+    with pytest.raises(DistlmError, match=r"model.safetensors: sha256 .* does not match"):
+        serialize(
+            model_config(c),
+            tokenizer_dir=data / "tokenizer",
+            tokens_path=data / "tokens.h5",
+            out_dir=tmp_path / "again",
+        )
+    assert not (tmp_path / "again").exists()
+
+
+# What the model stage of distlm before these documents wrote as distlm.json (its keys, and
+# their order): a folder of that release must read unchanged, so an upgrade reruns nothing.
+MAIN_META = {
+    "format": "distlm-model/1",
+    "created_by": "model",
+    "source": {"kind": "init", "seed": 0},
+    "config_digest": "a" * 64,
+    "data_config_digest": "b" * 64,
+    "dtype": "float32",
+    "model_sha256": None,  # filled in below
+    "n_layer": 5,
+    "n_positions": 64,
+    "vocab_size": 400,
+    "parameters": 1,
+    "arch_digest": "c" * 64,
+}
+
+
+def test_a_folder_of_the_release_before_reads_and_writes_the_same(tmp_path, data):
+    make(tmp_path, data, 1)
+    folder = tmp_path / "model"
+    old = {**MAIN_META, "model_sha256": sha256_file(folder / "model.safetensors")}
+    (folder / "distlm.json").write_text(json.dumps(old, indent=2))
+    meta = verify_model_folder(folder)
+    assert meta.training is None and meta.to_json() == old  # no key added, none lost
+    assert list(meta.to_json()) == list(old)
+    trained = {**old, "created_by": "train", "training": {"steps": 3}}
+    (folder / "distlm.json").write_text(json.dumps(trained))
+    assert read_meta(folder).training == {"steps": 3}
+    assert read_meta(folder).to_json() == trained

@@ -192,7 +192,7 @@ def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, tmp_pa
     subprocess.run([*cmd, "--unlock"], env=env, check=True, capture_output=True, timeout=120)
     final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
-    assert read_meta(wd / "results" / "train" / "final")["training"]["steps"] == STEPS
+    assert read_meta(wd / "results" / "train" / "final").training["steps"] == STEPS
     # no step trained twice: only the first job trained (the final command, if the first job's
     # outputs were incomplete, wrote final/ from its finished checkpoint)
     log = (wd / "logs" / "train" / "rank0.log").read_text()

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from harness.synthetic import make_inputs
 from distlm import DistlmError
 from distlm.config import validate_config
 from distlm.dist import threads_per_rank
-from distlm.documents import write_document
+from distlm.documents import CheckpointState, ModelMeta, TokenMeta, write_document
 from distlm.model import load_model_dir, read_meta
 from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
@@ -127,21 +128,19 @@ IDENTITIES_BEFORE = {
 
 @pytest.mark.parametrize("name", list(IDENTITIES_BEFORE))
 def test_run_identity_is_unchanged_by_typed_settings(name):
-    from types import SimpleNamespace
-
-    from distlm.train.trainer import Trainer
-
     raw, before = IDENTITIES_BEFORE[name]
     cfg = TrainConfig.of(stage_config(validate_config(raw), "train"))
-    tr = Trainer.__new__(Trainer)
-    tr.cfg, tr.tcfg = cfg, cfg.train
-    tr.base_meta = {"arch_digest": "a" * 64, "model_sha256": "b" * 64}
-    tr.data_meta = {"config_digest": "c" * 64}
-    tr.block_size, tr.train_blocks = 128, range(1000)
-    tr.topo = SimpleNamespace(world_size=2)
-    tr.plan = plan_batch(cfg.train, 2)
-    tr.precision = "fp32"
-    assert ck.run_id(tr.identity()) == before
+    identity = ck.run_identity(
+        cfg,
+        base=ModelMeta.model_construct(arch_digest="a" * 64, model_sha256="b" * 64),
+        data=TokenMeta.model_construct(config_digest="c" * 64),
+        block_size=128,
+        train_blocks=1000,
+        world_size=2,
+        plan=plan_batch(cfg.train, 2),
+        precision="fp32",
+    )
+    assert ck.run_id(identity) == before
 
 
 def test_sampler_ranks_disjoint_and_epoch_covers_every_block():
@@ -200,14 +199,26 @@ def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
         assert got(x).item() == pytest.approx(ReferenceLoss(ref)(x).item(), rel=1e-6)
 
 
+def _state(step: int, identity: dict | None = None) -> CheckpointState:
+    return CheckpointState(
+        identity=identity or {},
+        data={},
+        scheduler={},
+        scaler={},
+        metrics={},
+        distlm_version="test",
+        step=step,
+    )
+
+
 def _save(d: Path, step: int, keep: int = 10) -> None:
-    ck.save_checkpoint(
+    """Rank 0's part of the save path (checkpoint.write) with small stand-in tensors."""
+    ck.write(
         d,
-        step,
         weights={"w": torch.full((4,), float(step))},
         optimizer_state={"state": {}, "param_groups": []},
         rng_states=[ck.rng_state(torch.device("cpu"))],
-        state={"identity": {}},
+        state=_state(step),
         keep_last=keep,
     )
 
@@ -225,7 +236,7 @@ def test_checkpoints_keep_last_and_skip_corrupt(tmp_path, caplog):
         good = ck.latest_good(tmp_path)
     assert good.step == 6
     assert "step-00000010" in caplog.text and "step-00000008" in caplog.text
-    assert "sha256" in caplog.text and "checkpoint index not found" in caplog.text
+    assert "sha256" in caplog.text and "CheckpointIndex not found" in caplog.text
 
 
 def test_identity_mismatch_names_what_differs(tmp_path):
@@ -281,7 +292,7 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
         (train_cfg(max_steps=1, keep_runs=5), paths(inputs, out)),  # fewer steps: another schedule
     ):
         run_training(cfg, p)
-        meta = read_meta(out / "final")["training"]
+        meta = read_meta(out / "final").training
         assert meta["resumed_from"] is None and meta["steps_this_run"] == meta["steps"]
     runs = [r for r, _ in ck.list_runs(out / "checkpoints")]
     assert len(runs) == 4 and run_a in runs
@@ -289,13 +300,13 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
     # the revert: the finished run is found, no step runs, the same bytes
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2, keep_runs=5), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
+    meta = read_meta(out / "final").training
     assert meta["steps_this_run"] == 0 and meta["resumed_from"] == str(run_a / "step-00000002")
     assert (out / "final" / "model.safetensors").read_bytes() == first
     # more steps extend the finished run (a documented exception): from step 2, one more step
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=3, keep_runs=3), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
+    meta = read_meta(out / "final").training
     assert meta["steps_this_run"] == 1 and meta["resumed_from"] == str(run_a / "step-00000002")
     assert "extending the finished run" in caplog.text
     # keep_runs 3 kept the three most recently used (the extension's, run_a and max_steps 1's):
@@ -304,7 +315,7 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
     assert len(runs) == 3 and run_a in runs
     # resume: never starts this identity afresh and leaves the others alone
     run_training(train_cfg(max_steps=2, resume="never", keep_runs=3), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    assert read_meta(out / "final").training["steps_this_run"] == 2
     assert len(ck.list_runs(out / "checkpoints")) == 3
 
 
@@ -373,12 +384,12 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     strip = lambda p: [",".join(r.split(",")[:6]) for r in p.read_text().splitlines()]
     assert strip(tmp_path / "a" / "metrics.csv") == strip(tmp_path / "b" / "metrics.csv")
     meta = read_meta(tmp_path / "b" / "final")
-    assert meta["created_by"] == "train" and meta["training"]["restart_count"] == 1
-    assert meta["training"]["resumed_from"].endswith("step-00000002")
+    assert meta.created_by == "train" and meta.training["restart_count"] == 1
+    assert meta.training["resumed_from"].endswith("step-00000002")
     # a world of one is another run (topology): it trains in its own folder, the 2-rank one stays
     run_training(cfg, paths(inputs, tmp_path / "a"))
     assert len(ck.list_runs(tmp_path / "a" / "checkpoints")) == 2
-    assert read_meta(tmp_path / "a" / "final")["training"]["world_size"] == 1
+    assert read_meta(tmp_path / "a" / "final").training["world_size"] == 1
     for r in (0, 1):
         line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
         assert f"[rank {r}]" in line and line[:4].isdigit()
@@ -394,11 +405,8 @@ def test_train_stage_in_tiny_workflow(workflow_run):
     final = res / "final"
     assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in base.iterdir())
     meta = read_meta(final)
-    assert meta["created_by"] == "train" and meta["training"]["steps"] == 8
-    assert (
-        meta["training"]["world_size"] == 2
-        and meta["arch_digest"] == read_meta(base)["arch_digest"]
-    )
+    assert meta.created_by == "train" and meta.training["steps"] == 8
+    assert meta.training["world_size"] == 2 and meta.arch_digest == read_meta(base).arch_digest
     load_model_dir(final)
     rows = (res / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss,perplexity,grad_norm,lr") and len(rows) == 9
@@ -420,14 +428,14 @@ def test_finished_work_is_reused(inputs, tmp_path, caplog):
     out = tmp_path / "train"
     run_training(train_cfg(max_steps=2), paths(inputs, out))
     first = (out / "final" / "model.safetensors").read_bytes()
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 2
+    assert read_meta(out / "final").training["steps_this_run"] == 2
     import shutil
 
     shutil.rmtree(out / "final")
     (out / "metrics.csv").unlink()  # Snakemake removes the declared outputs before the job
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2), paths(inputs, out))
-    meta = read_meta(out / "final")["training"]
+    meta = read_meta(out / "final").training
     assert meta["steps_this_run"] == 0 and meta["resumed_from"].endswith("step-00000002")
     assert "is this run's finished work" in caplog.text
     assert not [r for r in caplog.records if " loss " in r.getMessage()]  # no step, no eval
@@ -448,7 +456,7 @@ def test_checkpoints_of_the_layout_before_run_folders_are_adopted(inputs, tmp_pa
     (out / "checkpoints" / ck.LEGACY_REQUEST).write_text("{}")
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["steps_this_run"] == 0
+    assert read_meta(out / "final").training["steps_this_run"] == 0
     assert "moved legacy checkpoint" in caplog.text
     assert not (out / "checkpoints" / ck.LEGACY_REQUEST).exists()
 
@@ -481,7 +489,7 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", real)
     run_training(train_cfg(), paths(inputs, out))
-    assert read_meta(out / "final")["training"]["resumed_from"].endswith("step-00000003")
+    assert read_meta(out / "final").training["resumed_from"].endswith("step-00000003")
     assert (out / "final" / "model.safetensors").read_bytes() == (
         ref / "final" / "model.safetensors"
     ).read_bytes()
@@ -667,3 +675,66 @@ def test_test_faults_are_armed_once_and_only_where_they_act(monkeypatch):
     loss = torch.tensor(1.5)
     assert nan.loss(1, loss) is loss
     assert torch.isnan(nan.loss(2, loss))
+
+
+# ----------------------------------------------------------------------------- checkpoint documents
+
+
+def _rewrite(c: ck.Checkpoint, name: str, edit) -> None:
+    """Change one file of a checkpoint and re-seal it in checkpoint.json (its hash matches)."""
+    from distlm.io import sha256_file
+
+    p = c.path / name
+    obj = json.loads(p.read_text())
+    edit(obj)
+    p.write_text(json.dumps(obj))
+    index = json.loads((c.path / "checkpoint.json").read_text())
+    index["sha256"][name] = sha256_file(p)
+    (c.path / "checkpoint.json").write_text(json.dumps(index))
+    ck._VERIFIED.clear()
+
+
+def test_checkpoint_documents_of_the_release_before_still_resume(tmp_path):
+    """state.json before it carried its format tag (what the release before wrote, under the same
+    distlm-checkpoint/1 index) reads as version 1: an upgrade resumes its checkpoints."""
+    _save(tmp_path, 2)
+    (c,) = ck.list_checkpoints(tmp_path)
+    index = json.loads((c.path / "checkpoint.json").read_text())
+    assert index["format"] == "distlm-checkpoint/1"  # the index's tag is unchanged
+    assert json.loads((c.path / "state.json").read_text())["format"] == "distlm-checkpoint-state/1"
+    _rewrite(c, "state.json", lambda s: s.pop("format"))
+    ck.verify(c)
+    assert ck.read_state(c) == _state(2)
+
+
+@pytest.mark.parametrize(
+    "name, tag, error",
+    [
+        ("state.json", "distlm-checkpoint-state/9", r"state.json: a 'distlm-checkpoint-state/9'"),
+        ("checkpoint.json", "distlm-checkpoint/9", r"checkpoint.json: a 'distlm-checkpoint/9'"),
+    ],
+)
+def test_checkpoint_documents_of_an_unknown_version_are_refused(tmp_path, caplog, name, tag, error):
+    _save(tmp_path, 2)
+    (c,) = ck.list_checkpoints(tmp_path)
+    if name == "state.json":
+        _rewrite(c, name, lambda s: s.__setitem__("format", tag))
+        with pytest.raises(DistlmError, match=error) as e:
+            ck.read_state(c)
+        assert "another version of distlm" in str(e.value)
+        assert f"Remove {tmp_path} (or set train.resume: never)" in str(e.value)
+    else:  # the index: the checkpoint does not verify, so a start skips it, naming it
+        index = json.loads((c.path / name).read_text())
+        (c.path / name).write_text(json.dumps({**index, "format": tag}))
+        ck._VERIFIED.clear()
+        with caplog.at_level(logging.WARNING, logger="distlm"):
+            assert ck.latest_good(tmp_path) is None
+        assert re.search(error, caplog.text)
+
+
+def test_a_malformed_checkpoint_state_names_the_field(tmp_path):
+    _save(tmp_path, 2)
+    (c,) = ck.list_checkpoints(tmp_path)
+    _rewrite(c, "state.json", lambda s: s.pop("identity"))
+    with pytest.raises(DistlmError, match=r"state.json: malformed CheckpointState: field identity"):
+        ck.read_state(c)

@@ -86,7 +86,13 @@ def seeded_model(folder: Path, args) -> Path:
         state_dict=sd,
         config=cfg,
         tokenizer_dir=tokdir,
-        meta={"source": {"kind": "init", "seed": 0}},
+        meta={
+            "created_by": "benchmark",
+            "source": {"kind": "init", "seed": 0},
+            "config_digest": "0" * 64,
+            "data_config_digest": "0" * 64,
+            "dtype": "float32",
+        },
     )
     return folder / "model"
 

@@ -74,7 +74,7 @@ if PH:
         t0 = time.perf_counter()
         t_start = t0
         step = self.step
-        micro = self.loader(step)
+        micro = self.data.loader(step)
         t0 = tick("data", t0)
         lr = self.optimizer.param_groups[0]["lr"]
         x = micro[0]
@@ -103,8 +103,8 @@ if PH:
             "perplexity": math.exp(lv),
             "grad_norm": gv,
             "lr": lr,
-            "tokens": self.step * self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step / dt,
+            "tokens": self.step * self.data.tokens_per_step,
+            "tokens_per_s": self.data.tokens_per_step / dt,
             "step_time_s": dt,
         }
 

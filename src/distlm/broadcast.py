@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlm.documents import BroadcastReport, write_document
-from distlm.io import sha256_file
 from distlm.log import get_logger
-from distlm.model import META, WEIGHTS, load_safetensors, read_meta
+from distlm.model import WEIGHTS, load_safetensors, verify_model_folder
 from distlm.settings.stage import BroadcastConfig
 from distlm.transfer import TransferError, broadcast_state_dict
 
@@ -28,16 +27,10 @@ def run_broadcast_stage(
     receivers = cfg.broadcast.receivers
     opts = cfg.transfer
     model_dir = Path(model_dir)
-    tensors, meta = None, {}
-    if topo.is_main:
-        weights = model_dir / WEIGHTS
-        meta = read_meta(model_dir)
-        actual = sha256_file(weights) if weights.is_file() else None
-        if meta.get("model_sha256") and actual != meta["model_sha256"]:
-            raise TransferError(
-                f"{weights}: sha256 {actual} does not match {model_dir / META} "
-                f"({meta['model_sha256']})"
-            )
+    tensors, meta = None, None
+    weights = model_dir / WEIGHTS
+    if topo.is_main:  # the one check of the folder (distlm.model.verify_model_folder)
+        meta = verify_model_folder(model_dir)
         tensors = load_safetensors(weights, device=str(topo.device))
     expected = 1 + receivers
     if topo.world_size != expected:
@@ -66,11 +59,11 @@ def run_broadcast_stage(
         s.buckets,
         s.all_verified,
     )
-    if not topo.is_main:
+    if meta is None:  # not rank 0
         return None
     report = BroadcastReport(
         model=str(model_dir),
-        model_sha256=meta.get("model_sha256"),
+        model_sha256=meta.model_sha256,
         world_size=topo.world_size,
         receivers_configured=receivers,
         bucket_mb=opts.bucket_mb,

@@ -128,6 +128,86 @@ class DataStats(Document):
     seconds: float
 
 
+class TokenMeta(Document):
+    """The token file's metadata (results/data/tokens.h5, distlm.data.tokens): its HDF5 `format`
+    attribute is the tag, its `meta` attribute the body, so the file is one document."""
+
+    KIND: ClassVar[str] = "distlm-tokens"
+    VERSION: ClassVar[int] = 1
+    source: dict
+    config_digest: str
+    tokenizer: str
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+
+
+# ----------------------------------------------------------------------------- model folders
+
+
+class ModelMeta(Document):
+    """distlm.json of a model folder (the model stage's, or training's final folder): where the
+    weights came from, and the sha256 of model.safetensors that every later stage verifies
+    (distlm.model.verify_model_folder). A folder distlm wrote always carries its hash."""
+
+    KIND: ClassVar[str] = "distlm-model"
+    VERSION: ClassVar[int] = 1
+    created_by: str
+    source: dict
+    config_digest: str
+    data_config_digest: str
+    dtype: str
+    training: dict | None = None  # the training record; only in training's final folder
+    model_sha256: str
+    n_layer: int
+    n_positions: int
+    vocab_size: int
+    parameters: int
+    arch_digest: str
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        if out["training"] is None:  # a model-stage folder: no key, as it always was
+            del out["training"]
+        return out
+
+
+class PipelineMeta(ModelMeta):
+    """distlm.json of a pipeline folder (rule shard): its source folder's metadata, the source
+    folder and the stages' layer ranges."""
+
+    KIND: ClassVar[str] = "distlm-pipeline"
+    VERSION: ClassVar[int] = 1
+    source_model: str
+    stages: list[dict]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointIndex(Document):
+    """checkpoint.json of a training checkpoint, written last: the sha256 of every other file."""
+
+    KIND: ClassVar[str] = "distlm-checkpoint"
+    VERSION: ClassVar[int] = 1
+    step: int
+    sha256: dict[str, str]
+
+
+class CheckpointState(Document):
+    """state.json of a training checkpoint: what a resume needs beside the tensors."""
+
+    KIND: ClassVar[str] = "distlm-checkpoint-state"
+    VERSION: ClassVar[int] = 1
+    identity: dict  # the run identity (distlm.train.checkpoint.run_identity)
+    data: dict  # samples consumed, epoch, the sampler's state
+    scheduler: dict
+    scaler: dict  # empty unless fp16
+    metrics: dict  # the metrics history so far
+    distlm_version: str
+    step: int
+
+
 # ----------------------------------------------------------------------------- weight broadcast
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlm import DistlmError
-from distlm.documents import EvalReport, SplitEval, write_document
+from distlm.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
 from distlm.io import sha256_file
 from distlm.log import get_logger, progress
 from distlm.settings import EvalSettings
@@ -238,23 +238,23 @@ def digest_tokens(tokens: np.ndarray | torch.Tensor) -> str:
 
 def load_model(model_dir: str | Path, device: torch.device):
     """The model folder in float32 (digest and tensor shapes verified) and its metadata."""
-    from distlm.model import load_model_dir, read_meta
+    from distlm.model import load_model_dir, verify_model_folder
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise DistlmError(f"model folder not found: {model_dir}")
-    meta = read_meta(model_dir)
-    model = load_model_dir(model_dir, device=device, dtype=torch.float32, verify=True)
+    meta = verify_model_folder(model_dir)
+    model = load_model_dir(model_dir, device=device, dtype=torch.float32, verify=False)
     return model, meta
 
 
 def check_data_matches(
-    model_meta: dict, data_meta: dict, model_dir: Path, tokens_path: Path
+    model_meta: ModelMeta, data_meta: TokenMeta, model_dir: Path, tokens_path: Path
 ) -> None:
     """A model made from other token blocks (another tokenizer) would be scored on the wrong ids."""
-    want = model_meta.get("data_config_digest")
-    have = data_meta.get("config_digest")
-    if want and have and want != have:
+    want = model_meta.data_config_digest
+    have = data_meta.config_digest
+    if want != have:
         raise DistlmError(
             f"{model_dir}: made from data with config digest {want[:12]}, but {tokens_path} has "
             f"{have[:12]}: rerun the model stage or point eval at the matching tokens"
@@ -306,7 +306,7 @@ def evaluate_model(
             autocast_dtype=amp,
             where=f"{tokens_path} split {split!r}",
         )
-        res = res.model_copy(update={"model_sha256": meta.get("model_sha256")})
+        res = res.model_copy(update={"model_sha256": meta.model_sha256})
         splits[split] = res
         if topo.is_main:
             log.info(
@@ -326,16 +326,16 @@ def evaluate_model(
         "method": METHOD,
         "model": {
             "path": str(model_dir),
-            "model_sha256": meta.get("model_sha256"),
-            "arch_digest": meta.get("arch_digest"),
-            "created_by": meta.get("created_by"),
-            "parameters": meta.get("parameters"),
+            "model_sha256": meta.model_sha256,
+            "arch_digest": meta.arch_digest,
+            "created_by": meta.created_by,
+            "parameters": meta.parameters,
             "n_positions": model.config.n_positions,
         },
         "data": {
             "path": str(tokens_path),
-            "config_digest": data_meta.get("config_digest"),
-            "vocab_size": data_meta.get("vocab_size"),
+            "config_digest": data_meta.config_digest,
+            "vocab_size": data_meta.vocab_size,
         },
         "context": context,
         "stride": stride,

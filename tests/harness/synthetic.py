@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from distlm.data import write_tokens
+from distlm.documents import TokenMeta
 from distlm.io import digest
 from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
 from distlm.settings import ModelInitSettings
@@ -66,7 +67,7 @@ def make_inputs(
         "block_size": block_size,
     }
     tokens = root / STAGES["data"].file("tokens")
-    write_tokens(tokens, streams, block_size, vocab, meta)
+    write_tokens(tokens, streams, block_size, vocab, TokenMeta(**meta))
     tokenizer = root / "tokenizer"
     tokenizer.mkdir(exist_ok=True)
     init = ModelInitSettings(

@@ -9,7 +9,7 @@ from distlm.settings.stage import ModelConfig
 snakemake = snakemake
 setup_logging(snakemake.log[0])
 serialize(
-    ModelConfig.of(snakemake.params.cfg).model,
+    ModelConfig.of(snakemake.params.cfg),
     tokenizer_dir=Path(snakemake.input.tokenizer),
     tokens_path=Path(snakemake.input.tokens),
     out_dir=Path(snakemake.output.model),

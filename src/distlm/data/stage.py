@@ -12,7 +12,7 @@ from distlm import DistlmError
 from distlm.data.sources import SPLITS, Split, load_splits
 from distlm.data.tokenizer import encode, model_tokenizer, train_tokenizer
 from distlm.data.tokens import write_tokens
-from distlm.documents import DataStats, SplitStats, write_document
+from distlm.documents import DataStats, SplitStats, TokenMeta, write_document
 from distlm.io import atomic_dir, digest
 from distlm.log import get_logger
 from distlm.settings import DataSettings, ModelSourceSettings
@@ -95,7 +95,7 @@ def _tokenize_and_write(
         "eos_token_id": tok.eos_token_id,
         "block_size": bs,
     }
-    write_tokens(Path(tokens_path), streams, bs, vocab_size, meta)
+    write_tokens(Path(tokens_path), streams, bs, vocab_size, TokenMeta(**meta))
     stats = DataStats(
         **meta,
         splits={

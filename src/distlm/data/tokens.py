@@ -11,13 +11,14 @@ import h5py
 import numpy as np
 
 from distlm import DistlmError
+from distlm.documents import TokenMeta
 from distlm.io import atomic_path
 from distlm.log import get_logger
 
 log = get_logger(__name__)
 
 
-FORMAT = "distlm-tokens/1"
+FORMAT = TokenMeta.tag()  # the file's `format` attribute: its metadata document's tag
 
 
 def token_dtype(vocab_size: int):
@@ -25,7 +26,7 @@ def token_dtype(vocab_size: int):
 
 
 def write_tokens(
-    path: Path, streams: dict[str, np.ndarray], block_size: int, vocab_size: int, meta: dict
+    path: Path, streams: dict[str, np.ndarray], block_size: int, vocab_size: int, meta: TokenMeta
 ):
     dtype = token_dtype(vocab_size)
     item = np.dtype(dtype).itemsize
@@ -38,7 +39,8 @@ def write_tokens(
         f.attrs["format"] = FORMAT
         f.attrs["block_size"] = block_size
         f.attrs["vocab_size"] = vocab_size
-        f.attrs["meta"] = json.dumps(meta, sort_keys=True)
+        body = meta.model_dump(mode="json")
+        f.attrs["meta"] = json.dumps(body, sort_keys=True)
         for name, ids in streams.items():
             n_blocks = len(ids) // block_size
             g = f.create_group(name)
@@ -118,8 +120,17 @@ class TokenBlocks:
 
 
 def check_tokens_file(f: h5py.File, path: Path) -> None:
-    if f.attrs.get("format") != FORMAT:
-        raise DistlmError(f"{path}: not a distlm token file (format {f.attrs.get('format')!r})")
+    found = f.attrs.get("format")
+    if found != FORMAT:
+        other = isinstance(found, str) and found.split("/")[0] == TokenMeta.KIND
+        raise DistlmError(
+            f"{path}: not a distlm token file of format {FORMAT!r} (format {found!r})"
+            + (
+                "; it was written by another version of distlm: rerun the data stage"
+                if other
+                else ""
+            )
+        )
 
 
 def _dataset(f: h5py.File, path: Path, split: str, name: str) -> h5py.Dataset:
@@ -136,13 +147,20 @@ def _int_attr(f: h5py.File, path: Path, name: str) -> int:
     return int(value)
 
 
-def read_tokens_meta(path: str | Path) -> dict:
+def read_tokens_meta(path: str | Path) -> TokenMeta:
+    """The token file's metadata document; another format or a malformed body names the file."""
     try:
         with h5py.File(path, "r") as f:
             check_tokens_file(f, Path(path))
             meta = f.attrs.get("meta")
             if not isinstance(meta, str):
                 raise DistlmError(f"{path}: attribute 'meta' is {meta!r}, not a JSON string")
-            return json.loads(meta)
+            try:
+                body = json.loads(meta)
+            except json.JSONDecodeError as e:
+                raise DistlmError(f"{path}: attribute 'meta' is not valid JSON ({e})") from None
     except OSError as e:
         raise DistlmError(f"{path}: cannot read token file ({e})") from None
+    if not isinstance(body, dict):
+        raise DistlmError(f"{path}: attribute 'meta' is not a JSON object")
+    return TokenMeta.from_json({"format": FORMAT, **body}, f"{path} (attribute 'meta')")

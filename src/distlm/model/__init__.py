@@ -4,7 +4,8 @@ A *model folder* (written by the model stage and by training's final checkpoint)
     model.safetensors        the state dict (tied lm_head.weight omitted, as Hugging Face does)
     config.json              the transformers GPT2Config
     tokenizer files          the tokenizer the token blocks were made with
-    distlm.json              provenance: source, config digest, sha256 of model.safetensors
+    distlm.json              provenance (a `ModelMeta` document): source, config digest, and the
+                             sha256 of model.safetensors that `verify_model_folder` checks
     generation_config.json   what `save_pretrained` writes beside config.json (bos/eos token ids)
 It is what `GPT2LMHeadModel.save_pretrained` writes (config.json names `architectures`, the
 tokenizer files carry their special tokens), so `AutoModelForCausalLM.from_pretrained(folder)`,
@@ -30,6 +31,7 @@ from distlm.model.folder import (
     read_meta,
     save_config,
     save_safetensors,
+    verify_model_folder,
     write_model_dir,
 )
 from distlm.model.layout import (
@@ -83,6 +85,7 @@ __all__ = [
     "save_safetensors",
     "serialize",
     "state_dict_for_save",
+    "verify_model_folder",
     "write_model_dir",
     "write_pipeline_dir",
 ]

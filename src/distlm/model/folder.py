@@ -1,5 +1,8 @@
-"""Model folders: safetensors weights, config.json, tokenizer files and distlm.json, written
-atomically and loaded with their sha256, format and tensor shapes checked."""
+"""Model folders: safetensors weights, config.json, tokenizer files and distlm.json (a `ModelMeta`
+document), written atomically and loaded with their sha256, format and tensor shapes checked.
+
+`verify_model_folder` is the one check of a folder's weights against its distlm.json: every stage
+that reads a model folder goes through it (load_model_dir, the broadcast stage, the shard stage)."""
 
 from __future__ import annotations
 
@@ -10,16 +13,15 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes, write_json
+from distlm.documents import ModelMeta, read_document, write_document
+from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
 from distlm.log import get_logger
 from distlm.model.build import build_model
 from distlm.model.layout import (
     ARCHITECTURE,
     META,
-    MODEL_FORMAT,
     TIED,
     WEIGHTS,
-    read_checked,
 )
 
 log = get_logger(__name__)
@@ -80,17 +82,13 @@ def check_state_dict(
 def load_model_dir(
     folder: str | Path, *, device: str | torch.device = "cpu", dtype=None, verify: bool = True
 ):
-    """Load a model folder into a GPT2LMHeadModel (eval mode); checks digest and tensor shapes."""
+    """Load a model folder into a GPT2LMHeadModel (eval mode); checks digest and tensor shapes.
+    `verify=False` skips the digest (a folder not written by distlm: a Hugging Face folder)."""
     folder = Path(folder)
     config = load_config_json(folder)
     weights = folder / WEIGHTS
     if verify:
-        meta = read_meta(folder)
-        actual = sha256_file(weights) if weights.is_file() else None
-        if meta.get("model_sha256") and actual != meta["model_sha256"]:
-            raise DistlmError(
-                f"{weights}: sha256 {actual} does not match {folder / META} ({meta['model_sha256']})"
-            )
+        verify_model_folder(folder)
     sd = load_safetensors(weights)
     with torch.device("meta"):
         model = build_model(config)
@@ -110,9 +108,30 @@ def load_model_dir(
     return model.to(device).eval()  # pyright: ignore[reportArgumentType]
 
 
-def read_meta(folder: str | Path) -> dict:
-    """distlm.json of a model folder (the model stage's or training's final)."""
-    return read_checked(Path(folder) / META, "model metadata", MODEL_FORMAT)
+def read_meta(folder: str | Path) -> ModelMeta:
+    """distlm.json of a model folder (the model stage's or training's final): the one reader."""
+    return read_document(Path(folder) / META, ModelMeta)
+
+
+def verify_model_folder(folder: str | Path) -> ModelMeta:
+    """The folder's metadata, after checking that its weights are the ones it names.
+
+    The one rule: a folder distlm wrote carries the sha256 of its weights (ModelMeta requires
+    it), and the weights must match it. A folder without distlm.json, or whose distlm.json has
+    no hash, is refused naming the file; a folder from elsewhere enters through the model stage
+    (model.source: local), which writes a verified one."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise DistlmError(f"{weights}: weights file not found (named by {folder / META})")
+    actual = sha256_file(weights)
+    if actual != meta.model_sha256:
+        raise DistlmError(
+            f"{weights}: sha256 {actual} does not match {folder / META} ({meta.model_sha256}); "
+            "the folder was changed after it was written: rerun the stage that wrote it"
+        )
+    return meta
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -127,8 +146,10 @@ def write_model_dir(
     tokenizer_dir: str | Path,
     meta: dict,
     extra_files: dict[str, Path] | None = None,
-) -> dict:
-    """Write a complete model folder (atomically: all or nothing) and return its metadata."""
+) -> ModelMeta:
+    """Write a complete model folder (atomically: all or nothing) and return its metadata.
+    `meta`: the writer's part of it (created_by, source, config and data digests, dtype and,
+    from training, the training record); the weights' hash and shape figures are added here."""
     out_dir = Path(out_dir)
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
@@ -142,17 +163,16 @@ def write_model_dir(
         copy_files(tokenizer_dir, tmp)
         for name, src in (extra_files or {}).items():
             shutil.copy2(src, tmp / name)
-        full_meta = {
-            "format": MODEL_FORMAT,
+        full_meta = ModelMeta(
             **meta,
-            "model_sha256": sha256_file(tmp / WEIGHTS),
-            "n_layer": config.n_layer,
-            "n_positions": config.n_positions,
-            "vocab_size": config.vocab_size,
-            "parameters": sum(t.numel() for t in state_dict.values()),
-            "arch_digest": digest(arch_signature(config)),
-        }
-        write_json(tmp / META, full_meta)
+            model_sha256=sha256_file(tmp / WEIGHTS),
+            n_layer=config.n_layer,
+            n_positions=config.n_positions,
+            vocab_size=config.vocab_size,
+            parameters=sum(t.numel() for t in state_dict.values()),
+            arch_digest=digest(arch_signature(config)),
+        )
+        write_document(tmp / META, full_meta)
     log.info(
         "wrote %s: %d tensors, %.1f MB",
         out_dir,

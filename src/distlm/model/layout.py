@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
+from distlm.documents import ModelMeta, PipelineMeta
 from distlm.io import read_json
 
 WEIGHTS = "model.safetensors"
@@ -17,8 +18,8 @@ SHARDS = "shards"
 MANIFEST = "manifest.json"
 TIED = {"lm_head.weight": "transformer.wte.weight"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODEL_FORMAT = "distlm-model/1"
-PIPELINE_FORMAT = "distlm-pipeline/1"
+MODEL_FORMAT = ModelMeta.tag()  # distlm.json of a model folder
+PIPELINE_FORMAT = PipelineMeta.tag()  # distlm.json of a pipeline folder
 SHARDS_FORMAT = "distlm-shards/1"
 
 

@@ -11,20 +11,20 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
+from distlm.documents import PipelineMeta, write_document
 from distlm.io import atomic_dir, sha256_file, write_json
 from distlm.log import get_logger
 from distlm.model.folder import (
     copy_files,
     load_config_json,
     load_safetensors,
-    read_meta,
     save_safetensors,
     tensor_nbytes,
+    verify_model_folder,
 )
 from distlm.model.layout import (
     MANIFEST,
     META,
-    PIPELINE_FORMAT,
     SHARDS,
     SHARDS_FORMAT,
     TIED,
@@ -146,14 +146,8 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
     tokenizer, distlm.json (the source folder and its sha256) and shards/ with the manifest. It is
     written atomically, so a killed job leaves no folder that looks complete."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    meta = read_meta(model_dir)
+    meta = verify_model_folder(model_dir)
     weights = model_dir / WEIGHTS
-    actual = sha256_file(weights) if weights.is_file() else None
-    if actual is None or actual != meta.get("model_sha256"):
-        raise DistlmError(
-            f"{weights}: sha256 {actual} does not match {model_dir / META} "
-            f"({meta.get('model_sha256')})"
-        )
     config = load_config_json(model_dir)
     state_dict = load_safetensors(weights)
     plans = plan_stages(state_dict, config.n_layer, stages, tied=config.tie_word_embeddings)
@@ -180,23 +174,19 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
             "format": SHARDS_FORMAT,
             "stages": stages,
             "n_layer": config.n_layer,
-            "model_sha256": actual,
+            "model_sha256": meta.model_sha256,
             "tied": dict(TIED) if config.tie_word_embeddings else {},
             "shards": shards,
         }
         write_json(tmp / SHARDS / MANIFEST, manifest)
-        write_json(
-            tmp / META,
-            {
-                **meta,
-                "format": PIPELINE_FORMAT,
-                "source_model": str(model_dir),
-                "stages": [
-                    {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]}
-                    for s in shards
-                ],
-            },
+        pipeline = PipelineMeta(
+            **meta.model_dump(),
+            source_model=str(model_dir),
+            stages=[
+                {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]} for s in shards
+            ],
         )
+        write_document(tmp / META, pipeline)
     log.info(
         "wrote %s: %d stage shards of %s (layers %s)",
         out_dir,

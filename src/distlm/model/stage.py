@@ -5,25 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.io import digest
+from distlm.documents import ModelMeta
 from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
-from distlm.model.folder import write_model_dir
-from distlm.model.layout import (
-    DTYPES,
-)
-from distlm.settings import ModelSettings
+from distlm.model.folder import verify_model_folder, write_model_dir
+from distlm.model.layout import DTYPES, META
+from distlm.settings.stage import ModelConfig
 
 
 def serialize(
-    mcfg: ModelSettings, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Path
-) -> dict:
-    """The model stage (`model`): hub id / local folder / seeded init -> model folder."""
+    cfg: ModelConfig, *, tokenizer_dir: Path, tokens_path: Path, out_dir: Path
+) -> ModelMeta:
+    """The model stage (`model`): hub id / local folder / seeded init -> model folder.
+
+    A local folder that distlm wrote (it has distlm.json) is verified on import
+    (`verify_model_folder`); a Hugging Face folder has no hash to check, and the folder this
+    stage writes carries one from here on."""
     from distlm.data import read_tokens_meta as read_data_meta
 
+    mcfg = cfg.model
     data_meta = read_data_meta(tokens_path)
-    vocab = data_meta["vocab_size"]
+    vocab = data_meta.vocab_size
+    if mcfg.source == "local" and mcfg.name and (Path(mcfg.name) / META).is_file():
+        verify_model_folder(mcfg.name)
     if mcfg.source == "init":
-        config = init_config(mcfg.init, vocab, data_meta.get("eos_token_id"))
+        config = init_config(mcfg.init, vocab, data_meta.eos_token_id)
         model = build_model(config, seed=mcfg.init.seed)
         source = {"kind": "init", "seed": mcfg.init.seed}
     else:
@@ -35,9 +40,9 @@ def serialize(
                 f"model.name {mcfg.name!r} has vocab_size {config.vocab_size} but the tokenizer in "
                 f"{tokenizer_dir} has {vocab} tokens"
             )
-    if data_meta["block_size"] > config.n_positions:
+    if data_meta.block_size > config.n_positions:
         raise DistlmError(
-            f"data.block_size: {data_meta['block_size']} ({tokens_path}) is beyond model "
+            f"data.block_size: {data_meta.block_size} ({tokens_path}) is beyond model "
             f"{mcfg.name or 'init'}'s context of {config.n_positions}"
         )
     model = model.to(DTYPES[mcfg.dtype])  # pyright: ignore[reportArgumentType] (as above)
@@ -45,8 +50,8 @@ def serialize(
     meta = {
         "created_by": "model",
         "source": source,
-        "config_digest": digest({"model": mcfg.model_dump()}),
-        "data_config_digest": data_meta["config_digest"],
+        "config_digest": cfg.digest,  # the stage config's, as the rule's params hold it
+        "data_config_digest": data_meta.config_digest,
         "dtype": mcfg.dtype,
     }
     return write_model_dir(

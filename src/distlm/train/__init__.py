@@ -4,16 +4,18 @@ from distlm.train import TrainPaths, run_training
 run_training(cfg, TrainPaths(tokens=..., model=..., tokenizer=..., out=Path("results/train")))
 
 Modules, by what a change touches:
-    trainer.py     `Trainer`: the step, validation, the step loop; `run_training`
-    setup.py       `TrainerSetup` (Trainer's base): lease, data, model, optimiser, resume, DDP
+    trainer.py     `Trainer`: construction (the set-up phases in order), the step, validation,
+                   the step loop; `run_training`
+    setup.py       the set-up phases as functions: lease, data, model, initial weight sync
     paths.py       `TrainPaths`: the stage's inputs and outputs, named as distlm.stages declares
     optim.py       learning-rate schedule (`lr_at`), precision, AdamW (parameter groups, fused)
     ddp.py         the loss module (fused kernels or transformers') wrapped in DDP
     sampler.py     the batch plan and each rank's blocks per step (exact resume)
     kernels.py     the fused LM-head cross-entropy and GELU
-    resume.py      the run identity, which checkpoint a start resumes or extends, loading it
-    checkpoint.py  checkpoint folders: write, verify, list, prune, run folders per identity
-    outputs.py     writing a checkpoint and the final model folder
+    resume.py      which checkpoint a start resumes or extends, loading it
+    checkpoint.py  the run identity and checkpoints: the one save path, verify, list, prune,
+                   run folders per identity
+    outputs.py     the metrics files' writes and the final model folder
     stopping.py    divergence, and the signals that stop at a step boundary with a checkpoint
     metrics.py     metrics.csv, val.csv and TensorBoard; profiling.py: the step profiler
     faults.py      test faults (NaN loss, kill after a step), off unless a test arms them

@@ -1,4 +1,6 @@
-"""Atomic, verifiable training checkpoints: save, find the last good one, check identity, prune.
+"""Training checkpoints and the run identity they belong to: the one save path (`save`: every
+rank's RNG state gathered, rank 0 writes, verifies and prunes), finding the last good one, the
+identity (`run_identity`) and its check, run folders, pruning.
 
 A checkpoint is a folder `step-XXXXXXXX/` under the checkpoint directory, written under a hidden
 temporary name and renamed when complete (a killed job never leaves one that looks finished):
@@ -6,9 +8,10 @@ temporary name and renamed when complete (a killed job never leaves one that loo
     model.safetensors   the weights (tied lm_head.weight omitted), in the training dtype
     optimizer.pt        optimizer.state_dict() (tensors, numbers, lists: read with weights_only)
     rng.pt              every rank's RNG states, gathered to rank 0 (read with weights_only)
-    state.json          step, data position, scheduler and gradient-scaler state, metric history,
-                        and the run identity (model, data, topology, optimisation settings)
-    checkpoint.json     written last: format tag and the sha256 of every file above
+    state.json          a `CheckpointState` document: step, data position, scheduler and
+                        gradient-scaler state, metric history, and the run identity (model,
+                        data, topology, optimisation settings)
+    checkpoint.json     written last: a `CheckpointIndex` document, the sha256 of every file above
 
 Every file is fsynced before the folder is renamed into place, and the new checkpoint is verified
 (read back against checkpoint.json) before older ones are pruned: only verified checkpoints count
@@ -20,7 +23,7 @@ a warning naming it) for the previous good one. A checkpoint whose identity diff
 is refused with a message listing what differs.
 
 Checkpoints belong to a run identity (what changes the weights: model, data, topology, optimiser
-and schedule, `Trainer.identity`): each identity has its own folder `<root>/<run id>/`, the first
+and schedule, `run_identity`): each identity has its own folder `<root>/<run id>/`, the first
 16 hex digits of the identity's sha256, with `identity.json` beside its `step-*` folders. A rerun
 resumes only its own identity's newest verified checkpoint; an edit that changes the identity
 starts a run in another folder and deletes nothing of the others (`prune_runs` keeps the
@@ -35,13 +38,24 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from distlm import DistlmError
+from distlm import DistlmError, __version__
+from distlm.documents import (
+    CheckpointIndex,
+    CheckpointState,
+    DocumentError,
+    ModelMeta,
+    TokenMeta,
+    read_document,
+    write_document,
+)
 from distlm.io import (
     atomic_dir,
     digest,
@@ -53,10 +67,16 @@ from distlm.io import (
 )
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
+from distlm.train.optim import weights_of
+
+if TYPE_CHECKING:
+    from distlm.dist import Topology
+    from distlm.settings.stage import TrainConfig
+    from distlm.train.sampler import BatchPlan, StepSampler
 
 log = get_logger(__name__)
 
-FORMAT = "distlm-checkpoint/1"
+FORMAT = CheckpointIndex.tag()
 _NAME = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
 IDENTITY = "identity.json"  # in each run folder: the identity its checkpoints belong to
@@ -107,19 +127,72 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 # ----------------------------------------------------------------------------- save
 
 
-def save_checkpoint(
-    ckpt_dir: str | Path,
+def save(
+    run_dir: Path | None,
     step: int,
+    *,
+    topo: Topology,
+    identity: dict,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    sampler: StepSampler,
+    plan: BatchPlan,
+    history: dict,
+    keep_last: int,
+) -> Path | None:
+    """The one save path; all ranks call. Every rank's RNG state is gathered to rank 0, which
+    writes step `step`'s checkpoint into `run_dir` (rank 0's run folder) and keeps the last
+    `keep_last`; returns its path on rank 0, None elsewhere. All ranks wait for the write."""
+    rng = rng_state(topo.device)
+    gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
+    dist.gather_object(rng, gathered, dst=0)
+    path = None
+    if gathered is not None:  # rank 0
+        if run_dir is None:
+            raise DistlmError("rank 0 saves a checkpoint before it opened its run folder")
+        t0 = time.perf_counter()
+        state = CheckpointState(
+            identity=identity,
+            data={
+                "samples_consumed": step * plan.global_batch,
+                "epoch": sampler.epoch_of(step),
+                "sampler": sampler.state(),
+            },
+            scheduler=scheduler.state_dict(),
+            scaler=scaler.state_dict() if scaler.is_enabled() else {},
+            metrics=history,
+            distlm_version=__version__,
+            step=step,
+        )
+        path = write(
+            run_dir,
+            weights={k: v.detach().cpu() for k, v in weights_of(model).items()},
+            optimizer_state=optimizer.state_dict(),
+            rng_states=gathered,
+            state=state,
+            keep_last=keep_last,
+        )
+        log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
+    topo.barrier()
+    return path
+
+
+def write(
+    ckpt_dir: str | Path,
     *,
     weights: dict[str, torch.Tensor],
     optimizer_state: dict,
     rng_states: list[dict],
-    state: dict,
+    state: CheckpointState,
     keep_last: int,
 ) -> Path:
-    """Write step `step`'s checkpoint atomically (call on rank 0), then keep only the last K.
-    A full disk raises DiskFull (distlm.io) before anything older is pruned."""
+    """Rank 0's part of `save`: write the checkpoint of `state.step` atomically, read it back,
+    then keep only the last `keep_last`. A full disk raises DiskFull (distlm.io) before anything
+    older is pruned."""
     ckpt_dir = Path(ckpt_dir)
+    step = state.step
     final = ckpt_dir / checkpoint_name(step)
     size = nbytes(weights) + nbytes(optimizer_state) + nbytes(rng_states)
     with atomic_dir(final, size=size) as tmp:
@@ -128,11 +201,9 @@ def save_checkpoint(
         )
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
-        write_json(tmp / "state.json", {**state, "step": step})
-        write_json(
-            tmp / "checkpoint.json",
-            {"format": FORMAT, "step": step, "sha256": {f: sha256_file(tmp / f) for f in FILES}},
-        )
+        write_document(tmp / "state.json", state)
+        index = CheckpointIndex(step=step, sha256={f: sha256_file(tmp / f) for f in FILES})
+        write_document(tmp / "checkpoint.json", index)
     verify(Checkpoint(final, step))  # read back before anything older goes
     prune(ckpt_dir, keep_last)
     return final
@@ -226,8 +297,8 @@ def migrate_legacy(root: str | Path) -> None:
     root = Path(root)
     for c in list_checkpoints(root):
         try:
-            identity = read_state(c)["identity"]
-        except (DistlmError, KeyError) as e:
+            identity = read_state(c).identity
+        except DistlmError as e:
             log.warning("legacy checkpoint %s has no readable identity, left alone: %s", c.path, e)
             continue
         run = open_run(root, identity)
@@ -311,18 +382,18 @@ def verify(ckpt: Checkpoint) -> None:
 
 
 def _verify(ckpt: Checkpoint) -> None:
-    meta = read_json(ckpt.path / "checkpoint.json", what="checkpoint index")
-    if meta.get("format") != FORMAT or meta.get("step") != ckpt.step:
+    index = read_document(ckpt.path / "checkpoint.json", CheckpointIndex)
+    if index.step != ckpt.step:
         raise DistlmError(
-            f"{ckpt.path / 'checkpoint.json'}: format {meta.get('format')!r} "
-            f"step {meta.get('step')!r}, expected {FORMAT!r} step {ckpt.step}"
+            f"{ckpt.path / 'checkpoint.json'}: step {index.step}, expected {ckpt.step} "
+            "(the folder's name)"
         )
     for f in FILES:
         p = ckpt.path / f
         if not p.is_file():
             raise DistlmError(f"{p}: missing from checkpoint")
         actual = sha256_file(p)
-        if actual != meta["sha256"].get(f):
+        if actual != index.sha256.get(f):
             raise DistlmError(f"{p}: sha256 {actual} does not match checkpoint.json")
 
 
@@ -338,8 +409,19 @@ def latest_good(ckpt_dir: str | Path) -> Checkpoint | None:
     return None
 
 
-def read_state(ckpt: Checkpoint) -> dict:
-    return read_json(ckpt.path / "state.json", what="checkpoint state")
+def read_state(ckpt: Checkpoint) -> CheckpointState:
+    """state.json of a verified checkpoint. One written before state.json carried its format tag
+    (the same fields, under the same distlm-checkpoint/1 index) reads as version 1."""
+    path = ckpt.path / "state.json"
+    obj = read_json(path, what="checkpoint state")
+    if isinstance(obj, dict) and "format" not in obj:
+        obj = {"format": CheckpointState.tag(), **obj}
+    try:
+        return CheckpointState.from_json(obj, str(path))
+    except DocumentError as e:
+        raise DocumentError(
+            f"{e}\nRemove {ckpt.path.parent} (or set train.resume: never) to start afresh."
+        ) from None
 
 
 def load_weights(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
@@ -360,6 +442,56 @@ def load_rng_state(ckpt: Checkpoint, rank: int, world_size: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- identity
+
+
+def run_identity(
+    cfg: TrainConfig,
+    *,
+    base: ModelMeta,
+    data: TokenMeta,
+    block_size: int,
+    train_blocks: int,
+    world_size: int,
+    plan: BatchPlan,
+    precision: str,
+) -> dict:
+    """What a checkpoint must share with this run to be resumed (checked key by key), and what
+    names its run folder (`run_id`): the model, data, topology and optimisation settings."""
+    t = cfg.train
+    return {
+        "model": {
+            "arch_digest": base.arch_digest,
+            "base_model_sha256": base.model_sha256,
+        },
+        "data": {
+            "config_digest": data.config_digest,
+            "block_size": block_size,
+            "train_blocks": train_blocks,
+            "seed": cfg.runtime.seed,
+        },
+        "topology": {
+            "world_size": world_size,
+            "micro_batch": plan.micro_batch,
+            "grad_accum": plan.grad_accum,
+            "global_batch": plan.global_batch,
+        },
+        "optim": {
+            **{
+                k: getattr(t, k)
+                for k in (
+                    "lr",
+                    "min_lr",
+                    "warmup_steps",
+                    "max_steps",
+                    "weight_decay",
+                    "beta1",
+                    "beta2",
+                    "grad_clip",
+                )
+            },
+            "precision": precision,
+        },
+    }
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Run identity and resume: what a checkpoint must share with this run, which checkpoint (or
-finished run to extend) a start picks, loading it into the model, optimiser and schedule, and the
-check that every rank then holds the same weights. The `Trainer` calls these at set-up."""
+"""Resume: which checkpoint (or finished run to extend) a start picks, and loading it into the
+model, optimiser and schedule after its identity (distlm.train.checkpoint) is checked. The
+`Trainer` calls these while it is constructed."""
 
 from __future__ import annotations
 
@@ -11,17 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlm import DistlmError
 from distlm.dist import Topology
 from distlm.io import remove_leftovers
 from distlm.log import get_logger
 from distlm.model import check_state_dict
 from distlm.settings import TrainSettings
-from distlm.settings.stage import TrainConfig
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train.optim import weights_of
 from distlm.train.paths import TrainPaths
-from distlm.train.sampler import BatchPlan
 
 log = get_logger(__name__)
 
@@ -34,55 +31,6 @@ class Resumed:
     history: dict  # the metrics rows so far
     path: str
     rng_state: Any  # this rank's RNG states, set after the weights are synced
-
-
-def run_identity(
-    cfg: TrainConfig,
-    *,
-    base_meta: dict,
-    data_meta: dict,
-    block_size: int,
-    train_blocks: int,
-    world_size: int,
-    plan: BatchPlan,
-    precision: str,
-) -> dict:
-    """What a checkpoint must share with this run to be resumed (checked key by key)."""
-    t = cfg.train
-    return {
-        "model": {
-            "arch_digest": base_meta["arch_digest"],
-            "base_model_sha256": base_meta["model_sha256"],
-        },
-        "data": {
-            "config_digest": data_meta["config_digest"],
-            "block_size": block_size,
-            "train_blocks": train_blocks,
-            "seed": cfg.runtime.seed,
-        },
-        "topology": {
-            "world_size": world_size,
-            "micro_batch": plan.micro_batch,
-            "grad_accum": plan.grad_accum,
-            "global_batch": plan.global_batch,
-        },
-        "optim": {
-            **{
-                k: getattr(t, k)
-                for k in (
-                    "lr",
-                    "min_lr",
-                    "warmup_steps",
-                    "max_steps",
-                    "weight_decay",
-                    "beta1",
-                    "beta2",
-                    "grad_clip",
-                )
-            },
-            "precision": precision,
-        },
-    }
 
 
 def load_checkpoint(
@@ -100,7 +48,7 @@ def load_checkpoint(
     loads the weights (the others get them from rank 0 next)."""
     ck = ckpt_mod.Checkpoint(Path(choice[0]), choice[1])
     state = ckpt_mod.read_state(ck)
-    ckpt_mod.check_identity(ck, state["identity"], identity)
+    ckpt_mod.check_identity(ck, state.identity, identity)
     rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
     if topo.is_main:
         with torch.no_grad():
@@ -110,11 +58,11 @@ def load_checkpoint(
             for k, v in current.items():
                 v.copy_(saved[k])
     optimizer.load_state_dict(ckpt_mod.load_optimizer_state(ck, topo.device))
-    scheduler.load_state_dict(state["scheduler"])
-    if state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    log.info("resuming from %s (step %d of %d)", ck.path, state["step"], max_steps)
-    return Resumed(state["step"], state["metrics"], str(ck.path), rng_state)
+    scheduler.load_state_dict(state.scheduler)
+    if state.scaler:
+        scaler.load_state_dict(state.scaler)
+    log.info("resuming from %s (step %d of %d)", ck.path, state.step, max_steps)
+    return Resumed(state.step, state.metrics, str(ck.path), rng_state)
 
 
 def choose_checkpoint(
@@ -161,14 +109,36 @@ def choose_checkpoint(
     return run_dir, (str(found.path), found.step)
 
 
-def check_replicas_agree(model: torch.nn.Module, topo: Topology) -> None:
-    """Every rank must start from bit-identical weights: compare a fingerprint across ranks."""
-    with torch.no_grad():
-        fp = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
-        fp = torch.stack([fp, -fp]).to(topo.device)
-        dist.all_reduce(fp, op=dist.ReduceOp.MAX)
-    mine = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().item()
-    if fp[0].item() != mine or -fp[1].item() != mine:
-        raise DistlmError(
-            f"rank {topo.rank}: weights differ from the other ranks after the initial broadcast"
-        )
+def resume_or_start(
+    paths: TrainPaths,
+    tcfg: TrainSettings,
+    *,
+    identity: dict,
+    topo: Topology,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+) -> tuple[Path | None, Resumed | None]:
+    """All ranks: rank 0 opens this identity's run folder and picks the checkpoint, every rank
+    loads it. Returns (the run folder on rank 0, None elsewhere; what was resumed, or None).
+
+    A checkpoint at step max_steps with this run's identity is finished work: it is loaded like
+    any other, and `Trainer.fit` writes the final folder from it without a training step."""
+    run_dir, choice = choose_checkpoint(paths, tcfg, identity) if topo.is_main else (None, None)
+    box = [choice]
+    if topo.is_distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return run_dir, None
+    resumed = load_checkpoint(
+        box[0],
+        identity=identity,
+        topo=topo,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        max_steps=tcfg.max_steps,
+    )
+    return run_dir, resumed

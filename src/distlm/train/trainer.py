@@ -4,13 +4,14 @@
         --config results/config/train.json --tokens results/data/tokens.h5 \\
         --tokenizer results/data/tokenizer --model results/model/base --out results/train
 
-Phases (one method each): `setup` (data, model, initial weights from rank 0 through the transfer
-module, optimiser, DDP, resume), `train_step` (micro-batches with no DDP sync but on the last,
-clipping, AdamW, schedule), `evaluate`, `save_checkpoint`, `write_final`, `close`. The step, the
-validation and the loop live here; set-up lives in `setup` (`TrainerSetup`, the base class), and
-the phases' parts beside them: `optim` (schedule, precision, AdamW), `ddp` (the loss module in
-DDP), `resume` (run identity, checkpoint choice and loading), `outputs` (checkpoints and the final
-folder), `stopping` (divergence, stop signals), `paths` (`TrainPaths`).
+Phases: construction (`Trainer(cfg, paths, topo)`, top to bottom: lease, data, model, optimiser,
+run identity, resume, initial weights from rank 0 through the transfer module, DDP, metrics),
+`train_step` (micro-batches with no DDP sync but on the last, clipping, AdamW, schedule),
+`evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases' parts live
+beside this module: `setup` (lease, data, model, weight sync), `optim` (schedule, precision,
+AdamW), `ddp` (the loss module in DDP), `checkpoint` (the run identity and the one save path),
+`resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping` (divergence,
+stop signals), `paths` (`TrainPaths`).
 
 Learning rate: `train.lr` is the peak rate for the *global* batch (micro_batch x grad_accum x
 world size blocks); it is not rescaled when the world size changes, so keep the global batch fixed
@@ -29,15 +30,18 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
+from distlm.dist import Topology
+from distlm.documents import ModelMeta
 from distlm.log import get_logger, progress
 from distlm.settings.stage import TrainConfig
 from distlm.train import checkpoint as ckpt_mod
-from distlm.train import outputs
-from distlm.train.metrics import perplexity
-from distlm.train.optim import fused_adamw_available, lr_at, resolve_precision
+from distlm.train import faults as faults_mod
+from distlm.train import outputs, resume, setup
+from distlm.train.ddp import wrap_model
+from distlm.train.metrics import Metrics, perplexity
+from distlm.train.optim import fused_adamw_available, lr_at, make_optimizer, resolve_precision
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
-from distlm.train.setup import TrainerSetup
 from distlm.train.stopping import (
     STOP_SIGNALS,
     StopNotice,
@@ -63,8 +67,90 @@ __all__ = [
 log = get_logger(__name__)
 
 
-class Trainer(TrainerSetup):
-    """One rank's share of a DDP training run; see the module docstring for the phases."""
+class Trainer:
+    """One rank's share of a DDP training run; see the module docstring for the phases.
+
+    Constructing it sets the run up to its first step; every attribute is set here. What it
+    opens (the lease, the token file, the metrics files) is closed by `close`, on every exit
+    path: a failure halfway through construction closes what was opened so far."""
+
+    def __init__(self, cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> None:
+        t = cfg.train
+        self.cfg, self.tcfg, self.paths, self.topo = cfg, t, paths, topo
+        self.device = topo.device
+        self._opened = contextlib.ExitStack()  # what close() closes, last opened first
+        try:
+            # rank 0's hold on the stage folder, before anything is written (None elsewhere)
+            self.lease = setup.acquire_lease(paths, topo)
+            if self.lease is not None:
+                self._opened.callback(self.lease.release)
+            self.data = setup.open_data(cfg, paths, topo)
+            self._opened.callback(self.data.close)
+            self.model, self.model_config, self.base_meta = setup.load_model(paths, topo, self.data)
+            self.precision = resolve_precision(t.precision, self.device)
+            self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
+                self.precision
+            ]
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+            # test faults: None (nothing in the step loop) unless a test asks for one
+            self.faults = faults_mod.arm(
+                nan_at_step=t.fault.nan_at_step,
+                kill_after_step=t.fault.kill_after_step,
+                rank=topo.rank,
+                world_size=topo.world_size,
+            )
+            self.optimizer, self.scheduler = make_optimizer(
+                self.model, t, self.device, self.precision
+            )
+            # what a checkpoint must share with this run to be resumed; names its run folder
+            self.identity = ckpt_mod.run_identity(
+                cfg,
+                base=self.base_meta,
+                data=self.data.meta,
+                block_size=self.data.block_size,
+                train_blocks=len(self.data.train),
+                world_size=topo.world_size,
+                plan=self.data.plan,
+                precision=self.precision,
+            )
+            # rank 0: this identity's checkpoint folder (None elsewhere); the checkpoint, if any
+            self.run_dir, resumed = resume.resume_or_start(
+                paths,
+                t,
+                identity=self.identity,
+                topo=topo,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+            )
+            self.step = resumed.step if resumed else 0  # optimizer steps completed
+            self.resumed_from = resumed.path if resumed else None
+            setup.sync_weights(self.model, cfg, topo)
+            if resumed is not None:
+                ckpt_mod.set_rng_state(resumed.rng_state, self.device)
+            else:
+                # Different dropout masks per rank, reproducible from the config seed.
+                torch.manual_seed(cfg.runtime.seed + 1000 * topo.rank)
+            # fwd: input_ids -> mean next-token loss, for evaluation (no DDP hooks)
+            self.fwd, self.ddp = wrap_model(self.model, t, self.device)
+            self.metrics = Metrics(
+                enabled=topo.is_main,
+                metrics_csv=paths.metrics_csv,
+                val_csv=paths.val_csv,
+                tb_dir=paths.tb,
+                history=resumed.history if resumed else {},
+                start_step=self.step,
+            )
+            self._opened.callback(outputs.metrics_io, self.metrics.close)
+        except BaseException:
+            self._opened.close()
+            raise
+        # the loop's state
+        self._last_step_end: float | None = None  # perf_counter() when the last step ended
+        self._stop_signal: int | None = None  # set by the signal handler, read at step ends
+        self.stop_requested: str | None = None  # agreed by every rank at the last step end
+        self.stop_signals: list[str] = []  # the STOP_SIGNALS behind stop_requested
 
     # ------------------------------------------------------------------ steps
 
@@ -77,7 +163,7 @@ class Trainer(TrainerSetup):
         """Run optimizer step `self.step + 1`; return its metrics row (same on every rank)."""
         t0 = time.perf_counter()
         step = self.step
-        micro = self.loader(step)
+        micro = self.data.loader(step)
         lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = torch.zeros((), device=self.device)
         accum = len(micro)
@@ -142,8 +228,8 @@ class Trainer(TrainerSetup):
             "perplexity": perplexity(loss_v),
             "grad_norm": gnorm_v,
             "lr": lr,
-            "tokens": self.step * self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step / dt,
+            "tokens": self.step * self.data.tokens_per_step,
+            "tokens_per_s": self.data.tokens_per_step / dt,
             "step_time_s": dt,
         }
 
@@ -157,15 +243,14 @@ class Trainer(TrainerSetup):
     def evaluate(self) -> dict:
         """Mean validation loss over the first eval_batches x micro x world blocks, all ranks."""
         t = self.tcfg
-        n = min(len(self.val_blocks), t.eval_batches * t.micro_batch_size * self.topo.world_size)
+        val = self.data.val
+        n = min(len(val), t.eval_batches * t.micro_batch_size * self.topo.world_size)
         mine = list(range(self.topo.rank, n, self.topo.world_size))
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.model.eval()
         try:
             for i in range(0, len(mine), t.micro_batch_size):
-                x = torch.from_numpy(self.val_blocks[mine[i : i + t.micro_batch_size]]).to(
-                    self.device
-                )
+                x = torch.from_numpy(val[mine[i : i + t.micro_batch_size]]).to(self.device)
                 with self._autocast():
                     loss = self.fwd(x)
                 count = x.shape[0] * (x.shape[1] - 1)  # predicted tokens (labels shifted by one)
@@ -178,44 +263,47 @@ class Trainer(TrainerSetup):
         finally:
             self.model.train()
         dist.all_reduce(acc)
-        val = (acc[0] / acc[1]).item()
+        val_loss = (acc[0] / acc[1]).item()
         return {
             "step": self.step,
-            "val_loss": val,
-            "val_perplexity": perplexity(val),
-            "tokens": self.step * self.tokens_per_step,
+            "val_loss": val_loss,
+            "val_perplexity": perplexity(val_loss),
+            "tokens": self.step * self.data.tokens_per_step,
         }
 
     def save_checkpoint(self) -> None:
-        """All ranks call: RNG states are gathered to rank 0, which writes the checkpoint."""
-        outputs.save_checkpoint(
+        """All ranks call: this step's checkpoint through the one save path
+        (distlm.train.checkpoint.save), then rank 0 rewrites the metrics files."""
+        ckpt_mod.save(
             self.run_dir,
             self.step,
             topo=self.topo,
+            identity=self.identity,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             scaler=self.scaler,
-            sampler=self.sampler,
-            plan=self.plan,
-            metrics=self.metrics,
-            identity=self.identity,
+            sampler=self.data.sampler,
+            plan=self.data.plan,
+            history=self.metrics.history(),
             keep_last=self.tcfg.keep_last,
         )
+        if self.topo.is_main:
+            outputs.metrics_io(self.metrics.flush)
 
-    def write_final(self, wall_s: float, *, steps_run: int | None = None) -> dict | None:
+    def write_final(self, wall_s: float, *, steps_run: int | None = None) -> ModelMeta | None:
         """Rank 0 writes the final model folder (distlm.train.outputs); all ranks wait for it."""
         meta = None
         if self.topo.is_main:
-            p = self.plan
+            p = self.data.plan
             run = {
                 "steps": self.step,
-                "tokens": self.step * self.tokens_per_step,
+                "tokens": self.step * self.data.tokens_per_step,
                 "world_size": self.topo.world_size,
                 "global_batch": p.global_batch,
                 "micro_batch": p.micro_batch,
                 "grad_accum": p.grad_accum,
-                "block_size": self.block_size,
+                "block_size": self.data.block_size,
                 "precision": self.precision,
                 "device": self.device.type,
                 "backend": self.topo.backend,
@@ -226,7 +314,7 @@ class Trainer(TrainerSetup):
                 model=self.model,
                 model_config=self.model_config,
                 base_meta=self.base_meta,
-                data_meta=self.data_meta,
+                data_meta=self.data.meta,
                 metrics=self.metrics,
                 run=run,
                 resumed_from=self.resumed_from,
@@ -238,7 +326,7 @@ class Trainer(TrainerSetup):
 
     # ------------------------------------------------------------------ loop
 
-    def fit(self) -> dict | None:
+    def fit(self) -> ModelMeta | None:
         t = self.tcfg
         t_start = time.perf_counter()
         start = self.step
@@ -357,19 +445,12 @@ class Trainer(TrainerSetup):
         )
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if hasattr(self, "metrics"):
-            outputs.metrics_io(self.metrics.close)
-        for b in ("train_blocks", "val_blocks"):
-            if hasattr(self, b):
-                getattr(self, b).close()
-        if self.lease is not None:
-            self.lease.release()
+        """Close what construction opened (the metrics files, the token file, the lease); a
+        second call does nothing."""
+        self._opened.close()
 
 
-def run_training(cfg: TrainConfig, paths: TrainPaths) -> dict | None:
+def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
     """The training stage on this rank (the train stage's keys: `runtime`, `train`, `transfer`):
     process group up, train, outputs written, torn down."""
     from distlm.dist import distributed
@@ -378,7 +459,6 @@ def run_training(cfg: TrainConfig, paths: TrainPaths) -> dict | None:
     with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
         trainer = Trainer(cfg, paths, topo)
         try:
-            trainer.setup()
             return trainer.fit()
         finally:
             trainer.close()
