@@ -65,7 +65,7 @@ def write_final(
         "steps_this_run": steps_run,
         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         "wall_s": wall_s,
-        "settings": cfg.train.model_dump(exclude={"profile", "fault"}),
+        "settings": cfg.train.model_dump(exclude={"profile"}),
     }
     return write_model_dir(
         paths.final,

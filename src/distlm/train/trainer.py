@@ -92,13 +92,8 @@ class Trainer:
                 self.precision
             ]
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-            # test faults: None (nothing in the step loop) unless a test asks for one
-            self.faults = faults_mod.arm(
-                nan_at_step=t.fault.nan_at_step,
-                kill_after_step=t.fault.kill_after_step,
-                rank=topo.rank,
-                world_size=topo.world_size,
-            )
+            # test faults: None (nothing in the step loop) unless the test harness asks for one
+            self.faults = faults_mod.arm(rank=topo.rank, world_size=topo.world_size)
             self.optimizer, self.scheduler = make_optimizer(
                 self.model, t, self.device, self.precision
             )
