@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 from conftest import TINY, run_snakemake
+from harness.synthetic import checkpoint_state
 
 from distlm.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
 
@@ -88,16 +89,16 @@ def test_checkpoint_write_on_a_full_disk_keeps_the_previous_one(tmp_path):
     rng = [ck.rng_state(torch.device("cpu"))]
     with tmpfs(tmp_path / "fs", 4 << 20) as fs:
         run = fs / "run"
-        first = ck.save_checkpoint(
-            run, 1, weights=weights, optimizer_state=optimizer, rng_states=rng, state={},
+        first = ck.write(
+            run, weights=weights, optimizer_state=optimizer, rng_states=rng, state=checkpoint_state(1),
             keep_last=1,
         )  # fmt: skip
         before = digests(first)
         # Room for the weights (256 KiB) of the next one, not for its optimizer state (512 KiB).
         filler = fill(fs, 400 << 10)
         with pytest.raises(DiskFull) as got:
-            ck.save_checkpoint(
-                run, 2, weights=weights, optimizer_state=optimizer, rng_states=rng, state={},
+            ck.write(
+                run, weights=weights, optimizer_state=optimizer, rng_states=rng, state=checkpoint_state(2),
                 keep_last=1,
             )  # fmt: skip
         e = got.value
@@ -109,8 +110,8 @@ def test_checkpoint_write_on_a_full_disk_keeps_the_previous_one(tmp_path):
         assert ck.latest_good(run) == ck.Checkpoint(first, 1)
 
         filler.unlink()  # space freed: the same write goes through, and the old one is pruned
-        second = ck.save_checkpoint(
-            run, 2, weights=weights, optimizer_state=optimizer, rng_states=rng, state={},
+        second = ck.write(
+            run, weights=weights, optimizer_state=optimizer, rng_states=rng, state=checkpoint_state(2),
             keep_last=1,
         )  # fmt: skip
         assert sorted(p.name for p in run.iterdir()) == ["step-00000002"]
@@ -123,6 +124,7 @@ def test_model_folder_and_shards_on_a_full_disk(tmp_path):
     from distlm.config import validate_settings
     from distlm.data import prepare
     from distlm.model import serialize, write_pipeline_dir
+    from distlm.settings.stage import ModelConfig
 
     c = validate_settings(
         {
@@ -130,6 +132,7 @@ def test_model_folder_and_shards_on_a_full_disk(tmp_path):
             "model": {"init": {"n_layer": 4, "n_head": 2, "n_embd": 64, "n_positions": 64}},
         }
     )
+    mcfg = ModelConfig.of({"model": c.model.model_dump(mode="json")})  # the rule's document
     data = tmp_path / "data"
     prepare(
         c.data,
@@ -141,14 +144,14 @@ def test_model_folder_and_shards_on_a_full_disk(tmp_path):
     with tmpfs(tmp_path / "fs", 4 << 20) as fs:
         model, pipeline = fs / "model", fs / "pipeline"
         kw = {"tokenizer_dir": data / "tokenizer", "tokens_path": data / "tokens.h5"}
-        serialize(c.model, **kw, out_dir=model)
+        serialize(mcfg, **kw, out_dir=model)
         write_pipeline_dir(model, pipeline, stages=2)
         model_before, shards_before = digests(model), digests(pipeline / "shards")
         weights = (model / "model.safetensors").stat().st_size
 
         filler = fill(fs, weights // 2)
         with pytest.raises(DiskFull) as got:
-            serialize(c.model, **kw, out_dir=model)
+            serialize(mcfg, **kw, out_dir=model)
         assert_named(got.value, model)
         assert "os error 28" in str(got.value.__cause__)  # safetensors' own wording, recognised
         assert got.value.needed >= weights - 1024  # tensors' bytes, without the header
@@ -169,14 +172,19 @@ def test_token_file_and_plain_writes_on_a_full_disk(tmp_path):
     import h5py
 
     from distlm.data import write_tokens
+    from distlm.documents import TokenMeta
 
     ids = np.arange(400_000, dtype=np.int64) % 1000  # 1.6 MB as uint16
+    meta = TokenMeta(
+        source={}, config_digest="test", tokenizer="test", vocab_size=1000, eos_token_id=None,
+        block_size=10,
+    )  # fmt: skip
     with tmpfs(tmp_path / "fs", 1 << 20) as fs:
         tokens = fs / "tokens.h5"
-        write_tokens(tokens, {"train": ids[:1000]}, 10, 1000, {})
+        write_tokens(tokens, {"train": ids[:1000]}, 10, 1000, meta)
         before = digests(fs)
         with pytest.raises(DiskFull) as got:
-            write_tokens(tokens, {"train": ids}, 10, 1000, {})
+            write_tokens(tokens, {"train": ids}, 10, 1000, meta)
         assert_named(got.value, tokens)
         assert got.value.needed == 2 * ids.size * 2  # uint16 stream + blocks
         assert digests(fs) == before

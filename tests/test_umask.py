@@ -21,11 +21,13 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, TINY, snakemake_cmd
+from harness.synthetic import checkpoint_state
 
 from distlm.config import validate_settings
 from distlm.data import prepare
 from distlm.lease import Lease
 from distlm.model import serialize, write_pipeline_dir
+from distlm.settings.stage import ModelConfig
 from distlm.train import checkpoint as ck
 
 
@@ -72,15 +74,16 @@ def test_every_writer_honours_umask_002_in_a_setgid_folder(tmp_path):
             stats_path=data / "stats.json",
         )
         kw = {"tokenizer_dir": data / "tokenizer", "tokens_path": data / "tokens.h5"}
-        serialize(c.model, **kw, out_dir=shared / "model")
+        mcfg = ModelConfig.of({"model": c.model.model_dump(mode="json")})  # the rule's document
+        serialize(mcfg, **kw, out_dir=shared / "model")
         write_pipeline_dir(shared / "model", shared / "pipeline", stages=2)
         weights = {"w": torch.randn(100)}
         optimizer = {"state": {0: {"exp_avg": torch.randn(100)}}, "param_groups": []}
         rng = [ck.rng_state(torch.device("cpu"))]
         run = ck.open_run(shared / "checkpoints", {"x": 1})
-        ck.save_checkpoint(
-            run, 1, weights=weights, optimizer_state=optimizer, rng_states=rng, state={},
-            keep_last=1,
+        ck.write(
+            run, weights=weights, optimizer_state=optimizer, rng_states=rng,
+            state=checkpoint_state(1), keep_last=1,
         )  # fmt: skip
         with Lease(shared / "checkpoints" / "trainer.lease.json", what="training"):
             held = oct(stat.S_IMODE((shared / "checkpoints" / "trainer.lease.json").stat().st_mode))

@@ -94,3 +94,18 @@ def make_inputs(
         },
     )
     return {"tokens": tokens, "tokenizer": tokenizer, "model": root / "model"}
+
+
+def checkpoint_state(step: int, identity: dict | None = None):
+    """A checkpoint's training state (the save path's document) with nothing but its step."""
+    from distlm.documents import CheckpointState
+
+    return CheckpointState(
+        identity=identity or {},
+        data={},
+        scheduler={},
+        scaler={},
+        metrics={},
+        distlm_version="test",
+        step=step,
+    )
