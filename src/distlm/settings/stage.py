@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from distlm.documents import Document, read_document, write_document
 from distlm.io import digest
@@ -51,6 +51,24 @@ class StageConfig(Document):
     def of(cls, params: Mapping[str, Any]) -> Self:
         """The document of a rule's params (exactly the stage's keys, nested)."""
         return cls.model_validate({**params, "digest": digest(dict(params))})
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The dotted config keys this stage reads: a field whose type is the whole section's is
+        that section; one of a narrower type (a section read in part) is each of its fields."""
+        from distlm.settings.root import Settings
+
+        keys: list[str] = []
+        for name, info in cls.model_fields.items():
+            if name == "digest":
+                continue
+            section = info.annotation
+            if section is Settings.model_fields[name].annotation:
+                keys.append(name)
+            else:
+                assert isinstance(section, type) and issubclass(section, BaseModel), name
+                keys.extend(f"{name}.{sub}" for sub in section.model_fields)
+        return tuple(keys)
 
     def params(self) -> dict:
         """The stage's keys as the rule's params hold them (the mapping `digest` is of)."""
