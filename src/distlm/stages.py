@@ -226,11 +226,14 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+def rule_stage(rule: str) -> Stage:
+    """The stage whose rule is `rule`."""
+    return next(s for s in STAGES.values() if s.rule == rule)
+
+
 def job_stage(job: str) -> Stage:
     """The stage of job `job` (a key of JOBS, or serve_shard/serve)."""
-    return (
-        STAGES[JOBS[job][0]] if job in JOBS else next(s for s in STAGES.values() if job in s.jobs)
-    )
+    return rule_stage(job.split("[")[0])
 
 
 def job_wildcards(job: str) -> dict[str, str]:
@@ -261,8 +264,13 @@ def select(cfg: Mapping[str, Any], keys: Iterable[str]) -> dict:
 
 
 def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
-    """The part of the validated config stage `stage` reads: its rule's params and resolved file."""
-    return select(cfg, STAGES[stage].keys)
+    """The part of config mapping `cfg` stage `stage` reads, as its rule's params hold it: the
+    mapping validated, then `distlm.settings.stage.stage_params` of its typed settings (what the
+    workflow calls on the settings it holds)."""
+    from distlm.settings.stage import stage_params
+    from distlm.settings.validate import validate
+
+    return stage_params(validate(cfg)[1], stage)
 
 
 # ----------------------------------------------------------------------------- rerun table

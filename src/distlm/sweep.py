@@ -44,9 +44,10 @@ from distlm.config import ConfigError, deep_merge
 from distlm.documents import Document
 from distlm.io import digest
 from distlm.settings.root import Settings
+from distlm.settings.stage import stage_params
 from distlm.settings.sweep import DOTTED_PATTERN, NAME_MAX, NAME_PATTERN, SweepSettings
 from distlm.settings.validate import validate
-from distlm.stages import JOBS, RESULTS, job_output, stage_config
+from distlm.stages import JOBS, RESULTS, job_output
 
 VARIANTS = f"{RESULTS}/variants"  # one folder per job variant: results/variants/<variant>/...
 RUNS = f"{RESULTS}/runs"  # the per-run view the report writes: results/runs/<run>/...
@@ -201,13 +202,9 @@ class Single:
     """A config without a sweep: one run, whose one job variant writes today's paths (variant
     None: no {variant} wildcard, nothing moves). The workflow asks it what it asks a Plan."""
 
-    config: dict
     settings: Settings
     variant: ClassVar[None] = None  # the {variant} placeholder of a job's paths: none
     report_rules: ClassVar[str] = "report.smk"
-
-    def config_of(self, wildcards: object) -> dict:
-        return self.config
 
     def settings_of(self, wildcards: object) -> Settings:
         return self.settings
@@ -228,10 +225,6 @@ class Plan:
     settings: Settings  # the base config's: the report's and serve's (whole-sweep sections)
     variant: ClassVar[str] = "{variant}"  # every job's paths move under its variant's folder
     report_rules: ClassVar[str] = "sweep.smk"  # the runs side by side, each run's own report
-
-    def config_of(self, wildcards: Wildcards) -> dict:
-        """The merged config of the job variant's run (its stage's keys agree across runs)."""
-        return self.by_variant[wildcards.variant][1].config
 
     def settings_of(self, wildcards: Wildcards) -> Settings:
         """The typed settings of the job variant's run."""
@@ -270,14 +263,14 @@ def variant_folder(variant: str) -> str:
     return variant_path(RESULTS + "/", variant).rstrip("/")
 
 
-def job_variants(cfg: Mapping[str, Any]) -> dict[str, str]:
-    """Each job's variant for validated config `cfg`: its stage's keys + consumed variants."""
+def job_variants(settings: Settings) -> dict[str, str]:
+    """Each job's variant for a run's typed settings: its stage's keys + consumed variants."""
     out: dict[str, str] = {}
     for job in SWEEP_JOBS:
         stage, consumes = JOBS[job]
         key = {
             "job": job,
-            "config": stage_config(cfg, stage),
+            "config": stage_params(settings, stage),
             "consumes": {c: out[c] for c in consumes},
         }
         out[job] = digest(key)[:VARIANT_CHARS]
@@ -290,7 +283,7 @@ def plan_runs(
     """The runs of validated config `cfg` (typed: `settings`): a Plan with a `sweep` section, else
     the one run; SweepError or ConfigError (naming the run and the key) when a run is malformed."""
     plan = plan_sweep(cfg, source=source, settings=settings)
-    return Single(dict(cfg), settings) if plan is None else plan
+    return Single(settings) if plan is None else plan
 
 
 def plan_sweep(
@@ -314,7 +307,7 @@ def plan_sweep(
                 "a sweep has one report, and serve is not a job of a sweep)"
             )
         merged, typed = validate(deep_merge(base, override), source=f"sweep run {name!r}")
-        runs[name] = Run(name, override, merged, typed, job_variants(merged))
+        runs[name] = Run(name, override, merged, typed, job_variants(typed))
     shared: dict[str, dict[str, list[str]]] = {job: {} for job in SWEEP_JOBS}
     for run in runs.values():
         for job, v in run.variants.items():
@@ -354,6 +347,12 @@ class SweepDescription(BaseModel):
     varied: list[str]
     runs: dict[str, RunDescription]
     shared: dict[str, dict[str, list[str]]]  # job -> variant -> the runs it serves
+
+    def labels(self, run: str, **labels: str) -> dict[str, str]:
+        """report() labels of a run's output: the run and its values of the varied keys, so
+        `snakemake --report` lets one switch between runs."""
+        varied = self.runs[run].varied
+        return {"run": run, **{k: str(v) for k, v in varied.items()}, **labels}
 
 
 def describe(plan: Plan) -> SweepDescription:

@@ -10,7 +10,7 @@ ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
 
 from distlm.config import ConfigError
-from distlm.settings.stage import STAGE_CONFIGS
+from distlm.settings.stage import STAGE_CONFIGS, stage_params
 from distlm.settings.validate import validate
 from distlm.stages import (
     BENCHMARKS,
@@ -20,7 +20,6 @@ from distlm.stages import (
     MODELS,
     STAGES,
     job_output,
-    stage_config,
 )
 from distlm.sweep import VARIANT_PATTERN, plan_runs, variant_path
 
@@ -65,9 +64,10 @@ def per_job(fn):
 
 
 def params_of(stage):
-    """Exactly the config keys `stage` reads (its typed stage config's fields): a rule's params,
-    so an edit of any other key leaves the rule's outputs cached."""
-    return lambda wildcards: stage_config(RUNS.config_of(wildcards), stage)
+    """Exactly the config keys `stage` reads, from its typed stage config (distlm.settings.stage)
+    of the job's run: a rule's params, so an edit of any other key leaves the rule's outputs
+    cached."""
+    return per_job(lambda s: stage_params(s, stage))
 
 
 def upstream(job, output):

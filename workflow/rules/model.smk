@@ -34,6 +34,5 @@ rule shard:
     threads: 1
     params:
         cfg=params_of("shard"),
-        stages=per_job(lambda s: s.inference.stages),
     script:
         "../scripts/shard.py"

@@ -39,6 +39,6 @@ rule report:
         "../envs/report.yaml"
     threads: 1
     params:
-        cfg=stage_config(config, "report"),
+        cfg=stage_params(S, "report"),
     script:
         "../scripts/report.py"

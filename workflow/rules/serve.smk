@@ -14,8 +14,7 @@ rule serve_shard:
         "../envs/torch.yaml"
     threads: 1
     params:
-        cfg=stage_config(config, "serve_shard"),
-        stages=S.serve.stages,
+        cfg=stage_params(S, "serve_shard"),
     script:
         "../scripts/shard.py"
 
@@ -30,7 +29,7 @@ rule serve:
         "../envs/serve.yaml"
     threads: S.serve.stages
     params:
-        cfg=stage_config(config, "serve"),
+        cfg=stage_params(S, "serve"),
         stages=S.serve.stages,
     shell:
         # The API server (this process, uvicorn) starts the MPI job with the profile's launcher and

@@ -14,13 +14,6 @@ FORMATS = S.report.formats  # one report: its keys are the base config's
 SWEEP_DESCRIPTION = describe(RUNS)
 
 
-def run_labels(run, **labels):
-    """report() labels of a sweep run's output: the run and its values of the varied keys, so
-    `snakemake --report` lets one switch between runs."""
-    varied = SWEEP_DESCRIPTION.runs[run].varied
-    return {"run": run, **{k: str(v) for k, v in varied.items()}, **labels}
-
-
 rule report:
     input:
         # every output of every job variant of every run
@@ -42,7 +35,7 @@ rule report:
                 caption=f"../report/{item.name}.rst",
                 category=category(item.section),
                 subcategory=item.title,
-                labels=run_labels(run, type=item.kind, file=path),
+                labels=SWEEP_DESCRIPTION.labels(run, type=item.kind, file=path),
             )
             for run in RUNS.runs
             for item, path in report_items(FORMATS)
@@ -53,7 +46,7 @@ rule report:
                 caption="../report/run_summary.rst",
                 category="0. Summary",
                 subcategory="Each run",
-                labels=run_labels(run, type="page"),
+                labels=SWEEP_DESCRIPTION.labels(run, type="page"),
             )
             for run in RUNS.runs
         ],
@@ -75,7 +68,7 @@ rule report:
         "../envs/report.yaml"
     threads: 1
     params:
-        cfg=stage_config(config, "report"),
+        cfg=stage_params(S, "report"),
         sweep=SWEEP_DESCRIPTION.model_dump(),
     script:
         "../scripts/sweep_report.py"

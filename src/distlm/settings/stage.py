@@ -33,6 +33,7 @@ from distlm.settings.inference import (
 )
 from distlm.settings.model import ModelSettings, ModelSourceSettings
 from distlm.settings.report import ReportSettings
+from distlm.settings.root import Settings
 from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
 from distlm.settings.train import TrainSettings
 from distlm.settings.transfer import BroadcastSettings, TransferSettings
@@ -53,11 +54,25 @@ class StageConfig(Document):
         return cls.model_validate({**params, "digest": digest(dict(params))})
 
     @classmethod
+    def of_settings(cls, settings: Settings) -> Self:
+        """The stage's part of the typed settings: a section it reads whole is the settings'
+        own, one it reads in part (a narrower type) holds those fields of it."""
+        sections: dict[str, Any] = {}
+        for name, info in cls.model_fields.items():
+            if name == "digest":
+                continue
+            section, want = getattr(settings, name), info.annotation
+            if type(section) is not want:
+                assert isinstance(want, type) and issubclass(want, BaseModel), name
+                section = want.model_validate({k: getattr(section, k) for k in want.model_fields})
+            sections[name] = section
+        doc = cls.model_validate({**sections, "digest": ""})
+        return doc.model_copy(update={"digest": digest(doc.params())})
+
+    @classmethod
     def keys(cls) -> tuple[str, ...]:
         """The dotted config keys this stage reads: a field whose type is the whole section's is
         that section; one of a narrower type (a section read in part) is each of its fields."""
-        from distlm.settings.root import Settings
-
         keys: list[str] = []
         for name, info in cls.model_fields.items():
             if name == "digest":
@@ -71,8 +86,9 @@ class StageConfig(Document):
         return tuple(keys)
 
     def params(self) -> dict:
-        """The stage's keys as the rule's params hold them (the mapping `digest` is of)."""
-        return self.model_dump(mode="json", exclude={"digest"})
+        """The stage's keys as the rule's params hold them (the mapping `digest` is of): the
+        values and key order of the config they came from (distlm.settings.base.Section)."""
+        return self.model_dump(exclude={"digest"})
 
 
 class DataConfig(StageConfig):
@@ -92,6 +108,11 @@ class ShardConfig(StageConfig):
     STAGE: ClassVar[str] = "shard"
     KIND: ClassVar[str] = "distlm-config-shard"
     inference: PipelineSettings
+
+    @property
+    def stages(self) -> int:
+        """The pipeline's stage count: one shard per stage."""
+        return self.inference.stages
 
 
 class BroadcastConfig(StageConfig):
@@ -137,6 +158,11 @@ class ServeShardConfig(StageConfig):
     KIND: ClassVar[str] = "distlm-config-serve-shard"
     serve: ServePipelineSettings
 
+    @property
+    def stages(self) -> int:
+        """The served pipeline's stage count: one shard per stage."""
+        return self.serve.stages
+
 
 class ReportConfig(StageConfig):
     STAGE: ClassVar[str] = "report"
@@ -159,6 +185,11 @@ STAGE_CONFIGS: dict[str, type[StageConfig]] = {
         ReportConfig,
     )
 }
+
+
+def stage_params(settings: Settings, stage: str) -> dict:
+    """The params of `stage`'s rule: exactly its keys, from the typed settings of the job's run."""
+    return STAGE_CONFIGS[stage].of_settings(settings).params()
 
 
 def write_stage_config(stage: str, params: Mapping[str, Any], path: str | os.PathLike) -> str:
