@@ -28,8 +28,8 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/inference.smk"
 include: "workflow/rules/serve.smk"
-# The report of the runs: one run's report, or the runs of a sweep side by side (RUNS.report_rules).
-include: f"workflow/rules/{RUNS.report_rules}"
+# The report of the runs: one run's report, or the runs of a sweep side by side (PLAN.report_rules).
+include: f"workflow/rules/{PLAN.report_rules}"
 
 
 # Every declared output of every job of the DAG (distlm.stages.JOBS), in each of its variants, the

@@ -24,13 +24,13 @@ from distlm.stages import (
 from distlm.sweep import VARIANT_PATTERN, plan_runs, variant_path
 
 # The one validation (distlm.settings): errors name the key (and where an old key moved), --config
-# strings become numbers, defaults are filled in. S is the typed settings; RUNS the runs of the
+# strings become numbers, defaults are filled in. S is the typed settings; PLAN the runs of the
 # config: one without a sweep, a distlm.sweep.Plan with one (every run validated before any job
 # starts). workflow/schemas/config.schema.yaml is generated from the same models, for editors and
 # the report; it is no second gate.
 try:
     _validated, S = validate(config, source="config")
-    RUNS = plan_runs(_validated, S, source="config")
+    PLAN = plan_runs(_validated, S, source="config")
 except ConfigError as e:
     raise WorkflowError(str(e))
 config.clear()
@@ -38,7 +38,7 @@ config.update(_validated)
 # The {variant} of a job's paths: None without a sweep (today's paths), "{variant}" in a sweep,
 # where every job's outputs and logs move under results/variants/{variant}/ and
 # logs/variants/{variant}/, and its settings and inputs are those of its variant.
-VARIANT = RUNS.variant
+VARIANT = PLAN.variant
 
 
 wildcard_constraints:
@@ -60,7 +60,7 @@ def log_of(path):
 
 def per_job(fn):
     """fn(the typed settings of the job's run), for a rule's threads or params."""
-    return lambda wildcards: fn(RUNS.settings_of(wildcards))
+    return lambda wildcards: fn(PLAN.settings_of(wildcards))
 
 
 def params_of(stage):
@@ -73,13 +73,13 @@ def params_of(stage):
 def upstream(job, output):
     """Output `output` of job `job` (distlm.stages.JOBS), an input of the job that consumes it:
     of the variant of `job` that the consuming job's variant was derived from."""
-    return lambda wc: variant_path(job_output(job, output), RUNS.upstream(wc, job))
+    return lambda wc: variant_path(job_output(job, output), PLAN.upstream(wc, job))
 
 
 def model_folder(wildcards):
     """The model folder of {model} (distlm.stages.MODELS), of the variant this job consumes."""
     job, output = MODELS[wildcards.model]
-    return variant_path(job_output(job, output), RUNS.upstream(wildcards, job))
+    return variant_path(job_output(job, output), PLAN.upstream(wildcards, job))
 
 
 def outputs_of(stage, variant=VARIANT, **wildcards):
@@ -99,7 +99,7 @@ def targets_of(jobs):
         path
         for job in jobs
         for out in STAGES[JOBS[job][0]].outputs
-        for path in RUNS.targets(job, out)
+        for path in PLAN.targets(job, out)
     ]
 
 

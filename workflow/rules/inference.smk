@@ -10,7 +10,7 @@ rule inference:
         model=upstream("shard[trained]", "pipeline"),
         # relative to the working directory first, then the repository root
         prompts=lambda wc: tracked_path(
-            resolve_prompts_path(RUNS.settings_of(wc).inference.prompts, ROOT)
+            resolve_prompts_path(PLAN.settings_of(wc).inference.prompts, ROOT)
         ),
     output:
         **outputs_of("inference"),

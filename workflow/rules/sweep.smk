@@ -11,7 +11,7 @@ from distlm.sweep import SWEEP_JOBS, describe, run_dir
 
 REPORT_DIR = STAGES["report"].dir
 FORMATS = S.report.formats  # one report: its keys are the base config's
-SWEEP_DESCRIPTION = describe(RUNS)
+SWEEP_DESCRIPTION = describe(PLAN)
 
 
 rule report:
@@ -28,7 +28,7 @@ rule report:
             )
             for item, path in sweep_outputs(FORMATS)
         ],
-        *[f"{run_dir(run)}/run.json" for run in RUNS.runs],
+        *[f"{run_dir(run)}/run.json" for run in PLAN.runs],
         *[
             report(
                 f"{run_dir(run)}/report/{path}",
@@ -37,7 +37,7 @@ rule report:
                 subcategory=item.title,
                 labels=SWEEP_DESCRIPTION.labels(run, type=item.kind, file=path),
             )
-            for run in RUNS.runs
+            for run in PLAN.runs
             for item, path in report_items(FORMATS)
         ],
         *[
@@ -48,7 +48,7 @@ rule report:
                 subcategory="Each run",
                 labels=SWEEP_DESCRIPTION.labels(run, type="page"),
             )
-            for run in RUNS.runs
+            for run in PLAN.runs
         ],
         summary=report(
             STAGES["report"].path("summary"),
