@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Self
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidatorFunctionWrapHandler,
@@ -37,9 +38,9 @@ class Section(BaseModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _keep_order(cls, data: object, handler: ValidatorFunctionWrapHandler) -> object:
+    def _keep_order(cls, data: object, handler: ModelWrapValidatorHandler[Self]) -> Self:
         section = handler(data)
-        if isinstance(data, dict) and isinstance(section, Section):
+        if isinstance(data, dict):
             section._order = tuple(k for k in data if k in cls.model_fields)
         return section
 
