@@ -27,33 +27,16 @@ include: "workflow/rules/broadcast.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/eval.smk"
 include: "workflow/rules/inference.smk"
+include: "workflow/rules/serve.smk"
+# The report of the runs: one run's report, or the runs of a sweep side by side (PLAN.report_rules).
+include: f"workflow/rules/{PLAN.report_rules}"
 
 
-if SWEEP:
-
-    # A sweep (docs/sweeps.md): every job once per variant, one report comparing the runs.
-    include: "workflow/rules/sweep.smk"
-
-    rule all:
-        default_target: True
-        input:
-            SWEEP_TARGETS,
-            rules.report.output,
-
-else:
-
-    include: "workflow/rules/serve.smk"
-    include: "workflow/rules/report.smk"
-
-    # Every declared output of every stage in the DAG, the report's figures and tables included
-    # (so a report.formats edit that adds a format asks for the new files and reruns the report).
-    rule all:
-        default_target: True
-        input:
-            rules.prepare_data.output,
-            rules.serialize_model.output,
-            rules.broadcast.output,
-            rules.train.output,
-            expand(rules.evaluate.output.json, model=EVAL_MODELS),
-            rules.inference.output,
-            rules.report.output,
+# Every declared output of every job of the DAG (distlm.stages.JOBS), in each of its variants, the
+# report's figures and tables included (so a report.formats edit that adds a format asks for the
+# new files and reruns the report).
+rule all:
+    default_target: True
+    input:
+        targets_of(job for job in JOBS if job != "report"),
+        rules.report.output,

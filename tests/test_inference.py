@@ -23,7 +23,7 @@ from distlm.inference.validate import sampling_settings
 from distlm.settings import InferenceSettings, ModelInitSettings, SamplingSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-INFER = ROOT / "workflow" / "scripts" / "infer.py"
+INFER = "distlm.entry.infer"  # the stage entry point, as rule inference starts it
 N_LAYER = 5  # divisible by neither 2 nor 3 stages
 PROMPTS = [
     "The for statement in Python",
@@ -336,8 +336,8 @@ def write_config(path: Path, *, serve: dict | None = None, **over) -> Path:
     return path
 
 
-def mpiexec(n: int, script: Path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = ["mpiexec", "-n", str(n), sys.executable, str(script), *map(str, args)]
+def mpiexec(n: int, module: str, *args, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", module, *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False

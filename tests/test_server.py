@@ -27,7 +27,7 @@ from distlm.dist import free_port
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE = ROOT / "workflow" / "scripts" / "serve.py"
+SERVE = "distlm.entry.serve"  # the serve entry point, as rule serve starts it
 # the session fixtures of test_inference.py: the tiny model folders and the `generate` reference
 tiny_models = test_inference.tiny_models
 hf_reference = test_inference.hf_reference
@@ -144,7 +144,8 @@ def start_server(
         proc = subprocess.Popen(
             [
                 sys.executable,
-                str(SERVE),
+                "-m",
+                SERVE,
                 "--launcher",
                 launcher or f"mpiexec -n {stages}",
                 "--config",

@@ -193,3 +193,24 @@ def test_stage_config_document_round_trip(tmp_path):
         read_document(path, EvalConfig)
     with pytest.raises(ValidationError, match="train.lr"):
         TrainConfig.of({**params, "train": {**params["train"], "lr": -1}})
+
+
+def test_stage_params_keep_the_config_key_order_and_values():
+    """A rule's params are dumped from the typed settings and are the mapping the config held,
+    key order and ints included: Snakemake compares params by their repr, so another order or
+    2.0 for 2 would rerun every stage of a results folder an earlier release made."""
+    from distlm.settings.stage import stage_params
+    from distlm.settings.validate import validate
+
+    raw = yaml.safe_load(TINY.read_text())
+    raw["train"] = dict(reversed(list(raw["train"].items())))
+    raw["transfer"] = {"timeout_s": 60, **raw["transfer"]}
+    cfg, settings = validate(raw)
+    for stage in ("train", "model", "report"):  # stages that read whole sections
+        for section, value in stage_params(settings, stage).items():
+            assert repr(value) == repr(cfg[section]), (stage, section)  # order and types
+    assert list(stage_params(settings, "train")["train"])[:2] == list(raw["train"])[:2]
+    assert stage_params(settings, "train")["transfer"]["timeout_s"] == 60  # an int, not 60.0
+    assert validate(yaml.safe_load(TINY.read_text()))[1] == settings.model_copy(
+        update={"train": validate(yaml.safe_load(TINY.read_text()))[1].train}
+    )  # equality is the values', whatever the key order

@@ -348,3 +348,21 @@ def test_the_stop_notice_is_read_once_and_refused_when_malformed(tmp_path, monke
     path.write_text("{}")
     with pytest.raises(DocumentError, match="stop.json: no format tag"):
         launch._read_notice(path)
+
+
+def test_module_mode_passes_through_to_every_node():
+    """The rules start their stage as a module (`torchrun ... -m distlm.entry.train`): the
+    launcher checks torchrun's options before `-m` and hands the module and its args on."""
+    alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
+    args = ["--nproc-per-node=2", "--max-restarts=0", "-m", "distlm.entry.train", "--config", "c"]
+    launch.check_torchrun_args(args)
+    cmd = launch.srun_command(alloc, args, port=1, python="py")
+    assert cmd[cmd.index("--") + 1 :] == args
+    node = launch.node_command(
+        cmd[cmd.index("torchrun-node") + 1 :],
+        {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURMD_NODENAME": "node2"},
+        python="py",
+    )
+    assert node[-len(args) :] == args and node[:3] == ["py", "-m", "torch.distributed.run"]
+    with pytest.raises(DistlmError, match="--nnodes"):
+        launch.check_torchrun_args(["--nnodes=2", "-m", "distlm.entry.train"])

@@ -13,7 +13,7 @@ from conftest import ROOT, TINY
 
 from distlm.config import load_config
 from distlm.documents import DataStats, DocumentError, EvalReport, read_document, write_document
-from distlm.stages import JOBS, STAGES, schema_keys, select, stage_config
+from distlm.stages import JOBS, REPORT_READS, STAGES, schema_keys, select, stage_config
 
 SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
 SRC = ROOT / "src" / "distlm"
@@ -62,6 +62,24 @@ def test_every_job_feeds_the_report_which_runs_last():
                 todo.append(c)
     assert upstream == set(JOBS) - {"report"}
     assert order[-1] == "report"
+    # derived from Stage.consumes: each evaluate instance reads the job writing its model folder
+    assert JOBS["evaluate[base]"] == ("eval", ("prepare_data", "serialize_model"))
+    assert JOBS["evaluate[trained]"] == ("eval", ("prepare_data", "train"))
+    assert JOBS["shard[trained]"] == ("shard", ("train",))
+    assert "serve" not in JOBS and "serve_shard" not in JOBS  # started by name, not in rule all
+    # the report consumes exactly the jobs it reads a file of
+    assert set(JOBS["report"][1]) == {job for job, _ in REPORT_READS.values()}
+
+
+def test_the_workflow_reads_no_config_value_by_string():
+    """Rules read the typed settings (S, RUNS.settings_of), never `config[...]`, and no rule file
+    branches on a sweep: a config without one is the one-variant layout (distlm.sweep.Single)."""
+    files = [ROOT / "Snakefile", *sorted((ROOT / "workflow/rules").glob("*.smk"))]
+    files += sorted((ROOT / "workflow/scripts").glob("*.py"))
+    for f in files:
+        text = f.read_text()
+        for bad in ('config["', "config['", "setting(", "if SWEEP", "SWEEP.", "entry_point("):
+            assert bad not in text, (f.name, bad)
 
 
 def _string_literals(path: Path) -> set[str]:

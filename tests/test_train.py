@@ -36,7 +36,7 @@ from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.trainer import fused_adamw_available, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "workflow" / "scripts" / "train.py"
+ENTRY = "distlm.entry.train"  # the stage entry point, as rule train starts it
 
 
 def train_cfg(**train) -> TrainConfig:
@@ -345,7 +345,8 @@ def _torchrun(
         "--nproc-per-node=2",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.2",
-        str(SCRIPT),
+        "-m",
+        ENTRY,
         "--config",
         str(cfg_path),
         "--tokens",

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/peer.py: `transformers serve`
 sys.path.insert(0, str(Path(__file__).parent))
-SERVE = ROOT / "workflow" / "scripts" / "serve.py"
+SERVE = "distlm.entry.serve"  # the serve entry point, as rule serve starts it
 PROMPTS = ROOT / "config" / "prompts.txt"
 
 
@@ -387,7 +387,8 @@ def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels
     write_stage_config("serve", stage_config(cfg, "serve"), cfg_path)
     return [
         sys.executable,
-        str(SERVE),
+        "-m",
+        SERVE,
         "--launcher",
         f"mpiexec -n {stages}",
         "--config",

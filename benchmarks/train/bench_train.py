@@ -355,7 +355,8 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
     out = work / f"distlm-{n}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.nproc)}  # what Snakemake gives the rule
     script = [
-        str(ROOT / "workflow" / "scripts" / "train.py"),
+        "-m",
+        "distlm.entry.train",
         "--config",
         str(cfg_path),
         "--tokens",

@@ -2,8 +2,8 @@
 
 `validate_config` fills defaults, rejects unknown keys, moved keys and out-of-range values, then
 checks the constraints that span keys (stages vs layers, block size vs context). Every error names
-the key. The workflow keeps the filled-in mapping (its `config`, which each rule's params are cut
-from); the library takes the typed `Settings` (`load_settings`).
+the key. The workflow holds the typed `Settings` (each rule's params are its stage's typed config,
+`distlm.settings.stage`); the library takes the typed `Settings` too (`load_settings`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import yaml
 
-from distlm.io import read_json
 from distlm.settings import ConfigError, Settings
 from distlm.settings.validate import validate
 
@@ -75,18 +74,3 @@ def deep_merge(base: Mapping, over: Mapping) -> dict:
         else:
             out[k] = copy.deepcopy(v)
     return out
-
-
-def read_resolved(path: str | os.PathLike) -> dict:
-    """The keys of a stage config document (results/config/<stage>.json) as a nested mapping:
-    for the entry points not yet on typed settings (workflow/scripts/infer.py, serve.py). Read a
-    stage's typed document with `read_document(path, <Stage>Config)` instead."""
-    from distlm.documents import DocumentError
-    from distlm.settings.stage import STAGE_CONFIGS, read_stage_config
-
-    obj = read_json(path, what="stage config")
-    tag = obj.get("format") if isinstance(obj, dict) else None
-    for stage, cls in STAGE_CONFIGS.items():
-        if tag == cls.tag():
-            return read_stage_config(path, stage).params()
-    raise DocumentError(f"{path}: {tag!r} is not a stage config document")

@@ -2,14 +2,16 @@
 it writes and the document it reports.
 
     from distlm.stages import STAGES, stage_config
-    STAGES["train"].keys                   # ("runtime", "train", "transfer")
+    STAGES["train"].keys                   # ("runtime", "train", "transfer"): TrainConfig's fields
     STAGES["train"].path("final")          # "results/train/final"
     stage_config(cfg, "train")             # the validated config cut down to exactly those keys
 
-The rules take their params (exactly a stage's keys) and output paths from here, the scripts get
-only those keys, as the stage's typed document (`distlm.settings.stage`: one class per stage whose
-fields are exactly these keys, checked by a test; a stage that reads another key has no field for
-it, so it never silently depends on it), the trainer and the report's readers take the same paths, and config/README.md's
+This is the only table of the DAG: `rule all` (JOBS), the report's inputs (REPORT_READS), the
+{model} folders (MODELS) and the sweep's job variants are derived from it. A stage's keys are the
+fields of its typed document (`distlm.settings.stage`: a stage that reads another key has no field
+for it, so it never silently depends on it). The rules take their params (exactly a stage's keys)
+and output paths from here, the trainer and the report's readers take the same paths, and
+config/README.md's
 table "what reruns when you change a key" is generated from these declarations
 (`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
 inference and the report, and never training.
@@ -29,7 +31,6 @@ from typing import Any
 RESULTS = "results"
 BENCHMARKS = f"{RESULTS}/benchmarks"  # Snakemake `benchmark:` TSVs, one per job, {job}.tsv
 CONFIGS = f"{RESULTS}/config"  # resolved per-stage configs of multi-process stages, {stage}.json
-EVAL_MODELS = ("base", "trained")  # the model folders the evaluate and shard rules read
 
 
 @dataclass(frozen=True)
@@ -42,18 +43,32 @@ class Output:
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage of the DAG: the config keys it reads and the files it writes."""
+    """A stage of the DAG: its rule, the jobs it consumes and the files it writes. The config keys
+    it reads are its typed stage config's fields (`distlm.settings.stage`), never written here."""
 
     name: str
     rule: str
     folder: str  # under results/
-    keys: tuple[str, ...]  # dotted config keys it reads; a key covers everything under it
     outputs: Mapping[str, Output]
     # (output, type): the output holding the stage's report document and its distlm.documents type
     document: tuple[str, str] | None = None
-    consumes: tuple[str, ...] = ()  # jobs whose outputs it reads (see JOBS)
-    summary: str = ""
+    # jobs whose outputs it reads (see JOBS); "{model}" is the job that writes the {model} folder
+    consumes: tuple[str, ...] = ()
+    instances: tuple[str, ...] = ()  # values of its {model} wildcard in `rule all`; () = one job
+    in_all: bool = True  # a job of `rule all` (serve and its shards are started by name)
     scratch: Mapping[str, str] = field(default_factory=dict)  # undeclared working folders
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Dotted config keys it reads (a key covers everything under it): its stage config's."""
+        from distlm.settings.stage import STAGE_CONFIGS
+
+        return STAGE_CONFIGS[self.name].keys()
+
+    @property
+    def jobs(self) -> tuple[str, ...]:
+        """Its jobs: the rule, or rule[model] for each instance."""
+        return tuple(f"{self.rule}[{m}]" for m in self.instances) or (self.rule,)
 
     @property
     def dir(self) -> str:
@@ -82,62 +97,61 @@ def _outputs(**outs: str | tuple[str, bool]) -> dict[str, Output]:
     return {k: Output(*v) if isinstance(v, tuple) else Output(v) for k, v in outs.items()}
 
 
-_DEVICE = ("runtime.device", "runtime.backend", "runtime.timeout_s")
-_SAMPLING = (
-    "inference.temperature",
-    "inference.top_k",
-    "inference.top_p",
-    "inference.seed",
-    "inference.lanes",
-    "inference.prompt_overflow",
-    "inference.timeout_s",
-)
+# The model folders of the {model} wildcard (the evaluate and shard rules): the job and output.
+MODELS: dict[str, tuple[str, str]] = {
+    "base": ("serialize_model", "model"),
+    "trained": ("train", "final"),
+}
+EVAL_MODELS = tuple(MODELS)
 
+# What the report reads: its input name -> (job, output). The report's own folder and its readers
+# (distlm.report.inputs.LAYOUT, a sweep run's layout) and the report job's inputs come from here.
+REPORT_READS: dict[str, tuple[str, str]] = {
+    "stats": ("prepare_data", "stats"),
+    "broadcast": ("broadcast", "report"),
+    "metrics": ("train", "metrics"),
+    "val": ("train", "val"),
+    "profile": ("train", "profile"),
+    "eval_base": ("evaluate[base]", "json"),
+    "eval_trained": ("evaluate[trained]", "json"),
+    "timing": ("inference", "timing"),
+    "generations": ("inference", "generations"),
+}
+
+# The stages in the order of `rule all` (and of JOBS).
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
+        # corpus -> tokenizer, HDF5 token blocks per split, stats
         Stage(
             "data",
             "prepare_data",
             "data",
-            # A hub or local model brings its own tokenizer: the model's identity is read here.
-            keys=("data", "model.source", "model.name", "model.revision"),
             outputs=_outputs(tokens="tokens.h5", tokenizer=("tokenizer", True), stats="stats.json"),
             document=("stats", "DataStats"),
-            summary="corpus -> tokenizer, HDF5 token blocks per split, stats",
         ),
+        # hub id, local folder or seeded init -> model folder (safetensors)
         Stage(
             "model",
             "serialize_model",
             "model",
-            keys=("model",),
             outputs=_outputs(model=("base", True)),
             consumes=("prepare_data",),
-            summary="hub id, local folder or seeded init -> model folder (safetensors)",
         ),
-        Stage(
-            "shard",
-            "shard",
-            "pipeline",
-            keys=("inference.stages",),
-            outputs=_outputs(pipeline=("{model}", True)),
-            summary="a model folder -> one shard per pipeline stage, with a sha256 manifest",
-        ),
+        # rank 0 sends the base model to every receiver, verified
         Stage(
             "broadcast",
             "broadcast",
             "broadcast",
-            keys=(*_DEVICE, "transfer", "broadcast"),
             outputs=_outputs(report="report.json"),
             document=("report", "BroadcastReport"),
             consumes=("serialize_model",),
-            summary="rank 0 sends the base model to every receiver, verified",
         ),
+        # DDP training -> final model folder, metrics, TensorBoard, profile
         Stage(
             "train",
             "train",
             "train",
-            keys=("runtime", "train", "transfer"),
             outputs=_outputs(
                 final=("final", True),
                 metrics="metrics.csv",
@@ -146,89 +160,90 @@ STAGES: dict[str, Stage] = {
                 profile=("profile", True),
             ),
             consumes=("prepare_data", "serialize_model"),
-            summary="DDP training -> final model folder, metrics, TensorBoard, profile",
             scratch={"checkpoints": "checkpoints"},
         ),
+        # sliding-window perplexity of the base and the trained model
         Stage(
             "eval",
             "evaluate",
             "eval",
-            keys=(*_DEVICE, "eval"),
             outputs=_outputs(json="{model}.json"),
             document=("json", "EvalReport"),
-            summary="sliding-window perplexity of the base and the trained model",
+            consumes=("prepare_data", "{model}"),
+            instances=EVAL_MODELS,
         ),
+        # a model folder -> one shard per pipeline stage, with a sha256 manifest
+        Stage(
+            "shard",
+            "shard",
+            "pipeline",
+            outputs=_outputs(pipeline=("{model}", True)),
+            consumes=("{model}",),
+            instances=("trained",),
+        ),
+        # prompts through the pipeline-parallel trained model -> generations, timing
         Stage(
             "inference",
             "inference",
             "inference",
-            keys=(
-                "runtime.device",
-                "inference.stages",
-                "inference.prompts",
-                "inference.max_new_tokens",
-                *_SAMPLING,
-            ),
             outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
             consumes=("shard[trained]",),
-            summary="prompts through the pipeline-parallel trained model -> generations, timing",
         ),
+        # every stage's metrics -> figures, tables, one HTML summary
         Stage(
-            "serve",
-            "serve",
-            "serve",  # writes nothing but its shards: the foreground API server of `snakemake serve`
-            keys=(
-                "runtime.device",
-                "inference.max_new_tokens",
-                *_SAMPLING,
-                "serve",
-            ),
-            outputs={},
-            consumes=("serve_shard",),
-            summary="the pipeline behind an OpenAI-compatible API server (not in rule all)",
+            "report",
+            "report",
+            "report",
+            outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
+            consumes=tuple(dict.fromkeys(job for job, _ in REPORT_READS.values())),
         ),
+        # the trained model -> one shard per serve stage (serve.stages; not in rule all): its own
+        # shards, as serve's best stage count (1 on one machine) is not batch inference's
         Stage(
             "serve_shard",
             "serve_shard",
             "serve",
-            # its own shards: serve's best stage count (1 on one machine) is not batch inference's
-            keys=("serve.stages",),
             outputs=_outputs(pipeline=("pipeline", True)),
             consumes=("train",),
-            summary="the trained model -> one shard per serve stage (serve.stages; not in rule all)",
+            in_all=False,
         ),
-        Stage(
-            "report",
-            "report",
-            "report",
-            keys=("report",),
-            outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
-            consumes=(
-                "prepare_data",
-                "broadcast",
-                "train",
-                "evaluate[base]",
-                "evaluate[trained]",
-                "inference",
-            ),
-            summary="every stage's metrics -> figures, tables, one HTML summary",
-        ),
+        # the pipeline behind an OpenAI-compatible API server: writes nothing but its shards; the
+        # foreground server of `snakemake serve`
+        Stage("serve", "serve", "serve", outputs={}, consumes=("serve_shard",), in_all=False),
     )
 }
 
-# Jobs of `rule all` and what each reads: the graph the rerun table follows. A job is a rule, or
-# rule[wildcard] for the evaluate and shard instances.
+
+def _job_consumes(stage: Stage, job: str) -> tuple[str, ...]:
+    model = job[len(stage.rule) + 1 : -1] if job.endswith("]") else ""
+    return tuple(MODELS[model][0] if c == "{model}" else c for c in stage.consumes)
+
+
+# Jobs of `rule all` and what each reads, derived from STAGES: the graph the rerun table and the
+# sweep follow. A job is a rule, or rule[model] for the evaluate and shard instances.
 JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "prepare_data": ("data", ()),
-    "serialize_model": ("model", ("prepare_data",)),
-    "broadcast": ("broadcast", ("serialize_model",)),
-    "train": ("train", ("prepare_data", "serialize_model")),
-    "evaluate[base]": ("eval", ("prepare_data", "serialize_model")),
-    "evaluate[trained]": ("eval", ("prepare_data", "train")),
-    "shard[trained]": ("shard", ("train",)),
-    "inference": ("inference", ("shard[trained]",)),
-    "report": ("report", STAGES["report"].consumes),
+    job: (s.name, _job_consumes(s, job)) for s in STAGES.values() if s.in_all for job in s.jobs
 }
+
+
+def rule_stage(rule: str) -> Stage:
+    """The stage whose rule is `rule`."""
+    return next(s for s in STAGES.values() if s.rule == rule)
+
+
+def job_stage(job: str) -> Stage:
+    """The stage of job `job` (a key of JOBS, or serve_shard/serve)."""
+    return rule_stage(job.split("[")[0])
+
+
+def job_wildcards(job: str) -> dict[str, str]:
+    """`evaluate[base]` -> {"model": "base"}; `train` -> {}."""
+    return {"model": job[:-1].split("[")[1]} if job.endswith("]") else {}
+
+
+def job_output(job: str, output: str) -> str:
+    """Path of output `output` of job `job` without a sweep (results/...)."""
+    return job_stage(job).path(output, **job_wildcards(job))
 
 
 def select(cfg: Mapping[str, Any], keys: Iterable[str]) -> dict:
@@ -249,8 +264,13 @@ def select(cfg: Mapping[str, Any], keys: Iterable[str]) -> dict:
 
 
 def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
-    """The part of the validated config stage `stage` reads: its rule's params and resolved file."""
-    return select(cfg, STAGES[stage].keys)
+    """The part of config mapping `cfg` stage `stage` reads, as its rule's params hold it: the
+    mapping validated, then `distlm.settings.stage.stage_params` of its typed settings (what the
+    workflow calls on the settings it holds)."""
+    from distlm.settings.stage import stage_params
+    from distlm.settings.validate import validate
+
+    return stage_params(validate(cfg)[1], stage)
 
 
 # ----------------------------------------------------------------------------- rerun table

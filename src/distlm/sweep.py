@@ -36,15 +36,18 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from distlm.config import ConfigError, deep_merge, validate_config
+from distlm.config import ConfigError, deep_merge
 from distlm.documents import Document
 from distlm.io import digest
+from distlm.settings.root import Settings
+from distlm.settings.stage import stage_params
 from distlm.settings.sweep import DOTTED_PATTERN, NAME_MAX, NAME_PATTERN, SweepSettings
-from distlm.stages import JOBS, RESULTS, STAGES, stage_config
+from distlm.settings.validate import validate
+from distlm.stages import JOBS, RESULTS, job_output
 
 VARIANTS = f"{RESULTS}/variants"  # one folder per job variant: results/variants/<variant>/...
 RUNS = f"{RESULTS}/runs"  # the per-run view the report writes: results/runs/<run>/...
@@ -162,20 +165,21 @@ def leaves(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def variant_path(path: str, variant: str) -> str:
-    """Where a job variant writes `path` (a path under results/ or logs/ without a sweep)."""
+def variant_path(path: str, variant: str | None) -> str:
+    """Where job variant `variant` writes `path` (a path under results/ or logs/ without a
+    sweep): every output, log and benchmark path of a job goes through here. Variant None is the
+    one variant of a config without a sweep, whose paths are `path` itself."""
+    if variant is None:
+        return path
     for root in (RESULTS, LOGS):
         if path.startswith(root + "/"):
             return f"{root}/variants/{variant}/{path[len(root) + 1 :]}"
     raise ValueError(f"{path!r} is not under {RESULTS}/ or {LOGS}/")
 
 
-def split_job(job: str) -> tuple[str, dict[str, str]]:
-    """`evaluate[base]` -> ("evaluate", {"model": "base"}); `train` -> ("train", {})."""
-    if job.endswith("]"):
-        rule, model = job[:-1].split("[")
-        return rule, {"model": model}
-    return job, {}
+def output_path(job: str, output: str, variant: str | None) -> str:
+    """Path of output `output` of job `job` (distlm.stages.JOBS) in variant `variant`."""
+    return variant_path(job_output(job, output), variant)
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,31 @@ class Run:
     name: str
     override: dict
     config: dict
+    settings: Settings
     variants: dict[str, str]  # job (distlm.stages.JOBS) -> variant
+
+
+class Wildcards(Protocol):
+    variant: str
+
+
+@dataclass(frozen=True)
+class Single:
+    """A config without a sweep: one run, whose one job variant writes today's paths (variant
+    None: no {variant} wildcard, nothing moves). The workflow asks it what it asks a Plan."""
+
+    settings: Settings
+    variant: ClassVar[None] = None  # the {variant} placeholder of a job's paths: none
+    report_rules: ClassVar[str] = "report.smk"
+
+    def settings_of(self, wildcards: object) -> Settings:
+        return self.settings
+
+    def upstream(self, wildcards: object, job: str) -> None:
+        return None
+
+    def targets(self, job: str, output: str) -> list[str]:
+        return [output_path(job, output, None)]
 
 
 @dataclass(frozen=True)
@@ -194,6 +222,13 @@ class Plan:
 
     runs: dict[str, Run]
     shared: dict[str, dict[str, list[str]]]  # job -> variant -> names of the runs sharing it
+    settings: Settings  # the base config's: the report's and serve's (whole-sweep sections)
+    variant: ClassVar[str] = "{variant}"  # every job's paths move under its variant's folder
+    report_rules: ClassVar[str] = "sweep.smk"  # the runs side by side, each run's own report
+
+    def settings_of(self, wildcards: Wildcards) -> Settings:
+        """The typed settings of the job variant's run."""
+        return self.by_variant[wildcards.variant][1].settings
 
     @cached_property
     def by_variant(self) -> dict[str, tuple[str, Run]]:
@@ -204,13 +239,9 @@ class Plan:
             for v, names in vs.items()
         }
 
-    def config_of(self, variant: str) -> dict:
-        """The merged config of a run with `variant` (its stage's keys agree across such runs)."""
-        return self.by_variant[variant][1].config
-
-    def upstream(self, variant: str, job: str) -> str:
-        """The variant of `job` that the job variant `variant` consumes."""
-        return self.by_variant[variant][1].variants[job]
+    def upstream(self, wildcards: Wildcards, job: str) -> str:
+        """The variant of `job` that the job variant of `wildcards` consumes."""
+        return self.by_variant[wildcards.variant][1].variants[job]
 
     def varied(self) -> list[str]:
         """Dotted keys whose values differ between runs, in config order."""
@@ -220,36 +251,52 @@ class Plan:
 
     def targets(self, job: str, output: str) -> list[str]:
         """Paths of `output` of every variant of `job` (what `rule all` and the report ask for)."""
-        _, wildcards = split_job(job)
-        stage = STAGES[JOBS[job][0]]
-        return [variant_path(stage.path(output, **wildcards), v) for v in self.shared[job]]
+        return [output_path(job, output, v) for v in self.shared[job]]
 
     def job_paths(self, run: str) -> dict[str, str]:
         """A run's job -> its variant folder (results/variants/<variant>)."""
-        return {job: f"{VARIANTS}/{v}" for job, v in self.runs[run].variants.items()}
+        return {job: variant_folder(v) for job, v in self.runs[run].variants.items()}
 
 
-def job_variants(cfg: Mapping[str, Any]) -> dict[str, str]:
-    """Each job's variant for validated config `cfg`: its stage's keys + consumed variants."""
+def variant_folder(variant: str) -> str:
+    """results/variants/<variant>: the folder of one job variant's outputs."""
+    return variant_path(RESULTS + "/", variant).rstrip("/")
+
+
+def job_variants(settings: Settings) -> dict[str, str]:
+    """Each job's variant for a run's typed settings: its stage's keys + consumed variants."""
     out: dict[str, str] = {}
     for job in SWEEP_JOBS:
         stage, consumes = JOBS[job]
         key = {
             "job": job,
-            "config": stage_config(cfg, stage),
+            "config": stage_params(settings, stage),
             "consumes": {c: out[c] for c in consumes},
         }
         out[job] = digest(key)[:VARIANT_CHARS]
     return out
 
 
-def plan_sweep(cfg: Mapping[str, Any], *, source: str = "config") -> Plan | None:
+def plan_runs(
+    cfg: Mapping[str, Any], settings: Settings, *, source: str = "config"
+) -> Single | Plan:
+    """The runs of validated config `cfg` (typed: `settings`): a Plan with a `sweep` section, else
+    the one run; SweepError or ConfigError (naming the run and the key) when a run is malformed."""
+    plan = plan_sweep(cfg, source=source, settings=settings)
+    return Single(settings) if plan is None else plan
+
+
+def plan_sweep(
+    cfg: Mapping[str, Any], *, source: str = "config", settings: Settings | None = None
+) -> Plan | None:
     """The sweep of validated config `cfg`, or None without a `sweep` section; SweepError or
     ConfigError (naming the run and the key) when a run is malformed."""
     if not cfg.get("sweep"):
         if "sweep" in cfg:
             raise SweepError(f"{source}: sweep: no runs (give sweep.runs or sweep.grid)")
         return None
+    if settings is None:
+        settings = validate(cfg, source=source)[1]
     base = {k: v for k, v in cfg.items() if k != "sweep"}
     runs: dict[str, Run] = {}
     for name, override in expand_runs(cfg["sweep"]).items():
@@ -259,13 +306,13 @@ def plan_sweep(cfg: Mapping[str, Any], *, source: str = "config") -> Plan | None
                 f"sweep run {name!r}: {bad[0]}: not a per-run setting (set it in the base config; "
                 "a sweep has one report, and serve is not a job of a sweep)"
             )
-        merged = validate_config(deep_merge(base, override), source=f"sweep run {name!r}")
-        runs[name] = Run(name, override, merged, job_variants(merged))
+        merged, typed = validate(deep_merge(base, override), source=f"sweep run {name!r}")
+        runs[name] = Run(name, override, merged, typed, job_variants(typed))
     shared: dict[str, dict[str, list[str]]] = {job: {} for job in SWEEP_JOBS}
     for run in runs.values():
         for job, v in run.variants.items():
             shared[job].setdefault(v, []).append(run.name)
-    return Plan(runs, shared)
+    return Plan(runs, shared, settings)
 
 
 def job_counts(plan: Plan) -> dict[str, tuple[int, int]]:
@@ -300,6 +347,12 @@ class SweepDescription(BaseModel):
     varied: list[str]
     runs: dict[str, RunDescription]
     shared: dict[str, dict[str, list[str]]]  # job -> variant -> the runs it serves
+
+    def labels(self, run: str, **labels: str) -> dict[str, str]:
+        """report() labels of a run's output: the run and its values of the varied keys, so
+        `snakemake --report` lets one switch between runs."""
+        varied = self.runs[run].varied
+        return {"run": run, **{k: str(v) for k, v in varied.items()}, **labels}
 
 
 def describe(plan: Plan) -> SweepDescription:

@@ -17,9 +17,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-SERVE = Path(__file__).resolve().parents[2] / "workflow" / "scripts" / "serve.py"
+SERVE = "distlm.entry.serve"  # the serve entry point, as rule serve starts it
 config, model, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 base = f"http://127.0.0.1:{port}"
 
@@ -39,7 +38,8 @@ def request(method, path, body=None, timeout=60):
 front = subprocess.Popen(
     [
         sys.executable,
-        str(SERVE),
+        "-m",
+        SERVE,
         "--launcher",
         "srun --mpi=pmi2 -n 3",
         "--config",

@@ -13,14 +13,12 @@ rule broadcast:
         benchmark_of("broadcast")
     conda:
         "../envs/torch.yaml"
-    threads: setting("broadcast.receivers", lambda n: 1 + n)
+    threads: per_job(lambda s: 1 + s.broadcast.receivers)
     params:
-        script=entry_point("broadcast.py"),
         cfg=params_of("broadcast"),
-        nproc=setting("broadcast.receivers", lambda n: 1 + n),
+        nproc=per_job(lambda s: 1 + s.broadcast.receivers),
+        rank_log=rank_log("logs/broadcast/rank{rank}.log"),
     shell:
-        sweep_shell(
-            "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
-            " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
-            " --rank-log 'logs/broadcast/rank{{rank}}.log' > {log:q} 2>&1"
-        )
+        "{resources.torchrun} --nproc-per-node={params.nproc} -m distlm.entry.broadcast"
+        " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
+        " --rank-log {params.rank_log:q} > {log:q} 2>&1"

@@ -14,7 +14,7 @@ rule resolve_config:
     conda:
         "../envs/data.yaml"
     params:
-        cfg=lambda wc: stage_config(config_of(wc), wc.stage),
+        cfg=lambda wc: stage_params(PLAN.settings_of(wc), wc.stage),
         format=lambda wc: STAGE_CONFIGS[wc.stage].tag(),
     script:
         "../scripts/resolve_config.py"

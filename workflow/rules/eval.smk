@@ -13,15 +13,13 @@ rule evaluate:
         benchmark_of("evaluate_{model}")
     conda:
         "../envs/torch.yaml"
-    threads: setting("eval.nproc_per_node")
+    threads: per_job(lambda s: s.eval.nproc_per_node)
     params:
-        script=entry_point("evaluate.py"),
         cfg=params_of("eval"),
-        nproc=setting("eval.nproc_per_node"),
+        nproc=per_job(lambda s: s.eval.nproc_per_node),
+        rank_log=rank_log("logs/eval/{model}.rank{rank}.log"),
     shell:
-        sweep_shell(
-            "{resources.torchrun} --nproc-per-node={params.nproc} {params.script:q}"
-            " --config {input.cfg:q} --model {input.model:q} --tokens {input.tokens:q}"
-            " --name {wildcards.model} --out {output.json:q}"
-            " --rank-log 'logs/eval/{wildcards.model}.rank{{rank}}.log' > {log:q} 2>&1"
-        )
+        "{resources.torchrun} --nproc-per-node={params.nproc} -m distlm.entry.evaluate"
+        " --config {input.cfg:q} --model {input.model:q} --tokens {input.tokens:q}"
+        " --name {wildcards.model} --out {output.json:q}"
+        " --rank-log {params.rank_log:q} > {log:q} 2>&1"

@@ -10,7 +10,7 @@ rule inference:
         model=upstream("shard[trained]", "pipeline"),
         # relative to the working directory first, then the repository root
         prompts=lambda wc: tracked_path(
-            resolve_prompts_path(config_of(wc)["inference"]["prompts"], ROOT)
+            resolve_prompts_path(PLAN.settings_of(wc).inference.prompts, ROOT)
         ),
     output:
         **outputs_of("inference"),
@@ -20,12 +20,11 @@ rule inference:
         benchmark_of("inference")
     conda:
         "../envs/mpi.yaml"
-    threads: setting("inference.stages")
+    threads: per_job(lambda s: s.inference.stages)
     params:
-        script=entry_point("infer.py"),
         cfg=params_of("inference"),
-        stages=setting("inference.stages"),
+        stages=per_job(lambda s: s.inference.stages),
     shell:
-        "{resources.mpi} -n {params.stages} python {params.script:q} --config {input.cfg:q}"
+        "{resources.mpi} -n {params.stages} python -m distlm.entry.infer --config {input.cfg:q}"
         " --model {input.model:q} --prompts {input.prompts:q}"
         " --generations {output.generations:q} --timing {output.timing:q} > {log:q} 2>&1"

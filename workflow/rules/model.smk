@@ -18,14 +18,6 @@ rule serialize_model:
         "../scripts/serialize_model.py"
 
 
-# The folders the shard and evaluate rules read, by the {model} wildcard, and their jobs.
-MODEL_FOLDERS = {
-    "base": STAGES["model"].path("model"),
-    "trained": STAGES["train"].path("final"),
-}
-MODEL_JOBS = {"base": "serialize_model", "trained": "train"}  # common.smk: model_folder
-
-
 # Pipeline shards: a model folder cut into inference.stages shards (sha256 manifest), read only
 # by the pipeline-parallel stages; so a change of inference.stages re-cuts, never retrains.
 rule shard:
@@ -42,6 +34,5 @@ rule shard:
     threads: 1
     params:
         cfg=params_of("shard"),
-        stages=setting("inference.stages"),
     script:
         "../scripts/shard.py"

@@ -10,11 +10,7 @@ rule report:
         # Every other stage's final outputs: the report runs once, after all of them, and again
         # when one changes. Benchmark TSVs and optional files (the profiler tables) are read from
         # disk by the script; an absent one shows as "not collected", it is not requested here.
-        rules.prepare_data.output,
-        rules.broadcast.output,
-        rules.train.output,
-        expand(rules.evaluate.output.json, model=EVAL_MODELS),
-        rules.inference.output,
+        targets_of(STAGES["report"].consumes),
     output:
         *[
             report(
@@ -23,7 +19,7 @@ rule report:
                 category=category(item.section),
                 labels={"item": item.title, "type": item.kind, "file": path},
             )
-            for item, path in report_items(config["report"]["formats"])
+            for item, path in report_items(S.report.formats)
         ],
         summary=report(
             STAGES["report"].path("summary"),
@@ -36,13 +32,13 @@ rule report:
             },
         ),
     log:
-        "logs/report/report.log",
+        job_path("logs/report/report.log", variant=None),
     benchmark:
-        benchmark_of("report")
+        benchmark_of("report", variant=None)
     conda:
         "../envs/report.yaml"
     threads: 1
     params:
-        cfg=params_of("report"),
+        cfg=stage_params(S, "report"),
     script:
         "../scripts/report.py"

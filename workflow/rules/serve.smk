@@ -3,39 +3,37 @@
 # (serve.stages; 1 serves best on one machine), so neither stage count re-cuts the other's.
 rule serve_shard:
     input:
-        model=MODEL_FOLDERS["trained"],
+        model=job_output(*MODELS["trained"]),
     output:
-        **outputs_of("serve_shard"),
+        **outputs_of("serve_shard", variant=None),
     log:
-        "logs/serve/shard.log",
+        job_path("logs/serve/shard.log", variant=None),
     benchmark:
-        benchmark_of("serve_shard")
+        benchmark_of("serve_shard", variant=None)
     conda:
         "../envs/torch.yaml"
     threads: 1
     params:
-        cfg=params_of("serve_shard"),
-        stages=config["serve"]["stages"],
+        cfg=stage_params(S, "serve_shard"),
     script:
         "../scripts/shard.py"
 
 
 rule serve:
     input:
-        cfg=resolved_config("serve"),
+        cfg=job_path(f"{CONFIGS}/serve.json", variant=None),
         model=STAGES["serve_shard"].path("pipeline"),
     log:
-        "logs/inference/serve.log",
+        job_path("logs/inference/serve.log", variant=None),
     conda:
         "../envs/serve.yaml"
-    threads: config["serve"]["stages"]
+    threads: S.serve.stages
     params:
-        script=entry_point("serve.py"),
-        cfg=params_of("serve"),
-        stages=config["serve"]["stages"],
+        cfg=stage_params(S, "serve"),
+        stages=S.serve.stages,
     shell:
         # The API server (this process, uvicorn) starts the MPI job with the profile's launcher and
         # talks to stage 0 over ZeroMQ; it answers 503 when the job dies
         # (src/distlm/inference/server/supervisor.py).
-        "python {params.script:q} --launcher '{resources.mpi} -n {params.stages}'"
+        "python -m distlm.entry.serve --launcher '{resources.mpi} -n {params.stages}'"
         " --config {input.cfg:q} --model {input.model:q} 2>&1 | tee {log:q}"

@@ -10,24 +10,14 @@ from distlm.report.items import (
 from distlm.sweep import SWEEP_JOBS, describe, run_dir
 
 REPORT_DIR = STAGES["report"].dir
-REPORT_CFG = stage_config(
-    config, "report"
-)  # one report: its keys are the base config's
-FORMATS = REPORT_CFG["report"]["formats"]
-SWEEP_DESCRIPTION = describe(SWEEP)
-
-# Every output of every job variant of every run: what rule all and the report ask for.
-SWEEP_TARGETS = [
-    path
-    for job in SWEEP_JOBS
-    for out in STAGES[JOBS[job][0]].outputs
-    for path in SWEEP.targets(job, out)
-]
+FORMATS = S.report.formats  # one report: its keys are the base config's
+SWEEP_DESCRIPTION = describe(PLAN)
 
 
 rule report:
     input:
-        SWEEP_TARGETS,
+        # every output of every job variant of every run
+        targets_of(SWEEP_JOBS),
     output:
         *[
             report(
@@ -38,16 +28,16 @@ rule report:
             )
             for item, path in sweep_outputs(FORMATS)
         ],
-        *[f"{run_dir(run)}/run.json" for run in SWEEP.runs],
+        *[f"{run_dir(run)}/run.json" for run in PLAN.runs],
         *[
             report(
                 f"{run_dir(run)}/report/{path}",
                 caption=f"../report/{item.name}.rst",
                 category=category(item.section),
                 subcategory=item.title,
-                labels=run_labels(run, type=item.kind, file=path),
+                labels=SWEEP_DESCRIPTION.labels(run, type=item.kind, file=path),
             )
-            for run in SWEEP.runs
+            for run in PLAN.runs
             for item, path in report_items(FORMATS)
         ],
         *[
@@ -56,9 +46,9 @@ rule report:
                 caption="../report/run_summary.rst",
                 category="0. Summary",
                 subcategory="Each run",
-                labels=run_labels(run, type="page"),
+                labels=SWEEP_DESCRIPTION.labels(run, type="page"),
             )
-            for run in SWEEP.runs
+            for run in PLAN.runs
         ],
         summary=report(
             STAGES["report"].path("summary"),
@@ -71,14 +61,14 @@ rule report:
             },
         ),
     log:
-        "logs/report/report.log",
+        job_path("logs/report/report.log", variant=None),
     benchmark:
-        f"{BENCHMARKS}/report.tsv"
+        benchmark_of("report", variant=None)
     conda:
         "../envs/report.yaml"
     threads: 1
     params:
-        cfg=REPORT_CFG,
+        cfg=stage_params(S, "report"),
         sweep=SWEEP_DESCRIPTION.model_dump(),
     script:
         "../scripts/sweep_report.py"

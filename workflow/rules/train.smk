@@ -17,18 +17,16 @@ rule train:
         benchmark_of("train")
     conda:
         "../envs/torch.yaml"
-    threads: setting("train.nproc_per_node")
+    threads: per_job(lambda s: s.train.nproc_per_node)
     params:
-        script=entry_point("train.py"),
         cfg=params_of("train"),
-        nproc=setting("train.nproc_per_node"),
-        max_restarts=setting("train.max_restarts"),
+        nproc=per_job(lambda s: s.train.nproc_per_node),
+        max_restarts=per_job(lambda s: s.train.max_restarts),
         out=lambda wildcards, output: str(Path(output.metrics).parent),
+        rank_log=rank_log("logs/train/rank{rank}.log"),
     shell:
-        sweep_shell(
-            "{resources.torchrun} --nproc-per-node={params.nproc}"
-            " --max-restarts={params.max_restarts} {params.script:q}"
-            " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
-            " --model {input.model:q} --out {params.out:q}"
-            " --rank-log 'logs/train/rank{{rank}}.log' >> {log:q} 2>&1"
-        )
+        "{resources.torchrun} --nproc-per-node={params.nproc}"
+        " --max-restarts={params.max_restarts} -m distlm.entry.train"
+        " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
+        " --model {input.model:q} --out {params.out:q}"
+        " --rank-log {params.rank_log:q} >> {log:q} 2>&1"

@@ -27,19 +27,11 @@ from distlm.documents import (
     EvalReport,
     read_document,
 )
-from distlm.stages import BENCHMARKS, RESULTS, STAGES
+from distlm.stages import BENCHMARKS, REPORT_READS, RESULTS, job_output
 
-# Where each stage leaves its metrics, relative to the results folder (distlm.stages declares them).
+# Where each stage leaves its metrics, relative to the results folder (distlm.stages.REPORT_READS).
 LAYOUT = {
-    "stats": STAGES["data"].relpath("stats"),
-    "broadcast": STAGES["broadcast"].relpath("report"),
-    "metrics": STAGES["train"].relpath("metrics"),
-    "val": STAGES["train"].relpath("val"),
-    "profile": STAGES["train"].relpath("profile"),
-    "eval_base": STAGES["eval"].relpath("json", model="base"),
-    "eval_trained": STAGES["eval"].relpath("json", model="trained"),
-    "timing": STAGES["inference"].relpath("timing"),
-    "generations": STAGES["inference"].relpath("generations"),
+    **{key: job_output(job, out)[len(RESULTS) + 1 :] for key, (job, out) in REPORT_READS.items()},
     "benchmarks": BENCHMARKS[len(RESULTS) + 1 :],
 }
 

@@ -34,7 +34,6 @@ from distlm.log import get_logger
 from distlm.report.build import _CSS, _png, _save, table_html
 from distlm.report.figures import _figure, not_collected
 from distlm.report.inputs import (
-    LAYOUT,
     read_benchmark_files,
     read_eval,
     read_metrics,
@@ -42,41 +41,37 @@ from distlm.report.inputs import (
     read_val,
 )
 from distlm.report.items import SWEEP_ITEMS
-from distlm.stages import RESULTS, STAGES
-from distlm.sweep import RUNS, VARIANTS, SweepDescription, SweepRun, run_dir
+from distlm.stages import BENCHMARKS, REPORT_READS, RESULTS, STAGES
+from distlm.sweep import (
+    RUNS,
+    SweepDescription,
+    SweepRun,
+    output_path,
+    run_dir,
+    variant_folder,
+    variant_path,
+)
 
 log = get_logger(__name__)
-
-# Which job of a run writes each input of the run's report (distlm.report.inputs.LAYOUT's keys).
-LAYOUT_JOBS = {
-    "stats": "prepare_data",
-    "broadcast": "broadcast",
-    "metrics": "train",
-    "val": "train",
-    "profile": "train",
-    "eval_base": "evaluate[base]",
-    "eval_trained": "evaluate[trained]",
-    "timing": "inference",
-    "generations": "inference",
-}
-
 
 # ----------------------------------------------------------------------------- inputs
 
 
 def run_layout(variants: dict[str, str]) -> dict[str, str]:
-    """LAYOUT (paths relative to results/) of one run: each input in its job's variant folder."""
-    rel = VARIANTS[len(RESULTS) + 1 :]
-    return {key: f"{rel}/{variants[job]}/{LAYOUT[key]}" for key, job in LAYOUT_JOBS.items()}
+    """LAYOUT (paths relative to results/) of one run: each input (distlm.stages.REPORT_READS)
+    where its job's variant writes it."""
+    return {
+        key: output_path(job, out, variants[job])[len(RESULTS) + 1 :]
+        for key, (job, out) in REPORT_READS.items()
+    }
 
 
 def run_benchmarks(results: Path, variants: dict[str, str]) -> list[Path]:
     """The Snakemake benchmark TSVs of a run's job variants."""
-    rel = VARIANTS[len(RESULTS) + 1 :]
     return sorted(
         p
         for v in dict.fromkeys(variants.values())
-        for p in (results / rel / v / "benchmarks").glob("*.tsv")
+        for p in (results / variant_path(BENCHMARKS, v)[len(RESULTS) + 1 :]).glob("*.tsv")
     )
 
 
@@ -294,7 +289,7 @@ def build_sweep_report(
             name=name,
             override=r.override,
             varied=r.varied,
-            jobs={job: f"{VARIANTS}/{v}" for job, v in r.variants.items()},
+            jobs={job: variant_folder(v) for job, v in r.variants.items()},
         )
         write_document(folder / "run.json", doc)
         written.append(folder / "run.json")

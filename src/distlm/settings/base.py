@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_serializer,
+    model_validator,
+)
 
 from distlm import DistlmError
 
@@ -19,6 +30,31 @@ class Section(BaseModel):
     strings into the type a key asks for before validation)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    # The order of the keys it was given (a config file's): a section dumps its keys in that
+    # order, then any others in field order, so the mapping a stage's params are dumped from is
+    # the one the config held, key order included (Snakemake compares params by their repr).
+    _order: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: object, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        section = handler(data)
+        if isinstance(data, dict):
+            section._order = tuple(k for k in data if k in cls.model_fields)
+        return section
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when of one type with equal values, whatever order the keys were given in."""
+        if not isinstance(other, BaseModel):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    @model_serializer(mode="wrap")
+    def _ordered(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        first = {k: out[k] for k in self._order if k in out}
+        return {**first, **{k: v for k, v in out.items() if k not in first}}
 
 
 def _keep_int(value: object, handler: ValidatorFunctionWrapHandler) -> object:

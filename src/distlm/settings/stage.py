@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from distlm.documents import Document, read_document, write_document
 from distlm.io import digest
@@ -33,6 +33,7 @@ from distlm.settings.inference import (
 )
 from distlm.settings.model import ModelSettings, ModelSourceSettings
 from distlm.settings.report import ReportSettings
+from distlm.settings.root import Settings
 from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
 from distlm.settings.train import TrainSettings
 from distlm.settings.transfer import BroadcastSettings, TransferSettings
@@ -52,9 +53,42 @@ class StageConfig(Document):
         """The document of a rule's params (exactly the stage's keys, nested)."""
         return cls.model_validate({**params, "digest": digest(dict(params))})
 
+    @classmethod
+    def of_settings(cls, settings: Settings) -> Self:
+        """The stage's part of the typed settings: a section it reads whole is the settings'
+        own, one it reads in part (a narrower type) holds those fields of it."""
+        sections: dict[str, Any] = {}
+        for name, info in cls.model_fields.items():
+            if name == "digest":
+                continue
+            section, want = getattr(settings, name), info.annotation
+            if type(section) is not want:
+                assert isinstance(want, type) and issubclass(want, BaseModel), name
+                section = want.model_validate({k: getattr(section, k) for k in want.model_fields})
+            sections[name] = section
+        doc = cls.model_validate({**sections, "digest": ""})
+        return doc.model_copy(update={"digest": digest(doc.params())})
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The dotted config keys this stage reads: a field whose type is the whole section's is
+        that section; one of a narrower type (a section read in part) is each of its fields."""
+        keys: list[str] = []
+        for name, info in cls.model_fields.items():
+            if name == "digest":
+                continue
+            section = info.annotation
+            if section is Settings.model_fields[name].annotation:
+                keys.append(name)
+            else:
+                assert isinstance(section, type) and issubclass(section, BaseModel), name
+                keys.extend(f"{name}.{sub}" for sub in section.model_fields)
+        return tuple(keys)
+
     def params(self) -> dict:
-        """The stage's keys as the rule's params hold them (the mapping `digest` is of)."""
-        return self.model_dump(mode="json", exclude={"digest"})
+        """The stage's keys as the rule's params hold them (the mapping `digest` is of): the
+        values and key order of the config they came from (distlm.settings.base.Section)."""
+        return self.model_dump(exclude={"digest"})
 
 
 class DataConfig(StageConfig):
@@ -74,6 +108,11 @@ class ShardConfig(StageConfig):
     STAGE: ClassVar[str] = "shard"
     KIND: ClassVar[str] = "distlm-config-shard"
     inference: PipelineSettings
+
+    @property
+    def stages(self) -> int:
+        """The pipeline's stage count: one shard per stage."""
+        return self.inference.stages
 
 
 class BroadcastConfig(StageConfig):
@@ -119,6 +158,11 @@ class ServeShardConfig(StageConfig):
     KIND: ClassVar[str] = "distlm-config-serve-shard"
     serve: ServePipelineSettings
 
+    @property
+    def stages(self) -> int:
+        """The served pipeline's stage count: one shard per stage."""
+        return self.serve.stages
+
 
 class ReportConfig(StageConfig):
     STAGE: ClassVar[str] = "report"
@@ -141,6 +185,11 @@ STAGE_CONFIGS: dict[str, type[StageConfig]] = {
         ReportConfig,
     )
 }
+
+
+def stage_params(settings: Settings, stage: str) -> dict:
+    """The params of `stage`'s rule: exactly its keys, from the typed settings of the job's run."""
+    return STAGE_CONFIGS[stage].of_settings(settings).params()
 
 
 def write_stage_config(stage: str, params: Mapping[str, Any], path: str | os.PathLike) -> str:

@@ -3,7 +3,9 @@
 Snakemake's `--config 'train={"max_steps": 100}'` hands nested values over as strings: a string
 is turned into the number, boolean or null its key asks for when it parses as one, before the
 models (strict: no other coercion) check it. Defaults are filled into the mapping from the models,
-so the workflow's `config` (and each rule's params, cut from it) keeps the values as written.
+so the workflow's `config` keeps the values as written; the typed settings keep them too, in the
+config's key order (distlm.settings.base.Section), so each rule's params, dumped from them, are
+the mapping the config held.
 """
 
 from __future__ import annotations

@@ -460,7 +460,7 @@ def run_api_server(
     inference: EngineSettings,
     *,
     launcher: str,
-    script: str | Path,
+    module: str,
     config: str | Path,
     model_dir: str | Path,
     host: str | None = None,
@@ -479,7 +479,8 @@ def run_api_server(
         launch=launch,
         engine_args=[
             sys.executable,
-            str(script),
+            "-m",
+            module,
             "--engine",
             "--config",
             str(config),

@@ -1,6 +1,6 @@
 """Checkpoint evaluation under torchrun (rule evaluate): sliding-window perplexity of one model.
 
-    torchrun --standalone --nproc-per-node=2 workflow/scripts/evaluate.py \
+    torchrun --standalone --nproc-per-node=2 -m distlm.entry.evaluate \
         --config results/config/eval.json --model results/model/base \
         --tokens results/data/tokens.h5 --name base --out results/eval/base.json \
         --rank-log 'logs/eval/base.rank{rank}.log'

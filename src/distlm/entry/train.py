@@ -1,6 +1,6 @@
 """DDP training stage entry point, started by torchrun (workflow/rules/train.smk):
 
-    torchrun --standalone --nproc-per-node=2 --max-restarts=0 workflow/scripts/train.py \\
+    torchrun --standalone --nproc-per-node=2 --max-restarts=0 -m distlm.entry.train \\
         --config results/config/train.json --tokens results/data/tokens.h5 \\
         --tokenizer results/data/tokenizer --model results/model/base --out results/train \\
         --rank-log 'logs/train/rank{rank}.log'

@@ -1,0 +1,78 @@
+"""Serve mode: an OpenAI-compatible API server in front of the MPI pipeline (rule serve).
+
+    python -m distlm.entry.serve --launcher "mpiexec -n S" --config results/config/serve.json \
+        --model results/train/final [--host 127.0.0.1] [--port 8000]
+
+This process is the API server (distlm.inference.server.supervisor): it listens on --host/--port (default
+serve.host/port), starts the pipeline with the launcher and talks to stage 0 over ZeroMQ. With
+--engine (what the API server passes to the launcher) every rank runs its stage and stage 0 runs
+the engine (distlm.inference.engine.serve).
+"""
+
+import argparse
+import sys
+
+from distlm.documents import read_document
+from distlm.log import setup_logging
+from distlm.settings.stage import ServeConfig
+
+MODULE = "distlm.entry.serve"  # what the API server starts (with --engine) in every rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    parser.add_argument(
+        "--config", required=True, help="resolved config (results/config/serve.json)"
+    )
+    parser.add_argument("--model", required=True, help="model folder with shards/ (one per rank)")
+    parser.add_argument("--launcher", help='command that starts the pipeline ("mpiexec -n 3")')
+    parser.add_argument("--host", help="bind address (default: serve.host)")
+    parser.add_argument("--port", type=int, help="port (default: serve.port)")
+    parser.add_argument(
+        "--start-timeout", type=float, default=900.0, help="seconds for the pipeline to come up"
+    )
+    parser.add_argument(
+        "--engine", action="store_true", help="run a pipeline rank (set by the API server)"
+    )
+    parser.add_argument("--requests", help="engine: the API server's request socket")
+    parser.add_argument("--events", help="engine: the API server's event socket")
+    parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
+    args = parser.parse_args()
+    cfg = read_document(args.config, ServeConfig)
+
+    if args.engine:
+        from distlm.inference.engine.serve import run_engine
+
+        setup_logging()
+        run_engine(
+            cfg.inference,
+            device=cfg.runtime.device,
+            model_dir=args.model,
+            requests=args.requests,
+            events=args.events,
+            api_pid=args.api_pid,
+        )
+        sys.exit(0)
+
+    if args.launcher is None:
+        parser.error("--launcher is required (or --engine, inside the MPI job)")
+    setup_logging(rank="api")
+    from distlm.inference.server.supervisor import run_api_server
+
+    sys.exit(
+        run_api_server(
+            cfg.serve,
+            cfg.inference,
+            launcher=args.launcher,
+            module=MODULE,
+            config=args.config,
+            model_dir=args.model,
+            host=args.host,
+            port=args.port,
+            start_timeout_s=args.start_timeout,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
