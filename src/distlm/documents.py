@@ -310,3 +310,21 @@ class EvalReport(Document):
     config_digest: str
     splits: dict[str, SplitEval]
     seconds: float
+
+
+# ----------------------------------------------------------------------------- trainer -> launcher
+
+# The file a launcher asks the trainer to write its StopNotice to (distlm-launch srun-torchrun).
+STOP_NOTICE_ENV = "DISTLM_STOP_NOTICE"
+
+
+class StopNotice(Document):
+    """Training stopped on a signal at a step boundary, with that step's checkpoint written."""
+
+    KIND: ClassVar[str] = "distlm.train.stop_notice"
+    VERSION: ClassVar[int] = 1
+    step: int  # optimizer steps done: the checkpoint written, where the next attempt resumes
+    max_steps: int
+    signals: list[str]  # the stop signals that reached some rank, e.g. ["SIGUSR1"]
+    checkpoint_run: str  # the run identity's checkpoint folder
+    slurm_job: str | None  # SLURM_JOB_ID of the allocation that stopped

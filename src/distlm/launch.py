@@ -60,10 +60,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 from distlm import DistlmError
-from distlm.documents import Document, read_document
+from distlm.documents import STOP_NOTICE_ENV, StopNotice, read_document
 
 # torchrun options this launcher decides: given by the caller they would contradict the allocation.
 _OWNED = (
@@ -396,21 +395,6 @@ class LimitWarning:
 # (distlm.train.stopping). Only a notice that names SIGUSR1, after the launcher itself sent it
 # (--signal-before), makes the launcher requeue the job. No notice (an error, a NaN loss, a bad
 # config, a killed rank) or another signal (scancel's or preemption's SIGTERM) never does.
-STOP_NOTICE_ENV = "DISTLM_STOP_NOTICE"
-
-
-class StopNotice(Document):
-    """Training stopped on a signal at a step boundary, with that step's checkpoint written."""
-
-    KIND: ClassVar[str] = "distlm.train.stop_notice"
-    VERSION: ClassVar[int] = 1
-    step: int  # optimizer steps done: the checkpoint written, where the next attempt resumes
-    max_steps: int
-    signals: list[str]  # the stop signals that reached some rank, e.g. ["SIGUSR1"]
-    checkpoint_run: str  # the run identity's checkpoint folder
-    slurm_job: str | None  # SLURM_JOB_ID of the allocation that stopped
-
-
 @dataclass(frozen=True)
 class LauncherOptions:
     """The launcher's own options, before the torchrun args."""

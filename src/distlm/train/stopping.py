@@ -9,8 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.documents import write_document
-from distlm.launch import STOP_NOTICE_ENV, StopNotice
+from distlm.documents import STOP_NOTICE_ENV, StopNotice, write_document
 
 __all__ = ["STOP_NOTICE_ENV", "StopNotice", "write_stop_notice"]
 
