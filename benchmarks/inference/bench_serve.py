@@ -7,7 +7,7 @@
 One run, the same model folder (--model, else a seeded GPT-2-architecture model, as bench.py
 builds) and prompts; the servers are measured one after the other (never two up at once), in an
 order that rotates over --repeats:
-  * distlm-sS: `workflow/scripts/serve.py --launcher "mpiexec -n S"`, the rule's way: the API
+  * distlm-sS: `distlm.entry.serve --launcher "mpiexec -n S"`, the rule's way: the API
     server (uvicorn) and the S-stage MPI pipeline with --lanes lanes, for each S of --stages;
   * peer: `transformers serve MODEL --continuous-batching --device cpu` (paged attention and
     continuous batching; it ships with transformers), on the model folder as distlm writes it;

@@ -9,7 +9,7 @@ One run starts three torchrun jobs on the same model weights, token blocks, worl
 batch, precision and optimizer settings, one after the other (`--repeats 2` runs them again in
 the reverse order, so slow drift in other load falls on all three):
 
-- distlm: the stage itself, as `workflow/rules/train.smk` starts it (`workflow/scripts/train.py`
+- distlm: the stage itself, as `workflow/rules/train.smk` starts it (`python -m distlm.entry.train`
   with a resolved config), with the environment Snakemake gives the rule (OMP_NUM_THREADS = the
   rule's threads = train.nproc_per_node) and everything the config turns on: metrics CSV,
   TensorBoard, progress bar, log lines, validation, checkpoints, the profiler window. Step times

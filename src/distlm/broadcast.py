@@ -1,7 +1,7 @@
 """The weight-broadcast stage (rule broadcast): rank 0 sends the serialized model to every other
 rank through distlm.transfer, every receiver verifies, rank 0 writes the BroadcastReport.
 
-    torchrun --standalone --nproc-per-node=3 workflow/scripts/broadcast.py \\
+    torchrun --standalone --nproc-per-node=3 -m distlm.entry.broadcast \\
         --config results/config/broadcast.json --model results/model/base \\
         --report results/broadcast/report.json --rank-log 'logs/broadcast/rank{rank}.log'
 """

@@ -1,6 +1,6 @@
 """Checkpoint evaluation: sliding-window perplexity, windows split across ranks, exact reduction.
 
-    torchrun --standalone --nproc-per-node=2 workflow/scripts/evaluate.py \
+    torchrun --standalone --nproc-per-node=2 -m distlm.entry.evaluate \
         --config results/config/eval.json --model results/model/base \
         --tokens results/data/tokens.h5 --name base --out results/eval/base.json
 

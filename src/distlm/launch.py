@@ -1,13 +1,13 @@
 """Multi-node torchrun inside a SLURM allocation: one `srun` task per node, c10d rendezvous on the
 allocation's first node. The SLURM profile sets a rule's `torchrun` resource to this launcher:
 
-    distlm-launch srun-torchrun --nproc-per-node=4 workflow/scripts/train.py --config cfg.json
+    distlm-launch srun-torchrun --nproc-per-node=4 -m distlm.entry.train --config cfg.json
 
 inside a job of N nodes runs
 
     srun --nodes=N --ntasks=N --ntasks-per-node=1 --cpus-per-task=C --kill-on-bad-exit=1 --wait=60 \\
         --job-name=distlm-allocation-K python -m distlm.launch torchrun-node \\
-        --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- --nproc-per-node=4 workflow/scripts/train.py \\
+        --rdzv-endpoint=HEAD:PORT --rdzv-id=JOBID -- --nproc-per-node=4 -m distlm.entry.train \\
         --config cfg.json
 
 With `srun-torchrun --signal-before=SECONDS`, the launcher reads the job's end time (its time limit)

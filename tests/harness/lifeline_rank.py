@@ -1,4 +1,4 @@
-"""An MPI rank that does what workflow/scripts/infer.py does first (logging, the lifeline, MPI up),
+"""An MPI rank that does what distlm.entry.infer does first (logging, the lifeline, MPI up),
 then prints its pid and waits: tests/test_lifeline.py kills its launchers and watches it die."""
 
 import os

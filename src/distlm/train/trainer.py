@@ -1,6 +1,6 @@
 """Data-parallel training of a GPT-2-class model under torchrun, with exact resume.
 
-    torchrun --standalone --nproc-per-node=2 workflow/scripts/train.py \\
+    torchrun --standalone --nproc-per-node=2 -m distlm.entry.train \\
         --config results/config/train.json --tokens results/data/tokens.h5 \\
         --tokenizer results/data/tokenizer --model results/model/base --out results/train
 

@@ -1,6 +1,6 @@
 """The inference stage: a prompt file through the pipeline; generations (JSONL) and timing out.
 
-    mpiexec -n S python workflow/scripts/infer.py --config results/config/inference.json ...
+    mpiexec -n S python -m distlm.entry.infer --config results/config/inference.json ...
 
 Every rank calls run_batch; stages 1..S-1 serve until stage 0 stops them, stage 0 prepares every
 prompt (request.prepare, the same path as the API server's), runs them all through the

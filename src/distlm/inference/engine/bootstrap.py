@@ -1,6 +1,6 @@
 """Starting a pipeline: one MPI rank per stage, its share of the host's threads, its shard loaded.
 
-    mpiexec -n 3 python workflow/scripts/infer.py --config results/config/inference.json \
+    mpiexec -n 3 python -m distlm.entry.infer --config results/config/inference.json \
         --model results/train/final --prompts config/prompts.txt \
         --generations results/inference/generations.jsonl --timing results/inference/timing.json
 

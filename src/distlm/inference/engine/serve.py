@@ -1,6 +1,6 @@
 """Stage 0's engine in serve mode: requests from the API server over ZeroMQ into the scheduler.
 
-    mpiexec -n S python workflow/scripts/serve.py --engine --config results/config/serve.json \
+    mpiexec -n S python -m distlm.entry.serve --engine --config results/config/serve.json \
         --model results/train/final --requests ipc:///tmp/x/requests --events ipc:///tmp/x/events \
         --api-pid PID
 

@@ -1,7 +1,7 @@
 """The API server process: uvicorn serving `distlm.inference.server.app`, and the MPI job it
 supervises.
 
-    python workflow/scripts/serve.py --launcher "mpiexec -n 2" --config results/config/serve.json \
+    python -m distlm.entry.serve --launcher "mpiexec -n 2" --config results/config/serve.json \
         --model results/train/final
 
 One process outside the MPI job listens on serve.host:port, binds the engine channel (two IPC
