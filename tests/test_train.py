@@ -18,12 +18,12 @@ import pytest
 import torch
 import yaml
 from harness.faults import fault_env, inject
-from harness.synthetic import make_inputs
+from harness.synthetic import checkpoint_state, make_inputs
 
 from distlm import DistlmError
 from distlm.config import validate_config
 from distlm.dist import threads_per_rank
-from distlm.documents import CheckpointState, ModelMeta, TokenMeta, write_document
+from distlm.documents import ModelMeta, TokenMeta, write_document
 from distlm.model import load_model_dir, read_meta
 from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
@@ -199,18 +199,6 @@ def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
         assert got(x).item() == pytest.approx(ReferenceLoss(ref)(x).item(), rel=1e-6)
 
 
-def _state(step: int, identity: dict | None = None) -> CheckpointState:
-    return CheckpointState(
-        identity=identity or {},
-        data={},
-        scheduler={},
-        scaler={},
-        metrics={},
-        distlm_version="test",
-        step=step,
-    )
-
-
 def _save(d: Path, step: int, keep: int = 10) -> None:
     """Rank 0's part of the save path (checkpoint.write) with small stand-in tensors."""
     ck.write(
@@ -218,7 +206,7 @@ def _save(d: Path, step: int, keep: int = 10) -> None:
         weights={"w": torch.full((4,), float(step))},
         optimizer_state={"state": {}, "param_groups": []},
         rng_states=[ck.rng_state(torch.device("cpu"))],
-        state=_state(step),
+        state=checkpoint_state(step),
         keep_last=keep,
     )
 
@@ -705,7 +693,7 @@ def test_checkpoint_documents_of_the_release_before_still_resume(tmp_path):
     assert json.loads((c.path / "state.json").read_text())["format"] == "distlm-checkpoint-state/1"
     _rewrite(c, "state.json", lambda s: s.pop("format"))
     ck.verify(c)
-    assert ck.read_state(c) == _state(2)
+    assert ck.read_state(c) == checkpoint_state(2)
 
 
 @pytest.mark.parametrize(
