@@ -222,6 +222,7 @@ def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(cluster, profile
             "--nodes=2",
             "--exclusive",
             "--time=1",
+            "--output=/dev/null",
             "--wrap=sleep 5",
         ],
     ).stdout.strip()
