@@ -287,7 +287,13 @@ def slurm_conf(c: Cluster, ports: dict[str, int] | None = None) -> str:
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={c.munge_socket}",
+        # A requeued job (the launcher's `scontrol requeue`, a preemption) is held PENDING
+        # (Reason=BeginTime) for cred_expire + 1 s (default 120 s), then waits for the main
+        # scheduling loop (sched_interval, default 60 s): SLURM's own delay, not distlm's, which a
+        # user's job just waits out. 15 s and 2 s keep each requeue of the tests short; 15 s still
+        # gives a step's credential ample time to reach its slurmd on this machine.
+        f"AuthInfo=socket={c.munge_socket},cred_expire=15",
+        "SchedulerParameters=sched_interval=2",
         f"StateSaveLocation={s}/ctld",
         f"SlurmdSpoolDir={s}/spool/%n",
         f"SlurmctldPidFile={s}/run/slurmctld.pid",
