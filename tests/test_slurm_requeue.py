@@ -33,6 +33,7 @@ import pytest
 import test_slurm
 import yaml
 from conftest import TINY, snakemake_cmd
+from harness.faults import fault_env
 from test_slurm import job_fields, sh, submissions
 
 from distlm.model import read_meta
@@ -118,10 +119,12 @@ def _weights(wd: Path) -> bytes:
     return (wd / "results" / "train" / "final" / "model.safetensors").read_bytes()
 
 
-def _snakemake(cluster, wd: Path, configs: tuple, profile: Path, *extra: str, timeout=900):
+def _snakemake(
+    cluster, wd: Path, configs: tuple, profile: Path, *extra: str, timeout=900, env=None
+):
     return subprocess.run(
         [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), *extra],
-        env={**os.environ, **cluster.env()},
+        env=env or {**os.environ, **cluster.env()},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -179,7 +182,7 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
     rank0 = (wd / "logs" / "train" / "rank0.log").read_text()
     for step in stops:
         assert f"(step {step} of {STEPS}" in rank0.split(f"stopping at step {step} of")[1]
-    assert read_meta(wd / "results" / "train" / "final")["training"]["steps"] == STEPS
+    assert read_meta(wd / "results" / "train" / "final").training["steps"] == STEPS
     assert _weights(wd) == _weights(reference)
 
     # 2. the bound: one requeue allowed, a training that needs more (twice as long): it stops
@@ -213,12 +216,13 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
 
 @pytest.mark.timeout(900)
 def test_a_training_that_fails_on_its_own_is_never_requeued(cluster, profile, built, tmp_path):
-    nan = {"train": {**LONG["train"], "fault": {"nan_at_step": 60}}}
-    wd, configs = _prepared(built, tmp_path, "nan", nan)
+    wd, configs = _prepared(built, tmp_path, "nan", LONG)
     requeuing = _profile_with(
         profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=3")
     )
-    run = _snakemake(cluster, wd, configs, requeuing)
+    # the test harness's fault (never a config key): every rank's loss is NaN at step 60
+    nan = fault_env(tmp_path / "faults.json", {**os.environ, **cluster.env()}, nan_at_step=60)
+    run = _snakemake(cluster, wd, configs, requeuing, env=nan)
     assert run.returncode != 0
     job = _train_job(run.stdout + run.stderr)
     fields = job_fields(cluster, job)

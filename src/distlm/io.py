@@ -383,6 +383,20 @@ def atomic_dir(path: str | os.PathLike, *, size: int | None = None) -> Iterator[
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_tree(path: str | os.PathLike) -> None:
+    """Delete folder `path` as one step: it is renamed to a leftover name of this writer first, so
+    a kill halfway leaves no partial folder under its own name; the next start removes the
+    leftover (remove_leftovers)."""
+    path = Path(path)
+    gone = path.with_name(f".{path.name}.old-{_writer_tag()}")
+    try:
+        os.replace(path, gone)
+    except FileNotFoundError:
+        return
+    _fsync_dir(path.parent)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     data = text.encode("utf-8")
     with atomic_path(path, size=len(data)) as tmp:

@@ -62,6 +62,7 @@ from distlm.io import (
     nbytes,
     read_json,
     remove_leftovers,
+    remove_tree,
     sha256_file,
     write_json,
 )
@@ -238,10 +239,9 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
 
 
 def remove_checkpoint(c: Checkpoint) -> None:
-    """Delete a checkpoint folder: its index goes first, so a kill halfway leaves no folder that
-    could pass for a good checkpoint (latest_good skips one without its index)."""
-    (c.path / "checkpoint.json").unlink(missing_ok=True)
-    shutil.rmtree(c.path, ignore_errors=True)
+    """Delete a checkpoint folder as one step (distlm.io.remove_tree): a kill halfway leaves no
+    folder by a checkpoint's name, only a leftover that the next start removes."""
+    remove_tree(c.path)
 
 
 def clean_leftovers(ckpt_dir: str | Path) -> None:
