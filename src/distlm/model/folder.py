@@ -177,7 +177,7 @@ def write_model_dir(
         "wrote %s: %d tensors, %.1f MB",
         out_dir,
         len(state_dict),
-        sum(tensor_nbytes(t) for t in state_dict.values()) / 1e6,
+        nbytes(state_dict) / 1e6,
     )
     return full_meta
 
