@@ -27,6 +27,7 @@ from procs import alive, children
 
 from distlm.model import load_model_dir, read_meta
 from distlm.train import checkpoint as ck
+from distlm.train import identity as ident
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "tests" / "harness" / "soak_hooks"
@@ -137,7 +138,7 @@ def _run_until(job: Attempt, trigger: tuple) -> bool:
 
 def _newest_good(work: Path, newest_before: int) -> int:
     root = work / "results" / "train" / "checkpoints"
-    runs = [r for r, _ in ck.list_runs(root)]
+    runs = [r for r, _ in ident.list_runs(root)]
     assert len(runs) <= 1, runs  # one run identity: every attempt is the same run
     newest = 0
     for run in runs:
@@ -216,7 +217,7 @@ def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
     assert read_meta(b / "final").training["steps"] == MAX_STEPS
     leftovers = [
         p.name
-        for d in (b, b / "checkpoints", *[r for r, _ in ck.list_runs(b / "checkpoints")])
+        for d in (b, b / "checkpoints", *[r for r, _ in ident.list_runs(b / "checkpoints")])
         for p in d.iterdir()
         if p.name.startswith(".")
     ]

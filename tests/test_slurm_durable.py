@@ -26,6 +26,7 @@ from test_slurm import sh, submissions
 
 from distlm.model import read_meta
 from distlm.train import checkpoint as ck
+from distlm.train import identity as ident
 
 pytestmark = pytest.mark.slurm
 cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profile
@@ -81,7 +82,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def _run_dir(wd: Path) -> Path:
-    (run,) = [r for r, _ in ck.list_runs(wd / "results" / "train" / "checkpoints")]
+    (run,) = [r for r, _ in ident.list_runs(wd / "results" / "train" / "checkpoints")]
     return run
 
 

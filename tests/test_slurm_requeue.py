@@ -38,6 +38,7 @@ from test_slurm import job_fields, sh, submissions
 
 from distlm.model import read_meta
 from distlm.train import checkpoint as ck
+from distlm.train import identity as ident
 
 pytestmark = pytest.mark.slurm
 cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profile
@@ -210,7 +211,7 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
     ) in log2
     assert "Error in rule train" in short.stderr
     # Snakemake removed the failed job's outputs (metrics.csv); the checkpoint stays for a rerun
-    ((run, _),) = ck.list_runs(wd2 / "results" / "train" / "checkpoints")
+    ((run, _),) = ident.list_runs(wd2 / "results" / "train" / "checkpoints")
     assert last in [c.step for c in ck.list_checkpoints(run)]
 
 

@@ -18,12 +18,13 @@ import pytest
 import torch
 import yaml
 from harness.faults import fault_env, inject
-from harness.synthetic import checkpoint_state, make_inputs
+from harness.synthetic import checkpoint_state, make_inputs, run_identity
 
 from distlm import DistlmError
 from distlm.config import validate_config
 from distlm.dist import threads_per_rank
 from distlm.documents import ModelMeta, TokenMeta, write_document
+from distlm.io import digest
 from distlm.model import load_model_dir, read_meta
 from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
@@ -31,6 +32,7 @@ from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
 from distlm.train import faults as faults_mod
+from distlm.train import identity as ident
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.trainer import fused_adamw_available, resolve_precision
@@ -74,7 +76,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
 
 def only_run(out: Path) -> Path:
     """The one run folder (run identity) under a stage folder's checkpoints."""
-    (run,) = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    (run,) = [r for r, _ in ident.list_runs(out / "checkpoints")]
     return run
 
 
@@ -130,7 +132,7 @@ IDENTITIES_BEFORE = {
 def test_run_identity_is_unchanged_by_typed_settings(name):
     raw, before = IDENTITIES_BEFORE[name]
     cfg = TrainConfig.of(stage_config(validate_config(raw), "train"))
-    identity = ck.run_identity(
+    identity = ident.run_identity(
         cfg,
         base=ModelMeta.model_construct(arch_digest="a" * 64, model_sha256="b" * 64),
         data=TokenMeta.model_construct(config_digest="c" * 64),
@@ -140,7 +142,7 @@ def test_run_identity_is_unchanged_by_typed_settings(name):
         plan=plan_batch(cfg.train, 2),
         precision="fp32",
     )
-    assert ck.run_id(identity) == before
+    assert identity.run_id == before
 
 
 def test_sampler_ranks_disjoint_and_epoch_covers_every_block():
@@ -229,16 +231,12 @@ def test_checkpoints_keep_last_and_skip_corrupt(tmp_path, caplog):
 
 def test_identity_mismatch_names_what_differs(tmp_path):
     c = ck.Checkpoint(tmp_path / "step-00000002", 2)
-    saved = {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 10, "lr": 0.1}}
-    ck.check_identity(
-        c, saved, {"model": {"arch_digest": "aaa"}, "optim": {"max_steps": 20, "lr": 0.1}}
-    )
+    saved = run_identity(arch_digest="aaa", max_steps=10)
+    ident.check_identity(c, saved, run_identity(arch_digest="aaa", max_steps=20))  # tolerated
     with pytest.raises(
         ck.CheckpointMismatch, match=r"model.arch_digest: checkpoint 'aaa', this run 'bbb'"
     ):
-        ck.check_identity(
-            c, saved, {"model": {"arch_digest": "bbb"}, "optim": {"max_steps": 10, "lr": 0.1}}
-        )
+        ident.check_identity(c, saved, run_identity(arch_digest="bbb", max_steps=10))
 
 
 # ----------------------------------------------------------------------------- world of one
@@ -272,7 +270,7 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
     out = tmp_path / "train"
     run_training(train_cfg(max_steps=2, keep_runs=5), paths(inputs, out))
     first = (out / "final" / "model.safetensors").read_bytes()
-    (run_a,) = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    (run_a,) = [r for r, _ in ident.list_runs(out / "checkpoints")]
     other = make_inputs(tmp_path / "other", n_embd=48, seed=1)  # another architecture, same data
     for cfg, p in (
         (train_cfg(max_steps=2, keep_runs=5), paths(inputs, out, model=other["model"])),
@@ -282,7 +280,7 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
         run_training(cfg, p)
         meta = read_meta(out / "final").training
         assert meta["resumed_from"] is None and meta["steps_this_run"] == meta["steps"]
-    runs = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    runs = [r for r, _ in ident.list_runs(out / "checkpoints")]
     assert len(runs) == 4 and run_a in runs
     assert [c.step for c in ck.list_checkpoints(run_a)] == [2]  # untouched
     # the revert: the finished run is found, no step runs, the same bytes
@@ -299,12 +297,12 @@ def test_an_edit_trains_its_own_run_and_a_revert_finds_the_old_one(inputs, tmp_p
     assert "extending the finished run" in caplog.text
     # keep_runs 3 kept the three most recently used (the extension's, run_a and max_steps 1's):
     # the model and lr edits' runs are gone
-    runs = [r for r, _ in ck.list_runs(out / "checkpoints")]
+    runs = [r for r, _ in ident.list_runs(out / "checkpoints")]
     assert len(runs) == 3 and run_a in runs
     # resume: never starts this identity afresh and leaves the others alone
     run_training(train_cfg(max_steps=2, resume="never", keep_runs=3), paths(inputs, out))
     assert read_meta(out / "final").training["steps_this_run"] == 2
-    assert len(ck.list_runs(out / "checkpoints")) == 3
+    assert len(ident.list_runs(out / "checkpoints")) == 3
 
 
 def test_bad_inputs_are_refused(tmp_path):
@@ -377,7 +375,7 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     assert meta.training["resumed_from"].endswith("step-00000002")
     # a world of one is another run (topology): it trains in its own folder, the 2-rank one stays
     run_training(cfg, paths(inputs, tmp_path / "a"))
-    assert len(ck.list_runs(tmp_path / "a" / "checkpoints")) == 2
+    assert len(ident.list_runs(tmp_path / "a" / "checkpoints")) == 2
     assert read_meta(tmp_path / "a" / "final").training["world_size"] == 1
     for r in (0, 1):
         line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
@@ -440,14 +438,14 @@ def test_checkpoints_of_the_layout_before_run_folders_are_adopted(inputs, tmp_pa
     run = only_run(out)
     for c in ck.list_checkpoints(run):
         c.path.rename(out / "checkpoints" / c.path.name)
-    (run / ck.IDENTITY).unlink()
+    (run / ident.IDENTITY).unlink()
     run.rmdir()
-    (out / "checkpoints" / ck.LEGACY_REQUEST).write_text("{}")
+    (out / "checkpoints" / ident.LEGACY_REQUEST).write_text("{}")
     with caplog.at_level(logging.INFO, logger="distlm"):
         run_training(train_cfg(max_steps=2), paths(inputs, out))
     assert read_meta(out / "final").training["steps_this_run"] == 0
     assert "moved legacy checkpoint" in caplog.text
-    assert not (out / "checkpoints" / ck.LEGACY_REQUEST).exists()
+    assert not (out / "checkpoints" / ident.LEGACY_REQUEST).exists()
 
 
 def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
@@ -719,6 +717,61 @@ def test_checkpoint_documents_of_an_unknown_version_are_refused(tmp_path, caplog
         with caplog.at_level(logging.WARNING, logger="distlm"):
             assert ck.latest_good(tmp_path) is None
         assert re.search(error, caplog.text)
+
+
+# identity.json as distlm wrote it before the file carried its format tag (the run identity's
+# fields, untagged), in the run folder its digest names: an upgrade must find that run again.
+LEGACY_IDENTITY = {
+    "model": {"arch_digest": "a" * 64, "base_model_sha256": "b" * 64},
+    "data": {"config_digest": "c" * 64, "block_size": 32, "train_blocks": 64, "seed": 0},
+    "topology": {"world_size": 1, "micro_batch": 4, "grad_accum": 1, "global_batch": 4},
+    "optim": {
+        "lr": 0.1,
+        "min_lr": 0,
+        "warmup_steps": 2,
+        "max_steps": 10,
+        "weight_decay": 0.1,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "grad_clip": 1.0,
+        "precision": "fp32",
+    },
+}
+
+
+def test_a_run_folder_of_the_release_before_is_found_again(tmp_path):
+    """identity.json without its format tag reads as version 1, and its run id (the folder's
+    name, a digest of the fields) is what the typed identity computes: the run is reused."""
+    legacy = tmp_path / digest(LEGACY_IDENTITY)[:16]
+    legacy.mkdir()
+    (legacy / ident.IDENTITY).write_text(json.dumps(LEGACY_IDENTITY, indent=2) + "\n")
+    read = ident.read_identity(legacy / ident.IDENTITY)
+    assert read == run_identity() and read.fields() == LEGACY_IDENTITY
+    assert ident.open_run(tmp_path, run_identity()) == legacy
+    assert ident.list_runs(tmp_path) == [(legacy, run_identity())]
+    # a new run folder's identity.json is the tagged document
+    other = ident.open_run(tmp_path, run_identity(lr=0.2))
+    written = json.loads((other / ident.IDENTITY).read_text())
+    assert written == {"format": "distlm-run-identity/1", **run_identity(lr=0.2).fields()}
+
+
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        (None, r"RunIdentity not found: .*/identity.json"),
+        ("{", r"/identity.json: malformed RunIdentity: not valid JSON"),
+        ({"format": "distlm-run-identity/9"}, r"/identity.json: a 'distlm-run-identity/9'"),
+        ({"format": "distlm-model/1"}, r"/identity.json: a 'distlm-model/1' document"),
+        ({**LEGACY_IDENTITY, "optim": {"lr": 0.1}}, r"/identity.json: malformed .* optim.min_lr"),
+    ],
+)
+def test_a_wrong_identity_file_is_refused_naming_it(tmp_path, content, error):
+    path = tmp_path / "run" / ident.IDENTITY
+    path.parent.mkdir()
+    if content is not None:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(DistlmError, match=error):
+        ident.read_identity(path)
 
 
 def test_a_malformed_checkpoint_state_names_the_field(tmp_path):

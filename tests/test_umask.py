@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 from conftest import ROOT, TINY, snakemake_cmd
-from harness.synthetic import checkpoint_state
+from harness.synthetic import checkpoint_state, run_identity
 
 from distlm.config import validate_settings
 from distlm.data import prepare
@@ -29,6 +29,7 @@ from distlm.lease import Lease
 from distlm.model import serialize, write_pipeline_dir
 from distlm.settings.stage import ModelConfig
 from distlm.train import checkpoint as ck
+from distlm.train import identity as ident
 
 
 def modes(root: Path) -> dict[str, str]:
@@ -80,7 +81,7 @@ def test_every_writer_honours_umask_002_in_a_setgid_folder(tmp_path):
         weights = {"w": torch.randn(100)}
         optimizer = {"state": {0: {"exp_avg": torch.randn(100)}}, "param_groups": []}
         rng = [ck.rng_state(torch.device("cpu"))]
-        run = ck.open_run(shared / "checkpoints", {"x": 1})
+        run = ident.open_run(shared / "checkpoints", run_identity())
         ck.write(
             run, weights=weights, optimizer_state=optimizer, rng_states=rng,
             state=checkpoint_state(1), keep_last=1,

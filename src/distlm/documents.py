@@ -19,7 +19,7 @@ from typing import ClassVar, Literal, Self, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from distlm import DistlmError
-from distlm.io import write_json
+from distlm.io import digest, write_json
 
 D = TypeVar("D", bound="Document")
 
@@ -75,8 +75,12 @@ def write_document(path: str | os.PathLike, doc: Document) -> None:
     write_json(path, doc.to_json())
 
 
-def read_document(path: str | os.PathLike, cls: type[D]) -> D:
-    """Read a `cls` document, refusing another kind or version and malformed fields."""
+def read_document(path: str | os.PathLike, cls: type[D], *, untagged: bool = False) -> D:
+    """Read a `cls` document, refusing another kind or version and malformed fields.
+
+    `untagged`: a file without a format tag is read as this version of `cls`. Only for the files
+    distlm wrote, with these very fields, before the type carried its tag (a checkpoint's
+    state.json, a run folder's identity.json): results of that release read unchanged."""
     path = Path(path)
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
@@ -84,6 +88,8 @@ def read_document(path: str | os.PathLike, cls: type[D]) -> D:
         raise DocumentError(f"{cls.__name__} not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DocumentError(f"{path}: malformed {cls.__name__}: not valid JSON ({e})") from None
+    if untagged and isinstance(obj, dict) and "format" not in obj:
+        obj = {"format": cls.tag(), **obj}
     return cls.from_json(obj, str(path))
 
 
@@ -194,12 +200,76 @@ class CheckpointIndex(Document):
     sha256: dict[str, str]
 
 
+# A number as the settings hold it: 2 stays the int 2 (a plain `float` would make it 2.0), so an
+# identity read back dumps, and digests (its run folder's name), exactly as it was written.
+Number = int | float
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IdentityModel(_Part):
+    arch_digest: str  # ModelMeta.arch_digest of the base model
+    base_model_sha256: str
+
+
+class IdentityData(_Part):
+    config_digest: str  # TokenMeta.config_digest of the token file
+    block_size: int
+    train_blocks: int
+    seed: int  # runtime.seed
+
+
+class IdentityTopology(_Part):
+    world_size: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+
+
+class IdentityOptim(_Part):
+    lr: Number
+    min_lr: Number
+    warmup_steps: int
+    max_steps: int
+    weight_decay: Number
+    beta1: Number
+    beta2: Number
+    grad_clip: Number
+    precision: str  # the resolved precision (fp32, bf16, fp16), not "auto"
+
+
+class RunIdentity(Document):
+    """What changes a training run's weights: its model, data, topology, optimiser and schedule.
+    identity.json of a run folder (results/train/checkpoints/<run id>/) and the `identity` of
+    each of its checkpoints' state.json (there without the format tag). The run id, the folder's
+    name, is the first 16 hex digits of the sha256 of the fields (`run_id`). Built by
+    distlm.train.identity.run_identity, read and written there (read_identity, write_identity)."""
+
+    KIND: ClassVar[str] = "distlm-run-identity"
+    VERSION: ClassVar[int] = 1
+    model: IdentityModel
+    data: IdentityData
+    topology: IdentityTopology
+    optim: IdentityOptim
+
+    def fields(self) -> dict:
+        """The identity without its format tag: what is compared key by key, and digested."""
+        return self.model_dump(mode="json")
+
+    @property
+    def run_id(self) -> str:
+        """The name of the identity's run folder."""
+        return digest(self.fields())[:16]
+
+
 class CheckpointState(Document):
     """state.json of a training checkpoint: what a resume needs beside the tensors."""
 
     KIND: ClassVar[str] = "distlm-checkpoint-state"
     VERSION: ClassVar[int] = 1
-    identity: dict  # the run identity (distlm.train.checkpoint.run_identity)
+    identity: RunIdentity  # the run's identity (its fields, without the format tag)
     data: dict  # samples consumed, epoch, the sampler's state
     scheduler: dict
     scaler: dict  # empty unless fp16

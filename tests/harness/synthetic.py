@@ -96,12 +96,41 @@ def make_inputs(
     return {"tokens": tokens, "tokenizer": tokenizer, "model": root / "model"}
 
 
-def checkpoint_state(step: int, identity: dict | None = None):
-    """A checkpoint's training state (the save path's document) with nothing but its step."""
+def run_identity(*, arch_digest: str = "a" * 64, max_steps: int = 10, lr: float = 0.1):
+    """A training run's identity (distlm.train.identity) with fixed digests and sizes."""
+    from distlm.documents import (
+        IdentityData,
+        IdentityModel,
+        IdentityOptim,
+        IdentityTopology,
+        RunIdentity,
+    )
+
+    return RunIdentity(
+        model=IdentityModel(arch_digest=arch_digest, base_model_sha256="b" * 64),
+        data=IdentityData(config_digest="c" * 64, block_size=32, train_blocks=64, seed=0),
+        topology=IdentityTopology(world_size=1, micro_batch=4, grad_accum=1, global_batch=4),
+        optim=IdentityOptim(
+            lr=lr,
+            min_lr=0,
+            warmup_steps=2,
+            max_steps=max_steps,
+            weight_decay=0.1,
+            beta1=0.9,
+            beta2=0.95,
+            grad_clip=1.0,
+            precision="fp32",
+        ),
+    )
+
+
+def checkpoint_state(step: int, identity=None):
+    """A checkpoint's training state (the save path's document) with nothing but its step (and
+    the harness's run identity)."""
     from distlm.documents import CheckpointState
 
     return CheckpointState(
-        identity=identity or {},
+        identity=identity or run_identity(),
         data={},
         scheduler={},
         scaler={},

@@ -13,8 +13,9 @@ Modules, by what a change touches:
     sampler.py     the batch plan and each rank's blocks per step (exact resume)
     kernels.py     the fused LM-head cross-entropy and GELU
     resume.py      which checkpoint a start resumes or extends, loading it
-    checkpoint.py  the run identity and checkpoints: the one save path, verify, list, prune,
-                   run folders per identity
+    identity.py    the run identity (identity.json) and its run folders: open, list, extend,
+                   keep the most recently used
+    checkpoint.py  the checkpoints of a run folder: the one save path, verify, list, prune, load
     outputs.py     the metrics files' writes and the final model folder
     stopping.py    divergence, and the signals that stop at a step boundary with a checkpoint
     metrics.py     metrics.csv, val.csv and TensorBoard; profiling.py: the step profiler

@@ -1,9 +1,9 @@
-"""Training checkpoints and the run identity they belong to: the one save path (`save`: every
-rank's RNG state gathered, rank 0 writes, verifies and prunes), finding the last good one, the
-identity (`run_identity`) and its check, run folders, pruning.
+"""Training checkpoints: the one save path (`save`: every rank's RNG state gathered, rank 0
+writes, verifies and prunes), finding the last good one, verifying and loading it. Checkpoints
+belong to a run identity, whose run folder they live in (distlm.train.identity).
 
-A checkpoint is a folder `step-XXXXXXXX/` under the checkpoint directory, written under a hidden
-temporary name and renamed when complete (a killed job never leaves one that looks finished):
+A checkpoint is a folder `step-XXXXXXXX/` under its run folder, written under a hidden temporary
+name and renamed when complete (a killed job never leaves one that looks finished):
 
     model.safetensors   the weights (tied lm_head.weight omitted), in the training dtype
     optimizer.pt        optimizer.state_dict() (tensors, numbers, lists: read with weights_only)
@@ -19,25 +19,13 @@ toward keep_last, so a kill or a bad write never leaves fewer good checkpoints t
 Leftovers of interrupted writes (`.step-*.tmp`) are removed at the next start (`clean_leftovers`).
 
 Loading verifies checkpoint.json and every sha256; a corrupt or partial checkpoint is skipped (with
-a warning naming it) for the previous good one. A checkpoint whose identity differs from this run's
-is refused with a message listing what differs.
-
-Checkpoints belong to a run identity (what changes the weights: model, data, topology, optimiser
-and schedule, `run_identity`): each identity has its own folder `<root>/<run id>/`, the first
-16 hex digits of the identity's sha256, with `identity.json` beside its `step-*` folders. A rerun
-resumes only its own identity's newest verified checkpoint; an edit that changes the identity
-starts a run in another folder and deletes nothing of the others (`prune_runs` keeps the
-`keep_runs` most recently used once a run has finished), so reverting an edit finds its finished
-work again. The one exception: a run whose identity differs from a *finished* one only in
-`max_steps` (more steps) extends it (`extension_source`), as `train.resume: auto` always has.
+a warning naming it) for the previous good one.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,20 +39,16 @@ from distlm.documents import (
     CheckpointIndex,
     CheckpointState,
     DocumentError,
-    ModelMeta,
-    TokenMeta,
+    RunIdentity,
     read_document,
     write_document,
 )
 from distlm.io import (
     atomic_dir,
-    digest,
     nbytes,
-    read_json,
     remove_leftovers,
     remove_tree,
     sha256_file,
-    write_json,
 )
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
@@ -72,7 +56,6 @@ from distlm.train.optim import weights_of
 
 if TYPE_CHECKING:
     from distlm.dist import Topology
-    from distlm.settings.stage import TrainConfig
     from distlm.train.sampler import BatchPlan, StepSampler
 
 log = get_logger(__name__)
@@ -80,10 +63,6 @@ log = get_logger(__name__)
 FORMAT = CheckpointIndex.tag()
 _NAME = re.compile(r"^step-(\d{8})$")
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
-IDENTITY = "identity.json"  # in each run folder: the identity its checkpoints belong to
-LEGACY_REQUEST = "fresh-run-requested.json"  # written by distlm before run folders; removed
-# Identity keys whose difference is tolerated on resume (logged): extending a run is allowed.
-TOLERATED = {"optim.max_steps"}
 
 
 class CheckpointMismatch(DistlmError):
@@ -133,7 +112,7 @@ def save(
     step: int,
     *,
     topo: Topology,
-    identity: dict,
+    identity: RunIdentity,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -249,98 +228,6 @@ def clean_leftovers(ckpt_dir: str | Path) -> None:
     remove_leftovers(ckpt_dir)
 
 
-# ----------------------------------------------------------------------------- run folders
-
-
-def run_id(identity: dict) -> str:
-    """The folder name of an identity's checkpoints."""
-    return digest(identity)[:16]
-
-
-def open_run(root: str | Path, identity: dict) -> Path:
-    """The identity's run folder under `root`, created with its identity.json; marked as used now
-    (its mtime), which is what `prune_runs` orders by."""
-    run = Path(root) / run_id(identity)
-    meta = run / IDENTITY
-    if meta.is_file():
-        saved = read_json(meta, what="run identity")
-        if saved != identity:  # a digest collision, or a hand-edited file: never mix runs
-            raise CheckpointMismatch(
-                f"{meta} holds another identity than its folder name says:\n  "
-                + "\n  ".join(identity_diff(saved, identity))
-            )
-        os.utime(meta)
-    else:
-        write_json(meta, identity)
-    return run
-
-
-def list_runs(root: str | Path) -> list[tuple[Path, dict]]:
-    """Run folders under `root` with their identities, most recently used first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        meta = p / IDENTITY
-        if p.is_dir() and not p.name.startswith(".") and meta.is_file():
-            try:
-                found.append((meta.stat().st_mtime, p, read_json(meta, what="run identity")))
-            except (OSError, DistlmError) as e:
-                log.warning("ignoring run folder %s: %s", p, e)
-    return [(p, ident) for _, p, ident in sorted(found, key=lambda t: -t[0])]
-
-
-def migrate_legacy(root: str | Path) -> None:
-    """Move checkpoints of the layout before run folders (`<root>/step-*`) into their identity's
-    folder, so an upgrade resumes (or reuses finished work) instead of training again."""
-    root = Path(root)
-    for c in list_checkpoints(root):
-        try:
-            identity = read_state(c).identity
-        except DistlmError as e:
-            log.warning("legacy checkpoint %s has no readable identity, left alone: %s", c.path, e)
-            continue
-        run = open_run(root, identity)
-        os.replace(c.path, run / c.path.name)
-        log.info("moved legacy checkpoint %s into its run folder %s", c.path, run)
-    if (root / LEGACY_REQUEST).exists():
-        log.warning(
-            "ignoring %s (fresh-run requests are gone: set train.resume: never)",
-            root / LEGACY_REQUEST,
-        )
-        (root / LEGACY_REQUEST).unlink(missing_ok=True)
-
-
-def extension_source(root: str | Path, identity: dict) -> Checkpoint | None:
-    """The newest finished checkpoint of another run that this one may extend: its identity
-    differs only in TOLERATED keys (max_steps) and it stopped at its own max_steps, below ours."""
-    target = identity["optim"]["max_steps"]
-    best = None
-    for run, other in list_runs(root):
-        if run.name == run_id(identity) or not identity_diff(other, identity):
-            continue
-        if hard_diffs(other, identity):
-            continue
-        found = latest_good(run)
-        done = other.get("optim", {}).get("max_steps")
-        if found is None or found.step != done or found.step >= target:
-            continue
-        if best is None or found.step > best.step:
-            best = found
-    return best
-
-
-def prune_runs(root: str | Path, keep_runs: int, current: Path) -> None:
-    """Keep the `keep_runs` most recently used run folders (`current` always); delete the rest."""
-    others = [run for run, _ in list_runs(root) if run.resolve() != current.resolve()]
-    for run in others[max(0, keep_runs - 1) :]:
-        for c in list_checkpoints(run):
-            remove_checkpoint(c)
-        shutil.rmtree(run, ignore_errors=True)
-        log.info("removed the checkpoints of an older run %s (train.keep_runs %d)", run, keep_runs)
-
-
 def list_checkpoints(ckpt_dir: str | Path) -> list[Checkpoint]:
     """Completed checkpoint folders (by name), oldest first; temporary folders are ignored."""
     ckpt_dir = Path(ckpt_dir)
@@ -412,12 +299,8 @@ def latest_good(ckpt_dir: str | Path) -> Checkpoint | None:
 def read_state(ckpt: Checkpoint) -> CheckpointState:
     """state.json of a verified checkpoint. One written before state.json carried its format tag
     (the same fields, under the same distlm-checkpoint/1 index) reads as version 1."""
-    path = ckpt.path / "state.json"
-    obj = read_json(path, what="checkpoint state")
-    if isinstance(obj, dict) and "format" not in obj:
-        obj = {"format": CheckpointState.tag(), **obj}
     try:
-        return CheckpointState.from_json(obj, str(path))
+        return read_document(ckpt.path / "state.json", CheckpointState, untagged=True)
     except DocumentError as e:
         raise DocumentError(
             f"{e}\nRemove {ckpt.path.parent} (or set train.resume: never) to start afresh."
@@ -439,98 +322,3 @@ def load_rng_state(ckpt: Checkpoint, rank: int, world_size: int) -> dict:
             f"{ckpt.path}: made with world size {len(states)}, this run has {world_size}"
         )
     return states[rank]
-
-
-# ----------------------------------------------------------------------------- identity
-
-
-def run_identity(
-    cfg: TrainConfig,
-    *,
-    base: ModelMeta,
-    data: TokenMeta,
-    block_size: int,
-    train_blocks: int,
-    world_size: int,
-    plan: BatchPlan,
-    precision: str,
-) -> dict:
-    """What a checkpoint must share with this run to be resumed (checked key by key), and what
-    names its run folder (`run_id`): the model, data, topology and optimisation settings."""
-    t = cfg.train
-    return {
-        "model": {
-            "arch_digest": base.arch_digest,
-            "base_model_sha256": base.model_sha256,
-        },
-        "data": {
-            "config_digest": data.config_digest,
-            "block_size": block_size,
-            "train_blocks": train_blocks,
-            "seed": cfg.runtime.seed,
-        },
-        "topology": {
-            "world_size": world_size,
-            "micro_batch": plan.micro_batch,
-            "grad_accum": plan.grad_accum,
-            "global_batch": plan.global_batch,
-        },
-        "optim": {
-            **{
-                k: getattr(t, k)
-                for k in (
-                    "lr",
-                    "min_lr",
-                    "warmup_steps",
-                    "max_steps",
-                    "weight_decay",
-                    "beta1",
-                    "beta2",
-                    "grad_clip",
-                )
-            },
-            "precision": precision,
-        },
-    }
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def identity_diff(saved: dict, current: dict) -> list[str]:
-    """Keys whose values differ, as 'key: checkpoint X, this run Y' lines."""
-    a, b = _flatten(saved), _flatten(current)
-    lines = []
-    for k in sorted(set(a) | set(b)):
-        if a.get(k, "<absent>") != b.get(k, "<absent>"):
-            lines.append(
-                f"{k}: checkpoint {a.get(k, '<absent>')!r}, this run {b.get(k, '<absent>')!r}"
-            )
-    return lines
-
-
-def hard_diffs(saved: dict, current: dict) -> list[str]:
-    """The identity differences that forbid a resume (all but the TOLERATED keys)."""
-    return [d for d in identity_diff(saved, current) if d.split(":", 1)[0] not in TOLERATED]
-
-
-def check_identity(ckpt: Checkpoint, saved: dict, current: dict) -> None:
-    """Refuse a checkpoint made by a different run; tolerate (and log) only TOLERATED keys."""
-    diffs = identity_diff(saved, current)
-    hard = hard_diffs(saved, current)
-    if hard:
-        raise CheckpointMismatch(
-            f"checkpoint {ckpt.path} was made by a different run and cannot be resumed:\n  "
-            + "\n  ".join(hard)
-            + f"\nRemove {ckpt.path.parent} (or set train.resume: never) to start afresh."
-        )
-    for d in diffs:
-        log.warning("resuming %s with a changed setting: %s", ckpt.path, d)

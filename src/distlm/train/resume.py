@@ -1,5 +1,5 @@
 """Resume: which checkpoint (or finished run to extend) a start picks, and loading it into the
-model, optimiser and schedule after its identity (distlm.train.checkpoint) is checked. The
+model, optimiser and schedule after its identity (distlm.train.identity) is checked. The
 `Trainer` calls these while it is constructed."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 
 from distlm.dist import Topology
+from distlm.documents import RunIdentity
 from distlm.io import remove_leftovers
 from distlm.log import get_logger
 from distlm.model import check_state_dict
 from distlm.settings import TrainSettings
 from distlm.train import checkpoint as ckpt_mod
+from distlm.train import identity as identity_mod
 from distlm.train.optim import weights_of
 from distlm.train.paths import TrainPaths
 
@@ -36,7 +38,7 @@ class Resumed:
 def load_checkpoint(
     choice: tuple[str, int],
     *,
-    identity: dict,
+    identity: RunIdentity,
     topo: Topology,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -48,7 +50,7 @@ def load_checkpoint(
     loads the weights (the others get them from rank 0 next)."""
     ck = ckpt_mod.Checkpoint(Path(choice[0]), choice[1])
     state = ckpt_mod.read_state(ck)
-    ckpt_mod.check_identity(ck, state.identity, identity)
+    identity_mod.check_identity(ck, state.identity, identity)
     rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
     if topo.is_main:
         with torch.no_grad():
@@ -66,7 +68,7 @@ def load_checkpoint(
 
 
 def choose_checkpoint(
-    paths: TrainPaths, tcfg: TrainSettings, identity: dict
+    paths: TrainPaths, tcfg: TrainSettings, identity: RunIdentity
 ) -> tuple[Path, tuple[str, int] | None]:
     """Rank 0: clear leftovers of killed writes, open this identity's run folder, then pick
     its newest checkpoint that verifies (or, with none, a finished run this one extends).
@@ -75,8 +77,8 @@ def choose_checkpoint(
     root = paths.checkpoints
     remove_leftovers(paths.out)
     ckpt_mod.clean_leftovers(root)
-    ckpt_mod.migrate_legacy(root)
-    run_dir = ckpt_mod.open_run(root, identity)
+    identity_mod.migrate_legacy(root)
+    run_dir = identity_mod.open_run(root, identity)
     ckpt_mod.clean_leftovers(run_dir)
     log.info("run identity %s: checkpoints in %s", run_dir.name, run_dir)
     if tcfg.resume == "never":
@@ -86,7 +88,7 @@ def choose_checkpoint(
     found = ckpt_mod.latest_good(run_dir)
     max_steps = tcfg.max_steps
     if found is None:
-        found = ckpt_mod.extension_source(root, identity)
+        found = identity_mod.extension_source(root, identity)
         if found is None:
             log.info("no checkpoint of this run yet: training from step 0")
             return run_dir, None
@@ -113,7 +115,7 @@ def resume_or_start(
     paths: TrainPaths,
     tcfg: TrainSettings,
     *,
-    identity: dict,
+    identity: RunIdentity,
     topo: Topology,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

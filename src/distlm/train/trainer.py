@@ -9,8 +9,8 @@ run identity, resume, initial weights from rank 0 through the transfer module, D
 `train_step` (micro-batches with no DDP sync but on the last, clipping, AdamW, schedule),
 `evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases' parts live
 beside this module: `setup` (lease, data, model, weight sync), `optim` (schedule, precision,
-AdamW), `ddp` (the loss module in DDP), `checkpoint` (the run identity and the one save path),
-`resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping` (divergence,
+AdamW), `ddp` (the loss module in DDP), `identity` (the run identity and its run folders),
+`checkpoint` (the one save path), `resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping` (divergence,
 stop signals), `paths` (`TrainPaths`).
 
 Learning rate: `train.lr` is the peak rate for the *global* batch (micro_batch x grad_accum x
@@ -36,6 +36,7 @@ from distlm.log import get_logger, progress
 from distlm.settings.stage import TrainConfig
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import faults as faults_mod
+from distlm.train import identity as identity_mod
 from distlm.train import outputs, resume, setup
 from distlm.train.ddp import wrap_model
 from distlm.train.metrics import Metrics, perplexity
@@ -98,7 +99,7 @@ class Trainer:
                 self.model, t, self.device, self.precision
             )
             # what a checkpoint must share with this run to be resumed; names its run folder
-            self.identity = ckpt_mod.run_identity(
+            self.identity = identity_mod.run_identity(
                 cfg,
                 base=self.base_meta,
                 data=self.data.meta,
@@ -383,7 +384,7 @@ class Trainer:
         self.metrics.flush()
         meta = self.write_final(time.perf_counter() - t_start, steps_run=self.step - start)
         if self.topo.is_main and self.run_dir is not None:
-            ckpt_mod.prune_runs(self.paths.checkpoints, t.keep_runs, self.run_dir)
+            identity_mod.prune_runs(self.paths.checkpoints, t.keep_runs, self.run_dir)
         return meta
 
     def _tell_launcher(self) -> None:
