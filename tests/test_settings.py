@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT, TINY
 from pydantic import BaseModel, ValidationError
 
-from distlm.config import ConfigError, validate_config
+from distlm.config import ConfigError, validate_config, validate_settings
 from distlm.settings import (
     MOVED,
     InferenceSettings,
@@ -21,6 +21,7 @@ from distlm.settings import (
     Settings,
 )
 from distlm.settings.schema import SCHEMA_FILE, schema_yaml, settings_schema
+from distlm.settings.validate import with_override
 
 
 def test_schema_file_is_generated_from_the_models():
@@ -102,6 +103,20 @@ def test_settings_dump_to_the_config_as_written(path):
     assert type(s.transfer.bucket_mb) is int and type(s.train.lr) is int
     assert type(s.runtime.timeout_s) is int  # the default, 300
     assert type(Settings.model_validate({"train": {"lr": 0.5}}).train.lr) is float
+
+
+def test_an_override_goes_through_the_one_validation():
+    """A sweep run's settings (distlm.settings.validate.with_override): the base settings with a
+    partial config merged over them, validated as a whole config is; errors name the source."""
+    base = validate_settings(yaml.safe_load(TINY.read_text()))
+    run = with_override(base, {"train": {"lr": 2}, "eval": {"stride": 16}}, source="run 'a'")
+    assert run.train.lr == 2 and type(run.train.lr) is int and run.eval.stride == 16
+    assert run.model_dump(exclude={"train", "eval"}) == base.model_dump(exclude={"train", "eval"})
+    assert run.train.model_dump(exclude={"lr"}) == base.train.model_dump(exclude={"lr"})
+    with pytest.raises(ConfigError, match=r"run 'a' is invalid:\n  train\.lrr: unknown key"):
+        with_override(base, {"train": {"lrr": 1}}, source="run 'a'")
+    with pytest.raises(ConfigError, match=r"run 'b' is invalid:\n  inference\.stages: 9"):
+        with_override(base, {"inference": {"stages": 9}}, source="run 'b'")  # across keys
 
 
 @pytest.mark.parametrize("key", sorted(MOVED))

@@ -8,7 +8,6 @@ the key. The workflow holds the typed `Settings` (each rule's params are its sta
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from distlm.settings import ConfigError, Settings
-from distlm.settings.validate import validate
+from distlm.settings.validate import deep_merge, validate
 
 __all__ = [
     "ConfigError",
@@ -64,13 +63,3 @@ def load_config(path: str | os.PathLike, overrides: Mapping | None = None) -> di
     mapping, defaults filled in; `load_settings` gives the typed settings)."""
     raw, source = _read(path, overrides)
     return validate_config(raw, source=source)
-
-
-def deep_merge(base: Mapping, over: Mapping) -> dict:
-    out = copy.deepcopy(dict(base))
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out

@@ -1,13 +1,14 @@
 """Sweeps: many named runs over one base config, each job run once per distinct setting.
 
     from distlm.sweep import plan_sweep
-    plan = plan_sweep(cfg)            # None when cfg has no `sweep` section
+    plan = plan_sweep(settings)       # None when the settings have no `sweep` section
     plan.runs["lr-0.001"].variants    # {"prepare_data": "3fa2c1d09b7e", "train": ..., ...}
 
 A run is a partial config merged over the base config (`sweep.runs`), or one point of the grid
-shorthand (`sweep.grid`: dotted key -> list of values, crossed). Every merged run config goes
-through `distlm.config.validate_config`, the base config's validation, and an error names the
-run and the key, before any job starts.
+shorthand (`sweep.grid`: dotted key -> list of values, crossed). The sweep is the validated
+settings' `sweep` section (distlm.settings.sweep.SweepSettings); every run's override goes
+through `distlm.settings.validate.with_override`, the base config's validation, and an error
+names the run and the key, before any job starts.
 
 Sharing is derived from the stage declarations (`distlm.stages`), never per key: a job's *variant*
 is the sha256 of its job name, the config keys its stage reads (`STAGES[stage].keys`, for that
@@ -38,15 +39,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from distlm.config import ConfigError, deep_merge
+from distlm.config import ConfigError
 from distlm.documents import Document
 from distlm.io import digest
 from distlm.settings.root import Settings
 from distlm.settings.stage import stage_params
 from distlm.settings.sweep import DOTTED_PATTERN, NAME_MAX, NAME_PATTERN, SweepSettings
-from distlm.settings.validate import validate
+from distlm.settings.validate import deep_merge, validate, with_override
 from distlm.stages import JOBS, RESULTS, job_output
 
 VARIANTS = f"{RESULTS}/variants"  # one folder per job variant: results/variants/<variant>/...
@@ -120,26 +121,18 @@ def grid_name(keys: list[str], point: tuple) -> str:
     return "_".join(parts)
 
 
-def expand_runs(section: Mapping[str, Any]) -> dict[str, dict]:
+def expand_runs(sweep: SweepSettings) -> dict[str, dict]:
     """The `sweep` section -> run name -> nested override, grid points after named runs."""
-    try:
-        s = SweepSettings.model_validate(section)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in ("sweep", *err["loc"]))
-        raise SweepError(f"{where}: {err['msg']}") from None
     runs: dict[str, dict] = {}
-    for name, override in s.runs.items():
+    for name, override in sweep.runs.items():
         check_name(name, f"sweep.runs.{name}")
         runs[name] = nested(override, f"sweep.runs.{name}")
-    if s.grid:
-        keys = list(s.grid)
+    if sweep.grid:
+        keys = list(sweep.grid)
         for key in keys:
             if not _DOTTED.fullmatch(key):
                 raise SweepError(f"sweep.grid: {key!r} is not a dotted config key")
-            if not s.grid[key]:
-                raise SweepError(f"sweep.grid.{key}: give at least one value")
-        for point in itertools.product(*(s.grid[k] for k in keys)):
+        for point in itertools.product(*(sweep.grid[k] for k in keys)):
             name = grid_name(keys, point)
             where = f"sweep.grid ({', '.join(f'{k}={v!r}' for k, v in zip(keys, point))})"
             check_name(name, where)
@@ -184,13 +177,17 @@ def output_path(job: str, output: str, variant: str | None) -> str:
 
 @dataclass(frozen=True)
 class Run:
-    """One run of a sweep: its override, its validated merged config, its variant of each job."""
+    """One run of a sweep: its override, its typed settings, its variant of each job."""
 
     name: str
     override: dict
-    config: dict
-    settings: Settings
+    settings: Settings  # the base config's with the override merged over it, validated
     variants: dict[str, str]  # job (distlm.stages.JOBS) -> variant
+
+    @property
+    def config(self) -> dict:
+        """The run's whole config as a mapping (defaults filled in, the config's key order)."""
+        return self.settings.model_dump(exclude={"sweep"})
 
 
 class Wildcards(Protocol):
@@ -277,37 +274,30 @@ def job_variants(settings: Settings) -> dict[str, str]:
     return out
 
 
-def plan_runs(
-    cfg: Mapping[str, Any], settings: Settings, *, source: str = "config"
-) -> Single | Plan:
-    """The runs of validated config `cfg` (typed: `settings`): a Plan with a `sweep` section, else
-    the one run; SweepError or ConfigError (naming the run and the key) when a run is malformed."""
-    plan = plan_sweep(cfg, source=source, settings=settings)
+def plan_runs(settings: Settings) -> Single | Plan:
+    """The runs of validated `settings`: a Plan with a `sweep` section, else the one run;
+    SweepError or ConfigError (naming the run and the key) when a run is malformed."""
+    plan = plan_sweep(settings)
     return Single(settings) if plan is None else plan
 
 
-def plan_sweep(
-    cfg: Mapping[str, Any], *, source: str = "config", settings: Settings | None = None
-) -> Plan | None:
-    """The sweep of validated config `cfg`, or None without a `sweep` section; SweepError or
-    ConfigError (naming the run and the key) when a run is malformed."""
-    if not cfg.get("sweep"):
-        if "sweep" in cfg:
-            raise SweepError(f"{source}: sweep: no runs (give sweep.runs or sweep.grid)")
+def plan_sweep(config: Settings | Mapping[str, Any], *, source: str = "config") -> Plan | None:
+    """The sweep of `config` (typed settings, or a config mapping validated here), or None
+    without a `sweep` section; SweepError or ConfigError (naming the run and the key) when a run
+    is malformed."""
+    settings = config if isinstance(config, Settings) else validate(config, source=source)[1]
+    if settings.sweep is None:
         return None
-    if settings is None:
-        settings = validate(cfg, source=source)[1]
-    base = {k: v for k, v in cfg.items() if k != "sweep"}
     runs: dict[str, Run] = {}
-    for name, override in expand_runs(cfg["sweep"]).items():
+    for name, override in expand_runs(settings.sweep).items():
         bad = [k for k in WHOLE_SWEEP if k in override]
         if bad:
             raise SweepError(
                 f"sweep run {name!r}: {bad[0]}: not a per-run setting (set it in the base config; "
                 "a sweep has one report, and serve is not a job of a sweep)"
             )
-        merged, typed = validate(deep_merge(base, override), source=f"sweep run {name!r}")
-        runs[name] = Run(name, override, merged, typed, job_variants(typed))
+        typed = with_override(settings, override, source=f"sweep run {name!r}")
+        runs[name] = Run(name, override, typed, job_variants(typed))
     shared: dict[str, dict[str, list[str]]] = {job: {} for job in SWEEP_JOBS}
     for run in runs.values():
         for job, v in run.variants.items():

@@ -30,7 +30,7 @@ from distlm.sweep import VARIANT_PATTERN, plan_runs, variant_path
 # the report; it is no second gate.
 try:
     _validated, S = validate(config, source="config")
-    PLAN = plan_runs(_validated, S, source="config")
+    PLAN = plan_runs(S)
 except ConfigError as e:
     raise WorkflowError(str(e))
 config.clear()

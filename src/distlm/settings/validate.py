@@ -116,6 +116,25 @@ def explain(e: ValidationError) -> list[str]:
     return lines
 
 
+def deep_merge(base: Mapping, over: Mapping) -> dict:
+    """`over` merged into a copy of `base`, section by section (a non-mapping value replaces)."""
+    out = copy.deepcopy(dict(base))
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def with_override(settings: Settings, override: Mapping[str, Any], *, source: str) -> Settings:
+    """`settings` with `override` (a partial config in nested sections: a sweep run's) merged over
+    it, through the one validation: the typed settings of that run, or ConfigError naming
+    `source` and the key. The result has no sweep of its own."""
+    base = settings.model_dump(exclude={"sweep"})  # the validated mapping, in the config's order
+    return validate(deep_merge(base, override), source=source)[1]
+
+
 def validate(config: Mapping | None, *, source: str = "config") -> tuple[dict, Settings]:
     """(the config with defaults filled in, its Settings), or ConfigError naming every bad key."""
     cfg = copy.deepcopy(dict(config or {}))
