@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from distlm import DistlmError, launch
+from distlm.documents import STOP_NOTICE_ENV, StopNotice
+from distlm.launch import requeue, slurm, srun
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -41,14 +43,14 @@ class FakeRun:
 
 
 def test_parse_job_reads_fields_and_ignores_spaced_values():
-    f = launch.parse_job(SCONTROL_JOB)
+    f = slurm.parse_job(SCONTROL_JOB)
     assert f["NodeList"] == "node[1-2]" and f["CPUs/Task"] == "2" and f["NumNodes"] == "2"
     assert f["BatchHost"] == "node1"
 
 
 def test_read_allocation_expands_hostnames():
     run = FakeRun()
-    alloc = launch.read_allocation("42", run=run)
+    alloc = slurm.read_allocation("42", run=run)
     assert alloc.hosts == ("node1", "node2") and alloc.head == "node1"
     assert alloc.cpus_per_task == 2 and alloc.restarts == 2
     assert run.calls[1] == ["scontrol", "show", "hostnames", "node[1-2]"]
@@ -56,14 +58,14 @@ def test_read_allocation_expands_hostnames():
 
 def test_read_allocation_errors_name_the_command():
     with pytest.raises(DistlmError, match="scontrol show job -o 42.*no such job"):
-        launch.read_allocation("42", run=FakeRun(rc=1))
+        slurm.read_allocation("42", run=FakeRun(rc=1))
     with pytest.raises(DistlmError, match="job 42 has no NodeList"):
-        launch.read_allocation("42", run=FakeRun(job_text="JobId=42 NodeList=(null)"))
+        slurm.read_allocation("42", run=FakeRun(job_text="JobId=42 NodeList=(null)"))
 
 
 def test_srun_command_one_task_per_node_with_c10d_on_head():
-    alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
-    cmd = launch.srun_command(
+    alloc = slurm.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
+    cmd = srun.srun_command(
         alloc, ["--nproc-per-node=4", "train.py", "--x", "1"], port=29400, python="py"
     )
     assert cmd[:8] == [
@@ -73,22 +75,22 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
         "--ntasks-per-node=1",
         "--cpus-per-task=2",
         "--kill-on-bad-exit=1",
-        f"--wait={launch.STRAGGLER_WAIT_S}",
+        f"--wait={srun.STRAGGLER_WAIT_S}",
         "--job-name=distlm-allocation-1",
     ]
     assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
-    assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in cmd
+    assert f"--rdzv-conf=join_timeout={srun.DEFAULT_JOIN_TIMEOUT_S}" in cmd
     assert cmd[cmd.index("--") + 1 :] == ["--nproc-per-node=4", "train.py", "--x", "1"]
-    given = launch.srun_command(alloc, ["--rdzv-conf=join_timeout=5", "t.py"], port=1, python="py")
+    given = srun.srun_command(alloc, ["--rdzv-conf=join_timeout=5", "t.py"], port=1, python="py")
     assert not any(a.startswith("--rdzv-conf=join_timeout=300") for a in given)
-    script_arg = launch.srun_command(alloc, ["t.py", "--rdzv-conf=x"], port=1, python="py")
-    assert f"--rdzv-conf=join_timeout={launch.DEFAULT_JOIN_TIMEOUT_S}" in script_arg
+    script_arg = srun.srun_command(alloc, ["t.py", "--rdzv-conf=x"], port=1, python="py")
+    assert f"--rdzv-conf=join_timeout={srun.DEFAULT_JOIN_TIMEOUT_S}" in script_arg
 
 
 def test_node_command_takes_nodes_from_srun_task_env():
     argv = ["--rdzv-endpoint=node1:1", "--rdzv-id=42", "--", "--nproc-per-node=2", "t.py"]
     env = {"SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURMD_NODENAME": "node2"}
-    cmd = launch.node_command(argv, env, python="py")
+    cmd = srun.node_command(argv, env, python="py")
     assert cmd == [
         "py",
         "-m",
@@ -102,7 +104,7 @@ def test_node_command_takes_nodes_from_srun_task_env():
         "t.py",
     ]
     with pytest.raises(DistlmError, match="SLURM_NNODES not set"):
-        launch.node_command(argv, {}, python="py")
+        srun.node_command(argv, {}, python="py")
 
 
 def test_only_the_rendezvous_head_hosts_the_store():
@@ -111,7 +113,7 @@ def test_only_the_rendezvous_head_hosts_the_store():
     own = ["--rdzv-endpoint=node1:29400", "--rdzv-id=7", "--rdzv-conf=join_timeout=300", "--"]
 
     def conf(argv, node):
-        cmd = launch.node_command(argv, {"SLURM_NNODES": "2", "SLURMD_NODENAME": node}, python="p")
+        cmd = srun.node_command(argv, {"SLURM_NNODES": "2", "SLURMD_NODENAME": node}, python="p")
         cmd = cmd[: cmd.index("t.py")]  # torchrun's options, not the script's
         return [a for a in cmd if "rdzv-conf" in a or "is_host" in a]
 
@@ -122,22 +124,22 @@ def test_only_the_rendezvous_head_hosts_the_store():
     given = ["--rdzv-endpoint=node1:1", "--", "--rdzv-conf", "read_timeout=9", "t.py"]
     assert conf(given, "node2") == ["--rdzv-conf", "read_timeout=9,is_host=false"]
     with pytest.raises(DistlmError, match="sets is_host, which the launcher decides"):
-        launch.node_command(
+        srun.node_command(
             ["--rdzv-endpoint=node1:1", "--", "--rdzv-conf=is_host=1", "t.py"],
             {"SLURM_NNODES": "2", "SLURMD_NODENAME": "node2"},
         )
     with pytest.raises(DistlmError, match="--rdzv-conf needs a value"):
-        launch.node_command(["--rdzv-endpoint=node1:1", "--", "--rdzv-conf"], {"SLURM_NNODES": "2"})
+        srun.node_command(["--rdzv-endpoint=node1:1", "--", "--rdzv-conf"], {"SLURM_NNODES": "2"})
 
 
 def test_spread_procs_divides_the_total_over_nodes():
-    assert [launch.spread(3, 2, i) for i in range(2)] == [2, 1]
-    assert [launch.spread(8, 4, i) for i in range(4)] == [2, 2, 2, 2]
+    assert [srun.spread(3, 2, i) for i in range(2)] == [2, 1]
+    assert [srun.spread(8, 4, i) for i in range(4)] == [2, 2, 2, 2]
     with pytest.raises(DistlmError, match="3 processes cannot cover 4 nodes"):
-        launch.spread(3, 4, 0)
+        srun.spread(3, 4, 0)
     argv = ["--spread-procs", "--rdzv-id=1", "--", "--nproc-per-node", "3", "t.py", "--n", "9"]
     env = {"SLURM_NNODES": "2", "SLURM_NODEID": "1"}
-    cmd = launch.node_command(argv, env, python="py")
+    cmd = srun.node_command(argv, env, python="py")
     assert cmd[3:] == [
         "--nnodes=2",
         "--rdzv-backend=c10d",
@@ -147,23 +149,23 @@ def test_spread_procs_divides_the_total_over_nodes():
         "--n",
         "9",
     ]
-    alloc = launch.Allocation(job_id="7", hosts=("a", "b", "c"), cpus_per_task=1)
-    assert "--spread-procs" in launch.srun_command(
+    alloc = slurm.Allocation(job_id="7", hosts=("a", "b", "c"), cpus_per_task=1)
+    assert "--spread-procs" in srun.srun_command(
         alloc, ["--nproc-per-node=3", "t.py"], port=1, spread_procs=True
     )
     with pytest.raises(DistlmError, match="2 processes cannot cover 3 nodes"):
-        launch.srun_command(alloc, ["--nproc-per-node=2", "t.py"], port=1, spread_procs=True)
+        srun.srun_command(alloc, ["--nproc-per-node=2", "t.py"], port=1, spread_procs=True)
     with pytest.raises(DistlmError, match="no --nproc-per-node"):
-        launch.srun_command(alloc, ["t.py"], port=1, spread_procs=True)
+        srun.srun_command(alloc, ["t.py"], port=1, spread_procs=True)
 
 
 def test_node_env_gives_each_rank_its_share_of_the_task_cpus():
     cmd = ["py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "t.py"]
     quiet = {"LOGLEVEL": "WARNING"}  # the caller's choice of torchrun's agent log level stands
-    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", **quiet}) == {"OMP_NUM_THREADS": "4"}
-    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "1", **quiet}) == {"OMP_NUM_THREADS": "1"}
-    assert launch.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", "OMP_NUM_THREADS": "3", **quiet}) == {}
-    assert launch.node_env(cmd, {}) == {"LOGLEVEL": "INFO"}
+    assert srun.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", **quiet}) == {"OMP_NUM_THREADS": "4"}
+    assert srun.node_env(cmd, {"SLURM_CPUS_PER_TASK": "1", **quiet}) == {"OMP_NUM_THREADS": "1"}
+    assert srun.node_env(cmd, {"SLURM_CPUS_PER_TASK": "8", "OMP_NUM_THREADS": "3", **quiet}) == {}
+    assert srun.node_env(cmd, {}) == {"LOGLEVEL": "INFO"}
 
 
 @pytest.mark.parametrize(
@@ -171,19 +173,19 @@ def test_node_env_gives_each_rank_its_share_of_the_task_cpus():
 )
 def test_launcher_owned_torchrun_options_are_refused(arg):
     with pytest.raises(DistlmError, match=f"torchrun option {arg.split('=')[0]} is set by"):
-        launch.check_torchrun_args([arg, "--nproc-per-node=2", "t.py"])
+        srun.check_torchrun_args([arg, "--nproc-per-node=2", "t.py"])
 
 
 def test_script_args_after_the_script_are_not_checked():
-    launch.check_torchrun_args(["--nproc-per-node=2", "t.py", "--nnodes=7"])
+    srun.check_torchrun_args(["--nproc-per-node=2", "t.py", "--nnodes=7"])
     with pytest.raises(DistlmError, match="no script.py given"):
-        launch.check_torchrun_args(["--nproc-per-node=2"])
+        srun.check_torchrun_args(["--nproc-per-node=2"])
 
 
 def test_rendezvous_port_free_on_head_and_from_job_id_elsewhere():
-    alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=1)
-    assert launch.rendezvous_port(alloc, "node2") == (20042, None)
-    port, holder = launch.rendezvous_port(alloc, "node1")
+    alloc = slurm.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=1)
+    assert srun.rendezvous_port(alloc, "node2") == (20042, None)
+    port, holder = srun.rendezvous_port(alloc, "node1")
     with holder:  # held: a plain bind cannot take it, the store's (SO_REUSEADDR) listen can
         assert holder.getsockname()[1] == port
         with socket.socket() as other, pytest.raises(OSError):
@@ -282,19 +284,19 @@ def test_launcher_options_and_the_time_limit_warning(monkeypatch):
         launch._launcher_options(["--signal-before=9", "--max-requeues=-1", "t.py"])
     with pytest.raises(DistlmError, match="--max-requeues needs --signal-before"):
         launch._launcher_options(["--max-requeues=3", "t.py"])
-    assert launch.parse_end_time("Unknown") is None
-    end = launch.parse_end_time("2026-11-22T19:30:00")
+    assert slurm.parse_end_time("Unknown") is None
+    end = slurm.parse_end_time("2026-11-22T19:30:00")
     assert end is not None and time.localtime(end).tm_hour == 19
     # 0.5 s before a limit 1 s away: scancel --signal=USR1 for the job, once, after ~0.5 s
     calls = []
-    monkeypatch.setattr(launch, "_scontrol", lambda *a, **k: "JobId=9 EndTime=Unknown")
+    monkeypatch.setattr(slurm, "scontrol", lambda *a, **k: "JobId=9 EndTime=Unknown")
     monkeypatch.setattr(
-        launch.subprocess,
+        slurm.subprocess,
         "run",
         lambda cmd, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0),
     )
-    alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, end_time=time.time() + 1)
-    warning = launch.LimitWarning(alloc, 0.5)
+    alloc = slurm.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, end_time=time.time() + 1)
+    warning = slurm.LimitWarning(alloc, 0.5)
     t0 = time.monotonic()
     warning.start()
     warning._thread.join(timeout=5)
@@ -302,20 +304,22 @@ def test_launcher_options_and_the_time_limit_warning(monkeypatch):
     assert warning.sent.is_set()
 
 
-def _notice(*signals: str, step: int = 700) -> launch.StopNotice:
-    return launch.StopNotice(
+def _notice(*signals: str, step: int = 700) -> StopNotice:
+    return StopNotice(
         step=step, max_steps=4000, signals=list(signals), checkpoint_run="r", slurm_job="9"
     )
 
 
 def test_only_a_time_limit_stop_at_a_checkpoint_is_requeued_within_the_bound():
-    alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=1)
+    alloc = slurm.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=1)
     opts = launch.LauncherOptions(signal_before=30.0, max_requeues=3)
 
     usr1 = _notice("SIGUSR1")
 
     def decide(rc=1, warned=True, notice=usr1, alloc=alloc, opts=opts):
-        return launch.requeue_decision(alloc, opts, rc=rc, warned=warned, notice=notice)
+        return requeue.requeue_decision(
+            alloc, opts.max_requeues, rc=rc, warned=warned, notice=notice
+        )
 
     yes, why = decide()
     assert yes and "requeueing job 9 (requeue 2 of at most 3)" in why and "step 700" in why
@@ -327,7 +331,7 @@ def test_only_a_time_limit_stop_at_a_checkpoint_is_requeued_within_the_bound():
     assert not decide(notice=_notice("SIGTERM"))[0]
     assert not decide(notice=_notice("SIGUSR1", "SIGTERM"), warned=False)[0]
     # the bound, and requeueing off
-    last = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=3)
+    last = slurm.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=3)
     no, why = decide(alloc=last)
     assert not no and "after 3 requeues of job 9: --max-requeues=3 reached" in why
     assert not decide(opts=launch.LauncherOptions(signal_before=30.0))[0]
@@ -337,32 +341,32 @@ def test_the_stop_notice_is_read_once_and_refused_when_malformed(tmp_path, monke
     from distlm.documents import DocumentError
     from distlm.train.stopping import write_stop_notice
 
-    alloc = launch.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=2)
-    path = launch.notice_path(alloc, tmp_path)
+    alloc = slurm.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=2)
+    path = requeue.notice_path(alloc, tmp_path)
     assert path == tmp_path / ".distlm-launch-job-9-allocation-3.stop.json"
-    assert launch._read_notice(path) is None
+    assert requeue.read_notice(path) is None
     assert write_stop_notice(_notice("SIGUSR1"), {}) is None  # no launcher asked
-    assert write_stop_notice(_notice("SIGUSR1"), {launch.STOP_NOTICE_ENV: str(path)}) == path
-    assert launch._read_notice(path) == _notice("SIGUSR1") and not path.exists()
+    assert write_stop_notice(_notice("SIGUSR1"), {STOP_NOTICE_ENV: str(path)}) == path
+    assert requeue.read_notice(path) == _notice("SIGUSR1") and not path.exists()
     assert list(tmp_path.iterdir()) == []
     path.write_text("{}")
     with pytest.raises(DocumentError, match="stop.json: no format tag"):
-        launch._read_notice(path)
+        requeue.read_notice(path)
 
 
 def test_module_mode_passes_through_to_every_node():
     """The rules start their stage as a module (`torchrun ... -m distlm.entry.train`): the
     launcher checks torchrun's options before `-m` and hands the module and its args on."""
-    alloc = launch.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
+    alloc = slurm.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
     args = ["--nproc-per-node=2", "--max-restarts=0", "-m", "distlm.entry.train", "--config", "c"]
-    launch.check_torchrun_args(args)
-    cmd = launch.srun_command(alloc, args, port=1, python="py")
+    srun.check_torchrun_args(args)
+    cmd = srun.srun_command(alloc, args, port=1, python="py")
     assert cmd[cmd.index("--") + 1 :] == args
-    node = launch.node_command(
+    node = srun.node_command(
         cmd[cmd.index("torchrun-node") + 1 :],
         {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURMD_NODENAME": "node2"},
         python="py",
     )
     assert node[-len(args) :] == args and node[:3] == ["py", "-m", "torch.distributed.run"]
     with pytest.raises(DistlmError, match="--nnodes"):
-        launch.check_torchrun_args(["--nnodes=2", "-m", "distlm.entry.train"])
+        srun.check_torchrun_args(["--nnodes=2", "-m", "distlm.entry.train"])
