@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "configs" / "tiny.yaml"
+SLURM_CONFIG = ROOT / "tests" / "harness" / "slurm-config.yaml"
 
 
 def snakemake_cmd(
@@ -89,7 +90,7 @@ def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 1
 
 
 # Fixtures that run the whole workflow or a cluster: a test that uses one is slow by definition.
-_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "runs"}  # runs: gloo ranks
+_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "slurm_built", "runs"}  # runs: gloo ranks
 
 
 def pytest_collection_modifyitems(config, items):
@@ -120,6 +121,56 @@ def copy_workflow(src: Path, dest: Path, *, without: tuple[str, ...] = ()) -> Pa
     for rel in without:
         shutil.rmtree(dest / rel)
     return dest
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """The local SLURM cluster (tests/harness/slurm_cluster.py), one per test session: its own
+    state in this session's tmp folder, names and subnet, stopped at the end (slurmstepd and a
+    job's tasks included). DISTLM_SLURM_STATE names a cluster to use instead (started when it is
+    not up, and then stopped at the end; left running when it was up)."""
+    from harness import slurm_cluster as sc
+
+    why = sc.missing_requirements()
+    if why:
+        pytest.skip(why)
+    if os.environ.get("DISTLM_SLURM_STATE"):
+        c = sc.default_cluster()
+        was_up = sc.running(c)
+    else:
+        c, was_up = sc.session_cluster(tmp_path_factory.mktemp("slurm")), False
+    sc.up(c)
+    yield c
+    if not was_up:
+        sc.down(c)
+
+
+@pytest.fixture(scope="session")
+def profile(cluster, tmp_path_factory) -> Path:
+    """The test cluster's Snakemake profile (tests/harness/profile.py)."""
+    from harness.profile import write_test_profile
+
+    return write_test_profile(tmp_path_factory.mktemp("slurm-profile"))
+
+
+@pytest.fixture(scope="session")
+def slurm_built(tmp_path_factory) -> Path:
+    """A work dir whose data and base model exist for the SLURM layout (tiny.yaml and
+    tests/harness/slurm-config.yaml), built once with the local profile: the files and
+    Snakemake's records are the same whichever profile ran them, and no train setting changes
+    them. The SLURM training tests train in copies (tests/slurm_training.py: prepared)."""
+    wd = tmp_path_factory.mktemp("slurm-built") / "built"
+    wd.mkdir()
+    run_snakemake(
+        wd,
+        "results/model/base",
+        "results/data/tokens.h5",
+        "--configfile",
+        str(TINY),
+        str(SLURM_CONFIG),
+        configfile=None,
+    )
+    return wd
 
 
 def pytest_configure(config):

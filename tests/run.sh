@@ -2,8 +2,8 @@
 # The test command (README "Set-up: two commands"): installs the Debian packages that the system-level tests need
 # when run as root (network namespaces, a local SLURM cluster, headless Chromium), runs the linters
 # (ruff check, ruff format --check, snakefmt --check, snakemake --lint), the type checker (pyright)
-# and the import layers (lint-imports), both configured in pyproject.toml, then pytest; it fails
-# when either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
+# and the import layers (lint-imports), both configured in pyproject.toml, then pytest (the SLURM
+# tests in a second pytest beside the others, see below); it fails when either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
 # development loop is `python -m pytest -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,8 +41,36 @@ python -m pyright || lint_failed=1
 lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in pyproject.toml)
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2
 
+# The SLURM tests (marker slurm) mostly wait on the local cluster's scheduler and its time limits:
+# they run in a second pytest beside the others, whose summary is printed after theirs. With a
+# -m of the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
 status=0
-python -m pytest "$@" || status=$?
+if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m\|-m.*\|--markexpr.*'; then
+  python -m pytest "$@" || status=$?
+else
+  slurm_log=$(mktemp)
+  python -m pytest -m slurm -o cache_dir=.pytest_cache/slurm "$@" >"$slurm_log" 2>&1 &
+  slurm_pid=$!
+  trap 'kill -INT "$slurm_pid" 2>/dev/null; wait "$slurm_pid"; rm -f "$slurm_log"' INT TERM
+  rest=0
+  python -m pytest -m "not slurm" "$@" || rest=$?
+  slurm=0
+  wait "$slurm_pid" || slurm=$?
+  trap - INT TERM
+  echo
+  echo "tests/run.sh: the SLURM tests (pytest -m slurm, run beside the others):"
+  cat "$slurm_log"
+  rm -f "$slurm_log"
+  # 5: no test collected, as when the arguments select none of one half
+  if [ "$rest" = 5 ] && [ "$slurm" = 5 ]; then
+    status=5
+  elif [ "$rest" != 0 ] && [ "$rest" != 5 ]; then
+    status=$rest
+  elif [ "$slurm" != 0 ] && [ "$slurm" != 5 ]; then
+    status=$slurm
+  fi
+  echo "tests/run.sh: pytest -m 'not slurm' exit $rest, pytest -m slurm exit $slurm"
+fi
 if [ "$lint_failed" != 0 ]; then
   echo "tests/run.sh: lint failed" >&2
   [ "$status" != 0 ] || status=1
