@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -105,9 +106,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory) -> Path:
     """The whole tiny workflow, run once per test session; returns its working directory. Tests
-    read it; a test that runs jobs or edits files works on a copy (copy_workflow)."""
-    wd = tmp_path_factory.mktemp("workflow")
-    run_snakemake(wd)
+    read it; a test that runs jobs or edits files works on a copy (copy_workflow).
+
+    DISTLM_TESTS_WORKFLOW names a folder that the pytest sessions of one tests/run.sh share: the
+    first to need the workflow runs it there (the others wait on the folder's lock), the others
+    use it."""
+    shared = os.environ.get("DISTLM_TESTS_WORKFLOW")
+    if not shared:
+        wd = tmp_path_factory.mktemp("workflow")
+        run_snakemake(wd)
+        return wd
+    root = Path(shared)
+    wd, done = root / "workflow", root / "workflow.done"
+    with open(root / "workflow.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(wd, ignore_errors=True)  # what a session that failed in it left
+            wd.mkdir()
+            run_snakemake(wd)
+            done.touch()
     return wd
 
 
@@ -174,7 +191,12 @@ def slurm_built(tmp_path_factory) -> Path:
 
 
 def pytest_configure(config):
-    """The slowest tests are listed at the end of every run (CI's time budget is read from it)."""
+    """The slowest tests are listed at the end of every run (CI's time budget is read from it).
+    slurm_requeue: the requeue tests, which tests/run.sh runs in a pytest of their own beside the
+    other SLURM tests (each session has a cluster of its own)."""
+    config.addinivalue_line(
+        "markers", "slurm_requeue: SLURM requeue tests (tests/run.sh runs them on their own)"
+    )
     if config.option.durations is None:
         config.option.durations = 30
 

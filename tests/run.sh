@@ -41,35 +41,54 @@ python -m pyright || lint_failed=1
 lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in pyproject.toml)
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2
 
-# The SLURM tests (marker slurm) mostly wait on the local cluster's scheduler and its time limits:
-# they run in a second pytest beside the others, whose summary is printed after theirs. With a
-# -m of the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
+# The SLURM tests mostly wait on the local cluster's scheduler and its time limits: they run in two
+# more pytest sessions beside the others (the requeue tests, marker slurm_requeue, in one; the
+# other SLURM tests in the other), each with a SLURM cluster of its own; their output follows the
+# others'. The sessions share one run of the tiny workflow (DISTLM_TESTS_WORKFLOW). With a -m of
+# the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
 status=0
-if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m\|-m.*\|--markexpr.*'; then
+if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m.*\|--markexpr.*'; then
   python -m pytest "$@" || status=$?
 else
-  slurm_log=$(mktemp)
-  python -m pytest -m slurm -o cache_dir=.pytest_cache/slurm "$@" >"$slurm_log" 2>&1 &
-  slurm_pid=$!
-  trap 'kill -INT "$slurm_pid" 2>/dev/null; wait "$slurm_pid"; rm -f "$slurm_log"' INT TERM
-  rest=0
-  python -m pytest -m "not slurm" "$@" || rest=$?
-  slurm=0
-  wait "$slurm_pid" || slurm=$?
+  scratch=$(mktemp -d)
+  export DISTLM_TESTS_WORKFLOW="$scratch"
+  names=(rest slurm requeue)
+  marks=("not slurm" "slurm and not slurm_requeue" "slurm_requeue")
+  pids=()
+  python -m pytest -m "${marks[0]}" "$@" &
+  pids+=($!)
+  for i in 1 2; do
+    python -m pytest -m "${marks[$i]}" -o "cache_dir=.pytest_cache/${names[$i]}" "$@" \
+      >"$scratch/${names[$i]}.log" 2>&1 &
+    pids+=($!)
+  done
+  show() {
+    for i in 1 2; do
+      echo
+      echo "tests/run.sh: pytest -m '${marks[$i]}' (run beside the others):"
+      cat "$scratch/${names[$i]}.log"
+    done
+  }
+  trap 'kill -INT "${pids[@]}" 2>/dev/null; wait "${pids[@]}"; show; rm -rf "$scratch"; exit 130' INT TERM
+  codes=()
+  for pid in "${pids[@]}"; do
+    rc=0
+    wait "$pid" || rc=$?
+    codes+=("$rc")
+  done
   trap - INT TERM
-  echo
-  echo "tests/run.sh: the SLURM tests (pytest -m slurm, run beside the others):"
-  cat "$slurm_log"
-  rm -f "$slurm_log"
-  # 5: no test collected, as when the arguments select none of one half
-  if [ "$rest" = 5 ] && [ "$slurm" = 5 ]; then
-    status=5
-  elif [ "$rest" != 0 ] && [ "$rest" != 5 ]; then
-    status=$rest
-  elif [ "$slurm" != 0 ] && [ "$slurm" != 5 ]; then
-    status=$slurm
-  fi
-  echo "tests/run.sh: pytest -m 'not slurm' exit $rest, pytest -m slurm exit $slurm"
+  show
+  rm -rf "$scratch"
+  # 5: no test collected, as when the arguments select none of a session's tests
+  status=5
+  for rc in "${codes[@]}"; do
+    if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then
+      status=$rc
+      break
+    fi
+    [ "$rc" = 5 ] || status=0
+  done
+  echo "tests/run.sh: exit codes: ${names[0]} ${codes[0]}, ${names[1]} ${codes[1]}, ${names[2]} ${codes[2]}"
 fi
 if [ "$lint_failed" != 0 ]; then
   echo "tests/run.sh: lint failed" >&2

@@ -37,7 +37,7 @@ from test_slurm import job_fields, sh, submissions
 from distlm.model import read_meta
 from distlm.train import checkpoint as ck
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slurm_requeue]
 # One allocation (1 minute, warned 35 s before its end, ~10 s of it starting the ranks) trains
 # ~15 s: 450-1300 steps at the 30-80 steps/s measured here, so 1500 steps take 2 to 4 allocations
 # (--max-requeues=8 below leaves room for a slower or busier machine: tests/run.sh runs the SLURM
