@@ -69,7 +69,17 @@ else
       cat "$scratch/${names[$i]}.log"
     done
   }
-  trap 'kill -INT "${pids[@]}" 2>/dev/null; wait "${pids[@]}"; show; rm -rf "$scratch"; exit 130' INT TERM
+  # Ctrl-C reaches every session (one process group); a TERM is passed on as an interrupt, so
+  # each session stops its servers and its cluster before it exits
+  stop() {
+    [ "$1" = INT ] || kill -INT "${pids[@]}" 2>/dev/null
+    wait "${pids[@]}"
+    show
+    rm -rf "$scratch"
+    exit 130
+  }
+  trap 'stop INT' INT
+  trap 'stop TERM' TERM
   codes=()
   for pid in "${pids[@]}"; do
     rc=0
