@@ -1,16 +1,29 @@
 """What the SLURM training tests (tests/test_slurm_durable.py, tests/test_slurm_requeue.py) share:
-the target, the long-training overlay, the test profile with rule train's resources changed, and a
-work dir copied from the session's built one (tests/conftest.py: slurm_built)."""
+the target, the paced environment, the long-training overlay, the test profile with rule train's
+resources changed, and a work dir copied from the session's built one (tests/conftest.py:
+slurm_built)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import yaml
 from conftest import SLURM_CONFIG, TINY
+from harness.faults import paced_env
 
 TARGET = "results/train/final"
+# Each training step takes at least STEP_S seconds (tests/harness/faults.py: paced_env): at most
+# 10 steps a second whatever the machine, so an allocation's 15-25 s of training holds at most
+# ~250 steps, and the ranks, idle most of the time, leave the CPU to the tests beside them.
+STEP_S = 0.1
+
+
+def slurm_env(cluster) -> dict[str, str]:
+    """The environment of a command of the SLURM training tests: the cluster's client settings,
+    training paced at STEP_S."""
+    return paced_env({**os.environ, **cluster.env()}, STEP_S)
 
 
 def long_training(steps: int) -> dict:

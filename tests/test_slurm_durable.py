@@ -20,15 +20,18 @@ from pathlib import Path
 
 import pytest
 from conftest import snakemake_cmd
-from slurm_training import TARGET, long_training, prepared, profile_with
+from slurm_training import TARGET, long_training, prepared, profile_with, slurm_env
 from test_slurm import sh, submissions
 
 from distlm.model import read_meta
 from distlm.train import checkpoint as ck
 
 pytestmark = pytest.mark.slurm
-# Long enough that the first attempt is still training when its limit's warning comes.
-STEPS = 3000
+# Paced at 10 steps/s at most (slurm_training.STEP_S): 60 s of training or more, so the first
+# attempt is still training when its limit's warning comes (~20 s in), and the killed Snakemake's
+# job when the second command's job starts; below ckpt_every (1000): every checkpoint before the
+# end is a stop's.
+STEPS = 600
 LONG = long_training(STEPS)
 
 
@@ -72,7 +75,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
     cluster, profile, slurm_built, tmp_path
 ):
     wd, configs = _prepared(slurm_built, tmp_path)
-    env = cluster.env()
+    env = slurm_env(cluster)
     # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
     # (no --max-requeues: requeueing off, so the job ends; tests/test_slurm_requeue.py has it on)
     limited_profile = profile_with(
@@ -83,7 +86,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
     )
     limited = subprocess.run(
         snakemake_cmd(wd, TARGET, configfiles=configs, profile=limited_profile),
-        env={**os.environ, **env},
+        env=env,
         capture_output=True,
         timeout=600,
     )
@@ -96,7 +99,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
     # 2. the rerun resumes from that step; an scancel of it (SIGTERM) checkpoints likewise
     proc = subprocess.Popen(
         snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile),
-        env={**os.environ, **env},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -122,7 +125,7 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
 @pytest.mark.timeout(900)
 def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, slurm_built, tmp_path):
     wd, configs = _prepared(slurm_built, tmp_path)
-    env = {**os.environ, **cluster.env()}
+    env = slurm_env(cluster)
     cmd = snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile)
     first = subprocess.Popen(
         cmd,
