@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "configs" / "tiny.yaml"
+SLURM_CONFIG = ROOT / "tests" / "harness" / "slurm-config.yaml"
 
 
 def snakemake_cmd(
@@ -89,7 +91,7 @@ def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 1
 
 
 # Fixtures that run the whole workflow or a cluster: a test that uses one is slow by definition.
-_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "runs"}  # runs: gloo ranks
+_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "slurm_built", "runs"}  # runs: gloo ranks
 
 
 def pytest_collection_modifyitems(config, items):
@@ -104,9 +106,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory) -> Path:
     """The whole tiny workflow, run once per test session; returns its working directory. Tests
-    read it; a test that runs jobs or edits files works on a copy (copy_workflow)."""
-    wd = tmp_path_factory.mktemp("workflow")
-    run_snakemake(wd)
+    read it; a test that runs jobs or edits files works on a copy (copy_workflow).
+
+    DISTLM_TESTS_WORKFLOW names a folder that the pytest sessions of one tests/run.sh share: the
+    first to need the workflow runs it there (the others wait on the folder's lock), the others
+    use it."""
+    shared = os.environ.get("DISTLM_TESTS_WORKFLOW")
+    if not shared:
+        wd = tmp_path_factory.mktemp("workflow")
+        run_snakemake(wd)
+        return wd
+    root = Path(shared)
+    wd, done = root / "workflow", root / "workflow.done"
+    with open(root / "workflow.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(wd, ignore_errors=True)  # what a session that failed in it left
+            wd.mkdir()
+            run_snakemake(wd)
+            done.touch()
     return wd
 
 
@@ -122,8 +140,63 @@ def copy_workflow(src: Path, dest: Path, *, without: tuple[str, ...] = ()) -> Pa
     return dest
 
 
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """The local SLURM cluster (tests/harness/slurm_cluster.py), one per test session: its own
+    state in this session's tmp folder, names and subnet, stopped at the end (slurmstepd and a
+    job's tasks included). DISTLM_SLURM_STATE names a cluster to use instead (started when it is
+    not up, and then stopped at the end; left running when it was up)."""
+    from harness import slurm_cluster as sc
+
+    why = sc.missing_requirements()
+    if why:
+        pytest.skip(why)
+    if os.environ.get("DISTLM_SLURM_STATE"):
+        c = sc.default_cluster()
+        was_up = sc.running(c)
+    else:
+        c, was_up = sc.session_cluster(tmp_path_factory.mktemp("slurm")), False
+    sc.up(c)
+    yield c
+    if not was_up:
+        sc.down(c)
+
+
+@pytest.fixture(scope="session")
+def profile(cluster, tmp_path_factory) -> Path:
+    """The test cluster's Snakemake profile (tests/harness/profile.py)."""
+    from harness.profile import write_test_profile
+
+    return write_test_profile(tmp_path_factory.mktemp("slurm-profile"))
+
+
+@pytest.fixture(scope="session")
+def slurm_built(tmp_path_factory) -> Path:
+    """A work dir whose data and base model exist for the SLURM layout (tiny.yaml and
+    tests/harness/slurm-config.yaml), built once with the local profile: the files and
+    Snakemake's records are the same whichever profile ran them, and no train setting changes
+    them. The SLURM training tests train in copies (tests/slurm_training.py: prepared)."""
+    wd = tmp_path_factory.mktemp("slurm-built") / "built"
+    wd.mkdir()
+    run_snakemake(
+        wd,
+        "results/model/base",
+        "results/data/tokens.h5",
+        "--configfile",
+        str(TINY),
+        str(SLURM_CONFIG),
+        configfile=None,
+    )
+    return wd
+
+
 def pytest_configure(config):
-    """The slowest tests are listed at the end of every run (CI's time budget is read from it)."""
+    """The slowest tests are listed at the end of every run (CI's time budget is read from it).
+    slurm_requeue: the requeue tests, which tests/run.sh runs in a pytest of their own beside the
+    other SLURM tests (each session has a cluster of its own)."""
+    config.addinivalue_line(
+        "markers", "slurm_requeue: SLURM requeue tests (tests/run.sh runs them on their own)"
+    )
     if config.option.durations is None:
         config.option.durations = 30
 

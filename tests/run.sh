@@ -2,8 +2,8 @@
 # The test command (README "Set-up: two commands"): installs the Debian packages that the system-level tests need
 # when run as root (network namespaces, a local SLURM cluster, headless Chromium), runs the linters
 # (ruff check, ruff format --check, snakefmt --check, snakemake --lint), the type checker (pyright)
-# and the import layers (lint-imports), both configured in pyproject.toml, then pytest; it fails
-# when either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
+# and the import layers (lint-imports), both configured in pyproject.toml, then pytest (the SLURM
+# tests in a second pytest beside the others, see below); it fails when either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
 # development loop is `python -m pytest -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,8 +41,65 @@ python -m pyright || lint_failed=1
 lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in pyproject.toml)
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2
 
+# The SLURM tests mostly wait on the local cluster's scheduler and its time limits: they run in two
+# more pytest sessions beside the others (the requeue tests, marker slurm_requeue, in one; the
+# other SLURM tests in the other), each with a SLURM cluster of its own; their output follows the
+# others'. The sessions share one run of the tiny workflow (DISTLM_TESTS_WORKFLOW). With a -m of
+# the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
 status=0
-python -m pytest "$@" || status=$?
+if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m.*\|--markexpr.*'; then
+  python -m pytest "$@" || status=$?
+else
+  scratch=$(mktemp -d)
+  export DISTLM_TESTS_WORKFLOW="$scratch"
+  names=(rest slurm requeue)
+  marks=("not slurm" "slurm and not slurm_requeue" "slurm_requeue")
+  pids=()
+  python -m pytest -m "${marks[0]}" "$@" &
+  pids+=($!)
+  for i in 1 2; do
+    python -m pytest -m "${marks[$i]}" -o "cache_dir=.pytest_cache/${names[$i]}" "$@" \
+      >"$scratch/${names[$i]}.log" 2>&1 &
+    pids+=($!)
+  done
+  show() {
+    for i in 1 2; do
+      echo
+      echo "tests/run.sh: pytest -m '${marks[$i]}' (run beside the others):"
+      cat "$scratch/${names[$i]}.log"
+    done
+  }
+  # Ctrl-C reaches every session (one process group); a TERM is passed on as an interrupt, so
+  # each session stops its servers and its cluster before it exits
+  stop() {
+    [ "$1" = INT ] || kill -INT "${pids[@]}" 2>/dev/null
+    wait "${pids[@]}"
+    show
+    rm -rf "$scratch"
+    exit 130
+  }
+  trap 'stop INT' INT
+  trap 'stop TERM' TERM
+  codes=()
+  for pid in "${pids[@]}"; do
+    rc=0
+    wait "$pid" || rc=$?
+    codes+=("$rc")
+  done
+  trap - INT TERM
+  show
+  rm -rf "$scratch"
+  # 5: no test collected, as when the arguments select none of a session's tests
+  status=5
+  for rc in "${codes[@]}"; do
+    if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then
+      status=$rc
+      break
+    fi
+    [ "$rc" = 5 ] || status=0
+  done
+  echo "tests/run.sh: exit codes: ${names[0]} ${codes[0]}, ${names[1]} ${codes[1]}, ${names[2]} ${codes[2]}"
+fi
 if [ "$lint_failed" != 0 ]; then
   echo "tests/run.sh: lint failed" >&2
   [ "$status" != 0 ] || status=1

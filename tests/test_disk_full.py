@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import TINY, run_snakemake
+from conftest import TINY, copy_workflow, run_snakemake
 from harness.synthetic import checkpoint_state
 
 from distlm.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
@@ -208,7 +208,7 @@ DISK = {"train": {"max_steps": 12, "ckpt_every": 4, "eval_every": 4, "keep_last"
 
 
 @pytest.mark.slow
-def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path):
+def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path, workflow_run):
     """The user's command on a scratch space that fills: the token file's write fails first (the
     data rule stops, nothing partial left); space freed, the same command runs until the third
     checkpoint's write fills the disk; training stops naming the path and the space, the two
@@ -219,7 +219,9 @@ def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path):
     conf = tmp_path / "tiny-disk.yaml"
     conf.write_text(yaml.safe_dump(_merge(yaml.safe_load(TINY.read_text()), DISK)))
 
-    ref = tmp_path / "ref"
+    # the run that never saw a full disk: the session's tiny workflow (no train setting changes
+    # its data or base model) trained afresh with DISK
+    ref = copy_workflow(workflow_run, tmp_path / "ref", without=("results/train", "logs/train"))
     run_snakemake(ref, "train", configfile=conf)
     ref_run = _only_run(ref)
     ckpt_bytes = sum(p.stat().st_size for p in (ref_run / "step-00000012").iterdir())

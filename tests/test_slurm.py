@@ -4,7 +4,8 @@ torchrun through distlm-launch, the whole tiny workflow with the same results as
 a failing job reported with its SLURM log, and --forcerun resubmitting one stage and its dependents.
 
 Skips (with the reason) when not root or when slurm-wlm/munge are missing; .ci/slurm-setup installs
-them. The cluster is started here unless one is already up (then it is left running).
+them. The cluster and the test profile are tests/conftest.py's session fixtures (`cluster`,
+`profile`): one cluster of this session's own, started once for every SLURM test.
 """
 
 from __future__ import annotations
@@ -19,41 +20,18 @@ from pathlib import Path
 
 import pytest
 import test_inference
-from conftest import ROOT, TINY, run_snakemake
+from conftest import ROOT, SLURM_CONFIG, TINY, run_snakemake
 from test_inference import write_config
-
-sys.path.insert(0, str(ROOT / "tests"))
-from harness import slurm_cluster as sc
-from harness.profile import write_test_profile
 
 from distlm.dist import free_port
 from distlm.documents import BroadcastReport, read_document
 
 pytestmark = pytest.mark.slurm
 HARNESS = ROOT / "tests" / "harness"
-SLURM_CONFIG = HARNESS / "slurm-config.yaml"
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+) \(log: (\S+)\)")
 tiny_models = (
     test_inference.tiny_models
 )  # the session fixture: tiny model folders, one per stage count
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = sc.missing_requirements()
-    if why:
-        pytest.skip(why)
-    c = sc.default_cluster()
-    was_up = sc.running(c)
-    sc.up(c)
-    yield c
-    if not was_up:
-        sc.down(c)
-
-
-@pytest.fixture(scope="module")
-def profile(cluster, tmp_path_factory):
-    return write_test_profile(tmp_path_factory.mktemp("slurm-profile"))
 
 
 def sh(cluster, cmd: list[str], *, cwd=None, timeout=120) -> subprocess.CompletedProcess:

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import test_slurm
-import yaml
-from conftest import TINY, snakemake_cmd
+from conftest import snakemake_cmd
+from slurm_training import TARGET, long_training, prepared, profile_with, slurm_env
 from test_slurm import sh, submissions
 
 from distlm.model import read_meta
@@ -29,52 +28,17 @@ from distlm.train import checkpoint as ck
 from distlm.train import identity as ident
 
 pytestmark = pytest.mark.slurm
-cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profile
-profile = test_slurm.profile
-TARGET = "results/train/final"
-# Long enough that the first attempt is still training when its limit's warning comes.
-STEPS = 3000
-LONG = {
-    "train": {
-        "max_steps": STEPS,
-        "ckpt_every": 1000,
-        "eval_every": STEPS,
-        "log_every": 50,
-        "profile": {"enabled": False},
-    }
-}
+# Paced at 10 steps/s at most (slurm_training.STEP_S): 60 s of training or more, so the first
+# attempt is still training when its limit's warning comes (~20 s in), and the killed Snakemake's
+# job when the second command's job starts; below ckpt_every (1000): every checkpoint before the
+# end is a stop's.
+STEPS = 600
+LONG = long_training(STEPS)
 
 
-def _configs(overlay: Path) -> tuple[Path, ...]:
-    return (TINY, test_slurm.SLURM_CONFIG, overlay)
-
-
-def _profile_with(profile: Path, dest: Path, **train: object) -> Path:
-    """The test profile with rule train's resources changed (a CLI --set-resources would replace
-    the rule's whole entry, its `mpi` and `nodes` included)."""
-    cfg = yaml.safe_load((profile / "config.yaml").read_text())
-    cfg["set-resources"]["train"].update(train)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return dest
-
-
-def _prepared(tmp_path: Path) -> tuple[Path, Path]:
-    """A work dir whose data and base model exist (built with the local profile: the files and
-    Snakemake's records are the same whichever profile ran them)."""
-    wd = tmp_path / "work"
-    wd.mkdir()
-    overlay = tmp_path / "long.yaml"
-    overlay.write_text(yaml.safe_dump(LONG))
-    subprocess.run(
-        snakemake_cmd(
-            wd, "results/model/base", "results/data/tokens.h5", configfiles=_configs(overlay)
-        ),
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    return wd, overlay
+def _prepared(built: Path, tmp_path: Path) -> tuple[Path, tuple[Path, ...]]:
+    """A work dir whose data and base model exist (a copy of the session's), and its configs."""
+    return prepared(built, tmp_path / "work", LONG)
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -108,20 +72,22 @@ def _training(wd: Path, since: int = 0) -> bool:
 
 
 @pytest.mark.timeout(900)
-def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profile, tmp_path):
-    wd, overlay = _prepared(tmp_path)
-    env = cluster.env()
+def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
+    cluster, profile, slurm_built, tmp_path
+):
+    wd, configs = _prepared(slurm_built, tmp_path)
+    env = slurm_env(cluster)
     # 1. runtime 1 minute, the launcher's warning 30 s before the limit: SIGUSR1, checkpoint, stop
     # (no --max-requeues: requeueing off, so the job ends; tests/test_slurm_requeue.py has it on)
-    limited_profile = _profile_with(
+    limited_profile = profile_with(
         profile,
         tmp_path / "limited",
         runtime=1,
         torchrun="'distlm-launch srun-torchrun --signal-before=30'",
     )
     limited = subprocess.run(
-        snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=limited_profile),
-        env={**os.environ, **env},
+        snakemake_cmd(wd, TARGET, configfiles=configs, profile=limited_profile),
+        env=env,
         capture_output=True,
         timeout=600,
     )
@@ -133,8 +99,8 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
 
     # 2. the rerun resumes from that step; an scancel of it (SIGTERM) checkpoints likewise
     proc = subprocess.Popen(
-        snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=profile),
-        env={**os.environ, **env},
+        snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -158,10 +124,10 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(cluster, profil
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, tmp_path):
-    wd, overlay = _prepared(tmp_path)
-    env = {**os.environ, **cluster.env()}
-    cmd = snakemake_cmd(wd, TARGET, configfiles=_configs(overlay), profile=profile)
+def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, slurm_built, tmp_path):
+    wd, configs = _prepared(slurm_built, tmp_path)
+    env = slurm_env(cluster)
+    cmd = snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile)
     first = subprocess.Popen(
         cmd,
         env=env,

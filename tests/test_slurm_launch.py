@@ -265,6 +265,27 @@ def test_harness_slurm_conf_has_one_line_per_node_and_no_accounting():
     assert sc.hosts_file(c).splitlines()[-1] == "10.9.0.13 node3"
 
 
+def test_a_session_cluster_shares_no_state_name_or_subnet(tmp_path, monkeypatch):
+    """Two test sessions at once (or one beside the CLI's default cluster) never share a daemon's
+    state, a bridge or namespace name, or an address."""
+    from harness import slurm_cluster as sc
+
+    shown = "2: eth0    inet 10.77.0.1/24 brd\n3: x    inet 10.77.12.1/24 brd\n"
+    monkeypatch.setattr(
+        sc, "_run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, stdout=shown)
+    )
+    monkeypatch.setattr(sc.os, "getpid", lambda: 4194242)
+    c = sc.session_cluster(tmp_path / "state")
+    assert c.state == tmp_path / "state" and c.name == "dl4194242"
+    assert len(c.bridge) <= 15 and len(c.veth(8)) <= 15  # Linux's interface name limit
+    assert c.subnet == "10.77.13"  # 10 + 4194242 % 240 = 12 is in use (0 and 9: others')
+    monkeypatch.delenv("DISTLM_SLURM_STATE", raising=False)
+    monkeypatch.delenv("DISTLM_SLURM_NAME", raising=False)
+    monkeypatch.delenv("DISTLM_SLURM_SUBNET", raising=False)
+    default = sc.default_cluster(2)
+    assert c.state != default.state and c.name != default.name and c.subnet != default.subnet
+
+
 def test_launcher_options_and_the_time_limit_warning(monkeypatch):
     opts = launch.LauncherOptions
     assert launch._launcher_options(["--signal-before=120", "--spread-procs", "t.py"]) == (

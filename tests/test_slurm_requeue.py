@@ -22,94 +22,47 @@ once and copied; one uninterrupted reference run serves every weight comparison.
 from __future__ import annotations
 
 import csv
-import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import test_slurm
-import yaml
-from conftest import TINY, snakemake_cmd
+from conftest import snakemake_cmd
 from harness.faults import fault_env
+from slurm_training import TARGET, long_training, prepared, profile_with, slurm_env
 from test_slurm import job_fields, sh, submissions
 
 from distlm.model import read_meta
 from distlm.train import checkpoint as ck
 from distlm.train import identity as ident
 
-pytestmark = pytest.mark.slurm
-cluster = test_slurm.cluster  # the module fixtures: one cluster, one test profile
-profile = test_slurm.profile
-TARGET = "results/train/final"
-# One allocation (1 minute, warned 35 s before its end, ~10 s of it starting the ranks) trains
-# ~15 s: 450-1300 steps at the 30-80 steps/s measured here, so 1500 steps take 2 to 4 allocations
-# (--max-requeues=5 below leaves room for a slower machine) and 2 x 1500 more than two (the
-# bound's case).
-STEPS = 1500
-LONG = {
-    "train": {
-        "max_steps": STEPS,
-        "ckpt_every": 1000,
-        "eval_every": STEPS,
-        "log_every": 50,
-        "profile": {"enabled": False},
-    }
-}
+pytestmark = [pytest.mark.slurm, pytest.mark.slurm_requeue]
+# One allocation (1 minute, warned 35 s before its end, 2-10 s of it starting the ranks) trains
+# 15-23 s: at most ~230 steps, paced at 10 steps/s at most (slurm_training.STEP_S), so 300 steps
+# take two allocations or more (--max-requeues=8 below leaves room for a slower or busier machine:
+# tests/run.sh runs the SLURM tests beside the others) and 2 x 300 more than two (the bound's case).
+STEPS = 300
+LONG = long_training(STEPS)
 LIMITED = {"runtime": 1}
+MAX_REQUEUES = 8
 
 
 def _launcher(*opts: str) -> str:
     return "'distlm-launch srun-torchrun --signal-before=35 " + " ".join(opts) + "'"
 
 
-def _profile_with(profile: Path, dest: Path, **train: object) -> Path:
-    """The test profile with rule train's resources changed (a CLI --set-resources would replace
-    the rule's whole entry, its `mpi` and `nodes` included)."""
-    cfg = yaml.safe_load((profile / "config.yaml").read_text())
-    cfg["set-resources"]["train"].update(train)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return dest
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    """A work dir whose data and base model exist, built once with the local profile (no train
-    setting changes them); each test's work dir is a copy."""
-    wd = tmp_path_factory.mktemp("requeue") / "built"
-    wd.mkdir()
-    subprocess.run(
-        snakemake_cmd(
-            wd, "results/model/base", "results/data/tokens.h5", configfiles=_configs(wd, LONG)
-        ),
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    return wd
-
-
-def _configs(wd: Path, overlay_cfg: dict) -> tuple:
-    overlay = wd.parent / f"{wd.name}.yaml"
-    overlay.write_text(yaml.safe_dump(overlay_cfg))
-    return (TINY, test_slurm.SLURM_CONFIG, overlay)
-
-
 def _prepared(built: Path, tmp_path: Path, name: str, overlay_cfg: dict = LONG):
-    """A copy of the built work dir, and the config files of its training."""
-    wd = tmp_path / name
-    shutil.copytree(built, wd, symlinks=True)
-    return wd, _configs(wd, overlay_cfg)
+    """A copy of the session's built work dir (tests/conftest.py: slurm_built), and the config
+    files of its training."""
+    return prepared(built, tmp_path / name, overlay_cfg)
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, profile, built, tmp_path_factory) -> Path:
+def reference(cluster, profile, slurm_built, tmp_path_factory) -> Path:
     """The uninterrupted run: the same config and topology, one allocation long enough for all of
     it (the profile's runtime)."""
-    ref, configs = _prepared(built, tmp_path_factory.mktemp("requeue-ref"), "reference")
+    ref, configs = _prepared(slurm_built, tmp_path_factory.mktemp("requeue-ref"), "reference")
     done = _snakemake(cluster, ref, configs, profile)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _attempts(ref) == [0]
@@ -125,7 +78,7 @@ def _snakemake(
 ):
     return subprocess.run(
         [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), *extra],
-        env=env or {**os.environ, **cluster.env()},
+        env=env or slurm_env(cluster),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -157,18 +110,21 @@ def _stops(wd: Path, how: str, steps: int = STEPS) -> list[int]:
 
 @pytest.mark.timeout(1500)
 def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
-    cluster, profile, built, reference, tmp_path
+    cluster, profile, slurm_built, reference, tmp_path
 ):
-    # 1. runtime 1 minute, warned 35 s before, up to 5 requeues: ONE command trains to the end
-    wd, configs = _prepared(built, tmp_path, "requeued")
-    requeuing = _profile_with(
-        profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=5")
+    # 1. runtime 1 minute, warned 35 s before, up to 8 requeues: ONE command trains to the end
+    wd, configs = _prepared(slurm_built, tmp_path, "requeued")
+    requeuing = profile_with(
+        profile,
+        tmp_path / "requeuing",
+        **LIMITED,
+        torchrun=_launcher(f"--max-requeues={MAX_REQUEUES}"),
     )
     run = _snakemake(cluster, wd, configs, requeuing)
     assert run.returncode == 0, run.stderr[-5000:]
     job = _train_job(run.stdout + run.stderr)
     restarts = int(job_fields(cluster, job)["Restarts"])
-    assert 1 <= restarts <= 5
+    assert 1 <= restarts <= MAX_REQUEUES
     assert _attempts(wd) == list(range(restarts + 1))  # one attempt per allocation, logged
     stops = _stops(wd, "SIGUSR1")
     assert len(stops) == restarts and stops == sorted(stops) and 0 < stops[0]
@@ -190,12 +146,12 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
     # after one, and Snakemake reports the launcher's message
     longer = 2 * STEPS
     wd2, configs2 = _prepared(
-        built,
+        slurm_built,
         tmp_path,
         "bounded",
         {"train": {**LONG["train"], "max_steps": longer, "eval_every": longer}},
     )
-    bounded = _profile_with(
+    bounded = profile_with(
         profile, tmp_path / "bounded-profile", **LIMITED, torchrun=_launcher("--max-requeues=1")
     )
     short = _snakemake(cluster, wd2, configs2, bounded)
@@ -216,13 +172,15 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
 
 
 @pytest.mark.timeout(900)
-def test_a_training_that_fails_on_its_own_is_never_requeued(cluster, profile, built, tmp_path):
-    wd, configs = _prepared(built, tmp_path, "nan", LONG)
-    requeuing = _profile_with(
+def test_a_training_that_fails_on_its_own_is_never_requeued(
+    cluster, profile, slurm_built, tmp_path
+):
+    wd, configs = _prepared(slurm_built, tmp_path, "nan", LONG)
+    requeuing = profile_with(
         profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=3")
     )
     # the test harness's fault (never a config key): every rank's loss is NaN at step 60
-    nan = fault_env(tmp_path / "faults.json", {**os.environ, **cluster.env()}, nan_at_step=60)
+    nan = fault_env(tmp_path / "faults.json", slurm_env(cluster), nan_at_step=60)
     run = _snakemake(cluster, wd, configs, requeuing, env=nan)
     assert run.returncode != 0
     job = _train_job(run.stdout + run.stderr)
@@ -237,21 +195,21 @@ def test_a_training_that_fails_on_its_own_is_never_requeued(cluster, profile, bu
 
 @pytest.mark.timeout(900)
 def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(
-    cluster, profile, built, reference, tmp_path
+    cluster, profile, slurm_built, reference, tmp_path
 ):
     from harness import slurm_cluster as sc
 
-    wd, configs = _prepared(built, tmp_path, "preempted")
+    wd, configs = _prepared(slurm_built, tmp_path, "preempted")
     proc = subprocess.Popen(
         [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), "--slurm-requeue"],
-        env={**os.environ, **cluster.env()},
+        env=slurm_env(cluster),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     log = wd / "logs" / "train" / "rank0.log"
     deadline = time.monotonic() + 300
-    while not (log.exists() and len(re.findall(r" step \d+/\d+ loss", log.read_text())) >= 3):
+    while not (log.exists() and len(re.findall(r" step \d+/\d+ loss", log.read_text())) >= 2):
         assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
         time.sleep(0.5)
     # a job of the urgent partition needs both nodes whole: SLURM preempts (requeues) the train job

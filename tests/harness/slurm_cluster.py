@@ -15,6 +15,10 @@ distlm, so a second cluster can run beside the first):
     netns  distlm-node2 10.77.0.12  hostname node2: slurmd -N node2
 No accounting database: the Snakemake plugin queries squeue, so MinJobAge is large.
 
+The tests (tests/conftest.py) start a cluster of their own session instead (session_cluster: state
+in pytest's tmp folder, names from the pid, a free subnet) unless DISTLM_SLURM_STATE names one, and
+stop it at the end; `down` also kills what is left in the nodes (slurmstepd, a job's tasks).
+
 Independent of any SLURM or munge already on the machine: its own free ports (SlurmctldPort,
 SlurmdPort, chosen at start and kept in its slurm.conf), its own munged (key, socket, pid, log and
 seed files), its own state, spool, pid and log paths, all under the state directory
@@ -176,6 +180,27 @@ def default_cluster(nodes: int | None = None) -> Cluster:
         subnet=os.environ.get("DISTLM_SLURM_SUBNET", "10.77.0"),
         name=os.environ.get("DISTLM_SLURM_NAME", "distlm"),
     )
+
+
+def session_cluster(state: Path, nodes: int = 2) -> Cluster:
+    """A cluster of one test session's own: its state under `state` (a pytest tmp folder), its
+    bridge, namespaces and veths named after this process's pid and a subnet no interface of this
+    machine has, so two sessions at once (or a session beside the CLI's default cluster) share no
+    daemon, file, name or address."""
+    pid = os.getpid()
+    return Cluster(state=state, nodes=nodes, subnet=_free_subnet(pid), name=f"dl{pid}")
+
+
+def _free_subnet(seed: int) -> str:
+    """A 10.77.X subnet that no address of this machine is in, X from `seed` on (0 is the CLI's
+    default cluster, 9 tests/test_slurm_foreign.py's)."""
+    shown = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    used = {int(x) for x in re.findall(r"\binet 10\.77\.(\d+)\.", shown)} | {0, 9}
+    for k in range(250):
+        x = 10 + (seed + k) % 240
+        if x not in used:
+            return f"10.77.{x}"
+    raise HarnessError("SLURM harness: every 10.77.X subnet is in use on this machine")
 
 
 def missing_requirements() -> str | None:
@@ -572,10 +597,49 @@ def down(c: Cluster) -> None:
         os.kill(pid, signal.SIGKILL)
     for pf in pidfiles:
         pf.unlink(missing_ok=True)
+    _kill_node_processes(c)
     _network_down(c)
     for sub in ("ctld", "spool", "run", "pids", "nodes"):
         p = s / sub
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _node_processes(c: Cluster) -> list[int]:
+    """Every process inside one of this cluster's node namespaces: what its slurmds started
+    (slurmstepd, a job's tasks) and outlived them. Nothing else runs in those namespaces."""
+    nets = set()
+    for i in range(1, max(c.nodes, 8) + 1):
+        try:
+            st = os.stat(f"/run/netns/{c.netns(i)}")
+        except OSError:
+            continue
+        nets.add((st.st_dev, st.st_ino))
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            st = os.stat(d / "ns" / "net")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in nets and not _gone(int(d.name)):
+            found.append(int(d.name))
+    return found
+
+
+def _kill_node_processes(c: Cluster, within: float = 10) -> None:
+    """SIGKILL what is left in the nodes once the daemons are down (a slurmstepd whose slurmd
+    exited, a job's tasks), and wait until it is gone; raises HarnessError naming survivors."""
+    deadline = time.monotonic() + within
+    while pids := _node_processes(c):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise HarnessError(f"SLURM harness: processes {pids} in the nodes outlived SIGKILL")
+        time.sleep(0.1)
 
 
 def status(c: Cluster) -> str:

@@ -1,8 +1,14 @@
 """Test faults for a training stage started as the user starts it (tests/harness/faults.py).
-Python imports this module at start-up when its folder is on PYTHONPATH (`fault_env` puts it
-there); it acts only in a training rank (RANK set) when DISTLM_TEST_FAULTS names a spec file (a
-JSON object of FaultSpec's fields; another field is a TypeError naming it), and then sets
-distlm.train.faults.REQUESTED from it; nothing else changes."""
+Python imports this module at start-up when its folder is on PYTHONPATH (`fault_env`, `paced_env`
+put it there); it acts only in a training rank (RANK set):
+
+- when DISTLM_TEST_FAULTS names a spec file (a JSON object of FaultSpec's fields; another field is
+  a TypeError naming it), it sets distlm.train.faults.REQUESTED from it;
+- when DISTLM_TEST_STEP_S is set, every training step takes at least that many seconds (the rank
+  sleeps out the rest), so a test that trains across SLURM time limits knows how many steps an
+  allocation holds whatever the machine's speed, and its idle ranks leave the CPU to other work.
+
+Nothing else changes: the steps compute what they compute without it."""
 
 import json
 import os
@@ -13,3 +19,19 @@ if SPEC and "RANK" in os.environ:
 
     with open(SPEC, encoding="utf-8") as f:
         faults.REQUESTED = faults.FaultSpec(**json.load(f))
+
+STEP_S = os.environ.get("DISTLM_TEST_STEP_S")
+if STEP_S and "RANK" in os.environ:
+    import time
+
+    from distlm.train import trainer
+
+    _pace, _step = float(STEP_S), trainer.Trainer.train_step
+
+    def _paced_step(self):
+        started = time.monotonic()
+        row = _step(self)
+        time.sleep(max(0.0, _pace - (time.monotonic() - started)))
+        return row
+
+    trainer.Trainer.train_step = _paced_step
