@@ -191,12 +191,7 @@ def slurm_built(tmp_path_factory) -> Path:
 
 
 def pytest_configure(config):
-    """The slowest tests are listed at the end of every run (CI's time budget is read from it).
-    slurm_requeue: the requeue tests, which tests/run.sh runs in a pytest of their own beside the
-    other SLURM tests (each session has a cluster of its own)."""
-    config.addinivalue_line(
-        "markers", "slurm_requeue: SLURM requeue tests (tests/run.sh runs them on their own)"
-    )
+    """The slowest tests are listed at the end of every run (CI's time budget is read from it)."""
     if config.option.durations is None:
         config.option.durations = 30
 
