@@ -302,6 +302,58 @@ def test_deep_json_and_huge_numbers_get_400(server):
         server.ok()
 
 
+def test_hostile_chat_messages_get_4xx_naming_the_field(server):
+    """Messages are checked before any template renders them (the shared server's folder has
+    none, so each case below would otherwise be that 400): oversized, deep, ill-typed."""
+    user = {"role": "user", "content": "A class"}
+
+    def chat(messages, **extra):
+        return json.dumps({"messages": messages, "max_tokens": 2, **extra}).encode()
+
+    cases = [
+        (chat([user] * 200), 413, None, "over the limit of 2048"),  # ~ 8 KB of messages
+        (chat([{"role": "user", "content": "x" * 3000}]), 413, None, "serve.max_request_bytes"),
+        (chat([{"role": "user", "content": [[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]}]), 400, None,
+         "serve.max_json_depth"),
+        (chat({"role": "user", "content": "A"}), 400, "messages", "a non-empty list of messages"),
+        (chat([]), 400, "messages", "a non-empty list"),
+        (chat(None), 400, "messages", "a non-empty list"),
+        (chat([user, user, ["user", "A"]]), 400, "messages[2]", "an object with role and content"),
+        (chat([user, {"role": "tool", "content": "x"}]), 400, "messages[1].role", "'assistant'"),
+        (chat([{"role": None, "content": "x"}]), 400, "messages[0].role", "got None"),
+        (chat([{"role": {"$gt": ""}, "content": "x"}]), 400, "messages[0].role", "expected one"),
+        (chat([{"role": "user"}]), 400, "messages[0].content", "required"),
+        (chat([{"role": "assistant", "content": None}]), 400, "messages[0].content", "a string"),
+        (chat([{"role": "user", "content": 1e300}]), 400, "messages[0].content", "a string"),
+        (chat([{"role": "user", "content": ["A", "B"]}]), 400, "messages[0].content[0]", "text part"),
+        (chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         400, "messages[0].content[0]", "text part"),
+        (chat([{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400,
+         "messages[0].content[0]", "text part"),
+        (chat([{"role": "user", "content": "x", "\x1b[31m": 1}]), 400, "messages[0].\x1b[31m",
+         "unknown field"),
+        (chat([{"role": "user", "content": "x", "tool_calls": []}]), 400,
+         "messages[0].tool_calls", "unknown field"),
+        (chat([{"role": "user", "content": "x", "name": ["a"]}]), 400, "messages[0].name",
+         "a string"),
+        (chat([user], logprobs=5), 400, "logprobs", "valid boolean"),
+        (chat([user], logprobs=True, top_logprobs=10**30), 400, "top_logprobs", "0..20"),
+        (chat([user], logprobs=True, top_logprobs=-1), 400, "top_logprobs", "0..20"),
+        (chat([user], top_logprobs=2), 400, "top_logprobs", "needs logprobs: true"),
+        (chat([user], max_tokens=2, max_completion_tokens=3), 400, "max_completion_tokens",
+         "give one of them"),
+        (chat([user], tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+         "not supported"),
+        (chat([user], prompt="A class"), 400, "prompt", "unknown field (OpenAI's chat"),
+    ]  # fmt: skip
+    for body, status, param, fragment in cases:
+        got, err = server.request("POST", "/v1/chat/completions", body)
+        assert got == status, (body[:80], err)
+        assert fragment in err["error"]["message"] and err["error"]["param"] == param, err
+        assert err["error"]["type"] == "invalid_request_error"
+        server.ok()
+
+
 def test_control_characters_in_the_request_line_are_escaped_in_the_log(server):
     for line in (
         b"GET /\x1b[31mred\x07 HTTP/1.1",

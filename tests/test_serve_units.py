@@ -4,6 +4,7 @@ access log's escaping, bounded sampling, and the scheduler's cancel / n > 1 / fa
 from __future__ import annotations
 
 import math
+import re
 
 import msgpack
 import pytest
@@ -40,7 +41,14 @@ from distlm.inference.sampling import (
     pick_token,
 )
 from distlm.inference.server.access_log import escape
-from distlm.inference.server.requests import CompletionRequest, json_depth, parse_json
+from distlm.inference.server.chat import NO_TEMPLATE, chat_prompt
+from distlm.inference.server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIRequest,
+    json_depth,
+    parse_json,
+)
 from distlm.inference.stats import StageBrief, StageInfo
 from distlm.inference.validate import sampling_settings
 from distlm.settings import MAX_SEED, SamplingSettings
@@ -154,6 +162,37 @@ def test_request_model_mirrors_openai():
             CompletionRequest.model_validate(body)
         [err] = e.value.errors()
         assert (err["loc"], err["type"]) == ((field,), why), body
+
+
+def test_chat_request_fields_and_the_template(tiny_models):
+    """The chat request shares the completions sampling fields and names its own (max_tokens or
+    max_completion_tokens, top_logprobs); its messages render through the folder's template, and
+    without one the 400 says how to add one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models[1])
+    chat = [{"role": "user", "content": "A class"}]
+    r = ChatCompletionRequest.model_validate(
+        {"messages": chat, "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    )
+    assert (r.new_tokens(), r.alternatives(), r.echoes()) == (3, 2, False)
+    assert r.http_name("max_new_tokens") == "max_completion_tokens"
+    assert r.http_name("prompt") == "messages" and r.http_name("temperature") == "temperature"
+    assert ChatCompletionRequest.model_validate({"messages": chat}).alternatives() is None
+    assert set(OpenAIRequest.model_fields) < set(ChatCompletionRequest.model_fields)
+    with pytest.raises(RequestError, match=re.escape(NO_TEMPLATE)):
+        r.prompts(tok)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+        "{% endif %}{{ m.role }}> {{ m.content }}|{% endfor %}"
+        "{% if add_generation_prompt %}bot>{% endif %}"
+    )
+    assert r.prompts(tok) == [tok("user> A class|bot>", add_special_tokens=False)["input_ids"]]
+    for messages, why in (([{"role": "system", "content": "x"}], "no system"), ([], "empty")):
+        with pytest.raises(
+            RequestError, match=f"messages: the model's chat template refused .*{why}"
+        ):
+            chat_prompt(tok, messages)
 
 
 def test_sampling_is_bounded():

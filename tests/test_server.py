@@ -495,6 +495,23 @@ def test_bad_requests_get_4xx_json_naming_the_field(server, body, status, param,
     assert err["error"]["type"] == "invalid_request_error"
 
 
+def test_chat_without_a_chat_template_is_a_400_naming_the_fix(server):
+    """The shared server's folder has no chat template: a clear 400 that says how to add one,
+    never a 500, and the server goes on (test_serve_chat.py serves a folder that has one)."""
+    import openai
+
+    chat = {"messages": [{"role": "user", "content": "A class"}], "max_tokens": 3}
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client(server).chat.completions.create(model="s2", **chat)
+    status, err = server.request("POST", "/v1/chat/completions", {**chat, "stream": True})
+    assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+    assert err["error"]["param"] == "messages"
+    for fix in ("`chat_template`", "tokenizer_config.json", "/v1/completions"):
+        assert fix in err["error"]["message"]
+    assert server.request("POST", "/v1/chat/completions", chat, token=None)[0] == 401
+    server.ok()
+
+
 def test_auth_and_routes(server):
     import openai
 

@@ -20,14 +20,17 @@ engine/  the pipeline (inside the MPI job)
 
 server/  the API server (one process outside the job)
     supervisor.py  the process: uvicorn, the MPI job it starts and watches, signals
-    app.py         FastAPI routes: /v1/completions, /v1/models, /health, /metrics
+    app.py         FastAPI routes: /v1/completions, /v1/chat/completions (one request path),
+                   /v1/models, /health, /metrics
     state.py       what the routes hold, and the narrow objects of the two steps below
-    requests.py    the completions request model, body limits, JSON guards
-    prepare.py     a request made ready: checked, tokenized (through validate.py)
+    requests.py    the completions and chat request models, body limits, JSON guards
+    chat.py        a chat's messages checked and rendered by the folder's chat template
+    prepare.py     a request made ready (either route): checked, tokenized (through validate.py)
     stream.py      answering: one JSON completion or server-sent events; cancellation
     render.py      one answer as events arrive: text, stop strings, logprobs, usage
+    shapes.py      how an answer looks: completion or chat completion, whole or in chunks
     client.py      the engine client: submit, cancel, events to their requests
-    responses.py   the typed answers (completion, chunk, models, health, error)
+    responses.py   the typed answers (completion, chat completion, chunks, models, health, error)
     errors.py      ApiError and OpenAI's error body
     metrics.py     the server's Prometheus series
     access_log.py  one escaped line per request

@@ -49,7 +49,8 @@ class AccessLog:
             path = scope.get("path", "")
             route = (
                 path
-                if path in ("/v1/completions", "/v1/models", "/health", "/metrics")
+                if path
+                in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
                 else "other"
             )
             self.metrics.requests.labels(route, str(code)).inc()

@@ -1,9 +1,11 @@
 """The API server's HTTP side: OpenAI's completions API on FastAPI, in front of the engine channel.
 
-Routes: POST /v1/completions (`stream` as server-sent events), GET /v1/models, GET /health,
-GET /metrics (Prometheus). A completions request is read and validated (requests.py), prepared
-(prepare.py: tokenized, its sampling checked), submitted to stage 0 (client.py) and answered
-(stream.py, render.py). A bad request gets a 4xx OpenAI-style error naming the field.
+Routes: POST /v1/completions and POST /v1/chat/completions (`stream` as server-sent events),
+GET /v1/models, GET /health, GET /metrics (Prometheus). Both POST routes take one path: the
+request is read and validated (requests.py), prepared (prepare.py: its prompt made, tokenized,
+its sampling checked; a chat's messages rendered by the chat template, chat.py), submitted to
+stage 0 (client.py) and answered (stream.py, render.py, in the route's shape: shapes.py). A bad
+request gets a 4xx OpenAI-style error naming the field.
 
 The process around this (job supervision, uvicorn, signals) is `distlm.inference.server.supervisor`.
 """
@@ -11,6 +13,7 @@ The process around this (job supervision, uvicorn, signals) is `distlm.inference
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -23,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from distlm.inference.prompts import RequestError
 from distlm.inference.server.access_log import escape
 from distlm.inference.server.errors import ApiError, error_doc, from_request
-from distlm.inference.server.prepare import prepare_completion
+from distlm.inference.server.prepare import Job, Preparing, prepare_chat, prepare_completion
 from distlm.inference.server.requests import read_body
 from distlm.inference.server.responses import Health, ModelCard, ModelList
 from distlm.inference.server.state import ServeState
@@ -104,8 +107,8 @@ def build_app(st: ServeState) -> FastAPI:
         _need_auth(st, request)
         return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def answer(request: Request, prepare: Callable[[Preparing, bytes], Job]):
+        """The one request path of both POST routes; `prepare` makes the route's job."""
         _need_auth(st, request)
         why = st.unavailable()
         if why is not None:
@@ -114,9 +117,17 @@ def build_app(st: ServeState) -> FastAPI:
             request, limit=st.serve.max_request_bytes, timeout_s=st.serve.body_timeout_s
         )
         try:
-            job = prepare_completion(st.preparing, raw)
+            job = prepare(st.preparing, raw)
         except RequestError as e:
             raise from_request(e) from None
         return await run_completion(st.answering, request, job)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, prepare_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, prepare_chat)
 
     return app

@@ -62,3 +62,9 @@ def error_doc(
 def from_request(e: RequestError) -> ApiError:
     """A bad request's answer: its status (400) and message, `param` the field it names."""
     return ApiError(e.status, str(e), param=e.param)
+
+
+def short(value) -> str:
+    """A value as an error message quotes it: its repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

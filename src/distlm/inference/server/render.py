@@ -1,5 +1,6 @@
-"""One request's answer as the engine's events arrive: each choice's text, stop strings, and
-OpenAI's logprobs and usage objects."""
+"""One request's answer as the engine's events arrive, for either route: each choice's tokens,
+text, stop strings, log-probabilities and the usage. How it looks (completions or chat) is the
+job's shape (shapes.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from distlm.inference.messages import Error, Finish, Prompt, Token
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.metrics import Metrics
 from distlm.inference.server.prepare import Job
-from distlm.inference.server.responses import Logprobs, Usage
+from distlm.inference.server.responses import Usage
 
 
 @dataclass
@@ -47,17 +48,18 @@ class Answer:
     ) -> None:
         self.job, self.rid, self.t0 = job, rid, t0
         self.tokenizer, self.metrics, self.cancel = tokenizer, metrics, cancel
-        self.n = job.req.n
+        self.n = job.n
         self.choices = [Choice(i) for i in range(len(job.prompts) * self.n)]
         self.texts = ["" for _ in self.choices]
         self.sent = [0 for _ in self.choices]  # characters streamed so far (per choice)
-        self.lp_sent = [0 for _ in self.choices]
+        self.lp_sent = [0 for _ in self.choices]  # tokens whose logprobs were streamed
+        self.prompt_sent = [False for _ in self.choices]  # a scored prompt streamed (echo)
         self.left = len(self.choices)
         self.t_first: float | None = None
         self.hold = max((len(s) for s in job.stops), default=1) - 1
         # the text is needed as tokens arrive only to find stop strings or to stream it; else it
         # is decoded once, at the end (a decode of the whole text after every token is O(n^2))
-        self.live = bool(job.stops) or job.req.stream
+        self.live = bool(job.stops) or job.stream
 
     def prompt_index(self, index: int) -> int:
         return index // self.n
@@ -129,36 +131,18 @@ class Answer:
         self.sent[index] = end
         return out
 
-    def logprobs(self, index: int, since: int = 0, *, prompt: bool = False) -> Logprobs | None:
-        """OpenAI's logprobs object for the tokens from `since` on; `prompt`: the echoed prompt's
-        tokens first (the first one's log-probability and alternatives null, as OpenAI and vLLM
-        give them). text_offset: each token's offset in the choice's text."""
-        if self.job.req.logprobs is None:
-            return None
+    def scored(
+        self, index: int, since: int = 0, *, prompt: bool = False
+    ) -> tuple[list[int], list[float | None], list[list | None]]:
+        """A choice's tokens from `since` on, their log-probabilities and alternatives
+        ([(token id, logprob), ...]); `prompt`: the prompt's tokens first (echo with logprobs;
+        the first one's log-probability and alternatives None)."""
         c = self.choices[index]
-        tok = self.tokenizer
         ids, lps, tops = c.tokens[since:], c.logprobs[since:], c.top[since:]
-        offset = 0
         if prompt and c.prompt is not None:
             ids = self.job.ids[self.prompt_index(index)] + ids
             lps, tops = c.prompt.logprobs + lps, c.prompt.top + tops
-        elif self.job.req.echo:  # later tokens follow the echoed prompt in the text
-            offset = len(self.job.prompts[self.prompt_index(index)])
-        if since:
-            offset += len(tok.decode(c.tokens[:since]))
-        words = [tok.decode([t]) for t in ids]
-        offsets = []
-        for w in words:
-            offsets.append(offset)
-            offset += len(w)
-        return Logprobs(
-            tokens=words,
-            token_logprobs=lps,
-            top_logprobs=[
-                None if top is None else {tok.decode([int(t)]): lp for t, lp in top} for top in tops
-            ],
-            text_offset=offsets,
-        )
+        return ids, lps, tops
 
     def usage(self) -> Usage:
         p = sum(len(i) for i in self.job.ids)

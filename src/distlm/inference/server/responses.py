@@ -1,5 +1,5 @@
-"""The API server's answers as typed models: OpenAI's completion, its stream chunks, the models
-list and error body, and /health. Routes build these, never dict literals; a field that OpenAI
+"""The API server's answers as typed models: OpenAI's completion and chat completion, their
+stream chunks, the models list and error body, and /health. Routes build these, never dict literals; a field that OpenAI
 leaves out when it has nothing to say is left out here too (`_absent_when_none`).
 """
 
@@ -85,6 +85,77 @@ class CompletionChunk(_Answer):
     created: int
     model: str
     choices: list[ChunkChoice]
+    usage: Usage | None = _absent_when_none("the last chunk, with stream_options.include_usage")
+
+
+class ChatTopLogprob(_Answer):
+    """One of the most likely tokens at a position (OpenAI's chat logprobs)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class ChatTokenLogprob(_Answer):
+    """A chosen token, its log-probability and the `top_logprobs` most likely tokens."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Answer):
+    """OpenAI's logprobs object of a chat choice: one entry per token."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Answer):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Answer):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(_Answer):
+    """The answer to a chat completions request (stream false)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Answer):
+    """What a chunk adds to a chat choice: the role first, then content."""
+
+    role: Literal["assistant"] | None = _absent_when_none("in a choice's first chunk")
+    content: str | None = _absent_when_none("new text")
+
+
+class ChatChunkChoice(_Answer):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Answer):
+    """One server-sent event of a streamed chat completion; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
     usage: Usage | None = _absent_when_none("the last chunk, with stream_options.include_usage")
 
 

@@ -1,5 +1,6 @@
-"""Answering a prepared request: submitted to the engine, then one JSON answer or a stream of
-server-sent events; a client gone or a deadline passed cancels the request's sequences."""
+"""Answering a prepared request (completions or chat: the job's shape says how the answer looks):
+submitted to the engine, then one JSON answer or a stream of server-sent events; a client gone or
+a deadline passed cancels the request's sequences."""
 
 from __future__ import annotations
 
@@ -19,14 +20,7 @@ from distlm.inference.server.errors import ApiError, error_doc
 from distlm.inference.server.metrics import Metrics
 from distlm.inference.server.prepare import Job
 from distlm.inference.server.render import Answer
-from distlm.inference.server.responses import (
-    ChunkChoice,
-    Completion,
-    CompletionChoice,
-    CompletionChunk,
-    Logprobs,
-    Usage,
-)
+from distlm.inference.server.responses import Usage
 from distlm.log import get_logger
 from distlm.settings import EngineSettings, ServeSettings
 
@@ -68,7 +62,7 @@ class Answering:
 
 async def run_completion(st: Answering, request: Request, job: Job):
     engine = st.engine
-    sequences = len(job.ids) * job.req.n
+    sequences = len(job.ids) * job.n
     if sequences > st.room - engine.outstanding:
         raise ApiError(
             429,
@@ -78,12 +72,12 @@ async def run_completion(st: Answering, request: Request, job: Job):
         )
     t0 = time.perf_counter()
     st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
-    rid, queue = engine.submit(job.ids, job.req.n, job.params)
+    rid, queue = engine.submit(job.ids, job.n, job.params)
     answer = Answer(job, rid, t0, tokenizer=st.tokenizer, metrics=st.metrics, cancel=engine.cancel)
     info = request.scope.setdefault("distlm", {})
     info["rid"] = rid
     deadline = time.monotonic() + st.request_timeout_s
-    if job.req.stream:
+    if job.stream:
         return StreamingResponse(
             _stream(st, answer, queue, deadline, info),
             media_type="text/event-stream",
@@ -148,62 +142,37 @@ async def _complete(st: Answering, request: Request, answer: Answer, queue, dead
     failed = [c for c in answer.choices if c.error is not None]
     if failed:
         raise ApiError(500, f"choice {failed[0].index}: {failed[0].error}")
-    job = answer.job
-    choices = []
-    for c in answer.choices:
-        text = answer.text(c.index)
-        if job.req.echo:
-            text = job.prompts[answer.prompt_index(c.index)] + text
-        choices.append(
-            CompletionChoice(
-                text=text,
-                index=c.index,
-                logprobs=answer.logprobs(c.index, prompt=job.req.echo),
-                finish_reason=c.reason,
-                prompt_truncated_tokens=job.truncated[answer.prompt_index(c.index)],
-            )
-        )
-    out = Completion(
-        id=f"cmpl-{uuid.uuid4().hex}",
+    shape = answer.job.shape
+    out = shape.document(
+        answer,
+        id=f"{shape.prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=st.model_id,
-        choices=choices,
-        usage=answer.usage(),
-        warnings=_warnings(job) or None,
+        choices=[shape.choice(answer, c.index) for c in answer.choices],
     )
     return JSONResponse(out.model_dump(mode="json"))
 
 
 async def _stream(st: Answering, answer: Answer, queue, deadline, info):
     """Server-sent events; a client gone mid-stream cancels the request (generator closed)."""
-    cid = f"cmpl-{uuid.uuid4().hex}"
     job = answer.job
+    shape = job.shape
+    cid = f"{shape.prefix}-{uuid.uuid4().hex}"
     finished = False
 
-    def chunk(
-        index: int,
-        text: str,
-        reason: str | None,
-        *,
-        logprobs: Logprobs | None = None,
-        prompt_truncated_tokens: int | None = None,
-    ) -> bytes:
-        choice = ChunkChoice(
-            text=text,
-            index=index,
-            finish_reason=reason,
-            logprobs=logprobs,
-            prompt_truncated_tokens=prompt_truncated_tokens,
+    def sse(choices: list, usage: Usage | None = None) -> bytes:
+        chunk = shape.chunk(
+            id=cid, created=int(time.time()), model=st.model_id, choices=choices, usage=usage
         )
-        return _sse(_chunk(st, cid, [choice]))
+        return _sse(chunk)
 
-    # echo with logprobs: a choice's prompt goes out with its log-probabilities, after its prefill
-    scored = job.req.echo and job.req.logprobs is not None
     try:
-        if job.req.echo and not scored:
-            for i in range(len(answer.choices)):
-                yield chunk(i, job.prompts[answer.prompt_index(i)], None)
-        echoed = [not scored for _ in answer.choices]
+        for i in range(len(answer.choices)):
+            first = shape.opening(answer, i)  # chat: the role; completions: an echoed prompt
+            if first is not None:
+                yield sse([first])
+        # echo with logprobs: a choice's prompt goes out with its log-probabilities, after its
+        # prefill (the engine's Prompt event)
         while answer.left:
             try:
                 changed = answer.event(await _next(queue, deadline, "the stream"))
@@ -219,29 +188,22 @@ async def _stream(st: Answering, answer: Answer, queue, deadline, info):
                 if c.error is not None:
                     yield _sse(error_doc(500, f"choice {i}: {c.error}"))
                     continue
-                if not echoed[i] and c.prompt is not None:
-                    echoed[i] = True
-                    lp = answer.logprobs(i, prompt=True)
-                    yield chunk(i, job.prompts[answer.prompt_index(i)], None, logprobs=lp)
+                if c.prompt is not None and not answer.prompt_sent[i]:
+                    answer.prompt_sent[i] = True
+                    lp = shape.logprobs(answer, i, prompt=True)
+                    text = job.prompts[answer.prompt_index(i)]
+                    yield sse([shape.piece(answer, i, text, None, lp)])
                 text = answer.delta(i)
                 if text is None:
                     continue
                 lp = None
                 if len(c.tokens) > answer.lp_sent[i]:
-                    lp = answer.logprobs(i, answer.lp_sent[i])
+                    lp = shape.logprobs(answer, i, answer.lp_sent[i])
                     answer.lp_sent[i] = len(c.tokens)
-                if c.reason is not None:
-                    yield chunk(
-                        i,
-                        text,
-                        c.reason,
-                        logprobs=lp,
-                        prompt_truncated_tokens=job.truncated[answer.prompt_index(i)],
-                    )
-                elif text or lp:
-                    yield chunk(i, text, None, logprobs=lp)
-        if job.req.stream_options is not None and job.req.stream_options.include_usage:
-            yield _sse(_chunk(st, cid, [], usage=answer.usage()))
+                if c.reason is not None or text or lp:
+                    yield sse([shape.piece(answer, i, text, c.reason, lp)])
+        if job.include_usage:
+            yield sse([], usage=answer.usage())
         yield b"data: [DONE]\n\n"
         finished = True
     finally:
@@ -255,20 +217,3 @@ async def _stream(st: Answering, answer: Answer, queue, deadline, info):
 def _sse(answer: BaseModel) -> bytes:
     # json.dumps, as the events were written before the answers were typed: the same bytes
     return f"data: {json.dumps(answer.model_dump(mode='json'))}\n\n".encode()
-
-
-def _chunk(
-    st: Answering, cid: str, choices: list[ChunkChoice], *, usage: Usage | None = None
-) -> CompletionChunk:
-    return CompletionChunk(
-        id=cid, created=int(time.time()), model=st.model_id, choices=choices, usage=usage
-    )
-
-
-def _warnings(job: Job) -> list[str]:
-    return [
-        f"prompt {i}: dropped its first {cut} tokens to fit the context "
-        "(inference.prompt_overflow is truncate)"
-        for i, cut in enumerate(job.truncated)
-        if cut
-    ]
