@@ -417,3 +417,16 @@ def test_shipped_smollm2_config_validates():
 
     s = load_settings(ROOT / "config" / "smollm2-135m.yaml")
     assert (s.model.source, s.model.name) == ("hub", "HuggingFaceTB/SmolLM2-135M")
+
+
+def test_the_first_stage_refuses_a_model_of_another_type(tmp_path):
+    """A hub model's type is known only once its config is fetched: the data stage, the first to
+    read the model, refuses it before tokenizing (here a local folder stands in for the hub)."""
+    from distlm.data.tokenizer import model_tokenizer
+    from distlm.settings import ModelSourceSettings
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(
+        DistlmError, match="'gpt_neox' is not supported; distlm supports gpt2, llama"
+    ):
+        model_tokenizer(ModelSourceSettings(source="local", name=str(tmp_path)))
