@@ -21,7 +21,7 @@ class GPT2Family(Family):
             attn_pdrop=init.dropout,
             bos_token_id=eos_token_id,
             eos_token_id=eos_token_id,
-            tie_word_embeddings=True,
+            tie_word_embeddings=init.tie_embeddings is not False,  # null = tied
         )
 
     def signature(self, config) -> dict:
