@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
+from distlm.documents import ShardEntry
 from distlm.log import get_logger
 from distlm.model import check_state_dict, load_config_json, load_stage_shard, read_manifest
 
@@ -40,16 +41,16 @@ class Item:
 class StageModel(nn.Module):
     """Embeddings (stage 0), blocks [start, end), final norm + LM head (last stage)."""
 
-    def __init__(self, config, entry: dict) -> None:
+    def __init__(self, config, entry: ShardEntry) -> None:
         super().__init__()
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         config._attn_implementation = "sdpa"
         self.config = config
-        self.stage = entry["stage"]
-        self.start, self.end = entry["layers"]
-        self.first = bool(entry["has_embeddings"])
-        self.last = bool(entry["has_head"])
+        self.stage = entry.stage
+        self.start, self.end = entry.layers
+        self.first = entry.has_embeddings
+        self.last = entry.has_head
         C = config.n_embd
         if self.first:
             self.wte = nn.Embedding(config.vocab_size, C)
@@ -289,16 +290,16 @@ def load_stage(
     """This rank's stage from a model folder's shards (sha256 checked against the manifest)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    if manifest["stages"] != world:
+    if manifest.stages != world:
         raise DistlmError(
-            f"{folder}/shards/manifest.json has {manifest['stages']} stage shards but the pipeline "
+            f"{folder}/shards/manifest.json has {manifest.stages} stage shards but the pipeline "
             f"runs {world} ranks: launch one rank per shard (inference.stages for batch "
             "inference, serve.stages for serve)"
         )
     entry, tensors = load_stage_shard(folder, stage)  # sha256 checked first: fail before building
     config = load_config_json(folder)
     model = StageModel(config, entry)
-    model.load_shard(tensors, f"{folder}/shards/{entry['file']}")
+    model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     model.to(device)
     log.info(
         "stage %d on %s: layers %d-%d%s%s, %.1f MB",
