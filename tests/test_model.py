@@ -13,6 +13,7 @@ from distlm.data import prepare
 from distlm.io import read_json, sha256_file
 from distlm.model import (
     build_model,
+    family_of,
     init_config,
     load_model_dir,
     load_safetensors,
@@ -170,12 +171,13 @@ def test_balance_by_bytes():
     )
     with torch.device("meta"):
         sd = {k: v for k, v in build_model(cfg).state_dict().items() if k != "lm_head.weight"}
-    plans = plan_stages(sd, 12, 3)
+    cut = {"family": family_of(cfg), "tied": family_of(cfg).tied(cfg)}
+    plans = plan_stages(sd, 12, 3, **cut)
     sizes = [p.nbytes for p in plans]
     assert [p.layer_end - p.layer_start for p in plans] == [2, 8, 2]
     assert max(sizes) / min(sizes) < 1.2
     with pytest.raises(DistlmError, match="13 stages for a model with 12 layers"):
-        plan_stages(sd, 12, 13)
+        plan_stages(sd, 12, 13, **cut)
 
 
 def test_corrupt_and_truncated_weights_are_named(tmp_path, data):

@@ -37,6 +37,7 @@ from distlm import DistlmError
 from distlm.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
 from distlm.io import sha256_file
 from distlm.log import get_logger, progress
+from distlm.model import family_of
 from distlm.settings import EvalSettings
 from distlm.settings.stage import EvalConfig
 
@@ -280,7 +281,8 @@ def evaluate_model(
     model, meta = load_model(model_dir, topo.device)
     data_meta = read_data_meta(tokens_path)
     check_data_matches(meta, data_meta, model_dir, tokens_path)
-    context, stride = resolve_window(ecfg, model.config.n_positions, where=str(model_dir))
+    n_positions = family_of(model.config).n_positions(model.config)
+    context, stride = resolve_window(ecfg, n_positions, where=str(model_dir))
     amp = autocast_dtype_for(ecfg.precision, topo.device)
     log.info(
         "%s (%s): context %d, stride %d, batch %d windows, %s on %s, %d rank(s)",
@@ -330,7 +332,7 @@ def evaluate_model(
             "arch_digest": meta.arch_digest,
             "created_by": meta.created_by,
             "parameters": meta.parameters,
-            "n_positions": model.config.n_positions,
+            "n_positions": n_positions,
         },
         "data": {
             "path": str(tokens_path),

@@ -1,13 +1,15 @@
-"""GPT-2-architecture models: build, load, serialize, and split into pipeline-stage shards.
+"""Models of a supported family (GPT-2, Llama, Qwen2: `distlm.model.family`): build, load,
+serialize, and split into pipeline-stage shards.
 
 A *model folder* (written by the model stage and by training's final checkpoint) holds:
     model.safetensors        the state dict (tied lm_head.weight omitted, as Hugging Face does)
-    config.json              the transformers GPT2Config
+    config.json              the transformers config (its model_type names the family)
     tokenizer files          the tokenizer the token blocks were made with
     distlm.json              provenance (a `ModelMeta` document): source, config digest, and the
                              sha256 of model.safetensors that `verify_model_folder` checks
     generation_config.json   what `save_pretrained` writes beside config.json (bos/eos token ids)
-It is what `GPT2LMHeadModel.save_pretrained` writes (config.json names `architectures`, the
+It is what the family's model class (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...) writes with
+`save_pretrained` (config.json names `architectures`, the
 tokenizer files carry their special tokens), so `AutoModelForCausalLM.from_pretrained(folder)`,
 `transformers serve` and vLLM load it as it is.
 
@@ -16,12 +18,14 @@ stages: config.json, the tokenizer, distlm.json (the source folder and its sha25
     shards/manifest.json     S pipeline stages: layer ranges, tensor names, bytes, sha256 per shard
     shards/stage-XX.safetensors
 
-The package, by part: `layout` (file names, formats), `build` (config, init, hub or local source),
+The package, by part: `family` (what each model family knows: the one place that branches on
+the architecture), `layout` (file names, formats), `build` (config, init, hub or local source),
 `folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
 `stage` (the model stage: `serialize`). Import from `distlm.model`.
 """
 
 from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
+from distlm.model.family import FAMILIES, SUPPORTED, Family, family_of
 from distlm.model.folder import (
     arch_signature,
     check_state_dict,
@@ -35,7 +39,6 @@ from distlm.model.folder import (
     write_model_dir,
 )
 from distlm.model.layout import (
-    ARCHITECTURE,
     DTYPES,
     MANIFEST,
     META,
@@ -43,7 +46,6 @@ from distlm.model.layout import (
     PIPELINE_FORMAT,
     SHARDS,
     SHARDS_FORMAT,
-    TIED,
     WEIGHTS,
 )
 from distlm.model.shards import (
@@ -57,20 +59,22 @@ from distlm.model.shards import (
 from distlm.model.stage import serialize
 
 __all__ = [
-    "ARCHITECTURE",
     "DTYPES",
+    "FAMILIES",
     "MANIFEST",
     "META",
     "MODEL_FORMAT",
     "PIPELINE_FORMAT",
     "SHARDS",
     "SHARDS_FORMAT",
-    "TIED",
+    "SUPPORTED",
     "WEIGHTS",
+    "Family",
     "StagePlan",
     "arch_signature",
     "build_model",
     "check_state_dict",
+    "family_of",
     "init_config",
     "load_config_json",
     "load_model_dir",

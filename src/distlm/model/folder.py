@@ -17,10 +17,9 @@ from distlm.documents import ModelMeta, read_document, write_document
 from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
 from distlm.log import get_logger
 from distlm.model.build import build_model
+from distlm.model.family import family_of
 from distlm.model.layout import (
-    ARCHITECTURE,
     META,
-    TIED,
     WEIGHTS,
 )
 
@@ -51,15 +50,19 @@ def save_safetensors(
 
 
 def load_config_json(folder: str | Path):
-    from transformers import GPT2Config
+    """The transformers config of a model or pipeline folder, of its family's config class; a
+    model_type distlm does not support is refused naming the supported ones."""
+    from distlm.io import read_json
 
     p = Path(folder) / "config.json"
     if not p.is_file():
         raise DistlmError(f"model config not found: {p}")
+    doc = read_json(p, what="model config")
+    family = family_of(doc.get("model_type") if isinstance(doc, dict) else None, where=str(p))
     try:
-        return GPT2Config.from_json_file(str(p))
+        return family.config_class.from_json_file(str(p))
     except Exception as e:
-        raise DistlmError(f"{p}: not a readable GPT-2 config ({e})") from None
+        raise DistlmError(f"{p}: not a readable {family.model_type} config ({e})") from None
 
 
 def check_state_dict(
@@ -82,7 +85,7 @@ def check_state_dict(
 def load_model_dir(
     folder: str | Path, *, device: str | torch.device = "cpu", dtype=None, verify: bool = True
 ):
-    """Load a model folder into a GPT2LMHeadModel (eval mode); checks digest and tensor shapes.
+    """Load a model folder into its family's model (eval mode); checks digest and tensor shapes.
     `verify=False` skips the digest (a folder not written by distlm: a Hugging Face folder)."""
     folder = Path(folder)
     config = load_config_json(folder)
@@ -92,11 +95,8 @@ def load_model_dir(
     sd = load_safetensors(weights)
     with torch.device("meta"):
         model = build_model(config)
-    expected = {
-        k: v
-        for k, v in model.state_dict().items()
-        if not (k in TIED and config.tie_word_embeddings)
-    }
+    tied = family_of(config).tied(config)
+    expected = {k: v for k, v in model.state_dict().items() if k not in tied}
     check_state_dict(sd, expected, str(weights))
     model = build_model(config)
     model.load_state_dict(sd, strict=False)
@@ -157,6 +157,7 @@ def write_model_dir(
     size = nbytes(state_dict) + sum(
         tree_bytes(Path(p)) for p in (tokenizer_dir, *(extra_files or {}).values())
     )
+    family = family_of(config)
     with atomic_dir(out_dir, size=size) as tmp:
         save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
         save_config(config, tmp, dtype=next(iter(state_dict.values())).dtype)
@@ -166,8 +167,8 @@ def write_model_dir(
         full_meta = ModelMeta(
             **meta,
             model_sha256=sha256_file(tmp / WEIGHTS),
-            n_layer=config.n_layer,
-            n_positions=config.n_positions,
+            n_layer=family.n_layer(config),
+            n_positions=family.n_positions(config),
             vocab_size=config.vocab_size,
             parameters=sum(t.numel() for t in state_dict.values()),
             arch_digest=digest(arch_signature(config)),
@@ -183,7 +184,7 @@ def write_model_dir(
 
 
 def save_config(config, folder: Path, *, dtype: torch.dtype) -> None:
-    """config.json and generation_config.json as `GPT2LMHeadModel.save_pretrained` writes them.
+    """config.json and generation_config.json as the family's `save_pretrained` writes them.
 
     `architectures` is what the ecosystem picks the model class by (`transformers serve` does
     `getattr(transformers, config.architectures[0])`, and so does vLLM); a config built from
@@ -191,7 +192,7 @@ def save_config(config, folder: Path, *, dtype: torch.dtype) -> None:
     from transformers import GenerationConfig
 
     config = copy.deepcopy(config)
-    config.architectures = [ARCHITECTURE]
+    config.architectures = [family_of(config).architecture]
     config.dtype = dtype
     config.save_pretrained(folder)
     gen = GenerationConfig.from_model_config(config)
@@ -206,7 +207,5 @@ def copy_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
 
 
 def arch_signature(config) -> dict:
-    """What must agree between a checkpoint and the model it claims to be."""
-    return {
-        k: getattr(config, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
-    }
+    """What must agree between a checkpoint and the model it claims to be (the family's)."""
+    return family_of(config).signature(config)

@@ -12,11 +12,9 @@ from distlm.documents import ModelMeta, PipelineMeta
 from distlm.io import read_json
 
 WEIGHTS = "model.safetensors"
-ARCHITECTURE = "GPT2LMHeadModel"  # config.json's `architectures`: every folder holds a GPT-2 LM
 META = "distlm.json"
 SHARDS = "shards"
 MANIFEST = "manifest.json"
-TIED = {"lm_head.weight": "transformer.wte.weight"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FORMAT = ModelMeta.tag()  # distlm.json of a model folder
 PIPELINE_FORMAT = PipelineMeta.tag()  # distlm.json of a pipeline folder

@@ -4,7 +4,6 @@ shard, or all of them back into one state dict, with every sha256 checked."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from distlm import DistlmError
 from distlm.documents import PipelineMeta, write_document
 from distlm.io import atomic_dir, sha256_file, write_json
 from distlm.log import get_logger
+from distlm.model.family import Family, family_of
 from distlm.model.folder import (
     copy_files,
     load_config_json,
@@ -27,7 +27,6 @@ from distlm.model.layout import (
     META,
     SHARDS,
     SHARDS_FORMAT,
-    TIED,
     WEIGHTS,
     read_checked,
 )
@@ -35,52 +34,52 @@ from distlm.model.layout import (
 log = get_logger(__name__)
 
 
-_BLOCK = re.compile(r"^transformer\.h\.(\d+)\.")
-
-
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: transformer blocks [layer_start, layer_end) and the tensors it holds."""
+    """One pipeline stage: decoder layers [layer_start, layer_end) and the tensors it holds
+    (the first stage the embeddings, the last the final norm and the head)."""
 
     stage: int
     layer_start: int
     layer_end: int
     tensors: tuple[str, ...]
     nbytes: int
-
-    @property
-    def has_embeddings(self) -> bool:
-        return "transformer.wte.weight" in self.tensors
-
-    @property
-    def has_head(self) -> bool:
-        return "transformer.ln_f.weight" in self.tensors
+    has_embeddings: bool
+    has_head: bool
 
 
 def plan_stages(
-    sd: dict[str, torch.Tensor], n_layer: int, stages: int, *, tied: bool = True
+    sd: dict[str, torch.Tensor],
+    n_layer: int,
+    stages: int,
+    *,
+    family: Family,
+    tied: dict[str, str],
 ) -> list[StagePlan]:
-    """Split blocks into `stages` contiguous ranges minimising the largest stage's bytes.
+    """Split decoder layers into `stages` contiguous ranges minimising the largest stage's bytes.
 
-    Stage 0 also holds the embeddings (wte, wpe); the last stage the final norm and the LM head
-    (with tied embeddings it holds a copy of wte as lm_head.weight, counted in its bytes).
+    Stage 0 also holds the embeddings; the last stage the final norm and the LM head (with tied
+    embeddings, `tied` = family.tied(config), it holds a copy of the embedding as
+    lm_head.weight, counted in its bytes). The family says which tensor is which.
     """
     if not 1 <= stages <= n_layer:
         raise DistlmError(f"inference.stages: {stages} stages for a model with {n_layer} layers")
     block_names: list[list[str]] = [[] for _ in range(n_layer)]
     head, embed = [], []
     for k in sd:
-        m = _BLOCK.match(k)
-        if m:
-            block_names[int(m.group(1))].append(k)
-        elif k.startswith(("transformer.wte.", "transformer.wpe.")):
+        layer = family.layer_of(k)
+        if layer is not None:
+            block_names[layer].append(k)
+        elif family.is_first(k):
             embed.append(k)
-        else:
+        elif family.is_last(k):
             head.append(k)
+        else:
+            raise DistlmError(f"tensor {k!r} is no part of a {family.model_type} model")
+    copies = [dup for dup in tied if dup not in sd]  # the last stage's copies of tied tensors
     block_bytes = [sum(tensor_nbytes(sd[k]) for k in names) for names in block_names]
     head_bytes = sum(tensor_nbytes(sd[k]) for k in head)
-    if tied and "lm_head.weight" not in sd:
-        head_bytes += tensor_nbytes(sd["transformer.wte.weight"])
+    head_bytes += sum(tensor_nbytes(sd[tied[dup]]) for dup in copies)
     embed_bytes = sum(tensor_nbytes(sd[k]) for k in embed)
 
     # Exact DP over contiguous partitions (L, S are small): best[s][i] = min max cost of putting
@@ -122,20 +121,24 @@ def plan_stages(
         if s == 0:
             names = embed + names
         if s == S - 1:
-            names = (
-                names + head + (["lm_head.weight"] if tied and "lm_head.weight" not in sd else [])
+            names = names + head + copies
+        plans.append(
+            StagePlan(
+                s, i, j, tuple(names), cost(s, i, j), has_embeddings=s == 0, has_head=s == S - 1
             )
-        plans.append(StagePlan(s, i, j, tuple(names), cost(s, i, j)))
+        )
     return plans
 
 
-def _shard_tensors(sd: dict[str, torch.Tensor], plan: StagePlan) -> dict[str, torch.Tensor]:
+def _shard_tensors(
+    sd: dict[str, torch.Tensor], plan: StagePlan, tied: dict[str, str]
+) -> dict[str, torch.Tensor]:
     out = {}
     for k in plan.tensors:
         if k in sd:
             out[k] = sd[k]
-        elif k in TIED:
-            out[k] = sd[TIED[k]].clone()  # the last stage's own copy of the tied embedding
+        else:
+            out[k] = sd[tied[k]].clone()  # the last stage's own copy of the tied embedding
     return out
 
 
@@ -150,14 +153,16 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
     weights = model_dir / WEIGHTS
     config = load_config_json(model_dir)
     state_dict = load_safetensors(weights)
-    plans = plan_stages(state_dict, config.n_layer, stages, tied=config.tie_word_embeddings)
+    family = family_of(config)
+    tied = family.tied(config)
+    plans = plan_stages(state_dict, family.n_layer(config), stages, family=family, tied=tied)
     with atomic_dir(out_dir, size=sum(p.nbytes for p in plans)) as tmp:
         copy_files(model_dir, tmp, skip=(WEIGHTS,))  # config, tokenizer; shards carry weights
         (tmp / SHARDS).mkdir()
         shards = []
         for p in plans:
             fname = f"stage-{p.stage:02d}.safetensors"
-            save_safetensors(_shard_tensors(state_dict, p), tmp / SHARDS / fname)
+            save_safetensors(_shard_tensors(state_dict, p, tied), tmp / SHARDS / fname)
             shards.append(
                 {
                     "stage": p.stage,
@@ -173,9 +178,9 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
         manifest = {
             "format": SHARDS_FORMAT,
             "stages": stages,
-            "n_layer": config.n_layer,
+            "n_layer": family.n_layer(config),
             "model_sha256": meta.model_sha256,
-            "tied": dict(TIED) if config.tie_word_embeddings else {},
+            "tied": tied,
             "shards": shards,
         }
         write_json(tmp / SHARDS / MANIFEST, manifest)

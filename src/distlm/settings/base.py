@@ -54,7 +54,12 @@ class Section(BaseModel):
     def _ordered(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
         first = {k: out[k] for k in self._order if k in out}
-        return {**first, **{k: v for k, v in out.items() if k not in first}}
+        return self._dumped({**first, **{k: v for k, v in out.items() if k not in first}})
+
+    def _dumped(self, out: dict) -> dict:
+        """The mapping this section dumps to; a section whose newer keys must leave the digests of
+        configs without them unchanged drops them here (ModelInitSettings)."""
+        return out
 
 
 def _keep_int(value: object, handler: ValidatorFunctionWrapHandler) -> object:

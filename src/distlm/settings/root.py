@@ -12,7 +12,7 @@ from distlm.settings.base import ConfigError, Section
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
 from distlm.settings.inference import InferenceSettings, ServeSettings
-from distlm.settings.model import ModelSettings
+from distlm.settings.model import LLAMA_KEYS, SUPPORTED_MODEL_TYPES, ModelSettings
 from distlm.settings.report import ReportSettings
 from distlm.settings.runtime import RuntimeSettings
 from distlm.settings.sweep import SweepSettings, _no_default
@@ -143,13 +143,49 @@ def consistency_problems(s: Settings) -> list[str]:
     m = s.model
     if m.source in ("hub", "local") and not m.name:
         problems.append(f"model.name: required when model.source is {m.source}")
-    if m.source == "init" and m.init.n_embd % m.init.n_head:
-        problems.append(
-            f"model.init.n_embd: {m.init.n_embd} is not divisible by "
-            f"model.init.n_head {m.init.n_head}"
-        )
+    if m.source == "init":
+        problems += init_problems(m)
     if s.data.source == "local" and not s.data.local.train:
         problems.append("data.local.train: at least one file is required when data.source is local")
+    return problems
+
+
+def init_problems(m: ModelSettings) -> list[str]:
+    """The architecture of model.init: its shapes, and only the keys of its family."""
+    i, problems = m.init, []
+    if i.n_embd % i.n_head:
+        problems.append(
+            f"model.init.n_embd: {i.n_embd} is not divisible by model.init.n_head {i.n_head}"
+        )
+    if i.architecture == "gpt2":
+        problems += [
+            f"model.init.{k}: a key of the Llama family (architecture llama or qwen2), not gpt2"
+            for k in LLAMA_KEYS
+            if getattr(i, k) is not None
+        ]
+        return problems
+    if i.n_kv_head is not None and i.n_head % i.n_kv_head:
+        problems.append(
+            f"model.init.n_kv_head: model.init.n_head {i.n_head} is not divisible by "
+            f"n_kv_head {i.n_kv_head}"
+        )
+    if not i.n_embd % i.n_head and (i.n_embd // i.n_head) % 2:
+        problems.append(
+            f"model.init.n_head: head width n_embd / n_head = {i.n_embd // i.n_head} is odd; "
+            "rotary positions need an even one"
+        )
+    rs = i.rope_scaling
+    if rs is not None and rs.original_max_position_embeddings >= i.n_positions:
+        problems.append(
+            "model.init.rope_scaling.original_max_position_embeddings: "
+            f"{rs.original_max_position_embeddings} must be less than model.init.n_positions "
+            f"{i.n_positions} (the scaled context)"
+        )
+    if rs is not None and rs.high_freq_factor <= rs.low_freq_factor:
+        problems.append(
+            f"model.init.rope_scaling.high_freq_factor: {rs.high_freq_factor} must be larger than "
+            f"low_freq_factor {rs.low_freq_factor}"
+        )
     return problems
 
 
@@ -162,6 +198,15 @@ def known_architecture(m: ModelSettings) -> tuple[int, int] | None:
         if p.is_file():
             try:
                 c = json.loads(p.read_text())
+                model_type = c.get("model_type")
+            except (ValueError, TypeError, AttributeError, json.JSONDecodeError):
+                raise ConfigError(f"model.name: {p} is not a readable model config") from None
+            if model_type not in SUPPORTED_MODEL_TYPES:
+                raise ConfigError(
+                    f"model.name: {p} has model_type {model_type!r}; distlm supports "
+                    f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+                )
+            try:
                 return int(c.get("n_layer", c.get("num_hidden_layers"))), int(
                     c.get("n_positions", c.get("max_position_embeddings"))
                 )

@@ -10,11 +10,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlm.log import get_logger
+from distlm.model import family_of
 from distlm.settings import TrainSettings
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu
 
 if TYPE_CHECKING:
-    from transformers import GPT2LMHeadModel
+    from transformers import PreTrainedModel
 
 log = get_logger(__name__)
 
@@ -31,13 +32,15 @@ def no_buffer_sync() -> dict:
 
 
 def wrap_model(
-    model: GPT2LMHeadModel, tcfg: TrainSettings, device: torch.device
+    model: PreTrainedModel, tcfg: TrainSettings, device: torch.device
 ) -> tuple[torch.nn.Module, DDP]:
     """(input_ids -> mean next-token loss without DDP hooks, for evaluation; the same in DDP)."""
-    if tcfg.fast_kernels:
+    kernels = family_of(model.config).kernels
+    if tcfg.fast_kernels and kernels:
         # Same loss and gradients (to float rounding) with less memory traffic: see
         # distlm.train.kernels. The modules swapped hold no weights; the model saved is the same.
-        fused = fuse_gelu(model)
+        # Which apply is the family's: GPT-2 both, the Llama family the linear cross-entropy.
+        fused = fuse_gelu(model) if "gelu" in kernels else 0  # pyright: ignore[reportArgumentType]
         module: torch.nn.Module = CausalLMLoss(model)
         log.info(
             "train.fast_kernels: LM head fused with the cross-entropy, %d tanh GELUs in one kernel",

@@ -1,6 +1,9 @@
-"""Training kernels for GPT-2: the LM head fused with its loss, and the tanh GELU in one op.
+"""Training kernels: the LM head fused with its loss (any family), and GPT-2's tanh GELU in one op.
 
-Same function as transformers' `GPT2LMHeadModel(input_ids, labels=input_ids).loss` (the mean
+Which apply is the model family's `kernels` (distlm.model.family): GPT-2 both, the Llama family
+(Llama, Qwen2) the linear cross-entropy only (its MLP is a gated SiLU, with no tanh GELU to fuse).
+
+Same function as transformers' `model(input_ids, labels=input_ids).loss` (the mean
 cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
 default (2 ranks x 1 thread, 8 x 128 tokens per rank), the two together take about a fifth off the
 step (see benchmarks/train and docs/performance.md, "Training"):
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 import torch
 
 if TYPE_CHECKING:
-    from transformers import GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel, PreTrainedModel
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -105,17 +108,18 @@ def linear_cross_entropy(
 
 
 class CausalLMLoss(torch.nn.Module):
-    """A GPT2LMHeadModel's next-token loss through `linear_cross_entropy` (wrap this in DDP).
+    """A causal LM's next-token loss through `linear_cross_entropy` (wrap this in DDP): its
+    decoder (`base_model`: GPT-2's `transformer`, Llama's `model`) then its bias-free `lm_head`.
 
     Holds the model as its only child, so DDP sees the same parameters in the same order.
     """
 
-    def __init__(self, model: GPT2LMHeadModel) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.transformer(input_ids=input_ids, use_cache=False).last_hidden_state
+        h = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         # position t predicts token t + 1: the last position has nothing to predict
         return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
 

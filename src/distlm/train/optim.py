@@ -10,7 +10,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.log import get_logger
-from distlm.model import TIED
+from distlm.model import family_of
 from distlm.settings import TrainSettings
 
 log = get_logger(__name__)
@@ -74,9 +74,8 @@ def fused_adamw_available(device: torch.device) -> bool:
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors without the tied duplicate (they share storage with the parameters)."""
     sd = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        for dup in TIED:
-            sd.pop(dup, None)
+    for dup in family_of(model.config).tied(model.config):
+        sd.pop(dup, None)
     return sd
 
 

@@ -20,14 +20,14 @@ from distlm.dist import Topology
 from distlm.documents import ModelMeta, TokenMeta
 from distlm.lease import Lease
 from distlm.log import get_logger
-from distlm.model import build_model, load_config_json, load_model_dir, read_meta
+from distlm.model import build_model, family_of, load_config_json, load_model_dir, read_meta
 from distlm.settings.stage import TrainConfig
 from distlm.train.optim import weights_of
 from distlm.train.paths import TrainPaths
 from distlm.train.sampler import BatchPlan, StepLoader, StepSampler, plan_batch
 
 if TYPE_CHECKING:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # The trainer's logger: the `attempt:` line keeps the name that tests and runbooks grep for.
 log = get_logger("distlm.train.trainer")
@@ -115,15 +115,16 @@ def open_data(cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> TrainData:
 
 def load_model(
     paths: TrainPaths, topo: Topology, data: TrainData
-) -> tuple[GPT2LMHeadModel, GPT2Config, ModelMeta]:
+) -> tuple[PreTrainedModel, PretrainedConfig, ModelMeta]:
     """(the model in float32 in train mode, its config, the base folder's metadata). Rank 0 reads
     the weights (verified); the others build a template that `sync_weights` fills."""
     config = load_config_json(paths.model)
     base = read_meta(paths.model)
-    if data.block_size > config.n_positions:
+    n_positions = family_of(config).n_positions(config)
+    if data.block_size > n_positions:
         raise DistlmError(
             f"{paths.tokens}: block size {data.block_size} is beyond the context of model "
-            f"{paths.model} ({config.n_positions} positions)"
+            f"{paths.model} ({n_positions} positions)"
         )
     if data.meta.vocab_size > config.vocab_size:
         raise DistlmError(
