@@ -59,6 +59,7 @@ class StageModel(nn.Module):
         self.gqa = b.n_kv_head != b.n_head  # SDPA shares each cached head among n_head/n_kv_head
         self.width = b.n_head * b.head_dim  # attention output per token
         self.context = b.context
+        self.scales = b.scales  # SDPA scale per local layer
         # per local layer: keys and values of every lane, (lanes, n_kv_head, T, head_dim), grown
         # by _reserve; `length[lane]`: the positions cached for the lane's sequence
         self.keys: list[torch.Tensor] = []
@@ -179,7 +180,7 @@ class StageModel(nn.Module):
         each token attending over its lane's cached positions up to its own -> (N, n_head * D).
         With grouped-query attention the cache holds n_kv_head heads, each shared by
         n_head / n_kv_head query heads (SDPA's enable_gqa)."""
-        W, scale, gqa = self.width, self.blocks.scales[j], self.gqa
+        W, scale, gqa = self.width, self.scales[j], self.gqa
         K, V = self.keys[j], self.values[j]  # (lanes, n_kv_head, T, D)
         if plan.single is not None:  # one sequence: slices, no index tensors, no mask
             it = plan.single
