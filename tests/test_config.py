@@ -70,7 +70,7 @@ def test_bad_yaml_names_the_file(tmp_path):
 
 
 def test_local_model_folder_architecture_is_checked(tmp_path):
-    (tmp_path / "config.json").write_text('{"n_layer": 2, "n_positions": 64}')
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_positions": 64}')
     raw = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
     raw["model"] = {"source": "local", "name": str(tmp_path)}
     with pytest.raises(

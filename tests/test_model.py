@@ -81,17 +81,19 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
     assert set(back) == set(full)
     assert all(torch.equal(back[k], full[k]) and back[k].dtype == full[k].dtype for k in full)
     man = read_manifest(out)
-    assert next(s["layers"] for s in man["shards"])[0] == 0 and man["shards"][-1]["layers"][1] == 5
-    assert man["shards"][0]["has_embeddings"] and man["shards"][-1]["has_head"]
+    assert man.shards[0].layers[0] == 0 and man.shards[-1].layers[1] == 5
+    assert man.shards[0].has_embeddings and man.shards[-1].has_head
+    assert [s.has_embeddings for s in man.shards].count(True) == 1
+    assert [s.has_head for s in man.shards].count(True) == 1
     # Contiguous, non-empty layer ranges; every block in exactly one shard.
-    ranges = [tuple(s["layers"]) for s in man["shards"]]
+    ranges = [s.layers for s in man.shards]
     assert all(a < b for a, b in ranges) and all(
         ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)
     )
     # The last stage carries its own copy of the tied embedding as lm_head.weight.
     _, last = load_stage_shard(out, stages - 1)
     assert torch.equal(last["lm_head.weight"], full["transformer.wte.weight"])
-    assert meta["stages"][0]["layers"] == man["shards"][0]["layers"]
+    assert meta["stages"][0]["layers"] == list(man.shards[0].layers)
     assert (
         meta["source_model"] == str(tmp_path / "model") and not (out / "model.safetensors").exists()
     )
@@ -120,7 +122,7 @@ def test_sharding_refuses_a_tampered_model_and_too_many_stages(tmp_path, data):
     (tmp_path / "model" / "model.safetensors").write_bytes(b"junk")
     with pytest.raises(DistlmError, match="does not match"):
         write_pipeline_dir(tmp_path / "model", out, stages=3)
-    assert read_manifest(out)["stages"] == 2  # the earlier pipeline folder is intact
+    assert read_manifest(out).stages == 2  # the earlier pipeline folder is intact
 
 
 def test_model_folder_loads_back_as_the_same_model(tmp_path, data):

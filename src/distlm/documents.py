@@ -182,6 +182,35 @@ class PipelineMeta(ModelMeta):
     stages: list[dict]
 
 
+class ShardEntry(BaseModel):
+    """One stage's shard in shards/manifest.json: its decoder layers [start, end), whether it
+    holds the embeddings (the first stage) and the final norm and head (the last), its tensors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    stage: int
+    file: str
+    layers: tuple[int, int]
+    has_embeddings: bool
+    has_head: bool
+    tensors: list[str]
+    bytes: int
+    sha256: str
+
+
+class ShardManifest(Document):
+    """shards/manifest.json of a pipeline folder (rule shard): the stage shards of a model folder,
+    cut by its family (distlm.model.family), with `tied` the last stage's copies of tied tensors
+    ({"lm_head.weight": the input embedding}, or {} when the head is its own)."""
+
+    KIND: ClassVar[str] = "distlm-shards"
+    VERSION: ClassVar[int] = 1
+    stages: int
+    n_layer: int
+    model_sha256: str
+    tied: dict[str, str]
+    shards: list[ShardEntry]
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 

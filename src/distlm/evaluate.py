@@ -161,9 +161,8 @@ def score_windows(
         ids, scored, labels = _batch(tokens, windows[i : i + batch_size])
         ids, scored, labels = ids.to(device), scored.to(device), labels.to(device)
         with amp:
-            hidden = model.transformer(
-                input_ids=ids, use_cache=False
-            ).last_hidden_state  # (B, T, C)
+            # the decoder of any family (GPT-2's `transformer`, Llama's `model`), then the head
+            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
             logits = model.lm_head(hidden[scored])  # (n_scored, V)
         nll = F.cross_entropy(logits.float(), labels[scored], reduction="none")  # (n_scored,)
         total += nll.double().sum()

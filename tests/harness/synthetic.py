@@ -41,8 +41,10 @@ def make_inputs(
     n_embd: int = 32,
     n_positions: int | None = None,
     seed: int = 0,
+    **arch,
 ) -> dict[str, Path]:
-    """Write root/tokens.h5, root/tokenizer/ (empty) and root/model/; return their paths."""
+    """Write root/tokens.h5, root/tokenizer/ (empty) and root/model/; return their paths. `arch`:
+    more model.init keys (architecture llama, n_kv_head, ...)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     streams = {
@@ -77,6 +79,7 @@ def make_inputs(
         n_positions=n_positions or block_size,
         dropout=0.0,
         seed=seed,
+        **arch,
     )
     config = init_config(init, vocab, 0)
     model = build_model(config, seed=seed)

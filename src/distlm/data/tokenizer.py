@@ -12,6 +12,7 @@ from distlm import DistlmError
 from distlm.data.sources import EOS, Split
 from distlm.log import get_logger, progress
 from distlm.settings import ModelSourceSettings
+from distlm.settings.model import SUPPORTED_MODEL_TYPES
 
 log = get_logger(__name__)
 
@@ -37,8 +38,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int, o
 
 
 def model_tokenizer(model_cfg: ModelSourceSettings):
-    """The model's own tokenizer (hub id or local folder), or None for a random init."""
-    from transformers import AutoTokenizer
+    """The model's own tokenizer (hub id or local folder), or None for a random init. The first
+    stage to read a hub model: a model_type distlm does not support is refused here, before any
+    data is tokenized (a local folder's was refused when the config was validated)."""
+    from transformers import AutoConfig, AutoTokenizer
 
     if model_cfg.source == "init":
         return None
@@ -48,6 +51,20 @@ def model_tokenizer(model_cfg: ModelSourceSettings):
         raise DistlmError(f"model.name: required when model.source is {model_cfg.source}")
     if local and not Path(name).is_dir():
         raise DistlmError(f"model.name: model folder not found: {name}")
+    try:
+        model_type = AutoConfig.from_pretrained(
+            name, revision=model_cfg.revision, local_files_only=local
+        ).model_type
+    except Exception as e:
+        raise DistlmError(
+            f"model.name {name!r}: could not read the model's config ({type(e).__name__}: {e}). "
+            + ("" if local else "Unknown model id, or offline without a cached copy?")
+        ) from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DistlmError(
+            f"model.name {name!r}: model_type {model_type!r} is not supported; distlm supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     try:
         return AutoTokenizer.from_pretrained(
             name, revision=model_cfg.revision, local_files_only=local

@@ -10,8 +10,14 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.documents import PipelineMeta, write_document
-from distlm.io import atomic_dir, sha256_file, write_json
+from distlm.documents import (
+    PipelineMeta,
+    ShardEntry,
+    ShardManifest,
+    read_document,
+    write_document,
+)
+from distlm.io import atomic_dir, sha256_file
 from distlm.log import get_logger
 from distlm.model.family import Family, family_of
 from distlm.model.folder import (
@@ -26,9 +32,7 @@ from distlm.model.layout import (
     MANIFEST,
     META,
     SHARDS,
-    SHARDS_FORMAT,
     WEIGHTS,
-    read_checked,
 )
 
 log = get_logger(__name__)
@@ -142,7 +146,7 @@ def _shard_tensors(
     return out
 
 
-def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: int) -> dict:
+def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: int) -> ShardManifest:
     """Cut a model folder into `stages` pipeline shards (rule shard); return the manifest.
 
     The pipeline folder holds what the pipeline's ranks need and nothing else: config.json, the
@@ -164,32 +168,29 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
             fname = f"stage-{p.stage:02d}.safetensors"
             save_safetensors(_shard_tensors(state_dict, p, tied), tmp / SHARDS / fname)
             shards.append(
-                {
-                    "stage": p.stage,
-                    "file": fname,
-                    "layers": [p.layer_start, p.layer_end],
-                    "has_embeddings": p.has_embeddings,
-                    "has_head": p.has_head,
-                    "tensors": list(p.tensors),
-                    "bytes": p.nbytes,
-                    "sha256": sha256_file(tmp / SHARDS / fname),
-                }
+                ShardEntry(
+                    stage=p.stage,
+                    file=fname,
+                    layers=(p.layer_start, p.layer_end),
+                    has_embeddings=p.has_embeddings,
+                    has_head=p.has_head,
+                    tensors=list(p.tensors),
+                    bytes=p.nbytes,
+                    sha256=sha256_file(tmp / SHARDS / fname),
+                )
             )
-        manifest = {
-            "format": SHARDS_FORMAT,
-            "stages": stages,
-            "n_layer": family.n_layer(config),
-            "model_sha256": meta.model_sha256,
-            "tied": tied,
-            "shards": shards,
-        }
-        write_json(tmp / SHARDS / MANIFEST, manifest)
+        manifest = ShardManifest(
+            stages=stages,
+            n_layer=family.n_layer(config),
+            model_sha256=meta.model_sha256,
+            tied=tied,
+            shards=shards,
+        )
+        write_document(tmp / SHARDS / MANIFEST, manifest)
         pipeline = PipelineMeta(
             **meta.model_dump(),
             source_model=str(model_dir),
-            stages=[
-                {"stage": s["stage"], "layers": s["layers"], "bytes": s["bytes"]} for s in shards
-            ],
+            stages=[{"stage": s.stage, "layers": list(s.layers), "bytes": s.bytes} for s in shards],
         )
         write_document(tmp / META, pipeline)
     log.info(
@@ -197,38 +198,36 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
         out_dir,
         stages,
         model_dir,
-        ", ".join(f"{s['layers'][0]}-{s['layers'][1] - 1}" for s in shards),
+        ", ".join(f"{s.layers[0]}-{s.layers[1] - 1}" for s in shards),
     )
     return manifest
 
 
-def read_manifest(folder: str | Path) -> dict:
+def read_manifest(folder: str | Path) -> ShardManifest:
     """shards/manifest.json of a pipeline folder (rule shard)."""
-    return read_checked(Path(folder) / SHARDS / MANIFEST, "shard manifest", SHARDS_FORMAT)
+    return read_document(Path(folder) / SHARDS / MANIFEST, ShardManifest)
 
 
 def load_stage_shard(
     folder: str | Path, stage: int, *, device: str = "cpu"
-) -> tuple[dict, dict[str, torch.Tensor]]:
+) -> tuple[ShardEntry, dict[str, torch.Tensor]]:
     """(manifest entry, tensors) of one stage, after checking the shard's sha256."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    entries = [s for s in manifest["shards"] if s["stage"] == stage]
+    entries = [s for s in manifest.shards if s.stage == stage]
     if not entries:
-        raise DistlmError(
-            f"{folder / SHARDS / MANIFEST}: no stage {stage} (has {manifest['stages']})"
-        )
+        raise DistlmError(f"{folder / SHARDS / MANIFEST}: no stage {stage} (has {manifest.stages})")
     entry = entries[0]
-    path = folder / SHARDS / entry["file"]
+    path = folder / SHARDS / entry.file
     if not path.is_file():
         raise DistlmError(f"stage shard not found: {path}")
     actual = sha256_file(path)
-    if actual != entry["sha256"]:
+    if actual != entry.sha256:
         raise DistlmError(
-            f"{path}: sha256 {actual} does not match the manifest's {entry['sha256']} (stage {stage})"
+            f"{path}: sha256 {actual} does not match the manifest's {entry.sha256} (stage {stage})"
         )
     tensors = load_safetensors(path, device=device)
-    if sorted(tensors) != sorted(entry["tensors"]):
+    if sorted(tensors) != sorted(entry.tensors):
         raise DistlmError(f"{path}: tensors differ from the manifest's list for stage {stage}")
     return entry, tensors
 
@@ -237,10 +236,10 @@ def load_shards(folder: str | Path) -> dict[str, torch.Tensor]:
     """Reassemble the full state dict from the stage shards (tied copies checked and dropped)."""
     manifest = read_manifest(folder)
     sd: dict[str, torch.Tensor] = {}
-    for entry in manifest["shards"]:
-        _, tensors = load_stage_shard(folder, entry["stage"])
+    for entry in manifest.shards:
+        _, tensors = load_stage_shard(folder, entry.stage)
         sd.update(tensors)
-    for dup, src in manifest["tied"].items():
+    for dup, src in manifest.tied.items():
         if dup in sd:
             if not torch.equal(sd[dup], sd[src]):
                 raise DistlmError(f"{folder}: tied tensor {dup!r} differs from {src!r}")

@@ -1,4 +1,5 @@
-"""The model stage (rule model): hub id, local folder or seeded init -> model folder."""
+"""The model stage (rule model): hub id, local folder or seeded init -> model folder, of any
+supported family (distlm.model.family), written with that family's architecture."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from distlm import DistlmError
 from distlm.documents import ModelMeta
 from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
+from distlm.model.family import family_of
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META
 from distlm.settings.stage import ModelConfig
@@ -40,10 +42,11 @@ def serialize(
                 f"model.name {mcfg.name!r} has vocab_size {config.vocab_size} but the tokenizer in "
                 f"{tokenizer_dir} has {vocab} tokens"
             )
-    if data_meta.block_size > config.n_positions:
+    n_positions = family_of(config).n_positions(config)
+    if data_meta.block_size > n_positions:
         raise DistlmError(
             f"data.block_size: {data_meta.block_size} ({tokens_path}) is beyond model "
-            f"{mcfg.name or 'init'}'s context of {config.n_positions}"
+            f"{mcfg.name or 'init'}'s context of {n_positions}"
         )
     model = model.to(DTYPES[mcfg.dtype])  # pyright: ignore[reportArgumentType] (as above)
     sd = state_dict_for_save(model)

@@ -40,7 +40,7 @@ def wrap_model(
         # Same loss and gradients (to float rounding) with less memory traffic: see
         # distlm.train.kernels. The modules swapped hold no weights; the model saved is the same.
         # Which apply is the family's: GPT-2 both, the Llama family the linear cross-entropy.
-        fused = fuse_gelu(model) if "gelu" in kernels else 0  # pyright: ignore[reportArgumentType]
+        fused = fuse_gelu(model) if "gelu" in kernels else 0
         module: torch.nn.Module = CausalLMLoss(model)
         log.info(
             "train.fast_kernels: LM head fused with the cross-entropy, %d tanh GELUs in one kernel",

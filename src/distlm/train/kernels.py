@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 import torch
 
 if TYPE_CHECKING:
-    from transformers import GPT2LMHeadModel, PreTrainedModel
+    from transformers import PreTrainedModel
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -124,15 +124,15 @@ class CausalLMLoss(torch.nn.Module):
         return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
 
 
-def fuse_gelu(model: GPT2LMHeadModel) -> int:
-    """Swap GPT-2's `gelu_new` modules for the one-kernel tanh GELU; returns how many."""
+def fuse_gelu(model: torch.nn.Module) -> int:
+    """Swap GPT-2's `gelu_new` modules (its MLPs' `act`) for the one-kernel tanh GELU; returns
+    how many (0 for a family without them: the Llama family's MLP is a gated SiLU)."""
     from transformers.activations import NewGELUActivation
 
     n = 0
-    for block in model.transformer.h:
-        mlp = block.get_submodule("mlp")
-        if isinstance(mlp.get_submodule("act"), NewGELUActivation):
-            mlp.act = torch.nn.GELU(approximate="tanh")
+    for module in model.modules():
+        if isinstance(getattr(module, "act", None), NewGELUActivation):
+            module.act = torch.nn.GELU(approximate="tanh")
             n += 1
     return n
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
+from distlm.documents import ShardEntry
 from distlm.log import get_logger
 from distlm.model import check_state_dict, load_config_json, load_stage_shard, read_manifest
 
@@ -42,15 +43,15 @@ class StageModel(nn.Module):
     """One pipeline stage: its family's blocks (embeddings on stage 0, decoder layers
     [start, end), final norm + LM head on the last stage) and a KV cache per lane."""
 
-    def __init__(self, config, entry: dict) -> None:
+    def __init__(self, config, entry: ShardEntry) -> None:
         super().__init__()
         from distlm.model.family import family_of
 
         self.config = config
-        self.stage = entry["stage"]
-        self.start, self.end = entry["layers"]
-        self.first = bool(entry["has_embeddings"])
-        self.last = bool(entry["has_head"])
+        self.stage = entry.stage
+        self.start, self.end = entry.layers
+        self.first = entry.has_embeddings
+        self.last = entry.has_head
         self.blocks = family_of(config).stage_blocks(
             config, self.start, self.end, first=self.first, last=self.last
         )
@@ -263,16 +264,16 @@ def load_stage(
     """This rank's stage from a model folder's shards (sha256 checked against the manifest)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    if manifest["stages"] != world:
+    if manifest.stages != world:
         raise DistlmError(
-            f"{folder}/shards/manifest.json has {manifest['stages']} stage shards but the pipeline "
+            f"{folder}/shards/manifest.json has {manifest.stages} stage shards but the pipeline "
             f"runs {world} ranks: launch one rank per shard (inference.stages for batch "
             "inference, serve.stages for serve)"
         )
     entry, tensors = load_stage_shard(folder, stage)  # sha256 checked first: fail before building
     config = load_config_json(folder)
     model = StageModel(config, entry)
-    model.load_shard(tensors, f"{folder}/shards/{entry['file']}")
+    model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     model.to(device)
     log.info(
         "stage %d on %s: layers %d-%d%s%s, %.1f MB",

@@ -1,0 +1,71 @@
+"""The whole workflow through `snakemake --profile profiles/local` on a sweep that crosses the model
+families (tests/configs/tiny-families.yaml over tiny.yaml): the tiny GPT-2, a tiny Llama (1 KV
+head, untied, Llama 3.2's rope scaling, 3 layers in 2 pipeline stages) and a folder shaped as
+SmolLM2-135M ships, through `model.source: local`. One run serves every check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT, TINY, run_snakemake
+from harness.hub_folder import smollm2_shaped_folder
+
+from distlm.data.sources import load_embedded
+from distlm.documents import EvalReport, SweepRun, read_document
+from distlm.model import family_of, load_config_json, load_model_dir, read_manifest
+
+FAMILIES = ROOT / "tests" / "configs" / "tiny-families.yaml"
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+RUNS = {"gpt2": "gpt2", "llama": "llama", "smollm2-local": "llama"}
+
+
+@pytest.fixture(scope="module")
+def families_run(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("families")
+    texts = [text for _, text in load_embedded()][:300]
+    smollm2_shaped_folder(wd / "hub", texts)
+    proc = run_snakemake(wd, "--configfile", str(TINY), str(FAMILIES), configfile=None)
+    return wd, proc
+
+
+@pytest.mark.slow
+def test_a_sweep_across_families_runs_every_stage(families_run):
+    from transformers import AutoModelForCausalLM
+
+    wd, _ = families_run
+    for name, model_type in RUNS.items():
+        run = read_document(wd / f"results/runs/{name}/run.json", SweepRun)
+        folders = {job: wd / folder for job, folder in run.jobs.items()}
+        base, final = folders["model"] / "model/base", folders["train"] / "train/final"
+        for folder in (base, final):
+            config = json.loads((folder / "config.json").read_text())
+            assert config["model_type"] == model_type
+            assert config["architectures"] == [ARCHITECTURES[model_type]], (name, folder)
+            # written by distlm, loaded by transformers unchanged, to the same logits
+            hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+            ours = load_model_dir(folder)
+            x = torch.arange(16)[None] % hf.config.vocab_size
+            with torch.no_grad():
+                assert torch.equal(hf(x).logits, ours(x).logits)
+        cfg = load_config_json(final)
+        if name == "llama":
+            assert family_of(cfg).kv_shape(cfg) == (1, 32)
+            assert not cfg.tie_word_embeddings
+            assert cfg.rope_parameters["rope_type"] == "llama3"
+        metrics = (folders["train"] / "train/metrics.csv").read_text().splitlines()[1:]
+        loss = [float(r.split(",")[1]) for r in metrics]
+        assert len(loss) == 8 and loss[-1] < loss[0], (name, loss)
+        for model in ("base", "trained"):
+            ev = read_document(folders["eval"] / f"eval/{model}.json", EvalReport)
+            assert ev.splits["validation"].tokens_scored > 0
+        man = read_manifest(folders["shard"] / "pipeline/trained")
+        assert man.stages == (3 if name == "gpt2" else 2)
+        lines = (folders["inference"] / "inference/generations.jsonl").read_text().splitlines()
+        recs = [json.loads(line) for line in lines]
+        assert recs and all(1 <= r["tokens"] == len(r["token_ids"]) for r in recs)
+        page = (wd / f"results/runs/{name}/report/summary.html").read_text()
+        assert "Validation loss" in page and 'class="not-collected"' not in page
+    # the GPT-2 run of the sweep is the tiny workflow's: the same model folder bits
+    assert (wd / "results/report/summary.html").is_file()
