@@ -133,7 +133,7 @@ def mpi_pipeline(
             from distlm.data import load_tokenizer
 
             pipe.tokenizer = load_tokenizer(model_dir)
-            pipe.context = model.config.n_positions
+            pipe.context = model.context
             pipe.eos_token_id = pipe.tokenizer.eos_token_id
             pipe.scheduler = Scheduler(
                 model,

@@ -1,10 +1,11 @@
-"""One pipeline stage: its transformer blocks (transformers' GPT2Block), a KV cache per lane.
+"""One pipeline stage: its model family's blocks (`distlm.model.family`), a KV cache per lane.
 
 A stage runs a *micro-batch*: several sequences (each in its own lane) packed along the token axis,
-(1, N, C) with N = sum of the items' new tokens. The per-token work (layer norms, QKV and output
-projections, MLP) runs on the packed tensor. The KV cache is one tensor per layer,
-(lanes, n_head, T, head_dim), grown as lanes and lengths need. Attention is the SDPA call
-Hugging Face's GPT-2 makes: a prefill attends over its own new tokens (causal); the decode items
+(N, C) with N = sum of the items' new tokens. The per-token work (norms, QKV and output
+projections, rotary positions, MLP) is the family's (`StageBlocks`) and runs on the packed tensor.
+The KV cache is one tensor per layer, (lanes, n_kv_head, T, head_dim), grown as lanes and lengths
+need (grouped-query attention caches fewer heads than it queries). Attention is the SDPA call
+Hugging Face's models make: a prefill attends over its own new tokens (causal); the decode items
 of a micro-batch (one new token each) attend together, in one call, over their lanes' cached
 keys with a mask of each lane's length, so a sequence's logits do not depend on which other
 sequences share its micro-batch, and a decode step costs a handful of tensor operations per
@@ -39,56 +40,41 @@ class Item:
 
 
 class StageModel(nn.Module):
-    """Embeddings (stage 0), blocks [start, end), final norm + LM head (last stage)."""
+    """One pipeline stage: its family's blocks (embeddings on stage 0, decoder layers
+    [start, end), final norm + LM head on the last stage) and a KV cache per lane."""
 
     def __init__(self, config, entry: ShardEntry) -> None:
         super().__init__()
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        from distlm.model.family import family_of
 
-        config._attn_implementation = "sdpa"
         self.config = config
         self.stage = entry.stage
         self.start, self.end = entry.layers
         self.first = entry.has_embeddings
         self.last = entry.has_head
-        C = config.n_embd
-        if self.first:
-            self.wte = nn.Embedding(config.vocab_size, C)
-            self.wpe = nn.Embedding(config.n_positions, C)
-        self.h = nn.ModuleList(GPT2Block(config, layer_idx=i) for i in range(self.start, self.end))
-        if self.last:
-            self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_epsilon)
-            self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        self.n_head = config.n_head
-        self.head_dim = C // config.n_head
-        self.scales = []
-        for i in range(self.start, self.end):
-            s = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
-            if config.scale_attn_by_inverse_layer_idx:
-                s /= float(i + 1)
-            self.scales.append(s)
-        # per local layer: keys and values of every lane, (lanes, n_head, T, head_dim), grown by
-        # _reserve; `length[lane]`: the positions cached for the lane's sequence
+        self.blocks = family_of(config).stage_blocks(
+            config, self.start, self.end, first=self.first, last=self.last
+        )
+        b = self.blocks
+        self.n_head, self.n_kv_head, self.head_dim = b.n_head, b.n_kv_head, b.head_dim
+        self.gqa = b.n_kv_head != b.n_head  # SDPA shares each cached head among n_head/n_kv_head
+        self.width = b.n_head * b.head_dim  # attention output per token
+        self.context = b.context
+        self.scales = b.scales  # SDPA scale per local layer
+        # per local layer: keys and values of every lane, (lanes, n_kv_head, T, head_dim), grown
+        # by _reserve; `length[lane]`: the positions cached for the lane's sequence
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length: dict[int, int] = {}
 
     # ------------------------------------------------------------------ weights
 
-    def _local_name(self, name: str) -> str:
-        if name.startswith("transformer.h."):
-            layer, rest = name[len("transformer.h.") :].split(".", 1)
-            return f"h.{int(layer) - self.start}.{rest}"
-        if name.startswith("transformer."):
-            return name[len("transformer.") :]
-        return name
-
     def load_shard(self, tensors: dict[str, torch.Tensor], where: str) -> None:
-        sd = {self._local_name(k): v for k, v in tensors.items()}
-        check_state_dict(sd, self.state_dict(), where)
+        sd = {self.blocks.local_name(k): v for k, v in tensors.items()}
+        check_state_dict(sd, self.blocks.state_dict(), where)
         dtype = next(iter(sd.values())).dtype
         self.to(dtype)
-        self.load_state_dict(sd, strict=True)
+        self.blocks.load_state_dict(sd, strict=True)
         self.eval()
 
     @property
@@ -130,16 +116,16 @@ class StageModel(nn.Module):
         if lane < lanes and end <= T:
             return
         new_lanes = max(lanes, lane + 1)
-        new_T = min(max(T * 2, end, 64), self.config.n_positions)
+        new_T = min(max(T * 2, end, 64), self.context)
         if end > new_T:
             raise DistlmError(
                 f"stage {self.stage}: position {end} is beyond the context of {new_T} tokens"
             )
-        shape = (new_lanes, self.n_head, new_T, self.head_dim)
+        shape = (new_lanes, self.n_kv_head, new_T, self.head_dim)
         for caches in (self.keys, self.values):
-            for j in range(len(self.h)):
+            for j in range(self.blocks.n_layers):
                 grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if caches is not None and j < len(caches):
+                if j < len(caches):
                     grown[:lanes, :, :T] = caches[j]
                     caches[j] = grown
                 else:
@@ -157,11 +143,7 @@ class StageModel(nn.Module):
         the positions before the last}), from the same forward pass.
         """
         dev = self.device
-        if self.first:
-            positions = torch.cat([torch.arange(it.pos, it.pos + it.n) for it in items]).to(dev)
-            x = self.wte(x.to(dev)) + self.wpe(positions)  # (N, C)
-        else:
-            x = x.to(dev, self.dtype)  # (N, C)
+        blocks = self.blocks
         for it in items:
             if it.pos != 0 and self.length.get(it.lane) != it.pos:
                 raise DistlmError(
@@ -170,87 +152,77 @@ class StageModel(nn.Module):
                 )
             self._reserve(it.lane, it.pos + it.n)
         plan = _Plan(items, dev)
-        for j, block in enumerate(self.h):
-            x = self._block(j, block, plan, x)
+        if self.first:
+            x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
+        else:
+            x = x.to(dev, self.dtype)  # (N, C)
+        rot = blocks.positions(plan.positions)  # per micro-batch (rotary cos/sin), or None
+        for j in range(blocks.n_layers):
+            q, k, v = blocks.qkv(j, x, rot)  # (N, n_head, D), (N, n_kv_head, D) twice
+            x = blocks.finish(j, x, self._attend(j, plan, q, k, v))
         for it in items:
             self.length[it.lane] = it.pos + it.n
         if not self.last:
             return x
-        x = self.ln_f(x)
         starts = torch.tensor([0] + [it.n for it in items]).cumsum(0)
-        last = self.lm_head(x[(starts[1:] - 1).to(dev)])  # (B, V)
+        last = blocks.head(x[(starts[1:] - 1).to(dev)])  # (B, V)
         if not every:
             return last
         rest = {
-            i: self.lm_head(x[int(starts[i]) : int(starts[i + 1]) - 1])  # (n - 1, V)
+            i: blocks.head(x[int(starts[i]) : int(starts[i + 1]) - 1])  # (n - 1, V)
             for i in sorted(every)
         }
         return last, rest
 
-    def _block(self, j: int, block, plan: _Plan, x: torch.Tensor) -> torch.Tensor:
-        """GPT2Block's computation on (N, C), its modules' weights used through the functional
-        operations they call (the same kernels, without a module call each)."""
-        attn = block.attn
-        C = x.shape[-1]
-        nh, hd = self.n_head, self.head_dim
-        residual = x
-        qkv = _conv1d(attn.c_attn, _layer_norm(block.ln_1, x))  # (N, 3C)
-        q, k, v = (t.view(-1, nh, hd) for t in qkv.split(C, dim=1))  # (N, nh, hd) each
-        K, V = self.keys[j], self.values[j]  # (lanes, nh, T, hd)
+    def _attend(
+        self, j: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer j's attention of the new tokens: their keys and values written into the cache,
+        each token attending over its lane's cached positions up to its own -> (N, n_head * D).
+        With grouped-query attention the cache holds n_kv_head heads, each shared by
+        n_head / n_kv_head query heads (SDPA's enable_gqa)."""
+        W, scale, gqa = self.width, self.scales[j], self.gqa
+        K, V = self.keys[j], self.values[j]  # (lanes, n_kv_head, T, D)
         if plan.single is not None:  # one sequence: slices, no index tensors, no mask
             it = plan.single
             end = it.pos + it.n
             K[it.lane, :, it.pos : end] = k.transpose(0, 1)
             V[it.lane, :, it.pos : end] = v.transpose(0, 1)
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0),  # (1, nh, n, hd)
+                q.transpose(0, 1).unsqueeze(0),  # (1, n_head, n, D)
                 K[it.lane : it.lane + 1, :, :end],
                 V[it.lane : it.lane + 1, :, :end],
-                scale=self.scales[j],
+                scale=scale,
                 is_causal=it.n > 1 and it.pos == 0,
                 attn_mask=None
                 if it.n == 1 or it.pos == 0
-                else torch.ones(it.n, end, dtype=torch.bool, device=x.device).tril(it.pos),
+                else torch.ones(it.n, end, dtype=torch.bool, device=q.device).tril(it.pos),
+                enable_gqa=gqa,
             )
-            a = o[0].transpose(0, 1).reshape(it.n, C)
-            return self._mlp(block, residual + _conv1d(attn.c_proj, a))
+            return o[0].transpose(0, 1).reshape(it.n, W)
         K[plan.lanes, :, plan.positions] = k  # every new token's key and value, in place
         V[plan.lanes, :, plan.positions] = v
-        a = torch.empty(x.shape[0], C, dtype=x.dtype, device=x.device)  # (N, C)
+        a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
         if plan.decode is not None:
             rows, lanes, mask, T = plan.decode
-            qd = q[rows].unsqueeze(2)  # (B, nh, 1, hd)
+            qd = q[rows].unsqueeze(2)  # (B, n_head, 1, D)
             o = F.scaled_dot_product_attention(
-                qd, K[lanes, :, :T], V[lanes, :, :T], attn_mask=mask, scale=self.scales[j]
-            )  # (B, nh, 1, hd)
-            a[rows] = o.reshape(-1, C)
+                qd, K[lanes, :, :T], V[lanes, :, :T], attn_mask=mask, scale=scale, enable_gqa=gqa
+            )  # (B, n_head, 1, D)
+            a[rows] = o.reshape(-1, W)
         for off, it in plan.others:
-            qi = q[off : off + it.n].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
+            qi = q[off : off + it.n].transpose(0, 1).unsqueeze(0)  # (1, n_head, n, D)
             end = it.pos + it.n
-            ki = K[it.lane : it.lane + 1, :, :end]  # (1, nh, end, hd)
+            ki = K[it.lane : it.lane + 1, :, :end]  # (1, n_kv_head, end, D)
             vi = V[it.lane : it.lane + 1, :, :end]
             mask = None
             if it.pos:  # new tokens after cached ones: each sees the cache and its own past
-                mask = torch.ones(it.n, end, dtype=torch.bool, device=x.device).tril(it.pos)
+                mask = torch.ones(it.n, end, dtype=torch.bool, device=q.device).tril(it.pos)
             o = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=self.scales[j], is_causal=mask is None
+                qi, ki, vi, attn_mask=mask, scale=scale, is_causal=mask is None, enable_gqa=gqa
             )
-            a[off : off + it.n] = o[0].transpose(0, 1).reshape(it.n, C)
-        return self._mlp(block, residual + _conv1d(attn.c_proj, a))
-
-    @staticmethod
-    def _mlp(block, x: torch.Tensor) -> torch.Tensor:
-        mlp = block.mlp
-        return x + _conv1d(mlp.c_proj, mlp.act(_conv1d(mlp.c_fc, _layer_norm(block.ln_2, x))))
-
-
-def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
-
-
-def _conv1d(c, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Conv1D (a linear layer with its weight transposed) on (N, in)."""
-    return torch.addmm(c.bias, x, c.weight)
+            a[off : off + it.n] = o[0].transpose(0, 1).reshape(it.n, W)
+        return a
 
 
 class _Plan:
@@ -259,6 +231,8 @@ class _Plan:
     def __init__(self, items: list[Item], dev) -> None:
         self.single = items[0] if len(items) == 1 else None
         if self.single is not None:
+            it = self.single  # each new token's position (N,), for embeddings and rotary
+            self.positions = torch.arange(it.pos, it.pos + it.n, device=dev)
             return
         lanes, positions, offs = [], [], []
         off = 0

@@ -1,0 +1,81 @@
+"""GPT-2's per-token math for a pipeline stage (`GPT2LMHeadModel`): learned positions, layer norms,
+Conv1D projections (linear layers with the weight transposed), GELU MLP, a head tied to wte.
+
+The weights are transformers' own `GPT2Block`s, used through the functional operations their
+forward calls (the same kernels, without a module call each)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlm.model.family.blocks import StageBlocks
+
+
+class GPT2Blocks(StageBlocks):
+    """wte + wpe (first), `GPT2Block`s [start, end), ln_f + lm_head (last)."""
+
+    def __init__(self, config, start: int, end: int, *, first: bool, last: bool) -> None:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        super().__init__(start=start, end=end, first=first, last=last)
+        config._attn_implementation = "sdpa"
+        C = config.n_embd
+        if first:
+            self.wte = nn.Embedding(config.vocab_size, C)
+            self.wpe = nn.Embedding(config.n_positions, C)
+        self.h = nn.ModuleList(GPT2Block(config, layer_idx=i) for i in range(start, end))
+        self._h: list[Any] = list(self.h)  # the same modules, indexed without a call
+        if last:
+            self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_epsilon)
+            self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.n_head = self.n_kv_head = config.n_head
+        self.head_dim = C // config.n_head
+        self.context = config.n_positions
+        self.scales = []
+        for i in range(start, end):
+            s = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+            if config.scale_attn_by_inverse_layer_idx:
+                s /= float(i + 1)
+            self.scales.append(s)
+
+    def local_name(self, name: str) -> str:
+        if name.startswith("transformer.h."):
+            layer, rest = name[len("transformer.h.") :].split(".", 1)
+            return f"h.{int(layer) - self.start}.{rest}"
+        if name.startswith("transformer."):
+            return name[len("transformer.") :]
+        return name
+
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.wte(ids) + self.wpe(pos)  # (N, C)
+
+    def qkv(
+        self, j: int, x: torch.Tensor, rot: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        block = self._h[j]
+        C = x.shape[-1]
+        qkv = _conv1d(block.attn.c_attn, _layer_norm(block.ln_1, x))  # (N, 3C)
+        q, k, v = (t.view(-1, self.n_head, self.head_dim) for t in qkv.split(C, dim=1))
+        return q, k, v  # (N, nh, hd) each
+
+    def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        block = self._h[j]
+        mlp = block.mlp
+        x = x + _conv1d(block.attn.c_proj, attn)
+        return x + _conv1d(mlp.c_proj, mlp.act(_conv1d(mlp.c_fc, _layer_norm(block.ln_2, x))))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+def _conv1d(c, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Conv1D (a linear layer with its weight transposed) on (N, in)."""
+    return torch.addmm(c.bias, x, c.weight)
