@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from distlm.model.family.blocks import StageBlocks  # pyright: ignore[reportMissingImports]
+    from distlm.model.family.blocks import StageBlocks
     from distlm.settings.model import ModelInitSettings
 
 

@@ -31,7 +31,7 @@ class GPT2Family(Family):
         }
 
     def stage_blocks(self, config, start, end, *, first, last):
-        from distlm.model.family.gpt2_blocks import GPT2Blocks  # pyright: ignore[reportMissingImports]
+        from distlm.model.family.gpt2_blocks import GPT2Blocks
 
         return GPT2Blocks(config, start, end, first=first, last=last)
 

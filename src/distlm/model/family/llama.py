@@ -63,7 +63,7 @@ class LlamaFamily(Family):
         return int(config.num_key_value_heads or self.n_head(config)), int(head_dim)
 
     def stage_blocks(self, config, start, end, *, first, last):
-        from distlm.model.family.llama_blocks import LlamaBlocks  # pyright: ignore[reportMissingImports]
+        from distlm.model.family.llama_blocks import LlamaBlocks
 
         return LlamaBlocks(config, start, end, first=first, last=last)
 
