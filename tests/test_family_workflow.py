@@ -13,8 +13,9 @@ from conftest import ROOT, TINY, run_snakemake
 from harness.hub_folder import smollm2_shaped_folder
 
 from distlm.data.sources import load_embedded
-from distlm.documents import EvalReport, SweepRun, read_document
+from distlm.documents import EvalReport, read_document
 from distlm.model import family_of, load_config_json, load_model_dir, read_manifest
+from distlm.sweep import SweepRun
 
 FAMILIES = ROOT / "tests" / "configs" / "tiny-families.yaml"
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
@@ -38,7 +39,8 @@ def test_a_sweep_across_families_runs_every_stage(families_run):
     for name, model_type in RUNS.items():
         run = read_document(wd / f"results/runs/{name}/run.json", SweepRun)
         folders = {job: wd / folder for job, folder in run.jobs.items()}
-        base, final = folders["model"] / "model/base", folders["train"] / "train/final"
+        base = folders["serialize_model"] / "model/base"
+        final = folders["train"] / "train/final"
         for folder in (base, final):
             config = json.loads((folder / "config.json").read_text())
             assert config["model_type"] == model_type
@@ -58,9 +60,9 @@ def test_a_sweep_across_families_runs_every_stage(families_run):
         loss = [float(r.split(",")[1]) for r in metrics]
         assert len(loss) == 8 and loss[-1] < loss[0], (name, loss)
         for model in ("base", "trained"):
-            ev = read_document(folders["eval"] / f"eval/{model}.json", EvalReport)
+            ev = read_document(folders[f"evaluate[{model}]"] / f"eval/{model}.json", EvalReport)
             assert ev.splits["validation"].tokens_scored > 0
-        man = read_manifest(folders["shard"] / "pipeline/trained")
+        man = read_manifest(folders["shard[trained]"] / "pipeline/trained")
         assert man.stages == (3 if name == "gpt2" else 2)
         lines = (folders["inference"] / "inference/generations.jsonl").read_text().splitlines()
         recs = [json.loads(line) for line in lines]
