@@ -8,7 +8,8 @@ choice a `message` (stream: a `delta`, the role first) and the chat logprobs obj
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -30,8 +31,30 @@ from distlm.inference.server.responses import (
     Usage,
 )
 
-if TYPE_CHECKING:
-    from distlm.inference.server.render import Answer
+
+class Answer(Protocol):
+    """What a shape reads of an answer (render.Answer is the one; named here by what it offers,
+    so that shapes, the request's Job that holds a shape, and the Answer that holds the Job import
+    no cycle)."""
+
+    @property
+    def job(self) -> Any: ...  # prepare.Job: its prompts, params and truncated counts
+
+    @property
+    def choices(self) -> Sequence[Any]: ...  # render.Choice: a choice's tokens, finish reason
+
+    @property
+    def tokenizer(self) -> Any: ...  # a transformers tokenizer
+
+    def prompt_index(self, index: int) -> int: ...
+
+    def text(self, index: int) -> str: ...
+
+    def usage(self) -> Usage: ...
+
+    def scored(
+        self, index: int, since: int = 0, *, prompt: bool = False
+    ) -> tuple[list[int], list[float | None], list[list | None]]: ...
 
 
 class Shape(Protocol):
