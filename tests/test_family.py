@@ -42,8 +42,8 @@ from distlm.settings import ModelInitSettings
 from distlm.settings.model import RopeScalingSettings
 from distlm.settings.stage import EvalConfig, TrainConfig
 from distlm.stages import stage_config
-from distlm.train import checkpoint as ck
 from distlm.train import run_training
+from distlm.train.identity import list_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK, VOCAB = 32, 256
@@ -332,7 +332,7 @@ def test_ddp_equals_one_process_and_a_kill_resumes_bit_identically(variant, tmp_
             out=one,
         ),
     )
-    assert len(ck.list_runs(one / "checkpoints")) == 1
+    assert len(list_runs(one / "checkpoints")) == 1
     two_ranks = losses(tmp_path / "a")
     assert len(two_ranks) == 6 and two_ranks[-1] < two_ranks[0]  # the loss falls
     assert losses(one) == pytest.approx(two_ranks, rel=1e-5)
