@@ -44,17 +44,11 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/peer.py: `transformers serve`
 sys.path.insert(0, str(Path(__file__).parent))
 # --arch llama: SmolLM2-135M's architecture (LlamaForCausalLM; 576 wide, 30 layers, 9 heads, 3 KV
-# heads, MLP 1536, tied embeddings, rope_theta 1e5) scaled to GPT-2 preset's 6 x 384 so the two
-# benchmarks serve models of about the same cost on 2 CPU cores: 6 heads of 64 as SmolLM2, KV heads
-# a third of them (grouped-query attention 3:1, as SmolLM2's 9:3), the MLP at SmolLM2's 8/3 of the
-# width, tied embeddings; the vocabulary is the benchmark tokenizer's 4096.
-LLAMA = {
-    "architecture": "llama",
-    "n_kv_head": 2,
-    "intermediate_size": 1024,
-    "rope_theta": 100000.0,
-    "tie_embeddings": True,
-}
+# heads, MLP 1536, tied embeddings, rope_theta 1e5) scaled to the seeded GPT-2's 6 x 384 (--layers,
+# --embd, --heads) so both serve models of about the same cost on 2 CPU cores: 6 heads of 64 as
+# SmolLM2, --kv-heads 2 (grouped-query attention 3:1, as SmolLM2's 9:3), the MLP at SmolLM2's 8/3
+# of the width (1024), tied embeddings; the vocabulary is the benchmark tokenizer's 4096.
+LLAMA = {"architecture": "llama", "rope_theta": 100000.0, "tie_embeddings": True}
 SERVE = "distlm.entry.serve"  # the serve entry point, as rule serve starts it
 PROMPTS = ROOT / "config" / "prompts.txt"
 
@@ -78,6 +72,12 @@ def parse() -> argparse.Namespace:
         choices=["gpt2", "llama"],
         default="gpt2",
         help="the seeded model's architecture, without --model (llama: SmolLM2's, scaled)",
+    )
+    p.add_argument("--kv-heads", type=int, default=2, help="--arch llama: key/value heads")
+    p.add_argument(
+        "--intermediate",
+        type=int,
+        help="--arch llama: MLP width (default: 8/3 of --embd, up to a multiple of 64)",
     )
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
@@ -279,7 +279,10 @@ def main() -> None:
     prompts = read_prompts(PROMPTS)
     with tempfile.TemporaryDirectory(prefix="distlm-bench-serve-") as tmp:
         work = Path(tmp)
-        arch = LLAMA if args.arch == "llama" else {}
+        arch = {}
+        if args.arch == "llama":
+            mlp = args.intermediate or -(-8 * args.embd // (3 * 64)) * 64
+            arch = {**LLAMA, "n_kv_head": args.kv_heads, "intermediate_size": mlp}
         model = Path(args.model) if args.model else seeded_model(work / "seeded", args, **arch)
         model_config = json.loads((model / "config.json").read_text())
         names = []
