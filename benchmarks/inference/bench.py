@@ -59,8 +59,10 @@ def parse() -> argparse.Namespace:
 # ----------------------------------------------------------------------------- model and prompts
 
 
-def seeded_model(folder: Path, args) -> Path:
-    """A GPT-2-architecture model with a tokenizer trained on the embedded corpus."""
+def seeded_model(folder: Path, args, **arch) -> Path:
+    """A seeded model with a tokenizer trained on the embedded corpus: GPT-2 architecture, or
+    what `arch` (more model.init keys: architecture llama, n_kv_head, ...) says, built and written
+    by the model stage's own functions."""
     from distlm.data import load_embedded, train_tokenizer
     from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
     from distlm.settings import ModelInitSettings
@@ -76,6 +78,7 @@ def seeded_model(folder: Path, args) -> Path:
             n_layer=args.layers,
             n_head=args.heads,
             dropout=0.0,
+            **arch,
         ),
         len(tok),
         tok.eos_token_id,

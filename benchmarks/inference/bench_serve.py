@@ -4,8 +4,8 @@
     python benchmarks/inference/bench_serve.py --model results/train/final --stages 1,2 \
         --out benchmarks/inference/serve-results.json
 
-One run, the same model folder (--model, else a seeded GPT-2-architecture model, as bench.py
-builds) and prompts; the servers are measured one after the other (never two up at once), in an
+One run, the same model folder (--model, else a seeded model as bench.py builds it: GPT-2
+architecture, or with `--arch llama` the Llama-family shape of LLAMA below) and prompts; the servers are measured one after the other (never two up at once), in an
 order that rotates over --repeats:
   * distlm-sS: `distlm.entry.serve --launcher "mpiexec -n S"`, the rule's way: the API
     server (uvicorn) and the S-stage MPI pipeline with --lanes lanes, for each S of --stages;
@@ -43,6 +43,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/peer.py: `transformers serve`
 sys.path.insert(0, str(Path(__file__).parent))
+# --arch llama: SmolLM2-135M's architecture (LlamaForCausalLM; 576 wide, 30 layers, 9 heads, 3 KV
+# heads, MLP 1536, tied embeddings, rope_theta 1e5) scaled to the seeded GPT-2's 6 x 384 (--layers,
+# --embd, --heads) so both serve models of about the same cost on 2 CPU cores: 6 heads of 64 as
+# SmolLM2, --kv-heads 2 (grouped-query attention 3:1, as SmolLM2's 9:3), the MLP at SmolLM2's 8/3
+# of the width (1024), tied embeddings; the vocabulary is the benchmark tokenizer's 4096.
+LLAMA = {"architecture": "llama", "rope_theta": 100000.0, "tie_embeddings": True}
 SERVE = "distlm.entry.serve"  # the serve entry point, as rule serve starts it
 PROMPTS = ROOT / "config" / "prompts.txt"
 
@@ -61,10 +67,23 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=0, help="at least this long per level")
     p.add_argument("--servers", default="baseline,peer,distlm", help="which servers to run")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--arch",
+        choices=["gpt2", "llama"],
+        default="gpt2",
+        help="the seeded model's architecture, without --model (llama: SmolLM2's, scaled)",
+    )
+    p.add_argument("--kv-heads", type=int, default=2, help="--arch llama: key/value heads")
+    p.add_argument(
+        "--intermediate",
+        type=int,
+        help="--arch llama: MLP width (default: 8/3 of --embd, up to a multiple of 64)",
+    )
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--embd", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--out", default=str(Path(__file__).parent / "serve-results.json"))
+    p.add_argument("--note", default="", help="what else ran on the machine (goes in the JSON)")
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -250,6 +269,7 @@ def main() -> None:
     import torch
     from bench import seeded_model
     from harness.peer import transformers_serve_command, transformers_serve_env
+    from transformers import __version__ as transformers_version
 
     from distlm.dist import free_port
     from distlm.inference.prompts import read_prompts
@@ -259,7 +279,12 @@ def main() -> None:
     prompts = read_prompts(PROMPTS)
     with tempfile.TemporaryDirectory(prefix="distlm-bench-serve-") as tmp:
         work = Path(tmp)
-        model = Path(args.model) if args.model else seeded_model(work / "seeded", args)
+        arch = {}
+        if args.arch == "llama":
+            mlp = args.intermediate or -(-8 * args.embd // (3 * 64)) * 64
+            arch = {**LLAMA, "n_kv_head": args.kv_heads, "intermediate_size": mlp}
+        model = Path(args.model) if args.model else seeded_model(work / "seeded", args, **arch)
+        model_config = json.loads((model / "config.json").read_text())
         names = []
         for name in args.servers.split(","):
             names += [f"distlm-s{n}" for n in stage_counts] if name == "distlm" else [name]
@@ -345,17 +370,37 @@ def main() -> None:
         "seconds_per_level": args.seconds,
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
-        "model": str(args.model or f"seeded {args.layers}x{args.embd}"),
+        "model": str(args.model or f"seeded {args.arch} {args.layers}x{args.embd}"),
+        "model_config": {
+            k: model_config.get(k)
+            for k in (
+                "architectures",
+                "hidden_size",
+                "n_embd",
+                "num_hidden_layers",
+                "n_layer",
+                "num_attention_heads",
+                "n_head",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+            if k in model_config
+        },
         "peer_greedy_texts_equal_generate": None
         if peer_agrees is None
         else f"{peer_agrees}/{len(prompts)}",
         "median_over_repeats": summary,
         "ratios": ratios,
         "runs": runs,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "note": args.note,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "torch": torch.__version__,
+            "transformers": transformers_version,
             "load_avg": os.getloadavg(),
             "note": "shared with other jobs; figures are ratios of runs in the same run",
         },

@@ -2,6 +2,8 @@
 
     snakemake --profile profiles/local results/model/base     # the embedded default's inputs
     python benchmarks/train/bench_train.py                     # CPU, 2 ranks: results-cpu.json
+    python benchmarks/train/bench_train.py --preset llama --steps 120 \\
+        --out benchmarks/train/results-cpu-llama.json          # Llama family, CPU, 2 ranks
     python benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda --precision bf16 \\
         --out benchmarks/train/results-gpu.json
 
@@ -58,6 +60,26 @@ PRESETS = {
         "n_head": 12,
         "n_embd": 768,
         "micro_batch": 16,
+    },
+    # Llama family (LlamaForCausalLM), on synthetic blocks: SmolLM2-135M's architecture (heads of
+    # 64, 3:1 grouped-query attention, MLP 8/3 of the width, tied embeddings, rope_theta 1e5)
+    # scaled to the embedded default's size (4 layers, vocab 4096, blocks of 128, micro batch 8)
+    # so one CPU run of the three fits minutes: 6 heads of 32 (192 wide), 2 KV heads, MLP 512.
+    "llama": {
+        "inputs": "synthetic",
+        "vocab": 4096,
+        "block_size": 128,
+        "n_layer": 4,
+        "n_head": 6,
+        "n_embd": 192,
+        "micro_batch": 8,
+        "arch": {
+            "architecture": "llama",
+            "n_kv_head": 2,
+            "intermediate_size": 512,
+            "rope_theta": 100000.0,
+            "tie_embeddings": True,
+        },
     },
 }
 
@@ -180,7 +202,7 @@ def hf_worker(a, cfg: TrainConfig) -> None:
     """`transformers.Trainer` on the same weights, blocks and optimizer settings."""
     import torch
     from transformers import (
-        GPT2LMHeadModel,
+        AutoModelForCausalLM,
         Trainer,
         TrainerCallback,
         TrainingArguments,
@@ -211,7 +233,7 @@ def hf_worker(a, cfg: TrainConfig) -> None:
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
 
-    model = GPT2LMHeadModel.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         a.model, torch_dtype=torch.float32, attn_implementation="sdpa"
     )
     with tempfile.TemporaryDirectory(prefix="distlm-bench-hf-") as out:
@@ -279,17 +301,24 @@ def model_dims(model_dir: Path) -> dict:
     with torch.device("meta"):
         model = build_model(c)
     n = sum(p.numel() for p in model.parameters())
-    return {
+    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
+    dims = {
+        "architecture": c.model_type,
         "parameters": n,
-        "parameters_no_pos": n - model.transformer.wpe.weight.numel(),
-        "n_layer": c.n_layer,
-        "n_head": c.n_head,
-        "n_embd": c.n_embd,
+        "parameters_no_pos": n - (wpe.weight.numel() if wpe is not None else 0),
+        "n_layer": c.num_hidden_layers,
+        "n_head": c.num_attention_heads,
+        "n_embd": c.hidden_size,
         "vocab": c.vocab_size,
     }
+    if c.model_type != "gpt2":
+        dims["n_kv_head"] = c.num_key_value_heads
+        dims["intermediate_size"] = c.intermediate_size
+        dims["tie_embeddings"] = c.tie_word_embeddings
+    return dims
 
 
-def make_gpt2_inputs(root: Path, p: dict) -> dict[str, Path]:
+def make_synthetic_inputs(root: Path, p: dict) -> dict[str, Path]:
     from harness.synthetic import make_inputs
 
     return make_inputs(
@@ -301,6 +330,7 @@ def make_gpt2_inputs(root: Path, p: dict) -> dict[str, Path]:
         n_embd=p["n_embd"],
         train_blocks=512,
         val_blocks=64,
+        **p.get("arch", {}),
     )
 
 
@@ -491,7 +521,7 @@ def drive(a, work: Path) -> None:
                 "`snakemake --profile profiles/local results/model/base`"
             )
     else:
-        inputs = make_gpt2_inputs(work / "inputs", p)
+        inputs = make_synthetic_inputs(work / "inputs", p)
     cfg, cfg_path = resolved_config(a, work)
     t = cfg.train
     a.steps_resolved = t.max_steps
@@ -528,7 +558,13 @@ def drive(a, work: Path) -> None:
         "benchmark": "training stage throughput: distlm vs a bare DDP loop vs transformers.Trainer",
         "command": "python benchmarks/train/bench_train.py " + " ".join(sys.argv[1:]),
         "note": a.note,
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_avg": os.getloadavg(),
+        },
         "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": _version("transformers"),
