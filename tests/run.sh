@@ -53,7 +53,13 @@ else
   scratch=$(mktemp -d)
   export DISTLM_TESTS_WORKFLOW="$scratch"
   names=(rest slurm requeue)
-  marks=("not slurm" "slurm and not slurm_requeue" "slurm_requeue")
+  # with_slurm, with_requeue: long workflow tests moved into the SLURM sessions (which mostly
+  # wait), so that the three sessions end about together
+  marks=(
+    "not slurm and not with_slurm and not with_requeue"
+    "(slurm and not slurm_requeue) or with_slurm"
+    "slurm_requeue or with_requeue"
+  )
   pids=()
   python -m pytest -m "${marks[0]}" "$@" &
   pids+=($!)

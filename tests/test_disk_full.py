@@ -208,6 +208,7 @@ DISK = {"train": {"max_steps": 12, "ckpt_every": 4, "eval_every": 4, "keep_last"
 
 
 @pytest.mark.slow
+@pytest.mark.with_slurm
 def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path, workflow_run):
     """The user's command on a scratch space that fills: the token file's write fails first (the
     data rule stops, nothing partial left); space freed, the same command runs until the third

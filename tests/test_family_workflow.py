@@ -32,6 +32,7 @@ def families_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.with_requeue
 def test_a_sweep_across_families_runs_every_stage(families_run):
     from transformers import AutoModelForCausalLM
 

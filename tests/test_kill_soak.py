@@ -160,6 +160,7 @@ def _user(work: Path, soak_cfg: Path, events: Path, *args: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.with_requeue
 @pytest.mark.timeout(1500)
 def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
     soak_cfg = tmp_path / "soak.yaml"

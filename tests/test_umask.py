@@ -167,6 +167,7 @@ def _run_as(user: str, cmd: list[str], home: Path, timeout: float = 600) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.with_slurm
 @pytest.mark.skipif(
     os.geteuid() != 0 or any(shutil.which(t) is None for t in _TOOLS),
     reason=f"two users need root and {', '.join(_TOOLS)} (CI runs as root)",
