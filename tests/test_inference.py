@@ -185,6 +185,20 @@ def test_pick_token_greedy_topk_topp_and_seed():
 # ----------------------------------------------------------------------------- prompts
 
 
+def test_encode_prompt_adds_the_tokenizers_own_special_tokens():
+    """A tokenizer that starts every text with BOS (as Llama 3's does) gets it in a text prompt,
+    as `tok(text)` and vLLM's completions give it; the model saw BOS first in training."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", unk_token="[UNK]")
+    ids, cut = encode_prompt(tok, "a b", context=16, max_new_tokens=2, overflow="reject")
+    assert ids == [0, 1, 2] == tok("a b")["input_ids"] and cut == 0
+
+
 def test_encode_prompt_truncates_or_rejects(hf_reference):
     tok = hf_reference.tokenizer
     text = "word " * 80

@@ -43,7 +43,9 @@ def encode_prompt(
     """Token ids of a prompt and how many leading tokens were dropped to fit the context."""
     if not isinstance(text, str) or not text:
         raise RequestError("prompt: empty prompt", param="prompt")
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    # with the tokenizer's own special tokens (a Llama 3 tokenizer's BOS; GPT-2's adds none), as
+    # transformers' pipelines and vLLM's /v1/completions encode a text prompt
+    ids = tok(text)["input_ids"]
     if not ids:
         raise RequestError("prompt: the prompt has no tokens", param="prompt")
     return _fit(ids, context=context, max_new_tokens=max_new_tokens, overflow=overflow)
