@@ -475,11 +475,7 @@ def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_ref
         and recs[0]["prompt_truncated_tokens"] == 0
     )
     assert recs[1]["prompt_tokens"] == 58 and recs[1]["prompt_truncated_tokens"] > 0
-    assert (
-        timing["tokens"] == 12
-        and timing["micro_batch_size"] == 2
-        and len(timing["per_prompt"]) == 2
-    )
+    assert timing.tokens == 12 and timing.micro_batch_size == 2 and len(timing.per_prompt) == 2
     with pytest.raises(
         DistlmError, match="prompts: prompt 2: prompt: .* exceed the model's context of 64"
     ):

@@ -18,6 +18,8 @@ from distlm.documents import (
     BroadcastReport,
     DataStats,
     EvalReport,
+    InferenceTiming,
+    ProfileSummary,
     ReceiverStats,
     SplitEval,
     SplitStats,
@@ -378,6 +380,27 @@ def test_inference_sweep(tmp_path):
     assert list(inp.stages["stage"]) == [0, 1, 2]  # the last run's split
 
 
+def test_untagged_timing_and_profile_read_as_documents(tmp_path):
+    """timing.json and profile.json as distlm wrote them before they carried a format tag read
+    unchanged; the stages' writers now tag them, and both read alike."""
+    write_inference(tmp_path)  # untagged, as the stage wrote it before the tag
+    path = tmp_path / LAYOUT["timing"]
+    assert "format" not in json.loads(path.read_text())
+    old = collect(tmp_path)
+    write_document(path, InferenceTiming.model_validate(timing_run(3, 4)))
+    assert json.loads(path.read_text())["format"] == "distlm-inference-timing/1"
+    new = collect(tmp_path)
+    assert isinstance(old.timing, InferenceTiming) and old.timing == new.timing
+    assert old.timing.stages == 3 and old.timing.ttft_s.max == pytest.approx(0.3)
+    assert old.inference is not None and old.inference.equals(new.inference)
+    write_profile(tmp_path, ranks=(0,), enabled=False)
+    summary = tmp_path / LAYOUT["profile"] / "profile.json"
+    tagged = json.loads(summary.read_text())
+    assert tagged["format"] == ProfileSummary.tag() and "captured" not in tagged
+    summary.write_text(json.dumps({k: v for k, v in tagged.items() if k != "format"}))
+    assert "profiling is off" in collect(tmp_path).missing["profile"]
+
+
 def test_nothing_collected_gives_notes_and_files(tmp_path):
     out = tmp_path / "report"
     written = build_report(tmp_path / "absent", out)
@@ -413,8 +436,11 @@ def test_profile_window_not_captured(tmp_path):
     (folder / "profile.json").write_text(
         json.dumps(
             {
+                # as distlm wrote it before profile.json carried a format tag
                 "enabled": True,
+                "window": {"wait": 1, "warmup": 1, "active": 1},
                 "captured": False,
+                "first_step": 1,
                 "reason": "the run had 1 steps after its start, the window needs 3",
             }
         )
@@ -447,18 +473,36 @@ def test_profile_window_not_captured(tmp_path):
             "malformed EvalReport: field",
         ),
         (LAYOUT["broadcast"], json.dumps({"transport": "torch"}), "'distlm-broadcast/2'"),
-        (LAYOUT["timing"], "[]", "expected a JSON object"),
+        (LAYOUT["timing"], "[]", "expected a distlm-inference-timing/1 object, got list"),
         (
             LAYOUT["timing"],
-            json.dumps({"stages": 2, "lanes": 1, "tokens_per_s": 3.0}),
-            "field ttft_s",
+            json.dumps({**timing_run(2, 1), "ttft_s": 0.5}),
+            "malformed InferenceTiming: field ttft_s",
         ),
         (
             LAYOUT["timing"],
-            json.dumps(
-                {"runs": [{"stages": 2, "lanes": 1, "tokens_per_s": 3.0, "ttft_s": {"mean": 1}}]}
-            ),
-            "runs[0].ttft_s.max",
+            json.dumps({"runs": [{**timing_run(2, 1), "ttft_s": {"mean": 1}}]}),
+            "malformed InferenceSweep: field runs.0.ttft_s.max",
+        ),
+        (
+            LAYOUT["timing"],
+            json.dumps({"format": "distlm-eval/2", **timing_run(2, 1)}),
+            "a 'distlm-eval/2' document where 'distlm-inference-timing/1'",
+        ),
+        (
+            LAYOUT["timing"],
+            json.dumps({"format": "distlm-inference-timing/0", **timing_run(2, 1)}),
+            "written by another version of distlm",
+        ),
+        (
+            "train/profile/profile.json",
+            json.dumps({"enabled": "sometimes", "window": {"wait": 1, "warmup": 1, "active": 1}}),
+            "malformed ProfileSummary: field enabled",
+        ),
+        (
+            "train/profile/profile.json",
+            json.dumps({"format": "distlm-train-profile/1", "enabled": False}),
+            "malformed ProfileSummary: field window",
         ),
         (LAYOUT["generations"], '{"prompt": "a"}\nnot json\n', "line 2 is not valid JSON"),
         ("benchmarks/train.tsv", "s\tmax_rss\nslow\t1\n", "column 's' row 1"),

@@ -191,7 +191,7 @@ def worker(spec_path: str, out_path: str) -> None:
                     pipe, spec["prompts"], icfg.model_copy(update={"lanes": lanes})
                 )
                 keep = ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")
-                return {**{k: t[k] for k in keep}, "ttft_mean_s": t["ttft_s"]["mean"]}
+                return {**{k: getattr(t, k) for k in keep}, "ttft_mean_s": t.ttft_s.mean}
 
             return run
 

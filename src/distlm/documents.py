@@ -411,6 +411,80 @@ class EvalReport(Document):
     seconds: float
 
 
+# ----------------------------------------------------------------------------- training profile
+
+
+class ProfileWindow(_Part):
+    wait: int
+    warmup: int
+    active: int
+
+
+class ProfileSummary(Document):
+    """results/train/profile/profile.json (distlm.train.profiling, rank 0): whether profiling was
+    on, its window of steps, and whether a window was captured (why not, if not). The per-rank
+    top-ops-rank<r>.json beside it are tables (like metrics.csv), data files, not documents."""
+
+    KIND: ClassVar[str] = "distlm-train-profile"
+    VERSION: ClassVar[int] = 1
+    enabled: bool
+    window: ProfileWindow
+    captured: bool | None = None  # None (no key): profiling off
+    first_step: int | None = None
+    reason: str | None = None  # only when on and nothing was captured
+
+    def to_json(self) -> dict:
+        # the keys of a field that does not apply are absent, as the file always had them
+        return {k: v for k, v in super().to_json().items() if v is not None}
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+class Ttft(_Part):
+    mean: float
+    max: float
+
+
+class InferenceTiming(Document):
+    """results/inference/timing.json (distlm.inference.engine.batch): one run of the inference
+    stage: its shape, throughput, time to first token, and per prompt (Sequence.timing), per
+    stage (StageStats) and per host (StageInfo) the engine's own records. `per_stage`, `hosts` and
+    `model` are filled in by run_batch after the pipeline stops (generate_batch leaves them)."""
+
+    KIND: ClassVar[str] = "distlm-inference-timing"
+    VERSION: ClassVar[int] = 1
+    stages: int
+    lanes: int
+    micro_batch_size: int
+    prompts: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float | None  # None: the run took no measurable time
+    ttft_s: Ttft
+    per_prompt: list[dict]
+    per_stage: list[dict] = []
+    hosts: list[dict] = []
+    model: str | None = None
+
+    def facts(self) -> dict:
+        """The run's scalar fields (what the report lists); `model` only when filled in."""
+        return {
+            k: v
+            for k, v in self.model_dump(mode="json").items()
+            if not isinstance(v, (list, dict)) and not (k == "model" and v is None)
+        }
+
+
+class InferenceSweep(Document):
+    """A timing file of several inference runs (over stage counts and lanes), as the report
+    draws a sweep of them: {"runs": [InferenceTiming fields, ...]}."""
+
+    KIND: ClassVar[str] = "distlm-inference-sweep"
+    VERSION: ClassVar[int] = 1
+    runs: list[InferenceTiming]
+
+
 # ----------------------------------------------------------------------------- trainer -> launcher
 
 # The file a launcher asks the trainer to write its StopNotice to (distlm-launch srun-torchrun).

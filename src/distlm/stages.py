@@ -187,6 +187,7 @@ STAGES: dict[str, Stage] = {
             "inference",
             "inference",
             outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
+            document=("timing", "InferenceTiming"),
             consumes=("shard[trained]",),
         ),
         # every stage's metrics -> figures, tables, one HTML summary

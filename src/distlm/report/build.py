@@ -122,7 +122,7 @@ def _section_facts(inp: Inputs, section: str) -> dict:
     if section == "broadcast":
         return inp.broadcast or {}
     if section == "inference":
-        return inp.timing or {}
+        return inp.timing.facts() if inp.timing is not None else {}
     return {}
 
 

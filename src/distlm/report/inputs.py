@@ -25,6 +25,9 @@ from distlm.documents import (
     DataStats,
     DocumentError,
     EvalReport,
+    InferenceSweep,
+    InferenceTiming,
+    ProfileSummary,
     read_document,
 )
 from distlm.stages import BENCHMARKS, REPORT_READS, RESULTS, job_output
@@ -53,7 +56,7 @@ class Inputs:
     val: pd.DataFrame | None = None
     profile: pd.DataFrame | None = None
     evals: pd.DataFrame | None = None
-    timing: dict | None = None
+    timing: InferenceTiming | None = None  # the last run of the timing file
     inference: pd.DataFrame | None = None
     prompts: pd.DataFrame | None = None
     stages: pd.DataFrame | None = None
@@ -122,9 +125,9 @@ def _exp(loss: float) -> float:
 # ----------------------------------------------------------------------------- readers
 
 
-def _document(path: Path, cls: type[D]) -> D:
+def _document(path: Path, cls: type[D], *, untagged: bool = False) -> D:
     try:
-        return read_document(path, cls)
+        return read_document(path, cls, untagged=untagged)
     except DocumentError as e:
         raise ReportError(str(e)) from None
 
@@ -190,20 +193,23 @@ def read_val(path: Path) -> pd.DataFrame:
 
 
 def read_profile(folder: Path) -> tuple[pd.DataFrame | None, str]:
-    """The profiler's top operators of every rank (`top-ops-rank<r>.json`), long format.
+    """The profiler's top operators of every rank (`top-ops-rank<r>.json`, data files: tables,
+    like metrics.csv), long format.
 
     Returns (table, note): table None with the reason in `note` when no window was captured
-    (`profile.json` says whether profiling was on and why nothing was captured).
+    (`profile.json`, a ProfileSummary document, says whether profiling was on and why nothing was
+    captured).
     """
     summary = folder / "profile.json"
-    info = _json(summary, "profiler summary") if summary.is_file() else {}
-    if not isinstance(info, dict):
-        raise _fail(summary, "profiler summary", "expected a JSON object")
-    if info.get("enabled") is False:
+    # untagged: the profile.json of a release before the tag reads unchanged
+    info = _document(summary, ProfileSummary, untagged=True) if summary.is_file() else None
+    if info is not None and not info.enabled:
         return None, f"profiling is off: train.profile.enabled is false ({summary})"
     files = sorted(folder.glob("top-ops-rank*.json"), key=lambda p: p.name)
     if not files:
-        why = info.get("reason") or "the profiler wrote no top-ops-rank<r>.json"
+        why = (
+            info.reason if info is not None else None
+        ) or "the profiler wrote no top-ops-rank<r>.json"
         return None, f"no profiler window was captured: {why}"
     rows = []
     for path in files:
@@ -235,7 +241,7 @@ def read_profile(folder: Path) -> tuple[pd.DataFrame | None, str]:
             )
     df = pd.DataFrame(rows)
     df.attrs["sort_by"] = "self device time" if "device" in key else "self CPU time"
-    df.attrs["window"] = info.get("window") or rep.get("window")
+    df.attrs["window"] = info.window.model_dump() if info is not None else rep.get("window")
     return df, ""
 
 
@@ -300,67 +306,53 @@ def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
     return facts, pd.DataFrame(rows)
 
 
-def _ttft(r: dict, path: Path, what: str, where: str) -> tuple[float, float]:
-    t = r.get("ttft_s")
-    if isinstance(t, dict):
-        return (
-            _number(t, "mean", path, what, f"{where}ttft_s."),
-            _number(t, "max", path, what, f"{where}ttft_s."),
-        )
-    v = _number(r, "ttft_s", path, what, where)
-    return v, v
+def read_timing(
+    path: Path,
+) -> tuple[InferenceTiming, pd.DataFrame, pd.DataFrame | None, pd.DataFrame | None]:
+    """Inference timing (InferenceTiming) -> (the last run, one row per run (stages, prompts in
+    flight), per-prompt timing of the last run, per-stage time split of the last run).
 
-
-def read_timing(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame | None, pd.DataFrame | None]:
-    """Inference timing JSON -> (run facts, one row per run (stages, prompts in flight),
-    per-prompt timing of the last run, per-stage time split of the last run).
-
-    A file holds one run, or a sweep as {"runs": [run, ...]} over stage counts and lanes."""
+    A file holds one run, or a sweep (InferenceSweep) over stage counts and lanes. A file without
+    a format tag (written before the types had one) is read as the one or the other by its
+    fields: {"runs": [...]} is a sweep."""
     what = "inference timing"
     t = _json(path, what)
-    if not isinstance(t, dict):
-        raise _fail(path, what, "expected a JSON object")
-    sweep = isinstance(t.get("runs"), list)
-    runs = t["runs"] if sweep else [t]
-    rows = []
-    for i, r in enumerate(runs):
-        where = f"runs[{i}]." if sweep else ""
-        if not isinstance(r, dict):
-            raise _fail(path, what, f"{where or 'top level'}: expected a JSON object")
-        mean, worst = _ttft(r, path, what, where)
-        rows.append(
-            {
-                "stages": int(_number(r, "stages", path, what, where)),
-                "lanes": int(_number(r, "lanes", path, what, where)),
-                "prompts": r.get("prompts"),
-                "tokens": r.get("tokens"),
-                "wall_s": r.get("wall_s"),
-                # None when the run took no measurable time (as distlm.inference writes it)
-                "tokens_per_s": math.nan
-                if r.get("tokens_per_s") is None
-                else _number(r, "tokens_per_s", path, what, where),
-                "ttft_mean_s": mean,
-                "ttft_max_s": worst,
-            }
-        )
+    sweep = isinstance(t, dict) and (
+        t.get("format") == InferenceSweep.tag() or ("format" not in t and "runs" in t)
+    )
+    runs = (
+        _document(path, InferenceSweep, untagged=True).runs
+        if sweep
+        else [_document(path, InferenceTiming, untagged=True)]
+    )
+    if not runs:
+        raise _fail(path, what, "field runs: no run")
+    rows = [
+        {
+            "stages": r.stages,
+            "lanes": r.lanes,
+            "prompts": r.prompts,
+            "tokens": r.tokens,
+            "wall_s": r.wall_s,
+            "tokens_per_s": math.nan if r.tokens_per_s is None else r.tokens_per_s,
+            "ttft_mean_s": r.ttft_s.mean,
+            "ttft_max_s": r.ttft_s.max,
+        }
+        for r in runs
+    ]
     last = runs[-1]
-    prompts = pd.DataFrame(last.get("per_prompt") or []) if isinstance(last, dict) else None
-    if prompts is not None and not prompts.empty:
+    prompts = pd.DataFrame(last.per_prompt) if last.per_prompt else None
+    if prompts is not None:
         absent = [c for c in ("index", "ttft_s") if c not in prompts]
         if absent:
             raise _fail(path, what, f"per_prompt: missing field(s) {', '.join(absent)}")
-    else:
-        prompts = None
-    stages = pd.DataFrame(last.get("per_stage") or []) if isinstance(last, dict) else None
-    if stages is not None and not stages.empty:
+    stages = pd.DataFrame(last.per_stage) if last.per_stage else None
+    if stages is not None:
         absent = [c for c in ("stage", "compute_s") if c not in stages]
         if absent:
             raise _fail(path, what, f"per_stage: missing field(s) {', '.join(absent)}")
         stages = stages.sort_values("stage").reset_index(drop=True)
-    else:
-        stages = None
-    facts = {k: v for k, v in last.items() if not isinstance(v, (list, dict))}
-    return facts, pd.DataFrame(rows), prompts, stages
+    return last, pd.DataFrame(rows), prompts, stages
 
 
 def read_generations(path: Path, limit: int = 20) -> pd.DataFrame:

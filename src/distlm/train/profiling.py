@@ -2,7 +2,9 @@
 
 Exports, for each rank, a Chrome/Perfetto trace (`trace-rank{r}.json`, open in ui.perfetto.dev or
 chrome://tracing) and the top operators by self time (`top-ops-rank{r}.csv` and `.json`), which the
-report stage reads. When profiling is off the folder holds `profile.json` saying so.
+report stage reads. Rank 0 writes `profile.json` (a ProfileSummary document): whether profiling
+was on, and whether a window was captured. The top-ops tables are data files (tables, like
+metrics.csv), not versioned documents.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Self
 
 import torch
 
+from distlm.documents import ProfileSummary, ProfileWindow, write_document
 from distlm.io import atomic_path, write_json, write_text
 from distlm.log import get_logger
 from distlm.settings import ProfileSettings
@@ -137,15 +140,17 @@ class StepProfiler:
     def write_summary(self, steps_run: int) -> None:
         """Rank 0: record in profile.json whether a window was captured, and why not if not."""
         needed = self.cfg.wait + self.cfg.warmup + self.cfg.active
-        info = {
-            "enabled": self.cfg.enabled,
-            "window": self.cfg.model_dump(include={"wait", "warmup", "active"}),
-        }
-        if self.cfg.enabled:
-            info["captured"] = self.exported
-            info["first_step"] = self.start_step + 1
-            if not self.exported:
-                info["reason"] = (
-                    f"the run had {steps_run} steps after its start, the window needs {needed}"
-                )
-        write_json(self.out_dir / "profile.json", info)
+        window = ProfileWindow.model_validate(
+            self.cfg.model_dump(include={"wait", "warmup", "active"})
+        )
+        on = self.cfg.enabled
+        info = ProfileSummary(
+            enabled=on,
+            window=window,
+            captured=self.exported if on else None,
+            first_step=self.start_step + 1 if on else None,
+            reason=f"the run had {steps_run} steps after its start, the window needs {needed}"
+            if on and not self.exported
+            else None,
+        )
+        write_document(self.out_dir / "profile.json", info)

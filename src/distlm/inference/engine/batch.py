@@ -13,11 +13,12 @@ import json
 import time
 
 from distlm import DistlmError
+from distlm.documents import InferenceTiming, Ttft, write_document
 from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.prompts import RequestError, read_prompts
 from distlm.inference.validate import prepare_request, sampling_settings
-from distlm.io import atomic_path, write_json
+from distlm.io import atomic_path
 from distlm.log import get_logger
 from distlm.settings import InferenceSettings
 
@@ -34,7 +35,7 @@ def batch_error(e: RequestError, *, source: str, prompt: int) -> DistlmError:
 
 def generate_batch(
     pipe: Pipeline, prompts: list[str], settings: InferenceSettings, *, source: str = "prompts"
-) -> tuple[list[dict], dict]:
+) -> tuple[list[dict], InferenceTiming]:
     """Stage 0: run every prompt through the pipeline; (generation records, timing summary)."""
     sched, tok = pipe.stage0, pipe.tokenizer
     seqs, dropped = [], []
@@ -80,20 +81,20 @@ def generate_batch(
             }
         )
     total = sum(len(s.tokens) for s in seqs)
-    timing = {
-        "stages": pipe.topo.stages,
-        "lanes": settings.lanes,
-        "micro_batch_size": sched.cap,
-        "prompts": len(seqs),
-        "tokens": total,
-        "wall_s": wall,
-        "tokens_per_s": total / wall if wall > 0 else None,
-        "ttft_s": {
-            "mean": sum(s.t_first - s.t_submit for s in seqs) / len(seqs),
-            "max": max(s.t_first - s.t_submit for s in seqs),
-        },
-        "per_prompt": [{"index": r["index"], **seqs[i].timing()} for i, r in enumerate(records)],
-    }
+    timing = InferenceTiming(
+        stages=pipe.topo.stages,
+        lanes=settings.lanes,
+        micro_batch_size=sched.cap,
+        prompts=len(seqs),
+        tokens=total,
+        wall_s=wall,
+        tokens_per_s=total / wall if wall > 0 else None,
+        ttft_s=Ttft(
+            mean=sum(s.t_first - s.t_submit for s in seqs) / len(seqs),
+            max=max(s.t_first - s.t_submit for s in seqs),
+        ),
+        per_prompt=[{"index": r["index"], **seqs[i].timing()} for i, r in enumerate(records)],
+    )
     return records, timing
 
 
@@ -112,17 +113,21 @@ def run_batch(
             return
         prompts = read_prompts(prompts_path)
         records, timing = generate_batch(pipe, prompts, settings, source=str(prompts_path))
-        timing["per_stage"] = pipe.stage0.stop()
-        timing["hosts"] = [i.to_dict() for i in pipe.infos]
-        timing["model"] = str(model_dir)
+        timing = timing.model_copy(
+            update={
+                "per_stage": pipe.stage0.stop(),
+                "hosts": [i.to_dict() for i in pipe.infos],
+                "model": str(model_dir),
+            }
+        )
         with atomic_path(generations_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        write_json(timing_path, timing)
+        write_document(timing_path, timing)
         log.info(
             "%d prompts, %d tokens in %.2f s: %.1f tokens/s over %d stages",
-            timing["prompts"],
-            timing["tokens"],
-            timing["wall_s"],
-            timing["tokens_per_s"] or 0,
-            timing["stages"],
+            timing.prompts,
+            timing.tokens,
+            timing.wall_s,
+            timing.tokens_per_s or 0,
+            timing.stages,
         )
