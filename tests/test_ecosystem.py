@@ -89,16 +89,25 @@ def test_trained_folder_loads_in_transformers_serve_and_automodel(workflow_run, 
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before  # loaded as it is
 
 
-def _evaluate(model: str, model_args: str) -> dict:
+def _evaluate(
+    model: str,
+    model_args: str,
+    tasks: tuple[str, ...] = ("distlm_mc", "distlm_rolling", "distlm_gen"),
+    *,
+    chat: bool = False,
+) -> dict:
+    """lm-eval's `simple_evaluate` on the tasks of tests/lm_eval/, seeded; `chat`: the prompts go
+    through the tokenizer's chat template (lm-eval's --apply_chat_template)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=["distlm_mc", "distlm_rolling", "distlm_gen"],
+        tasks=list(tasks),
         task_manager=TaskManager(include_path=str(TASKS)),
         batch_size=1,
+        apply_chat_template=chat,
         log_samples=True,
         random_seed=0,
         numpy_random_seed=0,

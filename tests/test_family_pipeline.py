@@ -183,10 +183,15 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
 ):
     """The distlm model folder of a Llama model loads unchanged in `transformers serve` (greedy
     text equals `generate`'s), and lm-eval's `local-completions` against a 2-stage distlm server
-    of it scores the tasks in tests/lm_eval/ as lm-eval's `hf` model does on the folder."""
+    of it scores the tasks in tests/lm_eval/ as lm-eval's `hf` model does on the folder; with a
+    chat template in the folder's tokenizer, `local-chat-completions` (--apply_chat_template)
+    gives its `hf` model's answers, document by document."""
+    import json
+    import shutil
     import subprocess
 
     import test_ecosystem
+    from test_serve_chat import TEMPLATE
 
     case = "llama-kv2-untied-llama3"
     ref = reference(family_models, case)
@@ -208,7 +213,11 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
     assert doc["choices"][0]["text"] == want
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
-    server = test_server.start_server(family_models(case)[2], 2, tmp_path, lanes=4, timeout_s=30)
+    s2 = tmp_path / "s2"  # the 2-stage folder, its tokenizer given a chat template
+    shutil.copytree(family_models(case)[2], s2)
+    config = s2 / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": TEMPLATE}))
+    server = test_server.start_server(s2, 2, tmp_path, lanes=4, timeout_s=30)
     try:
         monkeypatch.chdir(test_ecosystem.ROOT)  # the task YAMLs name their data from the root
         monkeypatch.setenv("OPENAI_API_KEY", test_server.TOKEN)
@@ -217,11 +226,29 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
             f"model=s2,base_url={server.base}/v1/completions,tokenizer={folder},"
             "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,max_length=64",
         )
+        chat = test_ecosystem._evaluate(
+            "local-chat-completions",
+            f"model=s2,base_url={server.base}/v1/chat/completions,num_concurrent=1,"
+            "max_retries=1,max_length=64",
+            ("distlm_gen",),
+            chat=True,
+        )
     finally:
         test_server.stop_server(server)
     hf = test_ecosystem._evaluate(
         "hf", f"pretrained={folder},device=cpu,dtype=float32,max_length=64"
     )
+    hf_chat = test_ecosystem._evaluate(
+        "hf",
+        f"pretrained={folder},tokenizer={s2},device=cpu,dtype=float32,max_length=64",
+        ("distlm_gen",),
+        chat=True,
+    )
+    got = [d["filtered_resps"] for d in chat["samples"]["distlm_gen"]]
+    want = [d["filtered_resps"] for d in hf_chat["samples"]["distlm_gen"]]
+    assert len(got) == 6 and got == want
+    assert all("assistant:" in str(d["arguments"]) for d in hf_chat["samples"]["distlm_gen"])
+    assert chat["results"]["distlm_gen"] == hf_chat["results"]["distlm_gen"]
     for task, metrics in hf["results"].items():
         for name, value in metrics.items():
             if isinstance(value, float) and "stderr" not in name:

@@ -187,36 +187,24 @@ def test_lm_eval_local_chat_completions_equals_its_hf_model(chat_server, monkeyp
     `local-chat-completions` model (with --apply_chat_template) against distlm gives the answers
     of its `hf` model with the same template on the same weights, document by document."""
     pytest.importorskip("lm_eval")
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+    import test_ecosystem
 
     folder = chat_server.folder
     weights = test_server.tiny_models_folder(chat_server)
     monkeypatch.chdir(ROOT)  # the task YAMLs name their data relative to the repository root
     monkeypatch.setenv("OPENAI_API_KEY", TOKEN)  # sent as the bearer token
-
-    def evaluate(model: str, model_args: str) -> dict:
-        return lm_eval.simple_evaluate(
-            model=model,
-            model_args=model_args,
-            tasks=["distlm_gen"],
-            task_manager=TaskManager(include_path=str(ROOT / "tests" / "lm_eval")),
-            batch_size=1,
-            apply_chat_template=True,
-            log_samples=True,
-            random_seed=0,
-            numpy_random_seed=0,
-            torch_random_seed=0,
-            fewshot_random_seed=0,
-        )
-
-    api = evaluate(
+    api = test_ecosystem._evaluate(
         "local-chat-completions",
         f"model=s1,base_url={chat_server.base}/v1/chat/completions,num_concurrent=1,"
         "max_retries=1,max_length=64",
+        ("distlm_gen",),
+        chat=True,
     )
-    hf = evaluate(
-        "hf", f"pretrained={weights},tokenizer={folder},device=cpu,dtype=float32,max_length=64"
+    hf = test_ecosystem._evaluate(
+        "hf",
+        f"pretrained={weights},tokenizer={folder},device=cpu,dtype=float32,max_length=64",
+        ("distlm_gen",),
+        chat=True,
     )
     got = [s["filtered_resps"] for s in api["samples"]["distlm_gen"]]
     want = [s["filtered_resps"] for s in hf["samples"]["distlm_gen"]]
