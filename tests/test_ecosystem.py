@@ -116,6 +116,38 @@ def _evaluate(
     )
 
 
+def assert_same_evaluation(api: dict, hf: dict) -> None:
+    """Every score of lm-eval against the server equals its `hf` model's (1e-3; perplexities of a
+    random model are ~1e8: those to 1e-3 relative), and every per-document answer: generations
+    exactly, log-likelihoods to 1e-3."""
+    for task, metrics in hf["results"].items():
+        for name, value in metrics.items():
+            if isinstance(value, float) and "stderr" not in name:
+                want = pytest.approx(value, abs=1e-3, rel=1e-3 if "perplexity" in name else 0)
+                assert api["results"][task][name] == want, (task, name)
+    for task in hf["samples"]:
+        got, want = api["samples"][task], hf["samples"][task]
+        assert len(got) == len(want) == 6
+        for g, w in zip(got, want):
+            for a, b in zip(g["filtered_resps"], w["filtered_resps"]):
+                if task == "distlm_gen":
+                    assert a == b, task
+                else:
+                    ll_a = a[0] if isinstance(a, (list, tuple)) else a
+                    ll_b = b[0] if isinstance(b, (list, tuple)) else b
+                    assert ll_a == pytest.approx(ll_b, abs=1e-3), task
+
+
+def assert_same_chat_answers(api: dict, hf: dict) -> None:
+    """lm-eval's chat-templated greedy answers (distlm_gen) against the server equal its `hf`
+    model's, document by document, and went through the template (TEMPLATE's 'assistant:')."""
+    got = [d["filtered_resps"] for d in api["samples"]["distlm_gen"]]
+    want = [d["filtered_resps"] for d in hf["samples"]["distlm_gen"]]
+    assert len(got) == 6 and got == want
+    assert all("assistant:" in str(d["arguments"]) for d in hf["samples"]["distlm_gen"])
+    assert api["results"]["distlm_gen"] == hf["results"]["distlm_gen"]
+
+
 @pytest.mark.slow
 def test_lm_eval_over_the_server_equals_its_hf_model(server, monkeypatch, hub_offline):
     """Multiple choice (log-likelihoods of token-id prompts, echo, logprobs), rolling perplexity
@@ -131,21 +163,5 @@ def test_lm_eval_over_the_server_equals_its_hf_model(server, monkeypatch, hub_of
         "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,max_length=64",
     )
     hf = _evaluate("hf", f"pretrained={folder},device=cpu,dtype=float32,max_length=64")
-    for task, metrics in hf["results"].items():
-        for name, value in metrics.items():
-            if isinstance(value, float) and "stderr" not in name:
-                # perplexities of this random model are ~1e8: those agree to 1e-3 relative
-                want = pytest.approx(value, abs=1e-3, rel=1e-3 if "perplexity" in name else 0)
-                assert api["results"][task][name] == want, (task, name)
-    for task in ("distlm_mc", "distlm_rolling", "distlm_gen"):
-        got, want = api["samples"][task], hf["samples"][task]
-        assert len(got) == len(want) == 6
-        for g, w in zip(got, want):
-            for a, b in zip(g["filtered_resps"], w["filtered_resps"]):
-                if task == "distlm_gen":
-                    assert a == b, task
-                else:
-                    ll_a = a[0] if isinstance(a, (list, tuple)) else a
-                    ll_b = b[0] if isinstance(b, (list, tuple)) else b
-                    assert ll_a == pytest.approx(ll_b, abs=1e-3), task
+    assert_same_evaluation(api, hf)
     assert api["results"]["distlm_rolling"]["word_perplexity,none"] > 1

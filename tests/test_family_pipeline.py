@@ -244,24 +244,5 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
         ("distlm_gen",),
         chat=True,
     )
-    got = [d["filtered_resps"] for d in chat["samples"]["distlm_gen"]]
-    want = [d["filtered_resps"] for d in hf_chat["samples"]["distlm_gen"]]
-    assert len(got) == 6 and got == want
-    assert all("assistant:" in str(d["arguments"]) for d in hf_chat["samples"]["distlm_gen"])
-    assert chat["results"]["distlm_gen"] == hf_chat["results"]["distlm_gen"]
-    for task, metrics in hf["results"].items():
-        for name, value in metrics.items():
-            if isinstance(value, float) and "stderr" not in name:
-                want = pytest.approx(value, abs=1e-3, rel=1e-3 if "perplexity" in name else 0)
-                assert api["results"][task][name] == want, (task, name)
-    for task in ("distlm_mc", "distlm_rolling", "distlm_gen"):
-        got, ref_samples = api["samples"][task], hf["samples"][task]
-        assert len(got) == len(ref_samples) == 6
-        for g, w in zip(got, ref_samples):
-            for a, b in zip(g["filtered_resps"], w["filtered_resps"]):
-                if task == "distlm_gen":
-                    assert a == b, task
-                else:
-                    ll_a = a[0] if isinstance(a, (list, tuple)) else a
-                    ll_b = b[0] if isinstance(b, (list, tuple)) else b
-                    assert ll_a == pytest.approx(ll_b, abs=1e-3), task
+    test_ecosystem.assert_same_evaluation(api, hf)
+    test_ecosystem.assert_same_chat_answers(chat, hf_chat)
