@@ -11,7 +11,10 @@ there; the checkout is not touched), and samples the processes Snakemake starts 
 starts (torchrun and its ranks, mpiexec, its proxy and its ranks) is a descendant of that child,
 so a job's figures are those of one process tree:
 
-- wall time: from the child's start (its create time) to the first sample that no longer sees it;
+- wall time: from the child's start (its create time) to the first sample that no longer sees it.
+  The kernel's create time is read against the boot time in whole seconds, so it can be up to a
+  second early: in the committed run these walls are 0.4-0.6 s longer than Snakemake's `s`
+  (which starts its clock just after the fork and stops it when the job's process is reaped);
 - peak memory: the largest sum, over one sample, of the resident set size (RSS) of every process of
   the tree (shared pages, such as the torch libraries every rank maps, count once per process).
 
@@ -154,6 +157,21 @@ def rule_of(tree: Tree) -> tuple[str, str | None]:
     return f"other: {tree.cmdline[:80]}", None
 
 
+def overlaps(jobs: list[dict], slack: float = 1.0) -> None:
+    """Each job's `overlaps`: the jobs that ran beside it (a shared core slows both) for more than
+    `slack` seconds, the error of a start time (see the module's docstring)."""
+    for j in jobs:
+        a0, a1 = j["start_s"], j["start_s"] + j["wall_s"]
+        j["overlaps"] = sorted(
+            {
+                k["job"]
+                for k in jobs
+                if k is not j
+                and min(a1, k["start_s"] + k["wall_s"]) - max(a0, k["start_s"]) > slack
+            }
+        )
+
+
 def snakemake_benchmark(workdir: Path, job: str | None) -> dict | None:
     """Snakemake's `benchmark:` record of `job` (its TSV's one row), or None."""
     if job is None:
@@ -277,15 +295,7 @@ def run(args: argparse.Namespace) -> dict:
                 "snakemake_benchmark": snakemake_benchmark(workdir, bench_job),
             }
         )
-    for j in jobs:  # who ran beside whom (a shared core changes both jobs' times)
-        a0, a1 = j["start_s"], j["start_s"] + j["wall_s"]
-        j["overlaps"] = sorted(
-            {
-                k["job"]
-                for k in jobs
-                if k is not j and k["start_s"] < a1 and k["start_s"] + k["wall_s"] > a0
-            }
-        )
+    overlaps(jobs)
     result = {
         "format": FORMAT,
         "date": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(
@@ -334,7 +344,8 @@ def table(result: dict) -> str:
         b = j["snakemake_benchmark"]
         bench = (
             " / ".join(
-                "NA" if b[k] is None else f"{b[k]:,.0f}" for k in ("s", "max_rss", "max_pss")
+                "NA" if b[k] is None else f"{b[k]:,.{1 if k == 's' else 0}f}"
+                for k in ("s", "max_rss", "max_pss")
             )
             if b
             else "(no `benchmark:`)"
