@@ -330,9 +330,11 @@ def run(args: argparse.Namespace) -> dict:
 def table(result: dict) -> str:
     """The markdown table of one result: a row per job in start order, then the whole run."""
     m = result["machine"]
+    # the user's command; the scratch folder is no path a reader has
+    command = result["command"].replace(" --directory SCRATCH", "")
     caption = (
-        f"`{result['command']}` on {m['cpu']} ({m['usable_cpus']} cores, {m['memory_gb']} GB), "
-        f"{result['date'][:10]}; torch {m['torch']}, Snakemake {m['snakemake']}. "
+        f"`{command}` (with `--directory` a scratch folder) on {m['cpu']} ({m['usable_cpus']} cores, {m['memory_gb']} GB), "
+        f"{result['date'][:10]}; torch {m['torch']}, Snakemake {m['snakemake']}; "
         f"{result['note']}."
     )
     header = (
