@@ -14,7 +14,7 @@ def test_defaults_are_filled():
     assert cfg["serve"]["host"] == "127.0.0.1" and cfg["serve"]["token_env"] is None
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "gpt2-wikitext2.yaml"])
+@pytest.mark.parametrize("name", ["config.yaml", "gpt2-wikitext2.yaml", "gpt2-small-cpu.yaml"])
 def test_shipped_configs_are_valid(name):
     cfg = load_config(ROOT / "config" / name)
     assert cfg["runtime"]["device"] in ("cpu", "cuda")
