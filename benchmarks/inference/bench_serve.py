@@ -509,7 +509,7 @@ def llama_versions(args) -> dict:
     except PackageNotFoundError:
         py = None
     return {
-        "llama_server_version": (r.stdout + r.stderr).strip().splitlines()[-1:],
+        "llama_server_version": (r.stdout + r.stderr).strip().splitlines(),
         "llama_cpp_python": py,
         "gguf": args.gguf.split(","),
         "slots": args.lanes,
