@@ -15,9 +15,10 @@ order that rotates over --repeats:
     doing one full-model Hugging Face `generate` per request, no pipeline;
   * llamacpp-T: llama.cpp's `llama-server` (--llama-server) on the folder converted to GGUF of type
     T (each of --gguf: f32, f16; peers.py converts with --llama-cpp's convert_hf_to_gguf.py), with
-    continuous batching over --lanes slots of the model's context each, --threads threads;
-  * llamacpp-py-T: llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) on the same
-    file: one sequence at a time.
+    continuous batching over --lanes slots of the model's context each, --threads threads.
+    (llama-cpp-python's `llama_cpp.server` is not in the rotation: it runs one sequence at a time,
+    and at temperature 0 it still applies its default repeat_penalty of 1.1, so its texts are not
+    greedy ones.)
 All get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
 others' torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
 tokens back to back for --seconds per level (at least --requests each); per level: completion
@@ -238,8 +239,7 @@ def level(
     }
 
 
-def wait_up(proc: subprocess.Popen, port: int, log: Path, ready: str = "/health") -> None:
-    """Until GET `ready` answers 200 (llama_cpp.server has no /health: its /v1/models)."""
+def wait_up(proc: subprocess.Popen, port: int, log: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -248,7 +248,7 @@ def wait_up(proc: subprocess.Popen, port: int, log: Path, ready: str = "/health"
             )
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", ready)
+            conn.request("GET", "/health")
             if conn.getresponse().status == 200:
                 return
         except OSError:
@@ -268,15 +268,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def measure(
-    name: str,
-    cmd: list[str],
-    port: int,
-    work: Path,
-    args,
-    prompts,
-    levels,
-    env: dict,
-    ready: str = "/health",
+    name: str, cmd: list[str], port: int, work: Path, args, prompts, levels, env: dict
 ) -> tuple[list, dict]:
     log = work / f"{name}.log"
     with open(log, "a") as out:
@@ -288,7 +280,7 @@ def measure(
             env=env,
         )
     try:
-        wait_up(proc, port, log, ready)
+        wait_up(proc, port, log)
         texts = {
             p: post(port, {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0})[2]
             for p in prompts
@@ -310,7 +302,7 @@ def main() -> None:
     import torch
     from bench import seeded_model
     from harness.peer import transformers_serve_command, transformers_serve_env
-    from peers import llama_cpp_python_command, llama_env, llama_server_command
+    from peers import llama_env, llama_server_command
     from transformers import __version__ as transformers_version
 
     from distlm.dist import free_port
@@ -330,7 +322,7 @@ def main() -> None:
         names = []
         ggufs = {}
         for name in args.servers.split(","):
-            if name in ("llamacpp", "llamacpp-py"):
+            if name == "llamacpp":
                 for t in args.gguf.split(","):
                     ggufs[t] = gguf_file(model, t, work, args)
                 names += [f"{name}-{t}" for t in args.gguf.split(",")]
@@ -342,14 +334,7 @@ def main() -> None:
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 port = free_port()
                 env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-                ready = "/health"
-                if name.startswith("llamacpp-py-"):
-                    gguf = ggufs[name.removeprefix("llamacpp-py-")]
-                    cmd = llama_cpp_python_command(
-                        gguf, port=port, threads=args.threads, context=model_context(model_config)
-                    )
-                    env, ready = llama_env(args.threads), "/v1/models"
-                elif name.startswith("llamacpp-"):
+                if name.startswith("llamacpp-"):
                     cmd = llama_server_command(
                         args.llama_server,
                         ggufs[name.removeprefix("llamacpp-")],
@@ -377,9 +362,7 @@ def main() -> None:
                 else:
                     stages = int(name.removeprefix("distlm-s"))
                     cmd = distlm_command(work, model, stages, port, args, levels)
-                rows, texts[name] = measure(
-                    name, cmd, port, work, args, prompts, levels, env, ready
-                )
+                rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels, env)
                 runs[name].append(rows)
                 print(
                     name,

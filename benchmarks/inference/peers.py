@@ -7,7 +7,7 @@
 
 bench.py times CTranslate2's `Generator.generate_batch` beside Hugging Face `generate` and the
 pipeline; bench_serve.py serves the GGUF file with llama.cpp's `llama-server` (continuous batching,
-one slot per lane) and llama-cpp-python's `llama_cpp.server`, beside `transformers serve` and distlm.
+one slot per lane) beside `transformers serve` and distlm.
 
 CTranslate2's `ct2-transformers-converter` reads a GPT-2 folder as distlm writes it (float32).
 llama.cpp's `convert_hf_to_gguf.py` (in the llama.cpp source the server is built from: the
@@ -189,29 +189,6 @@ def llama_server_command(
         "--cont-batching",
         "--no-webui",
         "--log-disable",
-    ]
-
-
-def llama_cpp_python_command(gguf: Path, *, port: int, threads: int, context: int) -> list[str]:
-    """llama-cpp-python's OpenAI server (`llama_cpp.server`): one sequence at a time."""
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_threads",
-        str(threads),
-        "--n_threads_batch",
-        str(threads),
-        "--n_ctx",
-        str(context),
-        "--verbose",
-        "False",
     ]
 
 
