@@ -7,10 +7,18 @@
 Same model weights, prompts and greedy settings for every row:
   * hf_generate: single-process GPT2LMHeadModel.generate (KV cache), one prompt at a time, timed
     in turn with the one-stage pipeline in the same process (same threads);
+  * hf_generate_batched (--peers hf_batched): the same `generate` with all M prompts in one batch
+    (left padding and its attention mask), the batch inference a Hugging Face user writes;
+  * ct2_generate_batch (--peers ct2): CTranslate2's Generator.generate_batch over all M prompts on
+    the folder `ct2-transformers-converter` makes of the same weights (float32, the same threads);
+    the engine-speed reference for batch inference (peers.py; `pip install -e '.[bench]'`);
   * distlm S = 1, 2, 3 (mpiexec -n S): one prompt at a time (lanes = 1), then all M >= S prompts in
     flight together (lanes = M), in the same pipeline launch.
 Each figure is the best of --repeats timed runs after one warm-up run (the machine may be shared).
+Every row's greedy token ids are compared with hf_generate's: the pipeline's must be equal (the run
+fails after writing the JSON otherwise), the peers' are counted (batched kernels may break ties).
 Targets (issue 6): S = 1 >= 0.8x hf_generate; S = 3 with M >= 3 in flight >= 1.5x S = 3 one at a time.
+Target (issue 31): S = 1 with all M prompts in flight >= 1.5x hf_generate_batched.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).parent))  # peers.py: CTranslate2 and llama.cpp
 
 
 def parse() -> argparse.Namespace:
@@ -50,8 +59,14 @@ def parse() -> argparse.Namespace:
         help="torch threads of hf_generate and of every pipeline rank (a shared machine "
         "punishes oversubscribed thread pools; the same count keeps rows comparable)",
     )
+    p.add_argument(
+        "--peers",
+        default="hf_batched,ct2",
+        help="batch-inference peers beside the one-stage pipeline (hf_batched, ct2; '' for none)",
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
+    p.add_argument("--note", default="", help="what else ran on the machine (goes in the JSON)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -119,6 +134,8 @@ def prompts(path: str, m: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- measurements
 
+MODES = ("one_at_a_time", "in_flight")  # the pipeline's, in every launch
+
 
 def hf_runner(model_dir: Path, texts: list[str], n: int):
     """A callable timing GPT2LMHeadModel.generate (KV cache) over the prompts, one at a time."""
@@ -140,18 +157,59 @@ def hf_runner(model_dir: Path, texts: list[str], n: int):
     }
 
     def run() -> dict:
-        t0, total = time.perf_counter(), 0
+        t0, new = time.perf_counter(), []
         with torch.inference_mode():
             for x in ids:
                 # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
                 out = model.generate(x, **kw)  # pyright: ignore[reportAttributeAccessIssue]
-                total += out.shape[1] - x.shape[1]
+                new.append(out[0, x.shape[1] :].tolist())
         wall = time.perf_counter() - t0
+        total = sum(len(x) for x in new)
         return {
             "tokens": total,
             "wall_s": wall,
             "tokens_per_s": total / wall,
             "threads": torch.get_num_threads(),
+            "token_ids": new,
+        }
+
+    return run
+
+
+def hf_batched_runner(model_dir: Path, texts: list[str], n: int):
+    """A callable timing GPT2LMHeadModel.generate over all prompts in one batch: left padding
+    (with the EOS token, GPT-2 has no pad token) and the attention mask that hides it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from distlm.model import load_model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tok.pad_token = tok.eos_token
+    model = load_model_dir(model_dir)
+    batch = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    kw = {
+        "max_new_tokens": n,
+        "min_new_tokens": n,
+        "do_sample": False,
+        "use_cache": True,
+        "pad_token_id": tok.eos_token_id,
+    }
+
+    def run() -> dict:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
+            out = model.generate(**batch, **kw)  # pyright: ignore[reportAttributeAccessIssue]
+        wall = time.perf_counter() - t0
+        new = out[:, batch["input_ids"].shape[1] :].tolist()
+        total = sum(len(x) for x in new)
+        return {
+            "tokens": total,
+            "wall_s": wall,
+            "tokens_per_s": total / wall,
+            "threads": torch.get_num_threads(),
+            "token_ids": new,
         }
 
     return run
@@ -187,17 +245,36 @@ def worker(spec_path: str, out_path: str) -> None:
                     stats=pipe.stats,
                 )
                 pipe.stats.reset()
-                _, t = generate_batch(
+                records, t = generate_batch(
                     pipe, spec["prompts"], icfg.model_copy(update={"lanes": lanes})
                 )
                 keep = ("lanes", "micro_batch_size", "prompts", "tokens", "wall_s", "tokens_per_s")
-                return {**{k: getattr(t, k) for k in keep}, "ttft_mean_s": t.ttft_s.mean}
+                return {
+                    **{k: getattr(t, k) for k in keep},
+                    "ttft_mean_s": t.ttft_s.mean,
+                    "token_ids": [r["token_ids"] for r in records],
+                }
 
             return run
 
         modes = {"one_at_a_time": pipeline(1), "in_flight": pipeline(len(spec["prompts"]))}
         if spec["hf"]:
             modes["hf_generate"] = hf_runner(spec["hf_model"], spec["prompts"], icfg.max_new_tokens)
+            if "hf_batched" in spec["peers"]:
+                modes["hf_generate_batched"] = hf_batched_runner(
+                    spec["hf_model"], spec["prompts"], icfg.max_new_tokens
+                )
+            if "ct2" in spec["peers"]:
+                from peers import ct2_runner
+                from transformers import AutoTokenizer
+
+                modes["ct2_generate_batch"] = ct2_runner(
+                    Path(spec["ct2_model"]),
+                    AutoTokenizer.from_pretrained(spec["hf_model"]),
+                    spec["prompts"],
+                    icfg.max_new_tokens,
+                    spec["threads"],
+                )
         runs = {name: [] for name in modes}
         for r in range(spec["repeats"] + 1):  # the first round is a warm-up
             for name, run in modes.items():
@@ -221,6 +298,8 @@ def distlm_run(
     timeout: float,
     threads: int,
     hf_model: Path | None,
+    peers: list[str],
+    ct2_model: Path | None,
 ) -> dict:
     from distlm.config import validate_config
 
@@ -238,6 +317,9 @@ def distlm_run(
                 "repeats": repeats,
                 "hf": hf_model is not None,
                 "hf_model": str(hf_model),
+                "peers": peers,
+                "ct2_model": str(ct2_model),
+                "threads": threads,
             }
         )
     )
@@ -276,6 +358,15 @@ def main() -> None:
                 f"--m {args.m}: need at least as many prompts as stages ({max(stages)})"
             )
         n = args.max_new_tokens
+        peers = [x for x in args.peers.split(",") if x]
+        unknown = sorted(set(peers) - {"hf_batched", "ct2"})
+        if unknown:
+            raise SystemExit(f"--peers: unknown {unknown} (known: hf_batched, ct2)")
+        ct2 = None
+        if "ct2" in peers:
+            from peers import ct2_model
+
+            ct2 = ct2_model(model, work / "ct2")
         if 1 not in stages:
             raise SystemExit(
                 "--stages must include 1: Hugging Face generate runs beside the one-stage pipeline"
@@ -292,6 +383,8 @@ def main() -> None:
                 args.timeout,
                 args.threads,
                 model if s == 1 else None,
+                peers,
+                ct2,
             )
             r = rows[str(s)]
             print(
@@ -300,7 +393,25 @@ def main() -> None:
                 flush=True,
             )
         hf = rows["1"].pop("hf_generate")
+        peer_rows = {
+            name: rows["1"].pop(name)
+            for name in ("hf_generate_batched", "ct2_generate_batch")
+            if name in rows["1"]
+        }
         print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
+        for name, r in peer_rows.items():
+            print(f"{name}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+        # greedy token ids against hf_generate's: the pipeline's must be equal, peers' counted
+        ref = hf.pop("token_ids")
+        greedy, disagree = {}, []
+        for label, r in [
+            *((f"s{s}_{mode}", r[mode]) for s, r in rows.items() for mode in MODES),
+            *peer_rows.items(),
+        ]:
+            same = sum(a == b for a, b in zip(r.pop("token_ids"), ref, strict=True))
+            greedy[label] = f"{same}/{len(ref)}"
+            if label.startswith("s") and same != len(ref):
+                disagree.append(label)
         cfg = load_config_json(model)
         ratios = {
             "s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]
@@ -309,12 +420,23 @@ def main() -> None:
             ratios[f"s{s}_in_flight_vs_one_at_a_time"] = (
                 r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
             )
+        for name, short in (("hf_generate_batched", "hf_batched"), ("ct2_generate_batch", "ct2")):
+            if name not in peer_rows:
+                continue
+            for s, r in rows.items():
+                ratios[f"s{s}_in_flight_vs_{short}"] = (
+                    r["in_flight"]["tokens_per_s"] / peer_rows[name]["tokens_per_s"]
+                )
         targets = {}
         if "s1_vs_hf_generate" in ratios:
             targets["s1 >= 0.8x hf_generate"] = ratios["s1_vs_hf_generate"] >= 0.8
         if "s3_in_flight_vs_one_at_a_time" in ratios:
             targets["s3 in flight >= 1.5x one at a time"] = (
                 ratios["s3_in_flight_vs_one_at_a_time"] >= 1.5
+            )
+        if "s1_in_flight_vs_hf_batched" in ratios:
+            targets["s1 in flight >= 1.5x hf_generate_batched"] = (
+                ratios["s1_in_flight_vs_hf_batched"] >= 1.5
             )
         result = {
             "machine": {
@@ -335,13 +457,20 @@ def main() -> None:
             "repeats": args.repeats,
             "threads": args.threads,
             "hf_generate": hf,
+            **peer_rows,
             "distlm": rows,
+            "greedy_equal_hf_generate": greedy,
             "ratios": ratios,
             "targets_met": targets,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "note": args.note,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps({"ratios": ratios, "targets_met": targets}, indent=2))
+        print(json.dumps({"ratios": ratios, "targets_met": targets, "greedy": greedy}, indent=2))
+        if disagree:
+            raise SystemExit(f"greedy token ids differ from hf_generate's: {disagree} ({greedy})")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

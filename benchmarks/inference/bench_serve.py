@@ -12,13 +12,20 @@ order that rotates over --repeats:
   * peer: `transformers serve MODEL --continuous-batching --device cpu` (paged attention and
     continuous batching; it ships with transformers), on the model folder as distlm writes it;
   * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
-    doing one full-model Hugging Face `generate` per request, no pipeline.
+    doing one full-model Hugging Face `generate` per request, no pipeline;
+  * llamacpp-T: llama.cpp's `llama-server` (--llama-server) on the folder converted to GGUF of type
+    T (each of --gguf: f32, f16; peers.py converts with --llama-cpp's convert_hf_to_gguf.py), with
+    continuous batching over --lanes slots of the model's context each, --threads threads.
+    (llama-cpp-python's `llama_cpp.server` is not in the rotation: it runs one sequence at a time,
+    and at temperature 0 it still applies its default repeat_penalty of 1.1, so its texts are not
+    greedy ones.)
 All get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
 others' torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
 tokens back to back for --seconds per level (at least --requests each); per level: completion
 tokens / wall time, and the p50 / p99 of the requests' end-to-end latency. Reported: each, and
-ratios of every distlm over the peer and over the baseline. Greedy texts must equal the baseline's
-(`generate`); the peer's are compared and counted (its batched kernels may break near-ties).
+ratios of every distlm over each other server. Greedy texts must equal `generate`'s (the
+baseline's, or without it `generate` run here); the other servers' are compared and counted
+(their batched kernels may break near-ties).
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=0, help="at least this long per level")
     p.add_argument("--servers", default="baseline,peer,distlm", help="which servers to run")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--gguf", default="f32,f16", help="GGUF types the llama.cpp servers serve")
+    p.add_argument(
+        "--llama-cpp",
+        help="llama.cpp source tree (its convert_hf_to_gguf.py) for the llamacpp servers; the "
+        "llama-cpp-python source distribution carries one under vendor/llama.cpp",
+    )
+    p.add_argument("--llama-server", default="llama-server", help="llama.cpp's server binary")
     p.add_argument(
         "--arch",
         choices=["gpt2", "llama"],
@@ -103,7 +117,6 @@ class Completion(BaseModel):
 
 def baseline_app(model_dir: Path):
     """FastAPI, one full-model `generate` per request: the serving distlm replaces."""
-    import torch
     from fastapi import FastAPI
 
     from distlm.data import load_tokenizer
@@ -119,23 +132,43 @@ def baseline_app(model_dir: Path):
 
     @app.post("/v1/completions")
     def complete(req: Completion):
-        ids = torch.tensor([tok(req.prompt, add_special_tokens=False)["input_ids"]])
-        with torch.inference_mode():
-            # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
-            out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
-                ids,
-                max_new_tokens=req.max_tokens,
-                do_sample=False,
-                pad_token_id=tok.eos_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-        new = out[0, ids.shape[1] :].tolist()
+        prompt_tokens, new = generate(model, tok, req.prompt, req.max_tokens)
         return {
             "choices": [{"text": tok.decode(new, skip_special_tokens=True), "index": 0}],
-            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(new)},
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(new)},
         }
 
     return app
+
+
+def generate(model, tok, prompt: str, max_tokens: int) -> tuple[int, list[int]]:
+    """(prompt tokens, new token ids) of one greedy `generate` that stops at EOS."""
+    import torch
+
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.inference_mode():
+        # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
+        out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
+            ids,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    return ids.shape[1], out[0, ids.shape[1] :].tolist()
+
+
+def generate_texts(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """`generate`'s greedy text of each prompt, as the baseline server answers it."""
+    from distlm.data import load_tokenizer
+    from distlm.model import load_model_dir
+
+    model = load_model_dir(model_dir).eval()
+    tok = load_tokenizer(model_dir)
+    return {
+        p: tok.decode(generate(model, tok, p, max_tokens)[1], skip_special_tokens=True)
+        for p in prompts
+    }
 
 
 def run_baseline(args) -> None:
@@ -269,6 +302,7 @@ def main() -> None:
     import torch
     from bench import seeded_model
     from harness.peer import transformers_serve_command, transformers_serve_env
+    from peers import llama_env, llama_server_command
     from transformers import __version__ as transformers_version
 
     from distlm.dist import free_port
@@ -286,7 +320,13 @@ def main() -> None:
         model = Path(args.model) if args.model else seeded_model(work / "seeded", args, **arch)
         model_config = json.loads((model / "config.json").read_text())
         names = []
+        ggufs = {}
         for name in args.servers.split(","):
+            if name == "llamacpp":
+                for t in args.gguf.split(","):
+                    ggufs[t] = gguf_file(model, t, work, args)
+                names += [f"{name}-{t}" for t in args.gguf.split(",")]
+                continue
             names += [f"distlm-s{n}" for n in stage_counts] if name == "distlm" else [name]
         runs: dict[str, list[list[dict]]] = {n: [] for n in names}
         texts = {}
@@ -294,7 +334,17 @@ def main() -> None:
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 port = free_port()
                 env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-                if name == "baseline":
+                if name.startswith("llamacpp-"):
+                    cmd = llama_server_command(
+                        args.llama_server,
+                        ggufs[name.removeprefix("llamacpp-")],
+                        port=port,
+                        threads=args.threads,
+                        slots=args.lanes,
+                        context=model_context(model_config),
+                    )
+                    env = llama_env(args.threads)
+                elif name == "baseline":
                     cmd = [
                         sys.executable,
                         __file__,
@@ -327,11 +377,16 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-        ref = texts.get("baseline") or next(iter(texts.values()))
+        ref = texts.get("baseline") or generate_texts(model, prompts, args.max_tokens)
         for name in names:
             if name.startswith("distlm") and texts[name] != ref:
                 raise RuntimeError(f"{name} disagrees with generate on greedy text: {texts}")
         peer_agrees = sum(texts["peer"][p] == ref[p] for p in prompts) if "peer" in texts else None
+        llama_agree = {
+            name: f"{sum(texts[name][p] == ref[p] for p in prompts)}/{len(prompts)}"
+            for name in names
+            if name.startswith("llamacpp")
+        }
     summary = {}
     for name, reps in runs.items():
         summary[name] = [
@@ -346,7 +401,7 @@ def main() -> None:
         ]
     ratios = {}
     for name in names:
-        for other in ("peer", "baseline"):
+        for other in ("peer", "baseline", *(n for n in names if n.startswith("llamacpp"))):
             if not name.startswith("distlm") or other not in summary:
                 continue
             ratios[f"{name}_over_{other}"] = [
@@ -391,6 +446,8 @@ def main() -> None:
         "peer_greedy_texts_equal_generate": None
         if peer_agrees is None
         else f"{peer_agrees}/{len(prompts)}",
+        "llamacpp_greedy_texts_equal_generate": llama_agree,
+        "llamacpp": llama_versions(args) if llama_agree else None,
         "median_over_repeats": summary,
         "ratios": ratios,
         "runs": runs,
@@ -407,6 +464,39 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"median_over_repeats": summary, "ratios": ratios}, indent=2))
+
+
+def model_context(model_config: dict) -> int:
+    """The model's context length (GPT-2: n_positions; Llama: max_position_embeddings)."""
+    return model_config.get("n_positions") or model_config["max_position_embeddings"]
+
+
+def gguf_file(model: Path, outtype: str, work: Path, args) -> Path:
+    """The model folder as a GGUF file of `outtype`, converted once per run (peers.py)."""
+    from peers import gguf_model
+
+    if not args.llama_cpp:
+        raise SystemExit("--servers llamacpp needs --llama-cpp (llama.cpp's source tree)")
+    return gguf_model(model, work / f"model-{outtype}.gguf", outtype, Path(args.llama_cpp))
+
+
+def llama_versions(args) -> dict:
+    """Which llama.cpp served: the server binary's --version and llama-cpp-python's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    r = subprocess.run(
+        [args.llama_server, "--version"], capture_output=True, text=True, check=False
+    )
+    try:
+        py = version("llama_cpp_python")
+    except PackageNotFoundError:
+        py = None
+    return {
+        "llama_server_version": (r.stdout + r.stderr).strip().splitlines(),
+        "llama_cpp_python": py,
+        "gguf": args.gguf.split(","),
+        "slots": args.lanes,
+    }
 
 
 def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels) -> list[str]:
