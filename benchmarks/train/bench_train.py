@@ -655,7 +655,7 @@ def drive(a, work: Path) -> None:
             ratios[f"p90_{label}"] = d["p90"] / o["p90"]
     result = {
         "benchmark": "training stage throughput: distlm vs a bare DDP loop vs transformers.Trainer",
-        "command": "python benchmarks/train/bench_train.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/train/bench_train.py " + " ".join(_public_argv(sys.argv[1:])),
         "note": a.note,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": {
@@ -755,6 +755,19 @@ def drive(a, work: Path) -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("summary", "ratios_distlm", "flops")}, indent=2))
+
+
+def _public_argv(argv: list[str]) -> list[str]:
+    """The command line without --workdir (a folder of this machine that changes no figure)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == "--workdir":
+            skip = True
+        elif not x.startswith("--workdir="):
+            out.append(x)
+    return out
 
 
 def _version(pkg: str) -> str | None:
