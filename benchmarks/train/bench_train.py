@@ -30,7 +30,7 @@ on a GPU beside the datasheet MFU):
 
 - model FLOPs per token, forward and backward, as PaLM (appendix B) and nanoGPT's `estimate_mfu`
   count them: `6 N + 12 L H Q T`, with N the parameters that multiply (all but the position
-  embeddings, and but an untied input embedding, which is a lookup; a tied one is the LM head),
+  embeddings and an untied input embedding, which are lookups; a tied one is the LM head),
   L layers, H heads, Q head size, T the block size (attention counted over the full T x T, as
   PaLM does, though causal SDPA skips the masked half). Achieved FLOP/s = that x mean tokens/s.
 - the matmul peak: the same torchrun world (same ranks, same intra-op threads per rank, the
@@ -74,7 +74,7 @@ PRESETS = {
         "n_head": 12,
         "n_embd": 768,
         "micro_batch": 16,
-        # on a CPU one block of 1024 a rank: 2 x 1024 tokens a step is ~10 s on 2 cores
+        # on a CPU one block of 1024 a rank: 2 x 1024 tokens a step take ~6 s on 2 cores
         "micro_batch_cpu": 1,
     },
     # Llama family (LlamaForCausalLM), on synthetic blocks: SmolLM2-135M's architecture (heads of
