@@ -41,11 +41,11 @@ def _chunk_rows(vocab: int, width: int, device: torch.device) -> int:
         # GPU: a few large chunks keep the matmuls big while the fp32 logits stay a few hundred MB
         return max(16, (256 << 20) // (4 * vocab))
     # CPU: chunks of about 2 MiB of logits, in cache from the matmul through the gradient: 128 rows
-    # of a 4,096 vocabulary were fastest on a 2-core Xeon (64 rows 1.14x slower, 256 1.10x). But
+    # of a 4,096 vocabulary were fastest on a 2-core Xeon (64 rows 1.18x slower, 256 1.10x). But
     # every chunk reads and writes the head's whole weight gradient (V x C) once: where that is
     # beyond the caches, fewer chunks win. GPT-2's 50,257 x 768 head (154 MB), one thread:
     # 64 rows 2.20 s, 256 rows 1.66 s, one chunk of 1,023 rows 1.59 s (16 rows, the 2 MiB rule,
-    # several times slower than 256).
+    # about 4.9 s).
     rows = (2 << 20) // (4 * vocab)
     if 4 * vocab * width > (8 << 20):
         rows = max(rows, 256)
