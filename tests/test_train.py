@@ -201,6 +201,25 @@ def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
         assert got(x).item() == pytest.approx(ReferenceLoss(ref)(x).item(), rel=1e-6)
 
 
+@pytest.mark.parametrize(("vocab", "width", "rows"), [(512, 32, 7), (9000, 240, None)])
+def test_linear_cross_entropy_matches_the_logits_path(vocab, width, rows):
+    """Against cross-entropy of the whole logits: several short chunks, and a head beyond the
+    caches (8.6 MB) that the default chunking takes in chunks of at least 256 rows."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(300, width, generator=g)
+    w = torch.randn(vocab, width, generator=g) * 0.05
+    t = torch.randint(0, vocab, (300,), generator=g)
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(h1 @ w1.t(), t)
+    (3.0 * want).backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = linear_cross_entropy(h2, w2, t, rows=rows)
+    (3.0 * got).backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-4, atol=1e-7)
+
+
 def _save(d: Path, step: int, keep: int = 10) -> None:
     """Rank 0's part of the save path (checkpoint.write) with small stand-in tensors."""
     ck.write(
