@@ -15,7 +15,7 @@ import torch
 from distlm import DistlmError
 from distlm.inference.engine.ring import PipelineTopology
 from distlm.inference.engine.scheduler import Scheduler, Sequence
-from distlm.inference.engine.stage import Item, load_stage
+from distlm.inference.engine.stage import Item, _Plan, load_stage
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
 from distlm.inference.stats import StageStats
@@ -283,6 +283,33 @@ def test_stage_chain_packed_matches_generate(tiny_models, hf_reference, stages):
         ref = hf_reference(p, n_new)
         assert len(set(ref)) > 3, "the reference should not be one repeated token"
         assert g == ref, p
+
+
+@pytest.mark.parametrize(
+    "lanes,in_place",
+    [((4, 2, 3, 7, 5), True), ((0, 11, 23, 35, 47), False)],
+    ids=["cache-rows-in-place", "lanes-gathered"],
+)
+def test_decode_on_any_lanes_matches_generate(tiny_models, hf_reference, lanes, in_place):
+    """Decode items on lanes out of order with a gap (lane 6 holds no item) attend over the cache
+    rows in place; lanes spread wide are gathered. Both pick generate's tokens."""
+    tok = hf_reference.tokenizer
+    model = load_stage(tiny_models[1], 0, world=1)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    n_new = 8
+    items = [Item(k, lanes[k], 0, len(i)) for k, i in enumerate(ids)]
+    x = torch.tensor([t for i in ids for t in i])
+    got = [[] for _ in ids]
+    for step in range(n_new):
+        nxt = model(items, x).argmax(-1)
+        for k in range(len(ids)):
+            got[k].append(int(nxt[k]))
+        items = [Item(k, lanes[k], len(ids[k]) + step, 1) for k in range(len(ids))]
+        x = nxt
+        decode = _Plan(items, torch.device("cpu")).decode
+        assert decode is not None and (decode.lanes is None) == in_place
+    for p, g in zip(PROMPTS, got):
+        assert g == hf_reference(p, n_new), p
 
 
 def _scheduler(folder, *, lanes, eos=None):

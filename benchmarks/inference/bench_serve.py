@@ -64,7 +64,9 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--model", help="model folder (default: the seeded model of bench.py)")
     p.add_argument("--stages", default="2", help="pipeline stage counts to measure, e.g. 1,2")
-    p.add_argument("--lanes", type=int, default=16)
+    from distlm.settings import EngineSettings
+
+    p.add_argument("--lanes", type=int, default=EngineSettings().lanes, help="inference.lanes")
     p.add_argument("--threads", type=int, default=2, help="thread budget of each server")
     p.add_argument("--clients", default="1,4,16")
     p.add_argument(

@@ -61,7 +61,14 @@ class EngineSettings(SamplingSettings):
     serve.stages). Its sampling keys are SamplingSettings' own: it is the batch stage's sampling
     and every request's defaults as it is, never copied into another model."""
 
-    lanes: int = Field(default=16, ge=1, description="Sequences in flight at once (KV-cache rows).")
+    lanes: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Sequences in flight at once (KV-cache rows); 64 decodes 64 clients together "
+            "(benchmarks/inference/serve-results.json)."
+        ),
+    )
     prompt_overflow: Literal["truncate", "reject"] = Field(
         default="truncate",
         description=(

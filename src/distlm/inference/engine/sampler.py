@@ -73,7 +73,8 @@ def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) 
         finite = [True] * len(slots)
     else:
         finite = torch.isfinite(logits).any(dim=1).tolist()
-    best = [b if ok else None for b, ok in zip(logits.argmax(dim=1).tolist(), finite)]
+    # max's indices are argmax's (the first of equal maxima), from a faster kernel on the CPU
+    best = [b if ok else None for b, ok in zip(logits.max(dim=1).indices.tolist(), finite)]
     picks = []
     for i, sl in enumerate(slots):
         if sl.item.pos == 0:

@@ -203,13 +203,18 @@ class StageModel(nn.Module):
         K[plan.lanes, :, plan.positions] = k  # every new token's key and value, in place
         V[plan.lanes, :, plan.positions] = v
         a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
-        if plan.decode is not None:
-            rows, lanes, mask, T = plan.decode
-            qd = q[rows].unsqueeze(2)  # (B, n_head, 1, D)
+        d = plan.decode
+        if d is not None:
+            if d.lanes is None:  # the cache rows [lo, lo + R) in place: a view, nothing copied
+                Kd, Vd = K[d.lo : d.lo + d.R, :, : d.T], V[d.lo : d.lo + d.R, :, : d.T]
+            else:  # lanes spread out: their rows gathered
+                Kd, Vd = K[d.lanes, :, : d.T], V[d.lanes, :, : d.T]
+            qd = q.new_zeros(d.R, self.n_head, 1, self.head_dim)  # (R, n_head, 1, D)
+            qd[d.at, :, 0] = q[d.rows]
             o = F.scaled_dot_product_attention(
-                qd, K[lanes, :, :T], V[lanes, :, :T], attn_mask=mask, scale=scale, enable_gqa=gqa
-            )  # (B, n_head, 1, D)
-            a[rows] = o.reshape(-1, W)
+                qd, Kd, Vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
+            )  # (R, n_head, 1, D)
+            a[d.rows] = o[d.at].reshape(-1, W)
         for off, it in plan.others:
             qi = q[off : off + it.n].transpose(0, 1).unsqueeze(0)  # (1, n_head, n, D)
             end = it.pos + it.n
@@ -245,17 +250,37 @@ class _Plan:
         self.positions = torch.tensor(positions, device=dev)
         decode = [(o, it) for o, it in zip(offs, items) if it.n == 1 and it.pos > 0]
         self.others = [(o, it) for o, it in zip(offs, items) if not (it.n == 1 and it.pos > 0)]
-        self.decode = None
-        if decode:
-            T = max(it.pos for _, it in decode) + 1
-            ends = torch.tensor([it.pos + 1 for _, it in decode], device=dev)
-            mask = torch.arange(T, device=dev) < ends.unsqueeze(1)  # (B, T): each lane's length
-            self.decode = (
-                torch.tensor([o for o, _ in decode], device=dev),
-                torch.tensor([it.lane for _, it in decode], device=dev),
-                mask[:, None, None, :],  # (B, 1, 1, T)
-                T,
-            )
+        self.decode = _Decode(decode, dev) if decode else None
+
+
+class _Decode:
+    """The decode items of a micro-batch (one new token each), attended together in one SDPA
+    call: a batch of R rows over T cached positions, each row masked to its lane's length.
+
+    When the items' lanes lie close together (lanes are handed out lowest first, so they do
+    while one stage serves), the rows are the cache's own rows lo..lo + R - 1, read in place;
+    a row whose lane has no item here gets a zero query over position 0, its output unused.
+    Else the rows are the items' lanes, gathered (a copy of their keys and values per layer)."""
+
+    def __init__(self, decode: list[tuple[int, Item]], dev) -> None:
+        B = len(decode)
+        lanes = [it.lane for _, it in decode]
+        self.T = max(it.pos for _, it in decode) + 1
+        self.lo = min(lanes)
+        self.R = max(lanes) - self.lo + 1
+        self.lanes: torch.Tensor | None = None  # None: the rows lo..lo + R - 1, in place
+        if self.R > 2 * B:  # too sparse: attending every row between them would cost more
+            self.R, self.lanes = B, torch.tensor(lanes, device=dev)
+            at = list(range(B))
+        else:
+            at = [lane - self.lo for lane in lanes]
+        ends = [1] * self.R  # a row with no item here attends position 0 (output unused)
+        for row, (_, it) in zip(at, decode):
+            ends[row] = it.pos + 1
+        self.rows = torch.tensor([o for o, _ in decode], device=dev)  # the items' tokens (B,)
+        self.at = torch.tensor(at, device=dev)  # each item's row of the batch (B,)
+        mask = torch.arange(self.T, device=dev) < torch.tensor(ends, device=dev).unsqueeze(1)
+        self.mask = mask[:, None, None, :]  # (R, 1, 1, T): each row's length
 
 
 def load_stage(

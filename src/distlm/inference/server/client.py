@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -32,11 +33,18 @@ from distlm.log import get_logger
 log = get_logger(__name__)
 
 
+class Sink(Protocol):
+    """Where a request's events go as the reader takes them: an asyncio.Queue (a streamed
+    request's handler takes each), or what applies them to a non-streamed request's answer."""
+
+    def put_nowait(self, item, /) -> None: ...
+
+
 class EngineClient:
     """The API server's end of the engine channel: it binds, stage 0 connects.
 
-    A reader task dispatches Token / Finish / Error to the request they belong to; Health updates
-    the gauges. `fail()` ends every open request with a 503 and refuses new ones.
+    A reader task dispatches Token / Finish / Error to the request they belong to (its Sink);
+    Health updates the gauges. `fail()` ends every open request with a 503 and refuses new ones.
     """
 
     def __init__(self, requests_addr: str, events_addr: str, metrics: Metrics) -> None:
@@ -57,7 +65,7 @@ class EngineClient:
         self.failed: str | None = None
         self.health_at = 0.0
         self.health: Health | None = None
-        self.queues: dict[int, asyncio.Queue] = {}
+        self.queues: dict[int, Sink] = {}  # rid -> where its events go
         self.open_seqs: dict[int, int] = {}  # rid -> sequences not yet ended
         self._rid = 0
         self._reader: asyncio.Task | None = None
@@ -147,17 +155,19 @@ class EngineClient:
         except zmq.ZMQError as e:
             log.error("engine channel: sending %s failed: %s", type(msg).__name__, e)
 
-    def submit(
-        self, prompts: list[list[int]], n: int, params: SamplingParams
-    ) -> tuple[int, asyncio.Queue]:
+    def new_rid(self) -> int:
+        """The id of the next request."""
         self._rid += 1
-        rid = self._rid
-        q: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = q
+        return self._rid
+
+    def submit(
+        self, rid: int, prompts: list[list[int]], n: int, params: SamplingParams, sink: Sink
+    ) -> None:
+        """Send request `rid` to stage 0; its events go to `sink`."""
+        self.queues[rid] = sink
         self.open_seqs[rid] = len(prompts) * n
         self.metrics.open.set(self.outstanding)
         self._send(Submit(rid=rid, prompts=prompts, n=n, params=params))
-        return rid, q
 
     def cancel(self, rid: int, index: int | None = None) -> None:
         if self.failed is None and rid in self.open_seqs:

@@ -72,29 +72,37 @@ async def run_completion(st: Answering, request: Request, job: Job):
         )
     t0 = time.perf_counter()
     st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
-    rid, queue = engine.submit(job.ids, job.n, job.params)
+    rid = engine.new_rid()
     answer = Answer(job, rid, t0, tokenizer=st.tokenizer, metrics=st.metrics, cancel=engine.cancel)
     info = request.scope.setdefault("distlm", {})
     info["rid"] = rid
     deadline = time.monotonic() + st.request_timeout_s
     if job.stream:
+        queue: asyncio.Queue = asyncio.Queue()
+        engine.submit(rid, job.ids, job.n, job.params, queue)
         return StreamingResponse(
             _stream(st, answer, queue, deadline, info),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _complete(st, request, answer, queue, deadline, info)
+    collect = _Collect(answer)
+    engine.submit(rid, job.ids, job.n, job.params, collect)
+    return await _complete(st, request, answer, collect, deadline, info)
 
 
-async def _next(queue: asyncio.Queue, deadline: float, what: str):
+async def _within(deadline: float, what: str, awaitable):
     left = deadline - time.monotonic()
     try:
         async with asyncio.timeout(max(0.0, left)):
-            return await queue.get()
+            return await awaitable
     except TimeoutError:
         raise ApiError(
             504, f"{what} not done within the request timeout (serve.request_timeout_s)"
         ) from None
+
+
+async def _next(queue: asyncio.Queue, deadline: float, what: str):
+    return await _within(deadline, what, queue.get())
 
 
 async def _disconnected(request: Request) -> None:
@@ -116,21 +124,41 @@ def _finish(st: Answering, answer: Answer, info: dict) -> None:
 _GONE = object()  # on a request's queue: its client went away
 
 
-async def _complete(st: Answering, request: Request, answer: Answer, queue, deadline, info):
+class _Collect:
+    """A non-streamed request's sink: the engine channel's reader applies each event to the
+    answer as it takes it (so the metrics' times are the events' arrival, as with a queue),
+    and the handler wakes once, when every choice has ended, the pipeline failed or the client
+    went away, not once per engine step."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def put_nowait(self, msg, /) -> None:
+        if self.done.done():  # answered, timed out or gone: what still comes is not needed
+            return
+        if msg is _GONE:
+            self.done.set_result(_GONE)
+            return
+        try:
+            self.answer.event(msg)
+        except Exception as e:  # the pipeline failed (ApiError 503), or a bug: this request fails
+            self.done.set_exception(e)
+            return
+        if not self.answer.left:
+            self.done.set_result(None)
+
+
+async def _complete(
+    st: Answering, request: Request, answer: Answer, collect: _Collect, deadline, info
+):
     gone = asyncio.ensure_future(_disconnected(request))
-    gone.add_done_callback(lambda f: f.cancelled() or queue.put_nowait(_GONE))
+    gone.add_done_callback(lambda f: f.cancelled() or collect.put_nowait(_GONE))
     try:
-        while answer.left:
-            msg = (
-                queue.get_nowait()
-                if not queue.empty()
-                else await _next(queue, deadline, "the completion")
-            )
-            if msg is _GONE:
-                st.engine.cancel(answer.rid)
-                info["cancelled"] = "client gone"
-                return Response(status_code=499)  # nobody reads it; the access log does
-            answer.event(msg)
+        if await _within(deadline, "the completion", collect.done) is _GONE:
+            st.engine.cancel(answer.rid)
+            info["cancelled"] = "client gone"
+            return Response(status_code=499)  # nobody reads it; the access log does
     except ApiError as e:
         st.engine.cancel(answer.rid)
         if e.status == 504:
