@@ -43,35 +43,33 @@ lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in p
 
 # The SLURM tests mostly wait on the local cluster's scheduler and its time limits: they run in two
 # more pytest sessions beside the others (the requeue tests, marker slurm_requeue, in one; the
-# other SLURM tests in the other), each with a SLURM cluster of its own; the longest workflow tests
-# (marker with_workflows) in a fourth, so the machine's idle cores do their work; their output
-# follows the others'. The sessions share one run of the tiny workflow (DISTLM_TESTS_WORKFLOW).
-# With a -m of the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
+# other SLURM tests in the other), each with a SLURM cluster of its own; their output follows the
+# others'. The sessions share one run of the tiny workflow (DISTLM_TESTS_WORKFLOW). With a -m of
+# the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
 status=0
 if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m.*\|--markexpr.*'; then
   python -m pytest "$@" || status=$?
 else
   scratch=$(mktemp -d)
   export DISTLM_TESTS_WORKFLOW="$scratch"
-  names=(rest workflows slurm requeue)
+  names=(rest slurm requeue)
   # with_slurm, with_requeue: long workflow tests moved into the SLURM sessions (which mostly
-  # wait), with_workflows: into a session of their own, so that the sessions end about together
+  # wait), so that the three sessions end about together
   marks=(
-    "not slurm and not with_slurm and not with_requeue and not with_workflows"
-    "with_workflows and not slurm"
+    "not slurm and not with_slurm and not with_requeue"
     "(slurm and not slurm_requeue) or with_slurm"
     "slurm_requeue or with_requeue"
   )
   pids=()
   python -m pytest -m "${marks[0]}" "$@" &
   pids+=($!)
-  for i in 1 2 3; do
+  for i in 1 2; do
     python -m pytest -m "${marks[$i]}" -o "cache_dir=.pytest_cache/${names[$i]}" "$@" \
       >"$scratch/${names[$i]}.log" 2>&1 &
     pids+=($!)
   done
   show() {
-    for i in 1 2 3; do
+    for i in 1 2; do
       echo
       echo "tests/run.sh: pytest -m '${marks[$i]}' (run beside the others):"
       cat "$scratch/${names[$i]}.log"
@@ -106,8 +104,7 @@ else
     fi
     [ "$rc" = 5 ] || status=0
   done
-  echo "tests/run.sh: exit codes: ${names[0]} ${codes[0]}, ${names[1]} ${codes[1]}," \
-    "${names[2]} ${codes[2]}, ${names[3]} ${codes[3]}"
+  echo "tests/run.sh: exit codes: ${names[0]} ${codes[0]}, ${names[1]} ${codes[1]}, ${names[2]} ${codes[2]}"
 fi
 if [ "$lint_failed" != 0 ]; then
   echo "tests/run.sh: lint failed" >&2

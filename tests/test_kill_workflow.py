@@ -73,7 +73,6 @@ def job_counts(proc: subprocess.CompletedProcess) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.with_workflows
 @pytest.mark.slow
 def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     base = tmp_path / "dist lm"

@@ -260,7 +260,6 @@ def test_config_readme_table_is_in_sync():
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.with_workflows
 def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, tmp_path):
     # The rows that rerun nothing are dry-run together, as one edit of all their keys: a job whose
     # params held any of those keys would be planned by it (each row changes its key:
@@ -285,7 +284,6 @@ def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, tmp_path):
     assert not wrong, "\n".join(f"{k}: plans {g}, expected {w}" for k, (g, w) in wrong.items())
 
 
-@pytest.mark.with_workflows
 def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, tmp_path):
     assert planned(workflow_run, {}, tmp_path, "nothing") == NOTHING
     for rule, want in (
@@ -298,7 +296,6 @@ def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, tmp_path
         assert got == want, (rule, sorted(got))
 
 
-@pytest.mark.with_workflows
 def test_serve_has_shards_of_its_own(workflow_run, tmp_path):
     """serve.stages cuts the trained model into serve's own shards (rule serve_shard): it never
     re-cuts batch inference's, and inference.stages never re-cuts serve's."""

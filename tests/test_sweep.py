@@ -177,7 +177,6 @@ def _dry(wd: Path, tmp: Path, sweep: dict, name: str) -> dict[str, int]:
     return _job_stats(out)
 
 
-@pytest.mark.with_workflows
 @pytest.mark.slow
 def test_tiny_sweep_runs_shared_stages_once(sweep_run):
     _, counts = sweep_run
@@ -193,7 +192,6 @@ def test_tiny_sweep_runs_shared_stages_once(sweep_run):
     }, counts
 
 
-@pytest.mark.with_workflows
 @pytest.mark.slow
 def test_tiny_sweep_writes_per_run_outputs_and_the_comparison(sweep_run):
     wd, _ = sweep_run
@@ -222,7 +220,6 @@ def test_tiny_sweep_writes_per_run_outputs_and_the_comparison(sweep_run):
         assert (wd / "results/report" / f).stat().st_size > 0
 
 
-@pytest.mark.with_workflows
 @pytest.mark.slow
 def test_snakemake_report_labels_each_runs_outputs_with_the_run(sweep_run, tmp_path):
     wd, _ = sweep_run
@@ -236,7 +233,6 @@ def test_snakemake_report_labels_each_runs_outputs_with_the_run(sweep_run, tmp_p
     assert '"0. Sweep"' in text or "0. Sweep" in text
 
 
-@pytest.mark.with_workflows
 @pytest.mark.slow
 def test_sweep_edits_rerun_only_what_they_touch(sweep_run, tmp_path):
     wd, _ = sweep_run
@@ -283,7 +279,6 @@ def test_sweep_edits_rerun_only_what_they_touch(sweep_run, tmp_path):
         ),
     ],
 )
-@pytest.mark.with_workflows
 def test_a_bad_sweep_is_refused_before_any_job_starts(tmp_path, sweep, says):
     wd = tmp_path / "wd"
     edit = tmp_path / "sweep.yaml"
