@@ -189,6 +189,7 @@ def test_serve_front_under_srun_answers_503_when_a_stage_is_killed(cluster, tiny
         for ln in text.splitlines()
         if ln.split(" ", 1)[0] in ("HEALTH", "COMPLETION", "AFTER_KILL", "FRONT_RC")
     }
+    assert lines.keys() == {"HEALTH", "COMPLETION", "AFTER_KILL", "FRONT_RC"}, text[-3000:]
     assert {h for _, h, _ in json.loads(lines["HEALTH"])} == {"node1", "node2"}, text[-3000:]
     assert lines["COMPLETION"] == "200", text[-3000:]
     seconds, status, body = json.loads(lines["AFTER_KILL"])

@@ -59,13 +59,18 @@ while True:
     if time.monotonic() > deadline or front.poll() is not None:
         sys.exit(f"the server did not come up (front exit code {front.poll()})")
     time.sleep(0.5)
+
+
+def say(key: str, value) -> None:
+    """One line in one write(2): the job's log is shared with the server and the ranks, and with
+    PYTHONUNBUFFERED print() writes its pieces one by one, so a log line could land inside ours
+    ("HEALTH2026-11-24 ... [rank api] ..." then " [[0, ...")."""
+    os.write(1, f"{key} {value}\n".encode())
+
+
 stages = json.loads(text)["pipeline"]
-print("HEALTH", json.dumps([[s["stage"], s["host"], s["pid"]] for s in stages]), flush=True)
-print(
-    "COMPLETION",
-    request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 5})[0],
-    flush=True,
-)
+say("HEALTH", json.dumps([[s["stage"], s["host"], s["pid"]] for s in stages]))
+say("COMPLETION", request("POST", "/v1/completions", {"prompt": "A class", "max_tokens": 5})[0])
 victim = stages[1]
 if victim["host"] != os.uname().nodename:
     sys.exit(f"stage 1 runs on {victim['host']}, not on the batch host {os.uname().nodename}")
@@ -78,5 +83,5 @@ time.sleep(2)
 t0 = time.monotonic()
 os.kill(victim["pid"], signal.SIGKILL)
 client.join()
-print("AFTER_KILL", json.dumps([round(time.monotonic() - t0, 1), *out["r"]]), flush=True)
-print("FRONT_RC", front.wait(timeout=120), flush=True)
+say("AFTER_KILL", json.dumps([round(time.monotonic() - t0, 1), *out["r"]]))
+say("FRONT_RC", front.wait(timeout=120))
