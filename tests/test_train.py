@@ -4,6 +4,7 @@ the stage inside the tiny workflow (profiler on)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -269,6 +270,35 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(inputs, tmp_path, monkeyp
     assert [c.step for c in ck.list_checkpoints(only_run(out))] == [2]
     ck.verify(ck.latest_good(only_run(out)))
     assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "diverged"])
+def test_ddp_is_gone_before_the_process_group(inputs, tmp_path, monkeypatch, fails):
+    """DDP's C++ reducer holds the process group. Freed after destroy_process_group (at the end of
+    run_training's frame), the group's last reference went with the reducer, and gloo's destructor
+    ran with the GIL held: it joins gloo's worker threads while one of them waits for the GIL to
+    free the last collective's tensors. A finished 2-rank training hung at exit that way (py-spy:
+    ~ProcessGroupGloo inside the Reducer's dealloc). No DDP may be alive when the group goes."""
+    alive: list[int] = []
+    destroy = torch.distributed.destroy_process_group
+
+    def spy(*args, **kwargs):
+        gc.collect()
+        alive.append(
+            sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+        )
+        return destroy(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", spy)
+    out = tmp_path / "train"
+    if fails:
+        inject(monkeypatch, nan_at_step=2)
+        with pytest.raises(TrainingDiverged):
+            run_training(train_cfg(max_steps=3), paths(inputs, out))
+    else:
+        run_training(train_cfg(max_steps=2), paths(inputs, out))
+        assert (out / "final").is_dir()
+    assert alive == [0]
 
 
 def test_reference_kernels_train_to_the_same_losses(inputs, tmp_path):

@@ -441,9 +441,16 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Close what construction opened (the metrics files, the token file, the lease); a
-        second call does nothing."""
+        """Close what construction opened (the metrics files, the token file, the lease) and let
+        go of DDP; a second call does nothing.
+
+        DDP's reducer (C++) holds the process group, and must go while `distributed()` still
+        holds the group too: if the reducer's were the last reference, gloo's destructor would run
+        inside the reducer's deallocation with the GIL held, joining gloo's worker threads while
+        one of them waits for the GIL to free the last collective's tensors (a deadlock: a
+        finished training's rank hung at exit)."""
         self._opened.close()
+        self.__dict__.pop("ddp", None)
 
 
 def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
