@@ -179,8 +179,10 @@ def test_a_training_that_fails_on_its_own_is_never_requeued(
     requeuing = profile_with(
         profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=3")
     )
-    # the test harness's fault (never a config key): every rank's loss is NaN at step 60
-    nan = fault_env(tmp_path / "faults.json", slurm_env(cluster), nan_at_step=60)
+    # the test harness's fault (never a config key): every rank's loss is NaN at step 5, well
+    # inside the 25 s before the first allocation's warning (at step 60, 6 s of paced steps after
+    # a slow start on a loaded CI machine, the warning came first: a time-limit stop, requeued)
+    nan = fault_env(tmp_path / "faults.json", slurm_env(cluster), nan_at_step=5)
     run = _snakemake(cluster, wd, configs, requeuing, env=nan)
     assert run.returncode != 0
     job = _train_job(run.stdout + run.stderr)
