@@ -137,6 +137,18 @@ def prompts(path: str, m: int) -> list[str]:
 MODES = ("one_at_a_time", "in_flight")  # the pipeline's, in every launch
 
 
+def greedy_kwargs(n: int, tok) -> dict:
+    """`generate`'s arguments for both HF runs: greedy, exactly n new tokens (no EOS stop, as in
+    the pipeline runs), with the KV cache."""
+    return {
+        "max_new_tokens": n,
+        "min_new_tokens": n,
+        "do_sample": False,
+        "use_cache": True,
+        "pad_token_id": tok.eos_token_id,
+    }
+
+
 def hf_runner(model_dir: Path, texts: list[str], n: int):
     """A callable timing GPT2LMHeadModel.generate (KV cache) over the prompts, one at a time."""
     import torch
@@ -147,14 +159,7 @@ def hf_runner(model_dir: Path, texts: list[str], n: int):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_model_dir(model_dir)
     ids = [torch.tensor([tok(t, add_special_tokens=False)["input_ids"]]) for t in texts]
-    # no EOS stop: every prompt makes exactly n tokens, as in the pipeline runs
-    kw = {
-        "max_new_tokens": n,
-        "min_new_tokens": n,
-        "do_sample": False,
-        "use_cache": True,
-        "pad_token_id": tok.eos_token_id,
-    }
+    kw = greedy_kwargs(n, tok)
 
     def run() -> dict:
         t0, new = time.perf_counter(), []
@@ -188,13 +193,7 @@ def hf_batched_runner(model_dir: Path, texts: list[str], n: int):
     tok.pad_token = tok.eos_token
     model = load_model_dir(model_dir)
     batch = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-    kw = {
-        "max_new_tokens": n,
-        "min_new_tokens": n,
-        "do_sample": False,
-        "use_cache": True,
-        "pad_token_id": tok.eos_token_id,
-    }
+    kw = greedy_kwargs(n, tok)
 
     def run() -> dict:
         t0 = time.perf_counter()
