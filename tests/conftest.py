@@ -128,6 +128,17 @@ def workflow_run(tmp_path_factory) -> Path:
     return wd
 
 
+@pytest.fixture(scope="session")
+def snakemake_forks():
+    """The user's `snakemake` command lines in processes forked after Snakemake's import, for the
+    tests that make dozens of dry runs (tests/harness/snakemake_forks.py)."""
+    from harness.snakemake_forks import Forks
+
+    forks = Forks()
+    yield forks
+    forks.close()
+
+
 def copy_workflow(src: Path, dest: Path, *, without: tuple[str, ...] = ()) -> Path:
     """A copy of a finished working directory (results, logs and Snakemake's records, with their
     mtimes), less the relative paths in `without` (a stage's outputs and logs, so that it runs

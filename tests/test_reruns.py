@@ -176,29 +176,12 @@ _RULE = re.compile(r"^(?:local)?rule (\w+):$")
 _WILDCARD = re.compile(r"^\s+wildcards: .*\bmodel=(\w+)")
 
 
-def planned(workdir: Path, overlay: dict, tmp: Path, name: str, *args: str) -> set[str]:
+def planned(forks, workdir: Path, overlay: dict, tmp: Path, name: str, *args: str) -> set[str]:
     """The jobs a dry run plans with `overlay` merged over tiny.yaml, as rule or rule[model]
-    (rule all and the resolved-config files left out)."""
+    (rule all and the resolved-config files left out); `forks`: the snakemake_forks fixture."""
     edit = tmp / f"{name}.yaml"
     edit.write_text(yaml.safe_dump(overlay))
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--profile",
-        str(ROOT / "profiles/local"),
-        "--configfile",
-        str(TINY),
-        str(edit),
-        "-n",
-        "--nolock",
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = forks.run(snakemake_cmd(workdir, "-n", "--nolock", *args, configfiles=(TINY, edit)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name}: {out[-3000:]}"
     jobs, rule = [], None
@@ -260,7 +243,7 @@ def test_config_readme_table_is_in_sync():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, tmp_path):
+def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, snakemake_forks, tmp_path):
     # The rows that rerun nothing are dry-run together, as one edit of all their keys: a job whose
     # params held any of those keys would be planned by it (each row changes its key:
     # test_every_row_changes_its_key), so nothing planned for all of them is nothing for each.
@@ -275,7 +258,9 @@ def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, tmp_path):
             zip(
                 cases,
                 pool.map(
-                    lambda ik: planned(workflow_run, cases[ik[1]][0], tmp_path, f"row{ik[0]}"),
+                    lambda ik: planned(
+                        snakemake_forks, workflow_run, cases[ik[1]][0], tmp_path, f"row{ik[0]}"
+                    ),
                     enumerate(cases),
                 ),
             )
@@ -284,23 +269,27 @@ def test_dry_run_of_every_edit_plans_exactly_its_row(workflow_run, tmp_path):
     assert not wrong, "\n".join(f"{k}: plans {g}, expected {w}" for k, (g, w) in wrong.items())
 
 
-def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, tmp_path):
-    assert planned(workflow_run, {}, tmp_path, "nothing") == NOTHING
+def test_forcerun_reruns_that_rule_and_its_consumers_only(workflow_run, snakemake_forks, tmp_path):
+    assert planned(snakemake_forks, workflow_run, {}, tmp_path, "nothing") == NOTHING
     for rule, want in (
         ("train", TRAIN | REPORT),
         ("broadcast", BROADCAST | REPORT),
         ("shard", {"shard[trained]"} | INFER | REPORT),
         ("report", REPORT),
     ):
-        got = planned(workflow_run, {}, tmp_path, f"forcerun-{rule}", "--forcerun", rule)
+        got = planned(
+            snakemake_forks, workflow_run, {}, tmp_path, f"forcerun-{rule}", "--forcerun", rule
+        )
         assert got == want, (rule, sorted(got))
 
 
-def test_serve_has_shards_of_its_own(workflow_run, tmp_path):
+def test_serve_has_shards_of_its_own(workflow_run, snakemake_forks, tmp_path):
     """serve.stages cuts the trained model into serve's own shards (rule serve_shard): it never
     re-cuts batch inference's, and inference.stages never re-cuts serve's."""
     workflow_run = copy_workflow(workflow_run, tmp_path / "work")  # serve_shard writes into it
-    assert planned(workflow_run, {}, tmp_path, "serve-first", "serve_shard") == {"serve_shard"}
+    assert planned(snakemake_forks, workflow_run, {}, tmp_path, "serve-first", "serve_shard") == {
+        "serve_shard"
+    }
     proc = subprocess.run(
         snakemake_cmd(workflow_run, "serve_shard"),
         capture_output=True,
@@ -312,8 +301,14 @@ def test_serve_has_shards_of_its_own(workflow_run, tmp_path):
         (workflow_run / "results/serve/pipeline/shards/manifest.json").read_text()
     )
     assert manifest["stages"] == 1  # serve.stages' default, apart from inference.stages: 3
-    assert planned(workflow_run, {}, tmp_path, "serve-done", "serve_shard") == set()
+    assert (
+        planned(snakemake_forks, workflow_run, {}, tmp_path, "serve-done", "serve_shard") == set()
+    )
     other = {"inference": {"stages": 1}}
-    assert planned(workflow_run, other, tmp_path, "serve-inf", "serve_shard") == set()
+    assert (
+        planned(snakemake_forks, workflow_run, other, tmp_path, "serve-inf", "serve_shard") == set()
+    )
     edit = {"serve": {"stages": 2}}
-    assert planned(workflow_run, edit, tmp_path, "serve-edit", "serve_shard") == {"serve_shard"}
+    assert planned(snakemake_forks, workflow_run, edit, tmp_path, "serve-edit", "serve_shard") == {
+        "serve_shard"
+    }

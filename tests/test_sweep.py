@@ -167,11 +167,10 @@ def sweep_run(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     return wd, _job_stats(proc.stdout + proc.stderr)
 
 
-def _dry(wd: Path, tmp: Path, sweep: dict, name: str) -> dict[str, int]:
+def _dry(forks, wd: Path, tmp: Path, sweep: dict, name: str) -> dict[str, int]:
     edit = tmp / f"{name}.yaml"
     edit.write_text(yaml.safe_dump({"sweep": sweep}, sort_keys=False))  # grid order names runs
-    cmd = snakemake_cmd(wd, "-n", "--nolock", configfiles=(TINY, edit))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = forks.run(snakemake_cmd(wd, "-n", "--nolock", configfiles=(TINY, edit)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     return _job_stats(out)
@@ -234,28 +233,33 @@ def test_snakemake_report_labels_each_runs_outputs_with_the_run(sweep_run, tmp_p
 
 
 @pytest.mark.slow
-def test_sweep_edits_rerun_only_what_they_touch(sweep_run, tmp_path):
+def test_sweep_edits_rerun_only_what_they_touch(sweep_run, snakemake_forks, tmp_path):
     wd, _ = sweep_run
     grid = {"train.lr": list(LRS), "inference.stages": list(STAGES_)}
     named = {
         f"r{i}": {"train.lr": lr, "inference.stages": s}
         for i, (lr, s) in enumerate((lr, s) for lr in LRS for s in STAGES_)
     }
-    assert _dry(wd, tmp_path, {"grid": grid}, "same") == {}
+    assert _dry(snakemake_forks, wd, tmp_path, {"grid": grid}, "same") == {}
     # the same runs under other names: the report only (it names them)
-    assert _dry(wd, tmp_path, {"runs": named}, "renamed") == {"report": 1}
+    assert _dry(snakemake_forks, wd, tmp_path, {"runs": named}, "renamed") == {"report": 1}
     # adding a run: its own jobs (a new lr: train and what follows) and the report
-    added = _dry(wd, tmp_path, {"runs": {**named, "new": {"train.lr": 0.002}}}, "added")
+    added = _dry(
+        snakemake_forks, wd, tmp_path, {"runs": {**named, "new": {"train.lr": 0.002}}}, "added"
+    )
     assert added == {"train": 1, "evaluate": 1, "shard": 1, "inference": 1, "report": 1}
     # removing a run: the report only
     removed = {k: v for k, v in named.items() if k != "r3"}
-    assert _dry(wd, tmp_path, {"runs": removed}, "removed") == {"report": 1}
+    assert _dry(snakemake_forks, wd, tmp_path, {"runs": removed}, "removed") == {"report": 1}
     # editing one run's inference key: that run's inference only (and the report)
     edited = {**named, "r0": {**named["r0"], "inference.max_new_tokens": 4}}
-    assert _dry(wd, tmp_path, {"runs": edited}, "edited") == {"inference": 1, "report": 1}
+    assert _dry(snakemake_forks, wd, tmp_path, {"runs": edited}, "edited") == {
+        "inference": 1,
+        "report": 1,
+    }
     # editing one run's training key: that run's training and what consumes it
     edited = {**named, "r0": {**named["r0"], "train.lr": 0.0007}}
-    assert _dry(wd, tmp_path, {"runs": edited}, "edited-train") == {
+    assert _dry(snakemake_forks, wd, tmp_path, {"runs": edited}, "edited-train") == {
         "train": 1,
         "evaluate": 1,
         "shard": 1,
