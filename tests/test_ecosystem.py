@@ -116,6 +116,28 @@ def _evaluate(
     )
 
 
+def chat_over_api(model: str, base: str) -> dict:
+    """lm-eval's `local-chat-completions` against the server at `base` (its --model `model`):
+    the greedy task through the chat template."""
+    return _evaluate(
+        "local-chat-completions",
+        f"model={model},base_url={base}/v1/chat/completions,num_concurrent=1,max_retries=1,"
+        "max_length=64",
+        ("distlm_gen",),
+        chat=True,
+    )
+
+
+def chat_with_hf(weights: Path, tokenizer: Path) -> dict:
+    """The same task through lm-eval's `hf` model of `weights`, with `tokenizer`'s template."""
+    return _evaluate(
+        "hf",
+        f"pretrained={weights},tokenizer={tokenizer},device=cpu,dtype=float32,max_length=64",
+        ("distlm_gen",),
+        chat=True,
+    )
+
+
 def assert_same_evaluation(api: dict, hf: dict) -> None:
     """Every score of lm-eval against the server equals its `hf` model's (1e-3; perplexities of a
     random model are ~1e8: those to 1e-3 relative), and every per-document answer: generations

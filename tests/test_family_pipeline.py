@@ -226,23 +226,12 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
             f"model=s2,base_url={server.base}/v1/completions,tokenizer={folder},"
             "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,max_length=64",
         )
-        chat = test_ecosystem._evaluate(
-            "local-chat-completions",
-            f"model=s2,base_url={server.base}/v1/chat/completions,num_concurrent=1,"
-            "max_retries=1,max_length=64",
-            ("distlm_gen",),
-            chat=True,
-        )
+        chat = test_ecosystem.chat_over_api("s2", server.base)
     finally:
         test_server.stop_server(server)
     hf = test_ecosystem._evaluate(
         "hf", f"pretrained={folder},device=cpu,dtype=float32,max_length=64"
     )
-    hf_chat = test_ecosystem._evaluate(
-        "hf",
-        f"pretrained={folder},tokenizer={s2},device=cpu,dtype=float32,max_length=64",
-        ("distlm_gen",),
-        chat=True,
-    )
+    hf_chat = test_ecosystem.chat_with_hf(folder, s2)
     test_ecosystem.assert_same_evaluation(api, hf)
     test_ecosystem.assert_same_chat_answers(chat, hf_chat)

@@ -193,18 +193,7 @@ def test_lm_eval_local_chat_completions_equals_its_hf_model(chat_server, monkeyp
     weights = test_server.tiny_models_folder(chat_server)
     monkeypatch.chdir(ROOT)  # the task YAMLs name their data relative to the repository root
     monkeypatch.setenv("OPENAI_API_KEY", TOKEN)  # sent as the bearer token
-    api = test_ecosystem._evaluate(
-        "local-chat-completions",
-        f"model=s1,base_url={chat_server.base}/v1/chat/completions,num_concurrent=1,"
-        "max_retries=1,max_length=64",
-        ("distlm_gen",),
-        chat=True,
-    )
-    hf = test_ecosystem._evaluate(
-        "hf",
-        f"pretrained={weights},tokenizer={folder},device=cpu,dtype=float32,max_length=64",
-        ("distlm_gen",),
-        chat=True,
-    )
+    api = test_ecosystem.chat_over_api("s1", chat_server.base)
+    hf = test_ecosystem.chat_with_hf(weights, folder)
     test_ecosystem.assert_same_chat_answers(api, hf)
     assert any(d["filtered_resps"][0] for d in api["samples"]["distlm_gen"])  # not all empty
