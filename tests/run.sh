@@ -53,11 +53,11 @@ else
   scratch=$(mktemp -d)
   export DISTLM_TESTS_WORKFLOW="$scratch"
   names=(rest slurm requeue)
-  # with_slurm, with_requeue: long workflow tests moved into the SLURM sessions (which mostly
+  # with_slurm, with_requeue: long tests moved into the SLURM sessions (which mostly
   # wait), so that the three sessions end about together
   marks=(
     "not slurm and not with_slurm and not with_requeue"
-    "(slurm and not slurm_requeue) or with_slurm"
+    "(slurm and not slurm_requeue and not with_requeue) or with_slurm"
     "slurm_requeue or with_requeue"
   )
   pids=()
