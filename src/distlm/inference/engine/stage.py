@@ -110,12 +110,13 @@ class StageModel(nn.Module):
         self.length[child] = n
 
     def _reserve(self, lane: int, end: int) -> None:
-        """Room in the cache for `lane` up to position `end` (grown by doubling, up to the
-        context), so that a step writes in place."""
+        """Room in the cache for lanes up to `lane` and positions up to `end` (both grown by
+        doubling, positions up to the context), so that a step writes in place and admitting
+        lanes one by one copies the cache a logarithmic number of times."""
         lanes, T = (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
         if lane < lanes and end <= T:
             return
-        new_lanes = max(lanes, lane + 1)
+        new_lanes = max(lanes * 2 if lane >= lanes else lanes, lane + 1)
         new_T = min(max(T * 2, end, 64), self.context)
         if end > new_T:
             raise DistlmError(
@@ -150,7 +151,7 @@ class StageModel(nn.Module):
                     f"stage {self.stage}: lane {it.lane} has {self.length.get(it.lane, 0)} "
                     f"cached positions, the step starts at position {it.pos}"
                 )
-            self._reserve(it.lane, it.pos + it.n)
+        self._reserve(max(it.lane for it in items), max(it.pos + it.n for it in items))
         plan = _Plan(items, dev)
         if self.first:
             x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
@@ -202,8 +203,18 @@ class StageModel(nn.Module):
             return o[0].transpose(0, 1).reshape(it.n, W)
         K[plan.lanes, :, plan.positions] = k  # every new token's key and value, in place
         V[plan.lanes, :, plan.positions] = v
-        a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
         d = plan.decode
+        if d is not None and d.whole:  # the micro-batch is the rows lo..lo + N: no scatter
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2).contiguous(),  # (N, n_head, 1, D)
+                K[d.lo : d.lo + d.R, :, : d.T],
+                V[d.lo : d.lo + d.R, :, : d.T],
+                attn_mask=d.mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            return o.reshape(-1, W)
+        a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
         if d is not None:
             if d.lanes is None:  # the cache rows [lo, lo + R) in place: a view, nothing copied
                 Kd, Vd = K[d.lo : d.lo + d.R, :, : d.T], V[d.lo : d.lo + d.R, :, : d.T]
@@ -250,7 +261,7 @@ class _Plan:
         self.positions = torch.tensor(positions, device=dev)
         decode = [(o, it) for o, it in zip(offs, items) if it.n == 1 and it.pos > 0]
         self.others = [(o, it) for o, it in zip(offs, items) if not (it.n == 1 and it.pos > 0)]
-        self.decode = _Decode(decode, dev) if decode else None
+        self.decode = _Decode(decode, dev, whole=not self.others) if decode else None
 
 
 class _Decode:
@@ -262,7 +273,7 @@ class _Decode:
     a row whose lane has no item here gets a zero query over position 0, its output unused.
     Else the rows are the items' lanes, gathered (a copy of their keys and values per layer)."""
 
-    def __init__(self, decode: list[tuple[int, Item]], dev) -> None:
+    def __init__(self, decode: list[tuple[int, Item]], dev, *, whole: bool) -> None:
         B = len(decode)
         lanes = [it.lane for _, it in decode]
         self.T = max(it.pos for _, it in decode) + 1
@@ -281,6 +292,9 @@ class _Decode:
         self.at = torch.tensor(at, device=dev)  # each item's row of the batch (B,)
         mask = torch.arange(self.T, device=dev) < torch.tensor(ends, device=dev).unsqueeze(1)
         self.mask = mask[:, None, None, :]  # (R, 1, 1, T): each row's length
+        # `whole`: the micro-batch holds only these items; with their lanes lo, lo + 1, ... in
+        # item order, item i is row i: its query and output need no scatter or gather
+        self.whole = whole and self.lanes is None and at == list(range(B)) and self.R == B
 
 
 def load_stage(
