@@ -14,26 +14,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
-# What a run of the Snakefile imports (Snakefile, workflow/rules/*.smk): imported before the
-# forks, so that each child finds them loaded
-PRELOAD = (
-    "snakemake.cli",
-    "snakemake.utils",
-    "snakemake.exceptions",
-    "distlm.config",
-    "distlm.settings.stage",
-    "distlm.settings.validate",
-    "distlm.stages",
-    "distlm.sweep",
-    "distlm.report.items",
-    "distlm.inference.prompts",
-)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def preload() -> list[str]:
+    """What the server imports before it forks: Snakemake's command line and every module the
+    Snakefile and its rule files import (read from them, so the list follows the workflow)."""
+    names = {"snakemake.cli"}
+    for f in (ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))):
+        names.update(re.findall(r"^\s*(?:from|import)\s+([\w.]+)", f.read_text(), re.MULTILINE))
+    return sorted(names)
 
 
 class Forks:
@@ -76,17 +74,22 @@ class Forks:
             with self._lock:
                 rid, self._next = self._next, self._next + 1
                 self._replies[rid] = done
-                request = {"id": rid, "argv": argv, "stdout": str(out), "stderr": str(err)}
-                assert self._proc.stdin is not None
-                self._proc.stdin.write(json.dumps(request) + "\n")
-                self._proc.stdin.flush()
-            if not done.wait(timeout):
+            self._send({"id": rid, "argv": argv, "stdout": str(out), "stderr": str(err)})
+            if not done.wait(timeout):  # as subprocess.run's timeout: kill the child, then raise
+                self._send({"kill": rid})
+                done.wait(30)
                 raise TimeoutError(f"snakemake {' '.join(argv)}: no exit in {timeout} s")
             with self._lock:
                 if rid not in self._codes:
                     raise RuntimeError(f"the fork server exited ({self._proc.poll()})")
                 rc = self._codes.pop(rid)
             return subprocess.CompletedProcess(cmd, rc, out.read_text(), err.read_text())
+
+    def _send(self, request: dict) -> None:
+        with self._lock:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
 
     def close(self) -> None:
         assert self._proc.stdin is not None
@@ -132,7 +135,7 @@ def _serve() -> None:
     import importlib
     import select
 
-    for name in PRELOAD:
+    for name in preload():
         importlib.import_module(name)
     reply_to = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -147,6 +150,11 @@ def _serve() -> None:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 request = json.loads(line)
+                if "kill" in request:  # a caller's timeout
+                    for pid, rid in children.items():
+                        if rid == request["kill"]:
+                            os.kill(pid, signal.SIGKILL)
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     os.dup2(devnull, 0)
