@@ -286,13 +286,14 @@ def test_stage_chain_packed_matches_generate(tiny_models, hf_reference, stages):
 
 
 @pytest.mark.parametrize(
-    "lanes,in_place",
-    [((4, 2, 3, 7, 5), True), ((0, 11, 23, 35, 47), False)],
-    ids=["cache-rows-in-place", "lanes-gathered"],
+    "lanes,path",
+    [((0, 1, 2, 3, 4), "whole"), ((4, 2, 3, 7, 5), "in-place"), ((0, 11, 23, 35, 47), "gathered")],
+    ids=["cache-rows-whole", "cache-rows-in-place", "lanes-gathered"],
 )
-def test_decode_on_any_lanes_matches_generate(tiny_models, hf_reference, lanes, in_place):
-    """Decode items on lanes out of order with a gap (lane 6 holds no item) attend over the cache
-    rows in place; lanes spread wide are gathered. Both pick generate's tokens."""
+def test_decode_on_any_lanes_matches_generate(tiny_models, hf_reference, lanes, path):
+    """Decode items on consecutive lanes in order are the cache's rows, queries and outputs as
+    they are (whole); on lanes out of order with a gap (lane 6 holds no item) they attend over
+    the cache rows in place; lanes spread wide are gathered. All pick generate's tokens."""
     tok = hf_reference.tokenizer
     model = load_stage(tiny_models[1], 0, world=1)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
@@ -307,7 +308,8 @@ def test_decode_on_any_lanes_matches_generate(tiny_models, hf_reference, lanes, 
         items = [Item(k, lanes[k], len(ids[k]) + step, 1) for k in range(len(ids))]
         x = nxt
         decode = _Plan(items, torch.device("cpu")).decode
-        assert decode is not None and (decode.lanes is None) == in_place
+        assert decode is not None and decode.whole == (path == "whole")
+        assert (decode.lanes is None) == (path != "gathered")
     for p, g in zip(PROMPTS, got):
         assert g == hf_reference(p, n_new), p
 

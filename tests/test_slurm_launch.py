@@ -308,7 +308,9 @@ def test_launcher_options_and_the_time_limit_warning(monkeypatch):
     assert slurm.parse_end_time("Unknown") is None
     end = slurm.parse_end_time("2026-11-22T19:30:00")
     assert end is not None and time.localtime(end).tm_hour == 19
-    # 0.5 s before a limit 1 s away: scancel --signal=USR1 for the job, once, after ~0.5 s
+    # 0.5 s before a limit 1 s away: scancel --signal=USR1 for the job after ~0.5 s, then again
+    # every RESEND_S (a step or rank that starts late gets it too) until the launcher stops it
+    monkeypatch.setattr(slurm, "RESEND_S", 0.2)
     calls = []
     monkeypatch.setattr(slurm, "scontrol", lambda *a, **k: "JobId=9 EndTime=Unknown")
     monkeypatch.setattr(
@@ -320,9 +322,14 @@ def test_launcher_options_and_the_time_limit_warning(monkeypatch):
     warning = slurm.LimitWarning(alloc, 0.5)
     t0 = time.monotonic()
     warning.start()
+    while len(calls) < 3:
+        assert time.monotonic() - t0 < 10, calls
+        time.sleep(0.01)
+    assert time.monotonic() - t0 >= 0.4 + 2 * 0.2 and warning.sent.is_set()
+    warning.stop()
     warning._thread.join(timeout=5)
-    assert calls == [["scancel", "--signal=USR1", "9"]] and time.monotonic() - t0 >= 0.4
-    assert warning.sent.is_set()
+    assert not warning._thread.is_alive()
+    assert set(map(tuple, calls)) == {("scancel", "--signal=USR1", "9")}
 
 
 def _notice(*signals: str, step: int = 700) -> StopNotice:

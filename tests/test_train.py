@@ -369,6 +369,14 @@ def test_bad_inputs_are_refused(tmp_path):
 def _torchrun(
     cfg: TrainConfig, inputs, out: Path, *, restarts: int = 0, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
+    cmd, env = _torchrun_cmd(cfg, inputs, out, restarts=restarts, env=env)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _torchrun_cmd(
+    cfg: TrainConfig, inputs, out: Path, *, restarts: int = 0, env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The stage's torchrun command line (2 ranks, gloo) for `cfg`, and its environment."""
     cfg_path = out.parent / f"{out.name}.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     write_document(cfg_path, cfg)
@@ -395,8 +403,7 @@ def _torchrun(
         "--rank-log",
         str(out / "logs" / "rank{rank}.log"),
     ]
-    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+    return cmd, {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
@@ -430,6 +437,58 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
         line = (tmp_path / "a" / "logs" / f"rank{r}.log").read_text().splitlines()[0]
         assert f"[rank {r}]" in line and line[:4].isdigit()
         assert (tmp_path / "a" / "profile" / f"trace-rank{r}.json").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step(inputs, tmp_path):
+    """The launcher's SIGUSR1 reaches ranks still starting (here: importing torch). They inherit
+    the torchrun agent's SIG_IGN (distlm-launch torchrun-node sets it), so the warning was
+    dropped: the training ran on into the time limit, a stop the launcher does not requeue. The
+    ranks latch it from their first line: they stop at their first step boundary with a
+    checkpoint and the StopNotice that the launcher requeues on; the rerun resumes there."""
+    import signal
+
+    from procs import children
+
+    from distlm.documents import STOP_NOTICE_ENV, StopNotice, read_document
+
+    out, notice = tmp_path / "train", tmp_path / "stop.json"
+    cmd, env = _torchrun_cmd(train_cfg(), inputs, out, env={**os.environ})
+    env[STOP_NOTICE_ENV] = str(notice)
+    # torchrun with SIGUSR1 ignored, as distlm-launch torchrun-node execs it
+    ignoring = "import os, signal, sys; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+    ignoring += "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ignoring, *cmd[1:]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # each rank opens its log before it imports torch: both started, neither trains yet
+        logs = [out / "logs" / f"rank{r}.log" for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in logs):
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.01)
+        ranks = children(proc.pid)
+        assert len(ranks) == 2, ranks
+        for pid in ranks:  # as `scancel --signal=USR1` does: every process of the step
+            os.kill(pid, signal.SIGUSR1)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, output[-3000:]
+    for log_file in logs:
+        assert "came while this rank was starting" in log_file.read_text()
+    assert "stopping at step 1 of 6 (SIGUSR1 on 2 of 2 ranks" in logs[0].read_text()
+    stop = read_document(notice, StopNotice)
+    assert (stop.step, stop.signals) == (1, ["SIGUSR1"])
+    assert [c.step for c in ck.list_checkpoints(Path(stop.checkpoint_run))] == [1]
+    rerun = _torchrun(train_cfg(), inputs, out)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert read_meta(out / "final").training["resumed_from"].endswith("step-00000001")
 
 
 # ----------------------------------------------------------------------------- workflow
@@ -529,6 +588,29 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
     assert (out / "final" / "model.safetensors").read_bytes() == (
         ref / "final" / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_warning_latched_before_the_loop_stops_it_at_the_first_step(
+    inputs, tmp_path, monkeypatch
+):
+    """A SIGUSR1 latched while the rank was starting (distlm.stop_latch): the loop stops at its
+    first step boundary with a checkpoint, as for a warning during the loop."""
+    import signal
+
+    from distlm import stop_latch
+    from distlm.train import trainer as trainer_mod
+
+    monkeypatch.setattr(stop_latch, "_warned", False)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        stop_latch.latch()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        out = tmp_path / "train"
+        with pytest.raises(trainer_mod.TrainingStopped, match=r"stopping at step 1 of 6 \(SIGUSR1"):
+            run_training(train_cfg(), paths(inputs, out))
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert [c.step for c in ck.list_checkpoints(only_run(out))] == [1]
 
 
 def test_prune_counts_only_verified_checkpoints(tmp_path):

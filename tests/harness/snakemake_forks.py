@@ -78,6 +78,8 @@ class Forks:
             if not done.wait(timeout):  # as subprocess.run's timeout: kill the child, then raise
                 self._send({"kill": rid})
                 done.wait(30)
+                with self._lock:
+                    self._codes.pop(rid, None)
                 raise TimeoutError(f"snakemake {' '.join(argv)}: no exit in {timeout} s")
             with self._lock:
                 if rid not in self._codes:
@@ -110,6 +112,8 @@ def _child(request: dict) -> None:
         ]
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
         sys.argv = ["snakemake", *request["argv"]]
         try:
             snakemake.cli.main(request["argv"])
@@ -158,6 +162,7 @@ def _serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     os.dup2(devnull, 0)
+                    reply_to.close()  # the server's alone
                     _child(request)
                 children[pid] = request["id"]
         elif not open_:

@@ -5,22 +5,19 @@
         --tokenizer results/data/tokenizer --model results/model/base --out results/train \\
         --rank-log 'logs/train/rank{rank}.log'
 
-All logic is in distlm.train; see its docstrings.
+All logic is in distlm.train; see its docstrings. The time-limit warning (SIGUSR1) is latched
+before torch is imported (distlm.stop_latch): one that comes while the rank starts is not lost.
 """
 
 import argparse
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from distlm.documents import read_document
+from distlm import stop_latch
 from distlm.log import setup_logging
-from distlm.settings.stage import TrainConfig
-from distlm.train import TrainPaths, run_training
 
 
-@record
 def main() -> None:
+    stop_latch.latch()  # first: a warning during the seconds below is kept, not dropped
     p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument(
         "--config", required=True, help="resolved config JSON (results/config/train.json)"
@@ -34,6 +31,17 @@ def main() -> None:
     p.add_argument("--rank-log", default=None, help="per-rank log file; {rank} is filled in")
     a = p.parse_args()
     setup_logging(a.rank_log)
+    # torch and the trainer are imported after the latch and the log
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_train)(a)
+
+
+def _train(a: argparse.Namespace) -> None:
+    from distlm.documents import read_document
+    from distlm.settings.stage import TrainConfig
+    from distlm.train import TrainPaths, run_training
+
     run_training(
         read_document(a.config, TrainConfig),
         TrainPaths(tokens=a.tokens, model=a.model, tokenizer=a.tokenizer, out=a.out),

@@ -13,11 +13,12 @@ inside a job of N nodes runs
 With `srun-torchrun --signal-before=SECONDS`, the launcher reads the job's end time (its time limit)
 from `scontrol show job` and, SECONDS before it, sends SIGUSR1 to the job's steps (`scancel
 --signal=USR1 JOBID`: every process of every step, never the batch shell where Snakemake runs).
-The training ranks then write a checkpoint at the next step boundary and stop (distlm.train);
-torchrun's agents ignore SIGUSR1 (set before they start). This does not depend on the Snakemake
-SLURM plugin passing `--signal` to sbatch, nor on SLURM's coarse timing of it (up to a minute
-early), and it works for a job whose time limit is raised while it runs (read again before
-sending).
+The training ranks then write a checkpoint at the next step boundary and stop (distlm.train); a
+rank still starting keeps it from its first line and stops at its first step boundary
+(distlm.stop_latch); torchrun's agents ignore SIGUSR1 (set before they start). This does not
+depend on the Snakemake SLURM plugin passing `--signal` to sbatch, nor on SLURM's coarse timing of
+it (up to a minute early), and it works for a job whose time limit is raised while it runs (read
+again before sending).
 
 With `--max-requeues=N` as well, a training that this warning stopped at a checkpoint is put back
 in the queue (`scontrol requeue JOBID`, as submitit does), at most N times per job: the same job id
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = node_command(argv[1:], dict(os.environ))
             os.environ.update(node_env(cmd, dict(os.environ)))
             # torchrun's agent would die of SIGUSR1 (the time-limit warning): ignored here, the
-            # disposition survives exec; the training ranks install their own handler.
+            # disposition survives exec; the training ranks latch it (distlm.stop_latch).
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             os.execv(cmd[0], cmd)
         raise DistlmError(f"distlm-launch: unknown command {argv[0]!r}\n{usage}")

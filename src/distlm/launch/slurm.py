@@ -79,10 +79,16 @@ def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
     )
 
 
+# The warning is sent again this often until the steps end: a step, or a rank, that starts after a
+# send would not have it (a rank keeps one that comes while it starts: distlm.stop_latch).
+RESEND_S = 5.0
+
+
 class LimitWarning:
     """SIGUSR1 to the job's steps `before_s` seconds before its time limit (`scancel
     --signal=USR1 JOBID`: every process of every step, never the batch shell where Snakemake
-    runs). The limit is read again before sending: a limit raised meanwhile moves the warning."""
+    runs), then every RESEND_S seconds until `stop()`. The limit is read again before sending: a
+    limit raised meanwhile moves the warning."""
 
     def __init__(self, alloc: Allocation, before_s: float) -> None:
         self.alloc = alloc
@@ -115,14 +121,20 @@ class LimitWarning:
             left = end - time.time()
             say(
                 f"job {self.alloc.job_id} reaches its time limit in {left:.0f} s: "
-                "SIGUSR1 to its steps (the training ranks checkpoint and stop)"
+                f"SIGUSR1 to its steps (the training ranks checkpoint and stop), again every "
+                f"{RESEND_S:.0f} s until they end"
             )
-            sent = subprocess.run(
-                ["scancel", "--signal=USR1", self.alloc.job_id], check=False, timeout=60
-            )
-            if sent.returncode == 0:
-                self.sent.set()
-            return
+            while True:
+                sent = subprocess.run(
+                    ["scancel", "--signal=USR1", self.alloc.job_id],
+                    check=False,
+                    timeout=60,
+                    capture_output=self.sent.is_set(),  # the repeats are quiet
+                )
+                if sent.returncode == 0:
+                    self.sent.set()
+                if self._done.wait(RESEND_S):
+                    return
 
     def stop(self) -> None:
         self._done.set()

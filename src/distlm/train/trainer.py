@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlm import DistlmError
+from distlm import DistlmError, stop_latch
 from distlm.dist import Topology
 from distlm.documents import ModelMeta
 from distlm.log import get_logger, progress
@@ -342,6 +342,13 @@ class Trainer:
         )
         last_ckpt = start if self.resumed_from else -1
         handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
+        if stop_latch.warned() and self._stop_signal is None and start < t.max_steps:
+            log.warning(
+                "the time-limit warning (%s) came while this rank was starting: it stops at "
+                "the first step boundary, with a checkpoint",
+                stop_latch.WARNING.name,
+            )
+            self._stop_signal = stop_latch.WARNING
         if start >= t.max_steps:
             log.info("step %d of %d reached already: the final folder only", start, t.max_steps)
         try:

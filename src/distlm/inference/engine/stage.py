@@ -204,28 +204,13 @@ class StageModel(nn.Module):
         K[plan.lanes, :, plan.positions] = k  # every new token's key and value, in place
         V[plan.lanes, :, plan.positions] = v
         d = plan.decode
-        if d is not None and d.whole:  # the micro-batch is the rows lo..lo + N: no scatter
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2).contiguous(),  # (N, n_head, 1, D)
-                K[d.lo : d.lo + d.R, :, : d.T],
-                V[d.lo : d.lo + d.R, :, : d.T],
-                attn_mask=d.mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            return o.reshape(-1, W)
+        if d is not None and d.whole:  # item i is row i: its query and output as they are
+            return _attend_decode(d, q.unsqueeze(2).contiguous(), K, V, scale, gqa).reshape(-1, W)
         a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
         if d is not None:
-            if d.lanes is None:  # the cache rows [lo, lo + R) in place: a view, nothing copied
-                Kd, Vd = K[d.lo : d.lo + d.R, :, : d.T], V[d.lo : d.lo + d.R, :, : d.T]
-            else:  # lanes spread out: their rows gathered
-                Kd, Vd = K[d.lanes, :, : d.T], V[d.lanes, :, : d.T]
             qd = q.new_zeros(d.R, self.n_head, 1, self.head_dim)  # (R, n_head, 1, D)
             qd[d.at, :, 0] = q[d.rows]
-            o = F.scaled_dot_product_attention(
-                qd, Kd, Vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
-            )  # (R, n_head, 1, D)
-            a[d.rows] = o[d.at].reshape(-1, W)
+            a[d.rows] = _attend_decode(d, qd, K, V, scale, gqa)[d.at].reshape(-1, W)
         for off, it in plan.others:
             qi = q[off : off + it.n].transpose(0, 1).unsqueeze(0)  # (1, n_head, n, D)
             end = it.pos + it.n
@@ -239,6 +224,17 @@ class StageModel(nn.Module):
             )
             a[off : off + it.n] = o[0].transpose(0, 1).reshape(it.n, W)
         return a
+
+
+def _attend_decode(
+    d: _Decode, qd: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float, gqa: bool
+) -> torch.Tensor:
+    """The decode rows' queries qd (R, n_head, 1, D) over their cache rows -> (R, n_head, 1, D)."""
+    if d.lanes is None:  # the cache rows [lo, lo + R) in place: a view, nothing copied
+        Kd, Vd = K[d.lo : d.lo + d.R, :, : d.T], V[d.lo : d.lo + d.R, :, : d.T]
+    else:  # lanes spread out: their rows gathered
+        Kd, Vd = K[d.lanes, :, : d.T], V[d.lanes, :, : d.T]
+    return F.scaled_dot_product_attention(qd, Kd, Vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
 
 
 class _Plan:
