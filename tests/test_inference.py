@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.faults import slow_reader_env
 
 from distlm import DistlmError
 from distlm.inference.engine.ring import PipelineTopology
@@ -379,9 +380,11 @@ def write_config(path: Path, *, serve: dict | None = None, **over) -> Path:
     return path
 
 
-def mpiexec(n: int, module: str, *args, timeout: float = 240) -> subprocess.CompletedProcess:
+def mpiexec(
+    n: int, module: str, *args, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", module, *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
@@ -428,7 +431,13 @@ def test_mpi_pipeline_greedy_equals_generate(tiny_models, hf_reference, tmp_path
     assert "[rank 0]" in proc.stderr and f"[rank {stages - 1}]" in proc.stderr
 
 
-def test_mpi_bad_shard_ends_every_rank_with_an_error(tiny_models, tmp_path):
+@pytest.mark.parametrize("reader", ["prompt", "slow"])
+def test_mpi_bad_shard_ends_every_rank_with_an_error(tiny_models, tmp_path, reader):
+    """A stage whose shard fails its sha256 aborts the job (every rank ends), and its error
+    reaches mpiexec's output. `slow`: the rank's proxy is stopped while the error is written (a
+    loaded node, tests/harness/slow_reader): the rank waits until the proxy has read it before
+    MPI_Abort, which would otherwise end the job with the error still in the pipe (an exit code
+    and no output: seen once in CI)."""
     import shutil
 
     bad = tmp_path / "bad"
@@ -452,6 +461,7 @@ def test_mpi_bad_shard_ends_every_rank_with_an_error(tiny_models, tmp_path):
         "--timing",
         tmp_path / "t.json",
         timeout=180,
+        env=None if reader == "prompt" else slow_reader_env(),
     )
     assert proc.returncode != 0
     assert (

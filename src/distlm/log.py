@@ -80,3 +80,37 @@ def progress(iterable: Iterable[T] | None = None, *, enabled: bool = True, **kwa
 
     bar = tqdm(iterable, disable=not enabled, dynamic_ncols=True, mininterval=1.0, **kwargs)
     return cast("tqdm[T]", bar)  # tqdm.auto's class is a tqdm; its overloads lose T
+
+
+def flush_to_reader(timeout_s: float = 10.0) -> None:
+    """Before a process is killed by its own hand (MPI_Abort, which ends every rank): flush the
+    library's log handlers and stdio, and where stdout or stderr is a pipe (an MPI proxy, torchrun
+    or srun reads it), wait until the reader has taken every byte, at most `timeout_s` seconds.
+    A launcher that is slow to read (a loaded node) would otherwise be told to kill the job while
+    the error that explains it still sits in the pipe, and the user would see an exit code and
+    nothing else."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+    import time
+
+    for h in logging.getLogger("distlm").handlers:
+        h.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            # FIONREAD on either end of a pipe: the bytes written and not yet read
+            while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.005)
+        except OSError:
+            continue

@@ -5,6 +5,8 @@ user starts it (torchrun, Snakemake), `fault_env` writes the spec as JSON, names
 DISTLM_TEST_FAULTS and puts tests/harness/fault_hooks on PYTHONPATH: that folder's
 `sitecustomize` reads the spec in every training rank (RANK set) before the trainer starts.
 `paced_env` sets a floor on each training step's time the same way (DISTLM_TEST_STEP_S).
+`slow_reader_env` puts tests/harness/slow_reader on PYTHONPATH: MPI rank 1's proxy stops reading
+while the rank logs its first error (see that folder's `sitecustomize`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ if TYPE_CHECKING:
 ENV = "DISTLM_TEST_FAULTS"
 STEP_ENV = "DISTLM_TEST_STEP_S"
 HOOKS = Path(__file__).resolve().parent / "fault_hooks"
+SLOW_READER = Path(__file__).resolve().parent / "slow_reader"
+
+
+def _on_path(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """`env` with `folder` first on PYTHONPATH (its sitecustomize runs at start-up)."""
+    return {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(folder), *filter(None, [env.get("PYTHONPATH")])]),
+    }
 
 
 def inject(monkeypatch: pytest.MonkeyPatch, **spec: int) -> None:
@@ -34,12 +45,16 @@ def fault_env(spec_file: Path, env: dict[str, str] | None = None, **spec: int) -
     faults.FaultSpec(**spec)  # an unknown fault fails here, in the test
     spec_file.write_text(json.dumps(spec), encoding="utf-8")
     env = dict(os.environ if env is None else env)
-    path = [str(HOOKS), *filter(None, [env.get("PYTHONPATH")])]
-    return {**env, ENV: str(spec_file), "PYTHONPATH": os.pathsep.join(path)}
+    return {**_on_path(env, HOOKS), ENV: str(spec_file)}
 
 
 def paced_env(env: dict[str, str], step_s: float) -> dict[str, str]:
     """`env` for a command whose training steps take at least `step_s` seconds each (the ranks
     sleep out the rest of a faster step; fault_hooks/sitecustomize.py)."""
-    path = [str(HOOKS), *filter(None, [env.get("PYTHONPATH")])]
-    return {**env, STEP_ENV: str(step_s), "PYTHONPATH": os.pathsep.join(path)}
+    return {**_on_path(env, HOOKS), STEP_ENV: str(step_s)}
+
+
+def slow_reader_env() -> dict[str, str]:
+    """os.environ for an MPI command whose rank 1 writes its first error while its proxy is
+    stopped (for a second): a launcher slow to read the rank's output."""
+    return _on_path(dict(os.environ), SLOW_READER)

@@ -38,7 +38,7 @@ from distlm.inference.engine.scheduler import Scheduler
 from distlm.inference.engine.stage import StageModel, load_stage
 from distlm.inference.engine.worker import worker_loop
 from distlm.inference.stats import StageInfo, StageStats
-from distlm.log import get_logger
+from distlm.log import flush_to_reader, get_logger
 from distlm.settings import EngineSettings
 
 log = get_logger(__name__)
@@ -162,8 +162,7 @@ def mpi_pipeline(
             log.error("stage %d failed: %s", topo.rank, e)
         else:
             log.exception("stage %d failed", topo.rank)
-        for h in log.handlers + (log.parent.handlers if log.parent else []):
-            h.flush()
+        flush_to_reader()  # the error reaches mpiexec's output before the abort ends the job
         comm.Abort(1)
 
 
