@@ -4,6 +4,7 @@ the stage inside the tiny workflow (profiler on)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -439,6 +440,33 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
         assert (tmp_path / "a" / "profile" / f"trace-rank{r}.json").stat().st_size > 0
 
 
+def _torchrun_as_launched(cfg: TrainConfig, inputs, out: Path, notice: Path) -> subprocess.Popen:
+    """The stage's torchrun with SIGUSR1 ignored, as `distlm-launch torchrun-node` execs it (the
+    agent must not die of the time-limit warning), telling its StopNotice to `notice`."""
+    from distlm.documents import STOP_NOTICE_ENV
+
+    cmd, env = _torchrun_cmd(cfg, inputs, out, env={**os.environ})
+    env[STOP_NOTICE_ENV] = str(notice)
+    ignoring = "import os, signal, sys; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+    ignoring += "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    return subprocess.Popen(
+        [sys.executable, "-c", ignoring, *cmd[1:]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _warn_ranks(pids: list[int]) -> None:
+    """SIGUSR1 to each rank, as `scancel --signal=USR1` does: every process of the step."""
+    import signal
+
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+
+
 @pytest.mark.slow
 def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step(inputs, tmp_path):
     """The launcher's SIGUSR1 reaches ranks still starting (here: importing torch). They inherit
@@ -446,25 +474,12 @@ def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step
     dropped: the training ran on into the time limit, a stop the launcher does not requeue. The
     ranks latch it from their first line: they stop at their first step boundary with a
     checkpoint and the StopNotice that the launcher requeues on; the rerun resumes there."""
-    import signal
-
     from procs import children
 
-    from distlm.documents import STOP_NOTICE_ENV, StopNotice, read_document
+    from distlm.documents import StopNotice, read_document
 
     out, notice = tmp_path / "train", tmp_path / "stop.json"
-    cmd, env = _torchrun_cmd(train_cfg(), inputs, out, env={**os.environ})
-    env[STOP_NOTICE_ENV] = str(notice)
-    # torchrun with SIGUSR1 ignored, as distlm-launch torchrun-node execs it
-    ignoring = "import os, signal, sys; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
-    ignoring += "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", ignoring, *cmd[1:]],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _torchrun_as_launched(train_cfg(), inputs, out, notice)
     try:
         # each rank opens its log before it imports torch: both started, neither trains yet
         logs = [out / "logs" / f"rank{r}.log" for r in (0, 1)]
@@ -474,8 +489,7 @@ def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step
             time.sleep(0.01)
         ranks = children(proc.pid)
         assert len(ranks) == 2, ranks
-        for pid in ranks:  # as `scancel --signal=USR1` does: every process of the step
-            os.kill(pid, signal.SIGUSR1)
+        _warn_ranks(ranks)
         output, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -489,6 +503,33 @@ def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step
     rerun = _torchrun(train_cfg(), inputs, out)
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert read_meta(out / "final").training["resumed_from"].endswith("step-00000001")
+
+
+@pytest.mark.slow
+def test_a_time_limit_warning_after_the_last_step_leaves_the_training_finished(inputs, tmp_path):
+    """The warning (sent again every few seconds) reaches ranks that have written the final folder
+    and are exiting. Python's exit puts a signal that has a Python handler back to its default
+    action, which for SIGUSR1 is death: the ranks died of it (exit code -10), torchrun and the
+    launcher failed a finished training without a StopNotice, the job was not requeued, and
+    Snakemake removed its outputs (CI of stop 34). A rank whose work is done ignores it."""
+    from procs import children
+
+    out, notice = tmp_path / "train", tmp_path / "stop.json"
+    proc = _torchrun_as_launched(train_cfg(), inputs, out, notice)
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None:  # from the final folder on, a warning every 10 ms until the end
+            assert time.monotonic() < deadline, "the training did not end"
+            if (out / "final").is_dir():
+                _warn_ranks(children(proc.pid))
+            time.sleep(0.01)
+        output = proc.stdout.read()
+    finally:
+        proc.kill()
+    assert (out / "final").is_dir(), output[-3000:]
+    assert proc.returncode == 0, output[-3000:]
+    assert not notice.exists()  # nothing stopped: the launcher does not requeue
+    assert "stopping at step" not in (out / "logs" / "rank0.log").read_text()
 
 
 # ----------------------------------------------------------------------------- workflow

@@ -15,6 +15,13 @@ with a checkpoint, as for a warning during the loop (the step's all-reduce carri
 rank). Only the warning is latched: a SIGTERM before the loop still ends the rank at once, as
 nothing is trained yet that a checkpoint would keep. A warning in the milliseconds between the
 rank's exec and `latch()` is still lost.
+
+`ignore()`, the last thing the entry does, ignores the warning from then on. The launcher sends it
+again every few seconds until the ranks end, so it can reach a rank that has finished its work
+and is exiting; Python's exit puts a signal that has a Python handler back to its default action,
+for SIGUSR1 death. A finished training would end with its ranks killed, torchrun failing and no
+StopNotice: the launcher would fail the job, and Snakemake would remove the final folder. SIG_IGN
+is kept through the exit.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ def _on_warning(_signum: int, _frame) -> None:
 def latch() -> None:
     """From now on a SIGUSR1 is recorded (read with `warned()`), not dropped or fatal."""
     signal.signal(WARNING, _on_warning)
+
+
+def ignore() -> None:
+    """From now on a SIGUSR1 is ignored: the rank's work is over (finished, stopped or failed)."""
+    signal.signal(WARNING, signal.SIG_IGN)
 
 
 def warned() -> bool:

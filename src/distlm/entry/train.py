@@ -6,7 +6,9 @@
         --rank-log 'logs/train/rank{rank}.log'
 
 All logic is in distlm.train; see its docstrings. The time-limit warning (SIGUSR1) is latched
-before torch is imported (distlm.stop_latch): one that comes while the rank starts is not lost.
+before torch is imported (distlm.stop_latch): one that comes while the rank starts is not lost;
+once the training has returned or raised, it is ignored: one that comes while the rank exits does
+not kill it.
 """
 
 import argparse
@@ -34,7 +36,10 @@ def main() -> None:
     # torch and the trainer are imported after the latch and the log
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_train)(a)
+    try:
+        record(_train)(a)
+    finally:
+        stop_latch.ignore()  # last: Python's exit would make SIGUSR1 fatal again
 
 
 def _train(a: argparse.Namespace) -> None:
