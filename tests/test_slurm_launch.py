@@ -5,6 +5,7 @@ The same code paths against a real cluster: tests/test_slurm.py.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
         f"--wait={srun.STRAGGLER_WAIT_S}",
         "--job-name=distlm-allocation-1",
     ]
+    assert cmd[8:13] == [*srun.TASK_IGNORES_WARNING, "py"]  # the warning ignored, then Python
     assert "--rdzv-endpoint=node1:29400" in cmd and "--rdzv-id=42" in cmd
     assert f"--rdzv-conf=join_timeout={srun.DEFAULT_JOIN_TIMEOUT_S}" in cmd
     assert cmd[cmd.index("--") + 1 :] == ["--nproc-per-node=4", "train.py", "--x", "1"]
@@ -85,6 +87,34 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
     assert not any(a.startswith("--rdzv-conf=join_timeout=300") for a in given)
     script_arg = srun.srun_command(alloc, ["t.py", "--rdzv-conf=x"], port=1, python="py")
     assert f"--rdzv-conf=join_timeout={srun.DEFAULT_JOIN_TIMEOUT_S}" in script_arg
+
+
+def test_each_srun_task_starts_with_the_warning_ignored(tmp_path):
+    """The launcher sends SIGUSR1 again every few seconds; one that reached an srun task while
+    its Python was still importing distlm.launch (before torchrun-node ignores it) killed the
+    task (the default action) and --kill-on-bad-exit the step, without a checkpoint. The task
+    srun runs ignores it before it execs Python, with the dispositions slurmstepd gives it."""
+    import signal
+
+    probe = tmp_path / "python"  # stands for Python: shows what it is started with, then runs
+    probe.write_text("#!/bin/sh\ngrep '^SigIgn:' /proc/$$/status\nsleep 1\n")
+    probe.chmod(0o755)
+    alloc = slurm.Allocation(job_id="42", hosts=("node1", "node2"), cpus_per_task=2)
+    cmd = srun.srun_command(alloc, ["t.py"], port=1, python=str(probe))
+    task = cmd[next(i for i, a in enumerate(cmd[1:], 1) if not a.startswith("-")) :]  # srun's
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # as slurmstepd starts a task
+    try:
+        proc = subprocess.Popen(task, stdout=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    try:
+        ignored = int(proc.stdout.readline().split()[1], 16)
+        for _ in range(5):  # the warning and its repeats, while the task runs
+            os.kill(proc.pid, signal.SIGUSR1)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert ignored & (1 << (signal.SIGUSR1 - 1))
 
 
 def test_node_command_takes_nodes_from_srun_task_env():

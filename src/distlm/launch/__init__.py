@@ -15,7 +15,8 @@ from `scontrol show job` and, SECONDS before it, sends SIGUSR1 to the job's step
 --signal=USR1 JOBID`: every process of every step, never the batch shell where Snakemake runs).
 The training ranks then write a checkpoint at the next step boundary and stop (distlm.train); a
 rank still starting keeps it from its first line and stops at its first step boundary
-(distlm.stop_latch); torchrun's agents ignore SIGUSR1 (set before they start). This does not
+(distlm.stop_latch); a rank whose training is over ignores it, and so do torchrun's agents (each
+srun task starts with it ignored, before its Python). This does not
 depend on the Snakemake SLURM plugin passing `--signal` to sbatch, nor on SLURM's coarse timing of
 it (up to a minute early), and it works for a job whose time limit is raised while it runs (read
 again before sending).
@@ -187,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "torchrun-node":
             cmd = node_command(argv[1:], dict(os.environ))
             os.environ.update(node_env(cmd, dict(os.environ)))
-            # torchrun's agent would die of SIGUSR1 (the time-limit warning): ignored here, the
-            # disposition survives exec; the training ranks latch it (distlm.stop_latch).
+            # torchrun's agent would die of SIGUSR1 (the time-limit warning): ignored here (the
+            # srun task starts with it ignored too: srun.TASK_IGNORES_WARNING), the disposition
+            # survives exec; the training ranks latch it (distlm.stop_latch).
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             os.execv(cmd[0], cmd)
         raise DistlmError(f"distlm-launch: unknown command {argv[0]!r}\n{usage}")

@@ -118,6 +118,14 @@ def spread(total: int, nodes: int, node: int) -> int:
     return total // nodes + (1 if node < total % nodes else 0)
 
 
+# Each srun task starts with the time-limit warning (SIGUSR1) ignored, before Python does: the
+# launcher sends it again every few seconds (distlm.launch.slurm.LimitWarning), and a send that
+# came while the task's Python was importing `distlm.launch` (seconds on a busy node) would kill
+# it (SIGUSR1's default action), and srun's --kill-on-bad-exit the whole step, without a
+# checkpoint. SIG_IGN survives exec: torchrun's agent keeps it, the ranks latch the warning.
+TASK_IGNORES_WARNING = ("/bin/sh", "-c", 'trap "" USR1; exec "$@"', "distlm-launch-task")
+
+
 def srun_command(
     alloc: Allocation,
     torchrun_args: list[str],
@@ -142,6 +150,7 @@ def srun_command(
         f"--wait={STRAGGLER_WAIT_S}",
         # the step's name in `squeue -s` and `sacct`: which allocation of the job this is
         f"--job-name=distlm-allocation-{alloc.restarts + 1}",
+        *TASK_IGNORES_WARNING,
         python,
         "-m",
         "distlm.launch",
