@@ -91,9 +91,10 @@ def test_srun_command_one_task_per_node_with_c10d_on_head():
 
 def test_each_srun_task_starts_with_the_warning_ignored(tmp_path):
     """The launcher sends SIGUSR1 again every few seconds; one that reached an srun task while
-    its Python was still importing distlm.launch (before torchrun-node ignores it) killed the
-    task (the default action) and --kill-on-bad-exit the step, without a checkpoint. The task
-    srun runs ignores it before it execs Python, with the dispositions slurmstepd gives it."""
+    its Python was still importing distlm.launch (where it used to set SIG_IGN) killed the task
+    (the default action) and --kill-on-bad-exit the step, without a checkpoint. The task srun
+    runs ignores it before it execs Python, from the dispositions slurmstepd gives it, and keeps
+    it ignored through to torchrun."""
     import signal
 
     probe = tmp_path / "python"  # stands for Python: shows what it is started with, then runs

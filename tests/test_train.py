@@ -441,7 +441,7 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
 
 
 def _torchrun_as_launched(cfg: TrainConfig, inputs, out: Path, notice: Path) -> subprocess.Popen:
-    """The stage's torchrun with SIGUSR1 ignored, as `distlm-launch torchrun-node` execs it (the
+    """The stage's torchrun with SIGUSR1 ignored, as distlm-launch's srun task execs it (the
     agent must not die of the time-limit warning), telling its StopNotice to `notice`."""
     from distlm.documents import STOP_NOTICE_ENV
 
@@ -470,7 +470,7 @@ def _warn_ranks(pids: list[int]) -> None:
 @pytest.mark.slow
 def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step(inputs, tmp_path):
     """The launcher's SIGUSR1 reaches ranks still starting (here: importing torch). They inherit
-    the torchrun agent's SIG_IGN (distlm-launch torchrun-node sets it), so the warning was
+    the torchrun agent's SIG_IGN (distlm-launch's srun task sets it), so the warning was
     dropped: the training ran on into the time limit, a stop the launcher does not requeue. The
     ranks latch it from their first line: they stop at their first step boundary with a
     checkpoint and the StopNotice that the launcher requeues on; the rerun resumes there."""

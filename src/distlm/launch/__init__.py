@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -188,10 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "torchrun-node":
             cmd = node_command(argv[1:], dict(os.environ))
             os.environ.update(node_env(cmd, dict(os.environ)))
-            # torchrun's agent would die of SIGUSR1 (the time-limit warning): ignored here (the
-            # srun task starts with it ignored too: srun.TASK_IGNORES_WARNING), the disposition
-            # survives exec; the training ranks latch it (distlm.stop_latch).
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            # SIGUSR1 (the time-limit warning) stays ignored through this exec, as the srun task
+            # started (srun.TASK_IGNORES_WARNING): torchrun's agent keeps it, the ranks latch it
             os.execv(cmd[0], cmd)
         raise DistlmError(f"distlm-launch: unknown command {argv[0]!r}\n{usage}")
     except DistlmError as e:

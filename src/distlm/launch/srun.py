@@ -118,11 +118,11 @@ def spread(total: int, nodes: int, node: int) -> int:
     return total // nodes + (1 if node < total % nodes else 0)
 
 
-# Each srun task starts with the time-limit warning (SIGUSR1) ignored, before Python does: the
-# launcher sends it again every few seconds (distlm.launch.slurm.LimitWarning), and a send that
-# came while the task's Python was importing `distlm.launch` (seconds on a busy node) would kill
-# it (SIGUSR1's default action), and srun's --kill-on-bad-exit the whole step, without a
-# checkpoint. SIG_IGN survives exec: torchrun's agent keeps it, the ranks latch the warning.
+# Each srun task starts with the time-limit warning (SIGUSR1) ignored, before its Python: the
+# launcher sends it again every few seconds (distlm.launch.slurm.LimitWarning), and one that came
+# while the task's Python was still importing would kill it (SIGUSR1's default action), and
+# srun's --kill-on-bad-exit the whole step, without a checkpoint. SIG_IGN survives exec: torchrun's
+# agent keeps it (it would die of the warning too), the ranks latch it (distlm.stop_latch).
 TASK_IGNORES_WARNING = ("/bin/sh", "-c", 'trap "" USR1; exec "$@"', "distlm-launch-task")
 
 
