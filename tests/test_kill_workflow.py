@@ -74,7 +74,6 @@ def job_counts(proc: subprocess.CompletedProcess) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.with_slurm  # tests/run.sh: beside the SLURM tests, which mostly wait
 def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     base = tmp_path / "dist lm"
     checkout = base / "check out"
