@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README "Set-up: two commands"): installs the Debian packages that the system-level tests need
 # when run as root (network namespaces, a local SLURM cluster, headless Chromium), runs the linters
-# (ruff check, ruff format --check, snakefmt --check, snakemake --lint), the type checker (pyright)
+# (ruff check, ruff format --check, snakefmt --check, snakemake --lint), the type checker (pyright, beside the tests)
 # and the import layers (lint-imports), both configured in pyproject.toml, then pytest (the SLURM
 # tests in a second pytest beside the others, see below); it fails when either does. Arguments are passed to pytest, e.g. `bash tests/run.sh -k data -x`; the fast
 # development loop is `python -m pytest -m "not slow"`.
@@ -23,9 +23,23 @@ else
   echo "tests/run.sh: not root (or no apt-get): tests that need ${DEBIAN_PACKAGES[*]} skip if absent"
 fi
 
-# Lint first (seconds), then the tests, so that pytest's summary is the last thing printed.
+# Lint first (seconds), then the tests, so that pytest's summary is the last thing printed. The
+# type checker (pyright, ~20 s of one core) runs beside the rest; its output is shown after the
+# tests' (pyright_result).
 lint_failed=0
-echo "tests/run.sh: lint (ruff check, ruff format --check, snakefmt --check, snakemake --lint, pyright, lint-imports)"
+echo "tests/run.sh: lint (ruff check, ruff format --check, snakefmt --check, snakemake --lint, lint-imports; pyright beside the tests)"
+pyright_log=$(mktemp)
+python -m pyright >"$pyright_log" 2>&1 &
+pyright_pid=$!
+pyright_result() {
+  local rc=0
+  wait "$pyright_pid" || rc=$?
+  echo
+  echo "tests/run.sh: pyright (run beside the tests):"
+  cat "$pyright_log"
+  rm -f "$pyright_log"
+  [ "$rc" = 0 ] || lint_failed=1
+}
 python -m ruff check || lint_failed=1
 python -m ruff format --check || lint_failed=1
 python -m snakefmt --check Snakefile workflow/rules/*.smk || lint_failed=1
@@ -37,7 +51,6 @@ python -m snakemake --lint --directory "$lintdir" -s Snakefile --configfile conf
   >"$lintdir/lint-sweep.txt" 2>&1 || lint_failed=1
 grep -q "Congratulations" "$lintdir/lint-sweep.txt" || { cat "$lintdir/lint-sweep.txt"; lint_failed=1; }
 rm -rf "$lintdir"
-python -m pyright || lint_failed=1
 lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in pyproject.toml)
 [ "$lint_failed" = 0 ] || echo "tests/run.sh: lint failed (see above); running the tests anyway" >&2
 
@@ -49,6 +62,7 @@ lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in p
 status=0
 if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m.*\|--markexpr.*'; then
   python -m pytest "$@" || status=$?
+  pyright_result
 else
   scratch=$(mktemp -d)
   export DISTLM_TESTS_WORKFLOW="$scratch"
@@ -78,8 +92,9 @@ else
   # Ctrl-C reaches every session (one process group); a TERM is passed on as an interrupt, so
   # each session stops its servers and its cluster before it exits
   stop() {
-    [ "$1" = INT ] || kill -INT "${pids[@]}" 2>/dev/null
+    [ "$1" = INT ] || kill -INT "${pids[@]}" "$pyright_pid" 2>/dev/null
     wait "${pids[@]}"
+    pyright_result
     show
     rm -rf "$scratch"
     exit 130
@@ -93,6 +108,7 @@ else
     codes+=("$rc")
   done
   trap - INT TERM
+  pyright_result
   show
   rm -rf "$scratch"
   # 5: no test collected, as when the arguments select none of a session's tests

@@ -299,7 +299,15 @@ def losses(out: Path) -> list[float]:
     return [float(r.split(",")[1]) for r in (out / "metrics.csv").read_text().splitlines()[1:]]
 
 
+# What DDP and a resume see of a family is its parameters: tied or untied embeddings (one tensor
+# under two names, or two), each family's own (Qwen2's q, k, v biases). These two variants hold
+# both sides of each; the other two differ from them in the attention (KV heads, rope scaling),
+# which the tests above and tests/test_family_pipeline.py compare with transformers.
+DDP_VARIANTS = ["llama-kv1-tied", "qwen2-kv2-untied"]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", DDP_VARIANTS, indirect=True)
 def test_ddp_equals_one_process_and_a_kill_resumes_bit_identically(variant, tmp_path):
     """2 ranks x 4 blocks and 1 process x 2 micro-batches of 4 (global batch 8) train to the same
     losses to float rounding (fused linear cross-entropy on); the 2-rank run with its last rank

@@ -5,13 +5,14 @@ scaling, Qwen2's QKV bias; 5 layers at 1, 2 and 3 stages)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 import test_server
 import torch
-from harness.families import CASES, N_LAYER, build_family_models
+from harness.families import CASES, N_LAYER, STAGES, build_family_models
 from test_inference import INFER, PROMPTS, mpiexec, write_config
 
 from distlm.inference.engine.stage import Item, load_stage
@@ -103,9 +104,14 @@ def test_stage_chain_greedy_and_prompt_logprobs_match_transformers(family_models
         assert got == want, (case, stages)
 
 
+# Each case once and each stage count once: the stage chain above runs every case at 1, 2 and 3
+# stages in one process; what the entry point adds (mpiexec ranks, lanes, admission while others
+# decode) is the same code for every family (tests/test_inference.py runs it for GPT-2).
+MPI_RUNS = list(zip(sorted(CASES), itertools.cycle(sorted(STAGES, reverse=True))))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("case", "stages"), MPI_RUNS)
 def test_mpi_inference_stage_greedy_equals_generate(family_models, tmp_path, case, stages):
     """The inference stage's entry point (mpiexec, one rank per stage) with 3 lanes for 5
     prompts of different lengths: lanes at different positions share micro-batches, and a
