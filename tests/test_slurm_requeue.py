@@ -176,12 +176,13 @@ def test_a_training_that_fails_on_its_own_is_never_requeued(
     cluster, profile, slurm_built, tmp_path
 ):
     wd, configs = _prepared(slurm_built, tmp_path, "nan", LONG)
+    # requeues armed, with a time limit far from the NaN: a 3-minute allocation warns at 145 s
+    # (with LIMITED's 1 minute the warning came at 25 s, and on a loaded CI machine the ranks
+    # took that long to start: a time-limit stop at step 1, requeued, before any NaN)
     requeuing = profile_with(
-        profile, tmp_path / "requeuing", **LIMITED, torchrun=_launcher("--max-requeues=3")
+        profile, tmp_path / "requeuing", runtime=3, torchrun=_launcher("--max-requeues=3")
     )
-    # the test harness's fault (never a config key): every rank's loss is NaN at step 5, well
-    # inside the 25 s before the first allocation's warning (at step 60, 6 s of paced steps after
-    # a slow start on a loaded CI machine, the warning came first: a time-limit stop, requeued)
+    # the test harness's fault (never a config key): every rank's loss is NaN at step 5
     nan = fault_env(tmp_path / "faults.json", slurm_env(cluster), nan_at_step=5)
     run = _snakemake(cluster, wd, configs, requeuing, env=nan)
     assert run.returncode != 0

@@ -34,6 +34,9 @@ from distlm.inference.stats import StageBrief, StageInfo, StageStats
 RING_VERSION = 1  # 1: typed StageInfo / StageBrief / StageStats, Work.release
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
+_NAP_S = 5e-4  # the longest sleep between polls while messages come often
+_IDLE_AFTER_S = 0.2  # nothing for this long: the pipeline is idle, poll every _IDLE_NAP_S
+_IDLE_NAP_S = 5e-3
 
 
 class PipelineError(DistlmError):
@@ -68,18 +71,27 @@ class PipelineTopology:
 
 
 class Backoff:
-    """Poll tightly for a while, then sleep in growing steps (up to 0.5 ms) so idle ranks yield the CPU."""
+    """Poll tightly for a while, then sleep in growing steps (up to 0.5 ms) so waiting ranks yield
+    the CPU; after 0.2 s with nothing, poll every 5 ms, so that an idle stage takes next to no CPU
+    and the first message after a pause waits at most 5 ms more (docs/serving.md)."""
 
     def __init__(self) -> None:
         self.n = 0
+        self.since = 0.0
 
     def reset(self) -> None:
         self.n = 0
 
     def pause(self) -> None:
         self.n += 1
-        if self.n > _SPIN:
-            time.sleep(min(5e-4, 1e-5 * (self.n - _SPIN)))
+        if self.n <= _SPIN:
+            return
+        if self.n == _SPIN + 1:
+            self.since = time.monotonic()
+        elif time.monotonic() - self.since > _IDLE_AFTER_S:
+            time.sleep(_IDLE_NAP_S)
+            return
+        time.sleep(min(_NAP_S, 1e-5 * (self.n - _SPIN)))
 
 
 class Ring:

@@ -53,6 +53,9 @@ log = get_logger(__name__)
 
 HEALTH_EVERY_S = 0.5  # how often stage 0 tells the API server its queue and lanes
 _API_CHECK_S = 1.0  # how often stage 0 looks whether the API server's process still exists
+# how long an idle stage 0 waits on the channel at a time: a request wakes it at once, so this
+# only spaces the idle loop's checks (heartbeat, Health, the API server's process)
+_IDLE_WAIT_MS = 50
 _LINGER_MS = 2000  # how long closing the events socket may take to deliver the last messages
 
 
@@ -145,7 +148,7 @@ class Engine:
 
         def idle() -> None:
             self.sched.heartbeat(heartbeat_s)
-            self._take(5)
+            self._take(_IDLE_WAIT_MS)
 
         try:
             run_stage0(
