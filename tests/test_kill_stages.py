@@ -35,6 +35,7 @@ from distlm.settings import Settings
 from distlm.settings.stage import ModelConfig
 cfg = Settings.model_validate(json.loads(Path(sys.argv[1]).read_text()))
 out = Path(sys.argv[2])
+print("prepare", flush=True)  # imports done: the data stage starts (the test times kills from here)
 prepare(cfg.data, cfg.model, tokens_path=out / "data" / "tokens.h5", tokenizer_dir=out / "data" / "tokenizer",
         stats_path=out / "data" / "stats.json")
 serialize(ModelConfig.of({"model": cfg.model.model_dump(mode="json")}), tokenizer_dir=out / "data" / "tokenizer", tokens_path=out / "data" / "tokens.h5",
@@ -47,10 +48,18 @@ def _start(cfg_path: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", STAGES, str(cfg_path), str(out)],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _started(job: subprocess.Popen) -> float:
+    """Wait for the stages' start line (imports done); when it came (time.monotonic())."""
+    assert job.stdout is not None
+    line = job.stdout.readline()
+    assert line == "prepare\n", (line, job.stderr.read()[-3000:] if job.stderr else "")
+    return time.monotonic()
 
 
 def _snapshot(out: Path) -> dict:
@@ -86,13 +95,16 @@ def test_data_and_model_stages_killed_anywhere(tmp_path):
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
 
-    t0, wall0 = time.monotonic(), time.time()
     ref = _start(cfg_path, tmp_path / "ref")
+    t0, wall0 = _started(ref), time.time()
     assert ref.wait(timeout=300) == 0, ref.stderr.read()[-3000:]
     span = time.monotonic() - t0
-    # when the data stage had finished (stats.json is its last write): the first kill falls
-    # before it, the others anywhere, so the kills cover both stages however loaded the machine
-    data_done = max(0.3, (tmp_path / "ref/data/stats.json").stat().st_mtime - wall0)
+    # how long the data stage took after the imports (stats.json is its last write): the first
+    # kill falls in its first half, counted from the attempt's own start line, the others
+    # anywhere, so the kills cover both stages however loaded the machine and however long its
+    # imports take (timed from the process's start, a slow reference run once put the first kill
+    # after a fast attempt had finished both stages)
+    data_s = max(0.1, (tmp_path / "ref/data/stats.json").stat().st_mtime - wall0)
     want = _snapshot(tmp_path / "ref")
     assert set(want) == {"tokens", "tokenizer", "stats", "model"}
 
@@ -101,7 +113,8 @@ def test_data_and_model_stages_killed_anywhere(tmp_path):
     seen: set[frozenset] = set()
     for i in range(8):
         job = _start(cfg_path, out)
-        time.sleep(rng.uniform(0.2, data_done if i == 0 else span))
+        _started(job)
+        time.sleep(rng.uniform(0.0, data_s / 2) if i == 0 else rng.uniform(0.0, span))
         if job.poll() is None:
             os.kill(job.pid, signal.SIGKILL)
         job.wait(timeout=60)
