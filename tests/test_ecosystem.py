@@ -41,7 +41,8 @@ def start_transformers_serve(folder: Path, log: Path) -> tuple[subprocess.Popen,
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            transformers_serve_command(folder, port=port),
+            # a cache for the tests' few short requests (see transformers_serve_command)
+            transformers_serve_command(folder, port=port, kv_blocks=32),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=transformers_serve_env(1),
