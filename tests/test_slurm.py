@@ -342,7 +342,6 @@ def test_a_failing_job_is_reported_with_its_slurm_log(cluster, profile, tmp_path
     assert f["JobState"] == "FAILED", f
 
 
-@pytest.mark.with_requeue  # tests/run.sh: beside the requeue tests, which end first
 def test_a_sweeps_training_runs_are_in_the_queue_together(cluster, profile, tmp_path):
     """Two learning rates of a sweep train in two stage folders (own checkpoints, own lease), so
     their jobs are independent: SLURM runs both at once (docs/sweeps.md)."""
