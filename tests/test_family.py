@@ -77,6 +77,21 @@ def test_the_families_are_the_supported_ones():
     assert family_of("llama").kernels == family_of("qwen2").kernels == {"linear_ce"}
 
 
+def test_the_stages_in_place_gelu_new_is_transformers_bit_for_bit():
+    """The pipeline stage's gelu_new writes into its input; its result is NewGELUActivation's to
+    the bit (the same operations in the same order), on every magnitude tanh saturates at."""
+    from transformers.activations import NewGELUActivation
+
+    from distlm.model.family.gpt2_blocks import gelu_new_
+
+    x = torch.cat(
+        [torch.randn(7, 1536), torch.randn(7, 1536) * 30, torch.linspace(-9, 9, 1536)[None]]
+    )
+    want = NewGELUActivation()(x)
+    got = gelu_new_(x.clone())
+    assert torch.equal(got, want)
+
+
 def test_folder_loads_unchanged_and_shards_cut_by_family(variant, tmp_path):
     """The model folder is what the family's class writes (AutoModelForCausalLM loads it to the
     same logits); the shard cut puts the embeddings first, each decoder layer once, the final

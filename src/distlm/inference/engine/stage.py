@@ -165,6 +165,8 @@ class StageModel(nn.Module):
             self.length[it.lane] = it.pos + it.n
         if not self.last:
             return x
+        if not every and x.shape[0] == len(items):  # one token each: every row is a last one
+            return blocks.head(x)  # (B, V)
         starts = torch.tensor([0] + [it.n for it in items]).cumsum(0)
         last = blocks.head(x[(starts[1:] - 1).to(dev)])  # (B, V)
         if not every:

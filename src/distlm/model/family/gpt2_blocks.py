@@ -2,10 +2,14 @@
 Conv1D projections (linear layers with the weight transposed), GELU MLP, a head tied to wte.
 
 The weights are transformers' own `GPT2Block`s, used through the functional operations their
-forward calls (the same kernels, without a module call each)."""
+forward calls (the same kernels, without a module call each). Where the result is a fresh tensor
+used once, the next operation writes into it (the residual adds, `gelu_new`'s chain): the same
+arithmetic in the same order, so the same bits, without an allocation per operation."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +23,7 @@ class GPT2Blocks(StageBlocks):
     """wte + wpe (first), `GPT2Block`s [start, end), ln_f + lm_head (last)."""
 
     def __init__(self, config, start: int, end: int, *, first: bool, last: bool) -> None:
+        from transformers.activations import ACT2FN
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         super().__init__(start=start, end=end, first=first, last=last)
@@ -29,6 +34,11 @@ class GPT2Blocks(StageBlocks):
             self.wpe = nn.Embedding(config.n_positions, C)
         self.h = nn.ModuleList(GPT2Block(config, layer_idx=i) for i in range(start, end))
         self._h: list[Any] = list(self.h)  # the same modules, indexed without a call
+        # the MLP's activation (GPT2MLP's ACT2FN[activation_function]); gelu_new, GPT-2's, in place
+        act = config.activation_function
+        self.act: Callable[[torch.Tensor], torch.Tensor] = (
+            gelu_new_ if act == "gelu_new" else ACT2FN[act].forward
+        )
         if last:
             self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_epsilon)
             self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
@@ -57,19 +67,31 @@ class GPT2Blocks(StageBlocks):
         self, j: int, x: torch.Tensor, rot: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         block = self._h[j]
-        C = x.shape[-1]
-        qkv = _conv1d(block.attn.c_attn, _layer_norm(block.ln_1, x))  # (N, 3C)
-        q, k, v = (t.view(-1, self.n_head, self.head_dim) for t in qkv.split(C, dim=1))
-        return q, k, v  # (N, nh, hd) each
+        qkv = _conv1d(block.attn.c_attn, _layer_norm(block.ln_1, x))  # (N, 3C): q | k | v
+        q, k, v = qkv.view(-1, 3, self.n_head, self.head_dim).unbind(1)
+        return q, k, v  # (N, nh, hd) each, views of qkv
 
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         block = self._h[j]
         mlp = block.mlp
-        x = x + _conv1d(block.attn.c_proj, attn)
-        return x + _conv1d(mlp.c_proj, mlp.act(_conv1d(mlp.c_fc, _layer_norm(block.ln_2, x))))
+        # x + proj(attn) and x + mlp(x), written into the fresh projections (addition commutes)
+        x = _conv1d(block.attn.c_proj, attn).add_(x)
+        return _conv1d(mlp.c_proj, self.act(_conv1d(mlp.c_fc, _layer_norm(block.ln_2, x)))).add_(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+
+
+def gelu_new_(x: torch.Tensor) -> torch.Tensor:
+    """transformers' `gelu_new` (NewGELUActivation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715
+    x^3)))), the same operations in the same order, written into x and one new tensor instead of
+    a new tensor each (tests/test_family.py compares the bits)."""
+    t = torch.pow(x, 3.0)
+    t.mul_(0.044715).add_(x).mul_(_GELU_K).tanh_().add_(1.0)
+    return x.mul_(0.5).mul_(t)
 
 
 def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:

@@ -85,12 +85,14 @@ class LlamaBlocks(StageBlocks):
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         layer = self._layers[j]
         o = layer.self_attn.o_proj
-        x = x + F.linear(attn, o.weight, o.bias)
+        # x + o_proj(attn), act(gate) * up and x + down_proj(...) written into the fresh tensors
+        # (addition and multiplication commute: the same bits, no allocation each)
+        x = F.linear(attn, o.weight, o.bias).add_(x)
         mlp = layer.mlp
         h = _rms_norm(layer.post_attention_layernorm, x)
         gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
         up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        return x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return F.linear(mlp.act_fn(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias).add_(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms_norm(self.norm, x))
