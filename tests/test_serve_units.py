@@ -232,6 +232,27 @@ def test_sampling_is_bounded():
         )
 
 
+def test_greedy_picks_of_a_micro_batch_are_each_rows_argmax():
+    """One max over the micro-batch's logits gives each row's argmax (the first of equal maxima);
+    a row with no finite logit gets None, and rows with some -inf, +inf or NaN keep argmax's
+    answer as pick_token sees the row."""
+    from distlm.inference.engine.sampler import row_argmax
+
+    inf, nan = math.inf, math.nan
+    fine = torch.tensor([[0.0, 3.0, 3.0, 1.0], [2.0, -1.0, 0.0, 5.0]])
+    assert row_argmax(fine) == [1, 3] == fine.argmax(dim=1).tolist()
+    rows = torch.tensor(
+        [
+            [0.0, 3.0, -inf, 1.0],  # -inf among finite logits: argmax
+            [-inf, -inf, -inf, -inf],  # nothing finite: None
+            [nan, nan, nan, nan],  # nothing finite: None
+            [1.0, inf, 0.0, 2.0],  # +inf among finite logits: argmax (pick_token's call)
+            [2.0, 7.0, 1.0, 0.0],
+        ]
+    )
+    assert row_argmax(rows) == [1, None, None, 1, 1]
+
+
 def test_a_failed_pick_fails_its_sequence_only():
     s = Sampler()
     s.start(0, SamplingParams(4, temperature=1.0, logprobs=2))

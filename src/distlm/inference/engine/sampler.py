@@ -62,19 +62,26 @@ def _every(slots: tuple[Slot, ...]) -> frozenset[int]:
     return frozenset(i for i, sl in enumerate(slots) if sl.prompt is not None)
 
 
+def row_argmax(logits: torch.Tensor) -> list[int | None]:
+    """Each row's argmax (B, V) -> B picks, for the whole micro-batch at once (what pick_token
+    chooses for a greedy sequence); None for a row with no finite logit (pick_token then fails
+    that sequence alone). max's indices are argmax's (the first of equal maxima) from a faster
+    CPU kernel, and its values say in the same pass whether every row has a finite logit (a row's
+    max is NaN when it holds a NaN, and not finite when it holds +inf or only -inf); only then
+    are the rows looked at one by one."""
+    top = logits.max(dim=1)
+    if bool(torch.isfinite(top.values).all()):
+        return top.indices.tolist()
+    finite = torch.isfinite(logits).any(dim=1).tolist()
+    return [b if ok else None for b, ok in zip(top.indices.tolist(), finite)]
+
+
 def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) -> list[Pick]:
     """The last stage's forward pass and picks: one pass scores the prompts that ask for it."""
     out = model([sl.item for sl in slots], x, every=_every(slots))
     logits, rest = out if isinstance(out, tuple) else (out, {})
     logits = logits.float().cpu()  # (B, V); the generators live on the CPU
-    # greedy picks for the whole micro-batch at once, not per sequence; a row with no finite
-    # logit gets None (pick_token then fails that sequence alone)
-    if bool(torch.isfinite(logits.sum())):  # every logit finite: one reduction says so
-        finite = [True] * len(slots)
-    else:
-        finite = torch.isfinite(logits).any(dim=1).tolist()
-    # max's indices are argmax's (the first of equal maxima), from a faster kernel on the CPU
-    best = [b if ok else None for b, ok in zip(logits.max(dim=1).indices.tolist(), finite)]
+    best = row_argmax(logits)
     picks = []
     for i, sl in enumerate(slots):
         if sl.item.pos == 0:
