@@ -1,10 +1,13 @@
 """Serve mode's pure parts, without processes: engine-channel messages, the JSON guards, the
-access log's escaping, bounded sampling, and the scheduler's cancel / n > 1 / failed pick."""
+access log's escaping, bounded sampling, the scheduler's cancel / n > 1 / failed pick, and
+the start-up heap's freeze (in a process of its own)."""
 
 from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -230,6 +233,41 @@ def test_sampling_is_bounded():
             SamplingParams(4, temperature=1.0),
             torch.Generator(),
         )
+
+
+def test_the_start_up_heap_is_frozen_and_later_garbage_still_collected():
+    """freeze_startup_heap (in a process of its own, as the server and the engine call it):
+    start-up garbage is collected, not frozen; what is alive is frozen out of collections; cycles
+    made afterwards are still collected."""
+    script = """
+import gc, weakref
+from distlm.heap import freeze_startup_heap
+from distlm.log import setup_logging
+
+setup_logging()
+
+class Node:
+    pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.b, b.a = b, a
+    return weakref.ref(a)
+
+kept = [Node() for _ in range(1000)]
+before = cycle()  # start-up garbage: a cycle nothing refers to
+n = freeze_startup_heap("test")
+assert before() is None, "start-up garbage was frozen"
+assert n > 1000 and gc.get_freeze_count() == n, n
+after = cycle()
+gc.collect()
+assert after() is None, "a cycle made after the freeze was not collected"
+assert gc.get_freeze_count() == n
+print("ok", n)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+    assert "test: " in r.stderr and "start-up objects frozen out of garbage collection" in r.stderr
 
 
 def test_greedy_picks_of_a_micro_batch_are_each_rows_argmax():

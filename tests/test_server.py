@@ -609,6 +609,9 @@ def test_prompt_overflow_reject_and_a_clean_stop(tiny_models, tmp_path):
         assert s.proc.wait(timeout=60) == 0, s.log.read_text()[-3000:]
         log = s.log.read_text()
         assert "engine stopped; per-stage time" in log and "pipeline stopped (exit code 0)" in log
+        # every long-lived process froze its start-up heap out of garbage collection (distlm.heap)
+        for who in ("API server", "stage 0", "stage 1"):
+            assert re.search(rf"{who}: \d{{5,}} start-up objects frozen out of garbage", log), who
     finally:
         stop_server(s)
 

@@ -31,6 +31,7 @@ baseline's, or without it `generate` run here); the other servers' are compared 
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
 import os
@@ -224,6 +225,10 @@ def level(
             i += 1
         return out
 
+    # this process's own full garbage collections (100-180 ms here) would land in every
+    # server's latencies alike: what it holds now is frozen out of them (distlm.heap)
+    gc.collect()
+    gc.freeze()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client, range(clients)) for r in rs]

@@ -111,6 +111,7 @@ def mpi_pipeline(
     from mpi4py import MPI
 
     from distlm.dist import resolve_device
+    from distlm.heap import freeze_startup_heap
     from distlm.lifeline import bind_to_launcher
 
     bind_to_launcher()  # this rank dies with mpiexec's proxy (or srun's step), batch or serve
@@ -152,6 +153,7 @@ def mpi_pipeline(
                 topo.stages,
                 json.dumps([i.to_dict() for i in pipe.infos]),
             )
+        freeze_startup_heap(f"stage {topo.rank}")  # before the first micro-batch
         yield pipe
     except KeyboardInterrupt:
         log.warning("interrupted")

@@ -42,6 +42,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distlm import DistlmError
+from distlm.heap import freeze_startup_heap
 from distlm.inference.server.access_log import AccessLog
 from distlm.inference.server.app import build_app
 from distlm.inference.server.client import EngineClient
@@ -295,6 +296,7 @@ class Supervisor:
             metrics=metrics,
             token=self.token,
         )
+        freeze_startup_heap("API server")  # the tokenizer and the app built: before requests
         GuardedH11Protocol.header_timeout_s = self.serve.header_timeout_s
         GuardedH11Protocol.linger_s = self.serve.linger_s
         GuardedH11Protocol.linger_bytes = self.serve.linger_bytes
