@@ -31,7 +31,6 @@ baseline's, or without it `generate` run here); the other servers' are compared 
 from __future__ import annotations
 
 import argparse
-import gc
 import http.client
 import json
 import os
@@ -211,6 +210,8 @@ def level(
 ) -> dict:
     """`clients` clients, each sending requests back to back: at least `per_client` each, and
     until `seconds` have passed."""
+    from distlm.heap import freeze_startup_heap
+
     start = time.perf_counter()
 
     def client(c: int) -> list[tuple[float, int, str]]:
@@ -226,9 +227,8 @@ def level(
         return out
 
     # this process's own full garbage collections (100-180 ms here) would land in every
-    # server's latencies alike: what it holds now is frozen out of them (distlm.heap)
-    gc.collect()
-    gc.freeze()
+    # server's latencies alike: what it holds now is frozen out of them, as the servers do
+    freeze_startup_heap(f"benchmark client, {clients} clients")
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client, range(clients)) for r in rs]

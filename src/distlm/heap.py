@@ -5,7 +5,7 @@
 
 What a process builds to start (torch's and transformers' modules, the model's Python objects, the
 tokenizer) lives as long as the process: 250,000-420,000 objects tracked by the garbage collector
-in distlm's server and engine processes. CPython's full (generation 2) collection walks all of
+in the processes measured (the serve engine, the API server, the serving benchmark's client). CPython's full (generation 2) collection walks all of
 them whenever enough new objects have survived the younger generations, and a serving process
 makes objects every step (requests, items, picks, messages): measured during a 10 s level of 16
 clients of `benchmarks/inference/bench_serve.py`, the engine ran one full collection of 168 ms and
