@@ -226,8 +226,8 @@ def level(
             i += 1
         return out
 
-    # this process's own full garbage collections (100-180 ms here) would land in every
-    # server's latencies alike: what it holds now is frozen out of them, as the servers do
+    # this process's own full garbage collections would land in every server's latencies
+    # alike: what it holds now is frozen out of them, as the servers do (distlm.heap)
     freeze_startup_heap(f"benchmark client, {clients} clients")
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:

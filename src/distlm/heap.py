@@ -4,12 +4,11 @@
     freeze_startup_heap("serve engine, stage 0")   # once started: imports done, weights loaded
 
 What a process builds to start (torch's and transformers' modules, the model's Python objects, the
-tokenizer) lives as long as the process: 250,000-420,000 objects tracked by the garbage collector
-in the processes measured (the serve engine, the API server, the serving benchmark's client). CPython's full (generation 2) collection walks all of
-them whenever enough new objects have survived the younger generations, and a serving process
-makes objects every step (requests, items, picks, messages): measured during a 10 s level of 16
-clients of `benchmarks/inference/bench_serve.py`, the engine ran one full collection of 168 ms and
-the API server two of 108 ms, each stalling every request in flight, which is the p99 latency.
+tokenizer) lives as long as the process: hundreds of thousands of objects tracked by the garbage
+collector. CPython's full (generation 2) collection walks all of them whenever enough new objects
+have survived the younger generations, and a serving process makes objects every step
+(requests, items, picks, messages): each such collection stalls every request in flight, which
+is the p99 latency (docs/performance.md, "Serving", has the pauses measured before and after).
 
 `gc.freeze()` moves every object alive at that point to a permanent generation that collections
 skip; what the process makes afterwards is collected as before (young objects, and full
