@@ -87,9 +87,11 @@ def test_the_stages_in_place_gelu_new_is_transformers_bit_for_bit():
     x = torch.cat(
         [torch.randn(7, 1536), torch.randn(7, 1536) * 30, torch.linspace(-9, 9, 1536)[None]]
     )
-    want = NewGELUActivation()(x)
-    got = gelu_new_(x.clone())
-    assert torch.equal(got, want)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        xd = x.to(dtype)
+        want = NewGELUActivation()(xd)
+        got = gelu_new_(xd.clone())
+        assert got.dtype == dtype and torch.equal(got, want), dtype
 
 
 def test_folder_loads_unchanged_and_shards_cut_by_family(variant, tmp_path):

@@ -315,6 +315,39 @@ def test_decode_on_any_lanes_matches_generate(tiny_models, hf_reference, lanes, 
         assert g == hf_reference(p, n_new), p
 
 
+@pytest.mark.parametrize("prefill_first", [False, True], ids=["decodes-first", "prefill-first"])
+def test_prefill_joining_decodes_matches_generate(tiny_models, hf_reference, prefill_first):
+    """A prefill in the same micro-batch as decodes (what serving does all the time). With the
+    decodes first, on lanes in order (the scheduler's launch order), their queries and outputs
+    are the batch's first rows as they are (aligned); with the prefill first they are scattered
+    and gathered. Either way every sequence picks generate's tokens."""
+    tok = hf_reference.tokenizer
+    model = load_stage(tiny_models[1], 0, world=1)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    late = len(ids) - 1  # the last prompt arrives one step late, on the next lane
+    got: list[list[int]] = [[] for _ in ids]
+
+    def step(items: list[Item]) -> _Plan:
+        x = torch.tensor(
+            [t for it in items for t in (ids[it.seq] if it.pos == 0 else got[it.seq][-1:])]
+        )
+        nxt = model(items, x).argmax(-1)
+        for i, it in enumerate(items):
+            got[it.seq].append(int(nxt[i]))
+        return _Plan(items, torch.device("cpu"))
+
+    step([Item(k, k, 0, len(ids[k])) for k in range(late)])
+    decodes = [Item(k, k, len(ids[k]), 1) for k in range(late)]
+    prefill = Item(late, late, 0, len(ids[late]))
+    mixed = step([prefill, *decodes] if prefill_first else [*decodes, prefill])
+    assert mixed.decode is not None and not mixed.decode.whole
+    assert mixed.decode.aligned == (not prefill_first)
+    for _ in range(6):
+        step([Item(k, k, len(ids[k]) + len(got[k]) - 1, 1) for k in range(len(ids))])
+    for p, g in zip(PROMPTS, got):
+        assert g == hf_reference(p, len(g)), p
+
+
 def _scheduler(folder, *, lanes, eos=None):
     model = load_stage(folder, 0, world=1)
     return Scheduler(
@@ -362,6 +395,37 @@ def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
         _scheduler(tiny_models[1], lanes=1), ids[:1], [SamplingParams(10, temperature=1.0, seed=99)]
     )
     assert other[0].tokens != alone[0]
+
+
+def test_scheduler_launches_decodes_first_by_lane(tiny_models, hf_reference):
+    """Sequences end at different lengths and their lanes are reused, so the order sequences come
+    back in drifts from the lanes' order; every micro-batch still goes to the stage with its
+    decodes first, by lane, then its prefills (the order in which the stage reads the decode
+    rows in place), and every sequence still picks generate's tokens."""
+    tok = hf_reference.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    lengths = [3, 8, 5, 8, 6]
+    sched = _scheduler(tiny_models[1], lanes=3)
+    launched: list[list[Item]] = []
+    forward = sched.model.forward
+    sched.model.forward = lambda items, x, **kw: (
+        launched.append(list(items)) or forward(items, x, **kw)
+    )
+    seqs = _run(sched, ids, [SamplingParams(n) for n in lengths])
+    for p, n, s in zip(PROMPTS, lengths, seqs):
+        assert s.tokens == hf_reference(p, n)
+    for items in launched:
+        decodes = [it for it in items if it.pos > 0]
+        assert items[: len(decodes)] == decodes  # prefills after the decodes
+        assert [it.lane for it in decodes] == sorted(it.lane for it in decodes)
+    mixed = [items for items in launched if 0 < sum(it.pos > 0 for it in items) < len(items)]
+    assert mixed, "a prefill should have joined decodes"
+    # the drift happened: prompt 3 took the lane prompt 0 freed, so some micro-batch's lane
+    # order is not its sequences' order
+    assert any(
+        [it.seq for it in items if it.pos > 0] != sorted(it.seq for it in items if it.pos > 0)
+        for items in launched
+    )
 
 
 # ----------------------------------------------------------------------------- MPI

@@ -66,6 +66,19 @@ class StageModel(nn.Module):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length: dict[int, int] = {}
+        self._cache_bytes = 0
+        self._note_placement()
+
+    def _note_placement(self) -> None:
+        p = next(self.parameters())
+        self._device, self._dtype = p.device, p.dtype
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .float() / .cuda() all come here: note where the weights now are, once,
+        # instead of finding a parameter in every step
+        out = super()._apply(fn, recurse)
+        self._note_placement()
+        return out
 
     # ------------------------------------------------------------------ weights
 
@@ -79,11 +92,11 @@ class StageModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self._device
 
     # ------------------------------------------------------------------ forward
 
@@ -95,10 +108,11 @@ class StageModel(nn.Module):
         if not self.length:
             self.keys.clear()
             self.values.clear()
+            self._cache_bytes = 0
 
     def cached_bytes(self) -> int:
         """Bytes the KV cache holds now (keys and values of every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self._cache_bytes
 
     @torch.inference_mode()  # the cache holds inference tensors (written in forward)
     def fork(self, parent: int, child: int) -> None:
@@ -131,6 +145,7 @@ class StageModel(nn.Module):
                     caches[j] = grown
                 else:
                     caches.append(grown)
+        self._cache_bytes = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @torch.inference_mode()
     def forward(
@@ -152,7 +167,7 @@ class StageModel(nn.Module):
                     f"cached positions, the step starts at position {it.pos}"
                 )
         self._reserve(max(it.lane for it in items), max(it.pos + it.n for it in items))
-        plan = _Plan(items, dev)
+        plan = _Plan(items, dev, self.dtype)
         if self.first:
             x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
         else:
@@ -206,13 +221,19 @@ class StageModel(nn.Module):
         K[plan.lanes, :, plan.positions] = k  # every new token's key and value, in place
         V[plan.lanes, :, plan.positions] = v
         d = plan.decode
-        if d is not None and d.whole:  # item i is row i: its query and output as they are
+        if d is not None and d.whole:  # item i is token i and cache row lo + i: as they are
             return _attend_decode(d, q.unsqueeze(2).contiguous(), K, V, scale, gqa).reshape(-1, W)
         a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
         if d is not None:
-            qd = q.new_zeros(d.R, self.n_head, 1, self.head_dim)  # (R, n_head, 1, D)
-            qd[d.at, :, 0] = q[d.rows]
-            a[d.rows] = _attend_decode(d, qd, K, V, scale, gqa)[d.at].reshape(-1, W)
+            # each row's query (R, n_head, D): the items' own when aligned, else picked by row
+            qd = q[: d.R] if d.aligned else q.index_select(0, d.src)
+            o = _attend_decode(d, qd.unsqueeze(2).contiguous(), K, V, scale, gqa).reshape(-1, W)
+            if not d.aligned:
+                o = o.index_select(0, d.at)  # (B, n_head * D): each item's row
+            if d.first:
+                a[: d.B] = o
+            else:
+                a[d.rows] = o
         for off, it in plan.others:
             qi = q[off : off + it.n].transpose(0, 1).unsqueeze(0)  # (1, n_head, n, D)
             end = it.pos + it.n
@@ -242,38 +263,49 @@ def _attend_decode(
 class _Plan:
     """Where a micro-batch's tokens go: cache rows, and the decode items attended together."""
 
-    def __init__(self, items: list[Item], dev) -> None:
+    def __init__(self, items: list[Item], dev, dtype: torch.dtype = torch.float32) -> None:
         self.single = items[0] if len(items) == 1 else None
         if self.single is not None:
             it = self.single  # each new token's position (N,), for embeddings and rotary
             self.positions = torch.arange(it.pos, it.pos + it.n, device=dev)
             return
-        lanes, positions, offs = [], [], []
+        lanes: list[int] = []
+        positions: list[int] = []
+        decode: list[tuple[int, Item]] = []
+        self.others: list[tuple[int, Item]] = []
         off = 0
         for it in items:
-            lanes += [it.lane] * it.n
-            positions += range(it.pos, it.pos + it.n)
-            offs.append(off)
+            if it.n == 1 and it.pos > 0:
+                decode.append((off, it))
+                lanes.append(it.lane)
+                positions.append(it.pos)
+            else:
+                self.others.append((off, it))
+                lanes += [it.lane] * it.n
+                positions += range(it.pos, it.pos + it.n)
             off += it.n
-        self.lanes = torch.tensor(lanes, device=dev)
-        self.positions = torch.tensor(positions, device=dev)
-        decode = [(o, it) for o, it in zip(offs, items) if it.n == 1 and it.pos > 0]
-        self.others = [(o, it) for o, it in zip(offs, items) if not (it.n == 1 and it.pos > 0)]
-        self.decode = _Decode(decode, dev, whole=not self.others) if decode else None
+        # one tensor made for both (each torch.tensor call costs microseconds a step)
+        self.lanes, self.positions = torch.tensor([lanes, positions], device=dev).unbind(0)
+        self.decode = _Decode(decode, dev, dtype, whole=not self.others) if decode else None
 
 
 class _Decode:
     """The decode items of a micro-batch (one new token each), attended together in one SDPA
     call: a batch of R rows over T cached positions, each row masked to its lane's length.
 
-    When the items' lanes lie close together (lanes are handed out lowest first, so they do
-    while one stage serves), the rows are the cache's own rows lo..lo + R - 1, read in place;
-    a row whose lane has no item here gets a zero query over position 0, its output unused.
-    Else the rows are the items' lanes, gathered (a copy of their keys and values per layer)."""
+    When the items' lanes lie close together (the scheduler hands out the lowest lanes first and
+    reuses freed ones, so they do while one stage serves), the rows are the cache's own rows
+    lo..lo + R - 1, read in place; a row whose lane has no item here attends position 0 with
+    another item's query, its output unused. Else the rows are the items' lanes, gathered (a
+    copy of their keys and values per layer).
 
-    def __init__(self, decode: list[tuple[int, Item]], dev, *, whole: bool) -> None:
-        B = len(decode)
+    The mask is additive (0 where a row attends, -inf elsewhere), made once for every layer of
+    the step: SDPA turns a boolean mask into exactly this one in each call."""
+
+    def __init__(self, decode: list[tuple[int, Item]], dev, dtype, *, whole: bool) -> None:
+        self.B = B = len(decode)
         lanes = [it.lane for _, it in decode]
+        rows = [o for o, _ in decode]  # the items' tokens in the micro-batch
         self.T = max(it.pos for _, it in decode) + 1
         self.lo = min(lanes)
         self.R = max(lanes) - self.lo + 1
@@ -283,16 +315,25 @@ class _Decode:
             at = list(range(B))
         else:
             at = [lane - self.lo for lane in lanes]
+        # `first`: the items are the micro-batch's first B tokens (the scheduler launches decodes
+        # first, by lane); `aligned`: and on lanes lo, lo + 1, ... in order, so item i is token
+        # i and row i, its query and output taken as they lie; `whole`: and nothing else is in it
+        self.first = rows == list(range(B))
+        self.aligned = self.first and self.lanes is None and self.R == B and at == list(range(B))
+        self.whole = whole and self.aligned
         ends = [1] * self.R  # a row with no item here attends position 0 (output unused)
-        for row, (_, it) in zip(at, decode):
+        src = [rows[0]] * self.R  # each row's query: its item's token (any, for a row without)
+        for row, o, (_, it) in zip(at, rows, decode):
             ends[row] = it.pos + 1
-        self.rows = torch.tensor([o for o, _ in decode], device=dev)  # the items' tokens (B,)
-        self.at = torch.tensor(at, device=dev)  # each item's row of the batch (B,)
-        mask = torch.arange(self.T, device=dev) < torch.tensor(ends, device=dev).unsqueeze(1)
+            src[row] = o
+        if not self.aligned:
+            self.src = torch.tensor(src, device=dev)  # (R,)
+            self.at = torch.tensor(at, device=dev)  # (B,) each item's row
+        if not self.first:
+            self.rows = torch.tensor(rows, device=dev)  # (B,)
+        beyond = torch.arange(self.T, device=dev) >= torch.tensor(ends, device=dev).unsqueeze(1)
+        mask = torch.zeros(self.R, self.T, dtype=dtype, device=dev).masked_fill_(beyond, -torch.inf)
         self.mask = mask[:, None, None, :]  # (R, 1, 1, T): each row's length
-        # `whole`: the micro-batch holds only these items; with their lanes lo, lo + 1, ... in
-        # item order, item i is row i: its query and output need no scatter or gather
-        self.whole = whole and self.lanes is None and at == list(range(B)) and self.R == B
 
 
 def load_stage(

@@ -83,15 +83,31 @@ class GPT2Blocks(StageBlocks):
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
+_GELU_CONSTANTS: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
 
 
 def gelu_new_(x: torch.Tensor) -> torch.Tensor:
     """transformers' `gelu_new` (NewGELUActivation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715
     x^3)))), the same operations in the same order, written into x and one new tensor instead of
-    a new tensor each (tests/test_family.py compares the bits)."""
+    a new tensor each (tests/test_family.py compares the bits).
+
+    The constants are 0-dim CPU tensors of the dtype the kernels compute in (float32, or float64
+    for float64), made once: an in-place operation with a Python number first converts it into
+    such a tensor (two dispatches more, each time); a 0-dim CPU tensor enters the kernel as the
+    same scalar value, so the bits do not change."""
+    c3, k, one, half = _gelu_constants(x.dtype)
     t = torch.pow(x, 3.0)
-    t.mul_(0.044715).add_(x).mul_(_GELU_K).tanh_().add_(1.0)
-    return x.mul_(0.5).mul_(t)
+    t.mul_(c3).add_(x).mul_(k).tanh_().add_(one)
+    return x.mul_(half).mul_(t)
+
+
+def _gelu_constants(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    constants = _GELU_CONSTANTS.get(dtype)
+    if constants is None:
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        constants = tuple(torch.tensor(v, dtype=compute) for v in (0.044715, _GELU_K, 1.0, 0.5))
+        _GELU_CONSTANTS[dtype] = constants
+    return constants
 
 
 def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
