@@ -3,7 +3,7 @@
 A stage runs a *micro-batch*: several sequences (each in its own lane) packed along the token axis,
 (N, C) with N = sum of the items' new tokens. The per-token work (norms, QKV and output
 projections, rotary positions, MLP) is the family's (`StageBlocks`) and runs on the packed tensor.
-The KV cache is one tensor per layer, (lanes, n_kv_head, T, head_dim), grown as lanes and lengths
+The KV cache is one tensor per layer, (lanes, 2, n_kv_head, T, head_dim), grown as lanes and lengths
 need (grouped-query attention caches fewer heads than it queries). Attention is the SDPA call
 Hugging Face's models make: a prefill attends over its own new tokens (causal); the decode items
 of a micro-batch (one new token each) attend together, in one call, over their lanes' cached
@@ -61,10 +61,10 @@ class StageModel(nn.Module):
         self.width = b.n_head * b.head_dim  # attention output per token
         self.context = b.context
         self.scales = b.scales  # SDPA scale per local layer
-        # per local layer: keys and values of every lane, (lanes, n_kv_head, T, head_dim), grown
-        # by _reserve; `length[lane]`: the positions cached for the lane's sequence
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        # per local layer: keys and values of every lane, (lanes, 2, n_kv_head, T, head_dim)
+        # (keys then values: a step writes both in one operation), grown by _reserve;
+        # `length[lane]`: the positions cached for the lane's sequence
+        self.kv: list[torch.Tensor] = []
         self.length: dict[int, int] = {}
         self._cache_bytes = 0
         self._note_placement()
@@ -106,8 +106,7 @@ class StageModel(nn.Module):
         grows them again)."""
         self.length.pop(lane, None)
         if not self.length:
-            self.keys.clear()
-            self.values.clear()
+            self.kv.clear()
             self._cache_bytes = 0
 
     def cached_bytes(self) -> int:
@@ -119,15 +118,15 @@ class StageModel(nn.Module):
         """`child` continues from `parent`'s cache (n > 1: one prefill for every choice)."""
         n = self.length[parent]
         self._reserve(child, n)
-        for cache in (*self.keys, *self.values):
-            cache[child, :, :n] = cache[parent, :, :n]
+        for cache in self.kv:
+            cache[child, :, :, :n] = cache[parent, :, :, :n]
         self.length[child] = n
 
     def _reserve(self, lane: int, end: int) -> None:
         """Room in the cache for lanes up to `lane` and positions up to `end` (both grown by
         doubling, positions up to the context), so that a step writes in place and admitting
         lanes one by one copies the cache a logarithmic number of times."""
-        lanes, T = (self.keys[0].shape[0], self.keys[0].shape[2]) if self.keys else (0, 0)
+        lanes, T = (self.kv[0].shape[0], self.kv[0].shape[3]) if self.kv else (0, 0)
         if lane < lanes and end <= T:
             return
         new_lanes = max(lanes * 2 if lane >= lanes else lanes, lane + 1)
@@ -136,16 +135,15 @@ class StageModel(nn.Module):
             raise DistlmError(
                 f"stage {self.stage}: position {end} is beyond the context of {new_T} tokens"
             )
-        shape = (new_lanes, self.n_kv_head, new_T, self.head_dim)
-        for caches in (self.keys, self.values):
-            for j in range(self.blocks.n_layers):
-                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if j < len(caches):
-                    grown[:lanes, :, :T] = caches[j]
-                    caches[j] = grown
-                else:
-                    caches.append(grown)
-        self._cache_bytes = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        shape = (new_lanes, 2, self.n_kv_head, new_T, self.head_dim)
+        for j in range(self.blocks.n_layers):
+            grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if j < len(self.kv):
+                grown[:lanes, :, :, :T] = self.kv[j]
+                self.kv[j] = grown
+            else:
+                self.kv.append(grown)
+        self._cache_bytes = sum(t.numel() * t.element_size() for t in self.kv)
 
     @torch.inference_mode()
     def forward(
@@ -174,8 +172,8 @@ class StageModel(nn.Module):
             x = x.to(dev, self.dtype)  # (N, C)
         rot = blocks.positions(plan.positions)  # per micro-batch (rotary cos/sin), or None
         for j in range(blocks.n_layers):
-            q, k, v = blocks.qkv(j, x, rot)  # (N, n_head, D), (N, n_kv_head, D) twice
-            x = blocks.finish(j, x, self._attend(j, plan, q, k, v))
+            q, kv = blocks.qkv(j, x, rot)  # (N, n_head, D), (N, 2, n_kv_head, D)
+            x = blocks.finish(j, x, self._attend(j, plan, q, kv))
         for it in items:
             self.length[it.lane] = it.pos + it.n
         if not self.last:
@@ -192,20 +190,18 @@ class StageModel(nn.Module):
         }
         return last, rest
 
-    def _attend(
-        self, j: int, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Layer j's attention of the new tokens: their keys and values written into the cache,
-        each token attending over its lane's cached positions up to its own -> (N, n_head * D).
-        With grouped-query attention the cache holds n_kv_head heads, each shared by
-        n_head / n_kv_head query heads (SDPA's enable_gqa)."""
+    def _attend(self, j: int, plan: _Plan, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Layer j's attention of the new tokens: their keys and values kv (N, 2, n_kv_head, D)
+        written into the cache, each token attending over its lane's cached positions up to its
+        own -> (N, n_head * D). With grouped-query attention the cache holds n_kv_head heads,
+        each shared by n_head / n_kv_head query heads (SDPA's enable_gqa)."""
         W, scale, gqa = self.width, self.scales[j], self.gqa
-        K, V = self.keys[j], self.values[j]  # (lanes, n_kv_head, T, D)
+        cache = self.kv[j]  # (lanes, 2, n_kv_head, T, D)
+        K, V = cache[:, 0], cache[:, 1]  # (lanes, n_kv_head, T, D) each, views
         if plan.single is not None:  # one sequence: slices, no index tensors, no mask
             it = plan.single
             end = it.pos + it.n
-            K[it.lane, :, it.pos : end] = k.transpose(0, 1)
-            V[it.lane, :, it.pos : end] = v.transpose(0, 1)
+            cache[it.lane, :, :, it.pos : end] = kv.permute(1, 2, 0, 3)  # (2, n_kv_head, n, D)
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0),  # (1, n_head, n, D)
                 K[it.lane : it.lane + 1, :, :end],
@@ -218,16 +214,15 @@ class StageModel(nn.Module):
                 enable_gqa=gqa,
             )
             return o[0].transpose(0, 1).reshape(it.n, W)
-        K[plan.lanes, :, plan.positions] = k  # every new token's key and value, in place
-        V[plan.lanes, :, plan.positions] = v
+        cache[plan.lanes, :, :, plan.positions] = kv  # every new token's key and value, in place
         d = plan.decode
         if d is not None and d.whole:  # item i is token i and cache row lo + i: as they are
-            return _attend_decode(d, q.unsqueeze(2).contiguous(), K, V, scale, gqa).reshape(-1, W)
+            return _attend_decode(d, q.unsqueeze(2), K, V, scale, gqa).reshape(-1, W)
         a = torch.empty(q.shape[0], W, dtype=q.dtype, device=q.device)  # (N, n_head * D)
         if d is not None:
             # each row's query (R, n_head, D): the items' own when aligned, else picked by row
             qd = q[: d.R] if d.aligned else q.index_select(0, d.src)
-            o = _attend_decode(d, qd.unsqueeze(2).contiguous(), K, V, scale, gqa).reshape(-1, W)
+            o = _attend_decode(d, qd.unsqueeze(2), K, V, scale, gqa).reshape(-1, W)
             if not d.aligned:
                 o = o.index_select(0, d.at)  # (B, n_head * D): each item's row
             if d.first:

@@ -8,8 +8,8 @@ attention output back:
     x = blocks.embed(ids, pos)               # stage 0: token ids (N,) -> (N, C)
     rot = blocks.positions(pos)              # once per micro-batch (rotary cos/sin, or None)
     for j in range(blocks.n_layers):
-        q, k, v = blocks.qkv(j, x, rot)      # (N, n_head, D), (N, n_kv_head, D) twice
-        a = attention(q, k, v, scale=blocks.scales[j])   # the engine's: (N, n_head * D)
+        q, kv = blocks.qkv(j, x, rot)        # (N, n_head, D), (N, 2, n_kv_head, D)
+        a = attention(q, kv, scale=blocks.scales[j])     # the engine's: (N, n_head * D)
         x = blocks.finish(j, x, a)           # output projection, residual, MLP -> (N, C)
     logits = blocks.head(x)                  # last stage: final norm + LM head
 
@@ -30,7 +30,8 @@ from torch import nn
 
 class StageBlocks(nn.Module):
     """One pipeline stage of a model family: embeddings (first), decoder layers [start, end), final
-    norm and LM head (last). The KV cache of layer j is (lanes, n_kv_head, T, head_dim)."""
+    norm and LM head (last). The KV cache of layer j is (lanes, 2, n_kv_head, T, head_dim): keys,
+    then values, written together."""
 
     n_head: int  # query heads
     n_kv_head: int  # key/value heads (fewer than n_head: grouped-query attention)
@@ -59,11 +60,10 @@ class StageBlocks(nn.Module):
         shared by every layer; None for a family whose attention takes no positions."""
         return None
 
-    def qkv(
-        self, j: int, x: torch.Tensor, rot: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Local layer j's queries (N, n_head, D), keys and values (N, n_kv_head, D) of hidden
-        states (N, C); `rot` is `positions(pos)` (rotary families rotate q and k here)."""
+    def qkv(self, j: int, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local layer j's queries (N, n_head, D) and keys and values (N, 2, n_kv_head, D: keys
+        then values, one write into the cache) of hidden states (N, C); `rot` is
+        `positions(pos)` (rotary families rotate q and k here)."""
         raise NotImplementedError
 
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -63,13 +63,11 @@ class GPT2Blocks(StageBlocks):
     def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.wte(ids) + self.wpe(pos)  # (N, C)
 
-    def qkv(
-        self, j: int, x: torch.Tensor, rot: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, j: int, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, torch.Tensor]:
         block = self._h[j]
         qkv = _conv1d(block.attn.c_attn, _layer_norm(block.ln_1, x))  # (N, 3C): q | k | v
-        q, k, v = qkv.view(-1, 3, self.n_head, self.head_dim).unbind(1)
-        return q, k, v  # (N, nh, hd) each, views of qkv
+        t = qkv.view(-1, 3, self.n_head, self.head_dim)
+        return t[:, 0], t[:, 1:]  # (N, nh, hd), (N, 2, nh, hd): views of qkv
 
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         block = self._h[j]

@@ -69,9 +69,7 @@ class LlamaBlocks(StageBlocks):
         cos, sin = self.rotary_emb(probe, pos.unsqueeze(0))  # (1, N, D) each
         return cos.transpose(0, 1), sin.transpose(0, 1)  # (N, 1, D): broadcast over heads
 
-    def qkv(
-        self, j: int, x: torch.Tensor, rot: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, j: int, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self._layers[j]
         attn = layer.self_attn
         nh, nkv, D = self.n_head, self.n_kv_head, self.head_dim
@@ -80,7 +78,8 @@ class LlamaBlocks(StageBlocks):
         k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(-1, nkv, D)
         v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(-1, nkv, D)
         cos, sin = rot
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        k = k * cos + _rotate_half(k) * sin
+        return q * cos + _rotate_half(q) * sin, torch.stack((k, v), dim=1)
 
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         layer = self._layers[j]
