@@ -319,8 +319,8 @@ def test_decode_on_any_lanes_matches_generate(tiny_models, hf_reference, lanes, 
 def test_prefill_joining_decodes_matches_generate(tiny_models, hf_reference, prefill_first):
     """A prefill in the same micro-batch as decodes (what serving does all the time). With the
     decodes first, on lanes in order (the scheduler's launch order), their queries and outputs
-    are the batch's first rows as they are (aligned); with the prefill first they are scattered
-    and gathered. Either way every sequence picks generate's tokens."""
+    are the batch's first rows as they are (aligned); with the prefill first they are picked by
+    index. Either way every sequence picks generate's tokens."""
     tok = hf_reference.tokenizer
     model = load_stage(tiny_models[1], 0, world=1)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]

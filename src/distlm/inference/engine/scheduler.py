@@ -388,7 +388,7 @@ def _launch_order(seq: Sequence) -> tuple[bool, int]:
     """A micro-batch's order: its decodes first, by lane, then its prefills. Lanes are reused as
     sequences end, so the order sequences come back in drifts from the lanes' order; in this one
     the stage reads the decode rows' queries and cache rows as they lie (stage._Decode.aligned)
-    instead of scattering and gathering them in every layer."""
+    instead of picking them by index in every layer."""
     return (not seq.tokens, seq.lane)
 
 
