@@ -380,3 +380,36 @@ def test_a_broken_link_is_found():
     assert "does not exist" in (link_error(readme, "docs/slurms.md") or "")
     assert slug("Serving (`serve`)") == "serving-serve"
     assert slug("Set-up: two commands") == "set-up-two-commands"
+
+
+def _summary(*args: str) -> subprocess.CompletedProcess[str]:
+    """The README's performance table renderer, as a user runs it."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "summary.py"), *args]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+
+
+def test_the_readme_performance_table_is_what_the_committed_json_says():
+    done = _summary("--check")
+    assert done.returncode == 0, done.stdout + done.stderr
+    block = (ROOT / "README.md").read_text().split("benchmarks/summary.py")[1]
+    # one row a goal: the figures are in it (a renderer writing an empty table would pass --check)
+    for figure in ("transformers serve --continuous-batching", "HF `Trainer`", "CTranslate2"):
+        assert figure in block
+
+
+def test_a_stale_or_missing_performance_table_is_found(tmp_path):
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    start = text.index("<!-- performance:")
+    row = text.index("| serving, 1 stage, 1 client: throughput", start)
+    figure = text.index("x |", row + 40)  # the first figure of the row
+    readme.write_text(text[: figure - 4] + "9.99" + text[figure:])
+    done = _summary("--check", "--readme", str(readme))
+    assert done.returncode == 1
+    assert f"{readme}: the performance table differs from the committed JSON" in done.stderr
+    # without --check it renders the figure from the JSON again, and then the check passes
+    assert _summary("--readme", str(readme)).returncode == 0
+    assert readme.read_text() == text
+    readme.write_text(text[:start])
+    done = _summary("--check", "--readme", str(readme))
+    assert done.returncode != 0 and f"{readme} has no performance block" in done.stderr

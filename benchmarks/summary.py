@@ -1,0 +1,274 @@
+"""The README's performance table, rendered from the committed benchmark JSON (never typed by hand).
+
+    python benchmarks/summary.py            # rewrite the block between README.md's markers
+    python benchmarks/summary.py --check    # exit 1 when README.md is not what the JSON says
+
+Each row is one goal of the speed issue (#31) or a peer figure reported beside them: the figure
+from its JSON file, the goal, and whether the figure meets it (computed here from the raw value,
+not from the rounded one shown). Below the table, each file's date, machine and command.
+docs/performance.md has the full tables, the profiles and what each run measured;
+tests/test_docs.py runs `--check`, so a re-measured JSON file without a re-rendered README fails
+the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distlm.io import write_text
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+BEGIN = "<!-- performance: rendered by `python benchmarks/summary.py` from the JSON below; do not edit by hand -->"
+END = "<!-- /performance -->"
+
+SERVE = "benchmarks/inference/serve-results.json"
+PEERS = "benchmarks/inference/serve-results-peers.json"
+BATCH = "benchmarks/inference/results.json"
+TRAIN = "benchmarks/train/results-cpu.json"
+TRAIN_GPT2 = "benchmarks/train/results-cpu-gpt2.json"
+E2E = "benchmarks/e2e/results-gpt2-small-cpu.json"
+
+# The serving goals (issue #31), by client count: at least 2x the peer's throughput and at most
+# 0.5x its p99 latency at 16 and 64 clients; ahead of it (> 1x) at 1 and 4.
+SERVE_THROUGHPUT = {1: 1.0, 4: 1.0, 16: 2.0, 64: 2.0}
+SERVE_P99 = {16: 0.5, 64: 0.5}
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    against: str
+    measured: str
+    goal: str
+    met: bool | None  # None: reported, no goal
+    source: str
+
+    def cells(self) -> list[str]:
+        status = "reported" if self.met is None else ("met" if self.met else "**not met**")
+        return [self.what, self.against, self.measured, self.goal, status, f"`{self.source}`"]
+
+
+def load(rel: str) -> dict[str, Any]:
+    path = ROOT / rel
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"benchmarks/summary.py: cannot read {rel}: {e}") from e
+
+
+def ratio(value: float, goal: float | None = None) -> str:
+    """`value` with two decimals, or three where two would round it across `goal`."""
+    text = f"{value:.2f}x"
+    if goal is not None and (round(value, 2) >= goal) != (value >= goal):
+        text = f"{value:.3f}x"
+    return text
+
+
+def by_clients(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {int(r["clients"]): r for r in rows}
+
+
+def serving_rows() -> list[Row]:
+    data = load(SERVE)
+    ours = by_clients(data["ratios"]["distlm-s1_over_peer"])
+    two = by_clients(data["ratios"]["distlm-s2_over_peer"])
+    peer = "`transformers serve --continuous-batching`"
+    rows = []
+    for clients, goal in SERVE_THROUGHPUT.items():
+        value = ours[clients]["throughput"]
+        rows.append(
+            Row(
+                f"serving, 1 stage, {clients} client{'s' * (clients > 1)}: throughput",
+                peer,
+                ratio(value, goal),
+                f"≥ {goal:g}x" if goal > 1 else "ahead (> 1x)",
+                value >= goal if goal > 1 else value > goal,
+                SERVE,
+            )
+        )
+    for clients, goal in SERVE_P99.items():
+        value = ours[clients]["p99"]
+        rows.append(
+            Row(
+                f"serving, 1 stage, {clients} clients: p99 latency",
+                peer,
+                ratio(value, goal),
+                f"≤ {goal:g}x",
+                value <= goal,
+                SERVE,
+            )
+        )
+    figures = " / ".join(ratio(two[c]["throughput"]) for c in sorted(two))
+    counts = "/".join(str(c) for c in sorted(two))
+    rows.append(
+        Row(f"serving, 2 stages, {counts} clients: throughput", peer, figures, "", None, SERVE)
+    )
+    peers = load(PEERS)
+    model = peers["model"]
+    for name, label in (("llamacpp-f32", "f32"), ("llamacpp-f16", "f16")):
+        theirs = by_clients(peers["ratios"][f"distlm-s1_over_{name}"])
+        figures = " / ".join(ratio(theirs[c]["throughput"]) for c in sorted(theirs))
+        counts = "/".join(str(c) for c in sorted(theirs))
+        rows.append(
+            Row(
+                f"serving ({model}), 1 stage, {counts} clients: throughput",
+                f"llama.cpp's server, GGUF {label}",
+                figures,
+                "",
+                None,
+                PEERS,
+            )
+        )
+    return rows
+
+
+def batch_rows() -> list[Row]:
+    data = load(BATCH)
+    r = data["ratios"]
+    met = data["targets_met"]["s1 in flight >= 1.5x hf_generate_batched"]
+    return [
+        Row(
+            "batch inference, all prompts in flight: 1 stage (2 / 3 stages)",
+            "HF `generate`, batched",
+            f"{ratio(r['s1_in_flight_vs_hf_batched'], 1.5)} ({ratio(r['s2_in_flight_vs_hf_batched'])}"
+            f" / {ratio(r['s3_in_flight_vs_hf_batched'])})",
+            "≥ 1.5x at 1 stage",
+            bool(met),
+            BATCH,
+        ),
+        Row(
+            "batch inference, all prompts in flight: 1 stage (2 / 3 stages)",
+            "CTranslate2 `generate_batch`",
+            f"{ratio(r['s1_in_flight_vs_ct2'])} ({ratio(r['s2_in_flight_vs_ct2'])}"
+            f" / {ratio(r['s3_in_flight_vs_ct2'])})",
+            "",
+            None,
+            BATCH,
+        ),
+    ]
+
+
+def training_rows() -> list[Row]:
+    rows = []
+    for rel, shape in ((TRAIN, "the embedded default"), (TRAIN_GPT2, "GPT-2 small's shape")):
+        data = load(rel)
+        goal, met = data["targets_cpu"], data["targets_met"]
+        value = data["ratios_distlm"]["mean_over_hf"]
+        rows.append(
+            Row(
+                f"training, {shape}: mean tokens/s",
+                "HF `Trainer`",
+                ratio(value, goal["mean_over_hf"]),
+                f"≥ {goal['mean_over_hf']:g}x",
+                bool(met["mean_over_hf"]),
+                rel,
+            )
+        )
+        fraction = data["flops"]["achieved"]["distlm"]["fraction_of_matmul_peak"]
+        target = goal.get("fraction_of_matmul_peak")
+        rows.append(
+            Row(
+                f"training, {shape}: FLOP/s (6N + 12·L·H·Q·T a token)",
+                "the machine's fp32 matmul peak, same run",
+                f"{fraction:.1%}",
+                "" if target is None else f"≥ {target:.0%}",
+                None if target is None else bool(met["fraction_of_matmul_peak"]),
+                rel,
+            )
+        )
+    return rows
+
+
+def e2e_rows() -> list[Row]:
+    data = load(E2E)
+    total = data["total"]
+    return [
+        Row(
+            "every stage at GPT-2 small's shape on CPU (`config/gpt2-small-cpu.yaml`)",
+            "",
+            f"{total['wall_s']:.0f} s, peak RSS {total['peak_rss_mb'] / 1024:.1f} GiB",
+            "per-stage table committed",
+            None,
+            E2E,
+        )
+    ]
+
+
+def machine(data: dict[str, Any]) -> str:
+    """One line for a file's machine, from whichever of the benchmarks' layouts it has."""
+    m = data.get("machine") or data.get("host") or {}
+    cpus = m.get("cpus") or m.get("logical_cpus")
+    torch = m.get("torch") or data.get("torch")
+    transformers = m.get("transformers") or data.get("transformers")
+    parts = [f"{cpus} CPUs" if cpus else None, m.get("cpu"), f"torch {torch}" if torch else None]
+    parts.append(f"transformers {transformers}" if transformers else None)
+    return ", ".join(p for p in parts if p)
+
+
+def render() -> str:
+    rows = serving_rows() + batch_rows() + training_rows() + e2e_rows()
+    header = ["what", "distlm against", "measured", "goal", "", "from"]
+    lines = [
+        BEGIN,
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+        *("| " + " | ".join(row.cells()) + " |" for row in rows),
+        "",
+        "Measured on:",
+        "",
+    ]
+    for rel in dict.fromkeys(row.source for row in rows):
+        data = load(rel)
+        date = str(data["date"]).replace("T", " ")[:16] + " UTC"
+        command = str(data["command"]).split(" --note")[0]
+        if rel == E2E:  # it records the user's command it ran in a scratch folder
+            command = f"python benchmarks/e2e/run.py --configfile {data['config']}"
+        elif command.split()[0].endswith(".py"):  # bench.py, bench_serve.py: their name only
+            command = f"python {Path(rel).parent}/{command}"
+        lines.append(f"- `{rel}`: {date}, {machine(data)}; `{command}`")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def block(text: str, path: Path) -> tuple[int, int]:
+    """The span of the rendered block in `text` (README.md), markers included."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(
+            f"benchmarks/summary.py: {path} has no performance block: put the lines\n{BEGIN}\n"
+            f"{END}\nwhere the table goes, then run `python benchmarks/summary.py`"
+        )
+    return start, end + len(END)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if README.md is stale")
+    parser.add_argument("--readme", type=Path, default=README, help="the file with the block")
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    start, end = block(text, args.readme)
+    fresh = text[:start] + render() + text[end:]
+    if fresh == text:
+        print(f"{args.readme}: the performance table is what the JSON says")
+        return 0
+    if args.check:
+        print(
+            f"{args.readme}: the performance table differs from the committed JSON; "
+            "run `python benchmarks/summary.py` and commit the result",
+            file=sys.stderr,
+        )
+        return 1
+    write_text(args.readme, fresh)  # atomic and durable, like every write of distlm's
+    print(f"{args.readme}: performance table rendered")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
