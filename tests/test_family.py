@@ -77,9 +77,11 @@ def test_the_families_are_the_supported_ones():
     assert family_of("llama").kernels == family_of("qwen2").kernels == {"linear_ce"}
 
 
-def test_the_stages_in_place_gelu_new_is_transformers_bit_for_bit():
-    """The pipeline stage's gelu_new writes into its input; its result is NewGELUActivation's to
-    the bit (the same operations in the same order), on every magnitude tanh saturates at."""
+def test_the_stages_in_place_gelu_new_is_transformers_to_float_rounding():
+    """The pipeline stage's gelu_new (the sigmoid form, written into its input) is
+    NewGELUActivation's function: in float32 as close to the float64 result as transformers' own
+    float32 is (and within a few units in the last place of it), in bfloat16 and float64 within
+    their rounding, on every magnitude tanh saturates at."""
     from transformers.activations import NewGELUActivation
 
     from distlm.model.family.gpt2_blocks import gelu_new_
@@ -87,11 +89,17 @@ def test_the_stages_in_place_gelu_new_is_transformers_bit_for_bit():
     x = torch.cat(
         [torch.randn(7, 1536), torch.randn(7, 1536) * 30, torch.linspace(-9, 9, 1536)[None]]
     )
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    exact = NewGELUActivation()(x.double())
+    theirs = (NewGELUActivation()(x) - exact).abs().max()
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2), (torch.float64, 1e-12)):
         xd = x.to(dtype)
-        want = NewGELUActivation()(xd)
         got = gelu_new_(xd.clone())
-        assert got.dtype == dtype and torch.equal(got, want), dtype
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, NewGELUActivation()(xd), rtol=tol, atol=tol)
+        if dtype == torch.float32:
+            assert (got.double() - exact).abs().max() <= 2 * theirs
+    xd = x.clone()
+    assert gelu_new_(xd) is xd  # in place
 
 
 def test_folder_loads_unchanged_and_shards_cut_by_family(variant, tmp_path):

@@ -81,31 +81,32 @@ class GPT2Blocks(StageBlocks):
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
-_GELU_CONSTANTS: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+_GELU_2K: dict[torch.dtype, torch.Tensor] = {}  # 2 sqrt(2 / pi), by input dtype
 
 
 def gelu_new_(x: torch.Tensor) -> torch.Tensor:
     """transformers' `gelu_new` (NewGELUActivation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715
-    x^3)))), the same operations in the same order, written into x and one new tensor instead of
-    a new tensor each (tests/test_family.py compares the bits).
+    x^3)))), written into x and one new tensor, in four operations instead of eight: 0.5 (1 +
+    tanh(z)) is sigmoid(2 z), so it is x sigmoid(2 sqrt(2 / pi) x (1 + 0.044715 x^2)). The same
+    function to float rounding (tests/test_family.py: within 1e-6 of float64 in float32, as close
+    as transformers' own float32), not to the bit; +3-7% tokens/s served at 16 clients
+    (benchmarks/inference/probe_serve_steps.py), where every operation costs microseconds.
 
-    The constants are 0-dim CPU tensors of the dtype the kernels compute in (float32, or float64
-    for float64), made once: an in-place operation with a Python number first converts it into
-    such a tensor (two dispatches more, each time); a 0-dim CPU tensor enters the kernel as the
-    same scalar value, so the bits do not change."""
-    c3, k, one, half = _gelu_constants(x.dtype)
-    t = torch.pow(x, 3.0)
-    t.mul_(c3).add_(x).mul_(k).tanh_().add_(one)
-    return x.mul_(half).mul_(t)
+    The constant is a 0-dim CPU tensor of the dtype the kernels compute in (float32, or float64
+    for float64), made once: an operation with a Python number first converts it into such a
+    tensor (two dispatches more, each time)."""
+    k2 = _gelu_constant(x.dtype)  # 2 sqrt(2 / pi)
+    s = torch.addcmul(k2, x, x, value=2 * _GELU_K * 0.044715)  # 2 sqrt(2 / pi) (1 + 0.044715 x^2)
+    s.mul_(x).sigmoid_()
+    return x.mul_(s)
 
 
-def _gelu_constants(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    constants = _GELU_CONSTANTS.get(dtype)
-    if constants is None:
+def _gelu_constant(dtype: torch.dtype) -> torch.Tensor:
+    k = _GELU_2K.get(dtype)
+    if k is None:
         compute = torch.float64 if dtype == torch.float64 else torch.float32
-        constants = tuple(torch.tensor(v, dtype=compute) for v in (0.044715, _GELU_K, 1.0, 0.5))
-        _GELU_CONSTANTS[dtype] = constants
-    return constants
+        k = _GELU_2K[dtype] = torch.tensor(2 * _GELU_K, dtype=compute)
+    return k
 
 
 def _layer_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
