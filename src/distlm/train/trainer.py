@@ -464,9 +464,11 @@ def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
     """The training stage on this rank (the train stage's keys: `runtime`, `train`, `transfer`):
     process group up, train, outputs written, torn down."""
     from distlm.dist import distributed
+    from distlm.heap import keep_freed_memory
 
     rt = cfg.runtime
     with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
+        keep_freed_memory(f"rank {topo.rank}")  # before the model and the first step allocate
         trainer = Trainer(cfg, paths, topo)
         try:
             return trainer.fit()
