@@ -1002,3 +1002,23 @@ def test_keep_freed_memory_says_when_the_c_library_is_not_glibc(monkeypatch, cap
     with caplog.at_level(logging.INFO, logger="distlm"):
         assert keep_freed_memory("rank 3") is False
     assert "rank 3: the C library is not glibc" in caplog.text
+
+
+@pytest.mark.parametrize("clip", [0.05, 1.0, 1e4, float("inf")])
+def test_clipping_is_clip_grad_norm_s_to_the_bit(clip):
+    """grad_norm and clip_gradients (the training step's) leave every gradient as
+    torch.nn.utils.clip_grad_norm_ does, bit for bit, whether the norm is above the clip (scaled)
+    or below it (left alone, without clip_grad_norm_'s multiplication by 1)."""
+    from distlm.train.optim import clip_gradients, grad_norm
+
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    ref.load_state_dict(ours.state_dict())
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        a.grad = torch.randn_like(a) * 0.01
+        b.grad = a.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, foreach=True)
+    norm = grad_norm(ours)
+    assert torch.equal(norm, want)
+    assert clip_gradients(ours, clip, norm) is (clip < norm.item())
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), ref.parameters()))

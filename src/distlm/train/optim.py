@@ -1,5 +1,5 @@
-"""The optimisation recipe: learning-rate schedule, precision, AdamW (its parameter groups, fused
-kernel, schedule) and the weights a checkpoint holds. Pure functions of their inputs."""
+"""The optimisation recipe: learning-rate schedule, precision, gradient clipping, AdamW (its
+parameter groups, fused kernel, schedule) and the weights a checkpoint holds."""
 
 from __future__ import annotations
 
@@ -25,6 +25,22 @@ def lr_at(step: int, tcfg: TrainSettings) -> float:
         return min_lr
     frac = (step - warmup) / max(1, total - warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (lr - min_lr)
+
+
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The L2 norm of all of the model's gradients together (clip_grad_norm_'s), as a tensor."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+
+def clip_gradients(model: torch.nn.Module, clip: float, norm: torch.Tensor) -> bool:
+    """Scale the gradients by clip_grad_norm_'s min(1, clip / (norm + 1e-6)), to the bit, where
+    that is below 1; True if it was. clip_grad_norm_ multiplies every gradient by it on every
+    step; most steps clip nothing, and skip that pass over the gradients here."""
+    if torch.clamp(clip / (norm + 1e-6), max=1.0).item() < 1.0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm, foreach=True)
+        return True
+    return False
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

@@ -40,7 +40,14 @@ from distlm.train import identity as identity_mod
 from distlm.train import outputs, resume, setup
 from distlm.train.ddp import wrap_model
 from distlm.train.metrics import Metrics, perplexity
-from distlm.train.optim import fused_adamw_available, lr_at, make_optimizer, resolve_precision
+from distlm.train.optim import (
+    clip_gradients,
+    fused_adamw_available,
+    grad_norm,
+    lr_at,
+    make_optimizer,
+    resolve_precision,
+)
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
 from distlm.train.stopping import (
@@ -175,7 +182,7 @@ class Trainer:
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
         clip = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        gnorm = grad_norm(self.model)
         # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any rank
         # makes the all-reduced gradients, hence the (global) norm, non-finite on every rank: all
         # ranks stop together, before the step (with fp16 the scaler skips such steps instead).
@@ -190,6 +197,7 @@ class Trainer:
         work = dist.all_reduce(loss_red, async_op=True)
         assert work is not None  # async_op=True: a Work (the stub says Optional)
         gnorm_v = gnorm.item()
+        clip_gradients(self.model, clip, gnorm)  # clip_grad_norm_'s, without its pass if not needed
         if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
             work.wait()
             self._diverged(step, loss_red[0].item() / self.topo.world_size, gnorm_v)
