@@ -47,6 +47,9 @@ SERVE_GOALS = {
     (64, "p99", "p99 latency"): ("≤", 0.5),
 }
 COMPARE = {">": operator.gt, "≥": operator.ge, "≤": operator.le}
+# batch inference: the one-stage run with all prompts in flight against `generate` batched, the
+# target bench.py judges (its targets_met key names the bound)
+BATCH_GOAL = 1.5
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,14 @@ def serving_rows() -> list[Row]:
 def batch_rows() -> list[Row]:
     data = load(BATCH)
     r = data["ratios"]
-    met = data["targets_met"]["s1 in flight >= 1.5x hf_generate_batched"]
+    met = data["targets_met"][f"s1 in flight >= {BATCH_GOAL:g}x hf_generate_batched"]
     return [
         Row(
             "batch inference, all prompts in flight: 1 stage (2 / 3 stages)",
             "HF `generate`, batched",
-            f"{ratio(r['s1_in_flight_vs_hf_batched'], 1.5)} ({ratio(r['s2_in_flight_vs_hf_batched'])}"
+            f"{ratio(r['s1_in_flight_vs_hf_batched'], BATCH_GOAL)} ({ratio(r['s2_in_flight_vs_hf_batched'])}"
             f" / {ratio(r['s3_in_flight_vs_hf_batched'])})",
-            "≥ 1.5x at 1 stage",
+            f"≥ {BATCH_GOAL:g}x at 1 stage",
             bool(met),
             BATCH,
         ),
