@@ -28,6 +28,7 @@ from distlm.settings.stage import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import TrainPaths, run_training
 from distlm.train import trainer as T
+from distlm.train.optim import clip_gradients, grad_norm
 
 parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
 parser.add_argument("out", type=Path, help="output folder (the training stage's results/train)")
@@ -82,8 +83,11 @@ if PH:
         t0 = tick("fwd", t0)
         loss.backward()
         t0 = tick("bwd+allreduce", t0)
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        # the trainer's clipping (distlm.train.optim): the norm, and the pass only if it clips
+        clip = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
+        gnorm = grad_norm(self.model)
         gv = gnorm.item()
+        clip_gradients(self.model, clip, gnorm)
         t0 = tick("clip", t0)
         lr_ = loss.detach().reshape(1)
         dist.all_reduce(lr_)
