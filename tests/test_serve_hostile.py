@@ -443,6 +443,7 @@ def test_a_timed_out_request_is_cancelled_in_the_pipeline(tiny_models, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.with_requeue  # a fixed 60 s: tests/run.sh runs it beside the SLURM waits
 def test_soak_16_clients_for_60_s(server, hf_reference):
     """Streamed, plain and bad requests from 16 clients for 60 s: every good request answered in
     full, and the counts match /metrics."""
