@@ -20,7 +20,11 @@ the reverse order, so slow drift in other load falls on all three):
 - bare: a minimal DDP loop (forward, backward, fused AdamW step, zero_grad; no clipping, no
   schedule, no logging) over the same blocks held in memory.
 - hf: `transformers.Trainer` with AdamW (fused), the cosine schedule to min_lr with the same
-  warmup, clipping, weight decay and betas, no evaluation or saving (its defaults otherwise).
+  warmup, clipping, weight decay and betas, and the stage's validation and checkpoint cadence, as
+  a Trainer user who wants the run's loss curve and a resumable run sets it (`eval_steps` =
+  eval_every on the stage's validation blocks, `save_steps` = ckpt_every with the optimizer,
+  `save_total_limit` = keep_last); its defaults otherwise. Its step times are taken the stage's
+  way: between the ends of two steps, so an evaluation or a save counts in the step after it.
 
 For each, the first `--skip` steps are left out; the JSON reports the median, p90 and mean of
 tokens/s (the p90 of step time turned into tokens/s), and distlm's ratios to the other two.
@@ -244,13 +248,22 @@ def hf_worker(a, cfg: TrainConfig) -> None:
     blocks = TokenBlocks(a.tokens, "train")
     data = torch.from_numpy(blocks[list(range(len(blocks)))])
     blocks.close()
+    # the stage's validation set: the first eval_batches x micro batch x world blocks
+    world = int(os.environ["WORLD_SIZE"])
+    val_blocks = TokenBlocks(a.tokens, "validation")
+    n_val = min(len(val_blocks), t.eval_batches * t.micro_batch_size * world)
+    val = torch.from_numpy(val_blocks[list(range(n_val))])
+    val_blocks.close()
 
     class Blocks(torch.utils.data.Dataset):
+        def __init__(self, blocks: torch.Tensor) -> None:
+            self.blocks = blocks
+
         def __len__(self) -> int:
-            return len(data)
+            return len(self.blocks)
 
         def __getitem__(self, i: int) -> dict:
-            return {"input_ids": data[i], "labels": data[i]}
+            return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
     stamps: list[float] = []
 
@@ -288,12 +301,23 @@ def hf_worker(a, cfg: TrainConfig) -> None:
             ddp_backend=cfg.runtime.backend,
             dataloader_drop_last=True,
             remove_unused_columns=False,
-            eval_strategy="no",
-            save_strategy="no",
+            eval_strategy="steps",  # the stage's cadence (see the module's docstring)
+            eval_steps=t.eval_every,
+            per_device_eval_batch_size=t.micro_batch_size,
+            prediction_loss_only=True,
+            save_strategy="steps",
+            save_steps=t.ckpt_every,
+            save_total_limit=t.keep_last,
             report_to="none",
             seed=rt.seed,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[StepClock()])
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=Blocks(data),
+            eval_dataset=Blocks(val),
+            callbacks=[StepClock()],
+        )
         trainer.train()
         if trainer.args.process_index == 0:
             ws = trainer.args.world_size
