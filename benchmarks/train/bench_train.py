@@ -243,15 +243,15 @@ def hf_worker(a, cfg: TrainConfig) -> None:
     )
 
     from distlm.data import TokenBlocks
+    from distlm.train.trainer import validation_blocks
 
     t, rt = cfg.train, cfg.runtime
     blocks = TokenBlocks(a.tokens, "train")
     data = torch.from_numpy(blocks[list(range(len(blocks)))])
     blocks.close()
-    # the stage's validation set: the first eval_batches x micro batch x world blocks
-    world = int(os.environ["WORLD_SIZE"])
+    # the stage's validation set
     val_blocks = TokenBlocks(a.tokens, "validation")
-    n_val = min(len(val_blocks), t.eval_batches * t.micro_batch_size * world)
+    n_val = validation_blocks(t, len(val_blocks), int(os.environ["WORLD_SIZE"]))
     val = torch.from_numpy(val_blocks[list(range(n_val))])
     val_blocks.close()
 

@@ -33,6 +33,7 @@ from distlm import DistlmError, stop_latch
 from distlm.dist import Topology
 from distlm.documents import ModelMeta
 from distlm.log import get_logger, progress
+from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import faults as faults_mod
@@ -70,9 +71,16 @@ __all__ = [
     "lr_at",
     "resolve_precision",
     "run_training",
+    "validation_blocks",
 ]
 
 log = get_logger(__name__)
+
+
+def validation_blocks(tcfg: TrainSettings, available: int, world_size: int) -> int:
+    """How many validation blocks the stage evaluates: the first eval_batches x micro batch x
+    world size of the `available` (benchmarks/train/bench_train.py gives `Trainer` the same)."""
+    return min(available, tcfg.eval_batches * tcfg.micro_batch_size * world_size)
 
 
 class Trainer:
@@ -248,7 +256,7 @@ class Trainer:
         """Mean validation loss over the first eval_batches x micro x world blocks, all ranks."""
         t = self.tcfg
         val = self.data.val
-        n = min(len(val), t.eval_batches * t.micro_batch_size * self.topo.world_size)
+        n = validation_blocks(t, len(val), self.topo.world_size)
         mine = list(range(self.topo.rank, n, self.topo.world_size))
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.model.eval()
