@@ -222,6 +222,18 @@ def test_linear_cross_entropy_matches_the_logits_path(vocab, width, rows):
     torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-4, atol=1e-7)
 
 
+def test_linear_cross_entropy_refuses_a_second_backward_instead_of_scaling_twice():
+    """Its backward scales the gradient sums made in forward in place: a second backward through
+    the same graph (retain_graph) must fail loudly, never hand out gradients scaled twice."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 16, generator=g, requires_grad=True)
+    w = torch.randn(100, 16, generator=g, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 100, (40,), generator=g), rows=16)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def _save(d: Path, step: int, keep: int = 10) -> None:
     """Rank 0's part of the save path (checkpoint.write) with small stand-in tensors."""
     ck.write(

@@ -67,7 +67,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         w = weight.to(dtype)
         grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
+        # the first chunk's product writes grad_w (no zero fill); with no rows there is none
+        grad_w = (torch.empty_like(weight) if n else torch.zeros_like(weight)) if want_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n, rows):
             hc, tc = h[s : s + rows].to(dtype), targets[s : s + rows]
@@ -82,8 +83,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[s : s + rows] = torch.mm(g, w)
             if grad_w is not None:
-                if grad_w.dtype == dtype:
+                if grad_w.dtype == dtype and s == 0:
+                    torch.mm(g.t(), hc, out=grad_w)
+                elif grad_w.dtype == dtype:
                     grad_w.addmm_(g.t(), hc)
+                elif s == 0:
+                    grad_w.copy_(torch.mm(g.t(), hc))
                 else:
                     grad_w += torch.mm(g.t(), hc).to(grad_w.dtype)
         ctx.save_for_backward(grad_h, grad_w)
@@ -94,9 +99,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.n  # the mean's 1/n, on the (N, C) and (V, C) sums, not the logits
+        # Scaled in place: the sums are this node's own. A second backward through the same graph
+        # (retain_graph) is refused by autograd (a saved tensor modified), never scaled twice.
         return (
-            None if grad_h is None else grad_h * scale.to(grad_h.dtype),
-            None if grad_w is None else grad_w * scale.to(grad_w.dtype),
+            None if grad_h is None else grad_h.mul_(scale.to(grad_h.dtype)),
+            None if grad_w is None else grad_w.mul_(scale.to(grad_w.dtype)),
             None,
             None,
         )
