@@ -11,7 +11,9 @@ For `c_fc` (width -> 4 x width) on `rows` tokens, with the heap settings the tra
 - `+ gelu_new_`: it and the serving engine's four-operation GELU (`distlm.model.family.gpt2_blocks`);
 - `oneDNN fused`: `torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "tanh")`, the
   projection with oneDNN's GELU as its post-op (what inductor's CPU fusion emits); it gives the
-  activation only, not the pre-activation a backward pass needs.
+  activation only, not the pre-activation a backward pass needs;
+- with `--cpp`, `+ C++ loop`: the hand-written forward of `gelu_cpp.py` (an experiment), and a
+  second table of the GELU's forward and backward alone: torch's kernels against the C++ loops.
 
 Prints a table in microseconds and the largest difference of each from torch's float64 result.
 A diagnostic for docs/performance.md ("Training"), not a benchmark of a stage.
@@ -32,6 +34,7 @@ parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
 parser.add_argument("--width", type=int, default=128, help="model width (the default's: 128)")
 parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 1024], help="tokens")
 parser.add_argument("--threads", type=int, default=1, help="intra-op threads (a rank's: 1)")
+parser.add_argument("--cpp", action="store_true", help="add gelu_cpp.py's C++ loops (compiles)")
 args = parser.parse_args()
 
 torch.set_num_threads(args.threads)
@@ -63,6 +66,11 @@ ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "+ gelu_new_": lambda x: gelu_new_(torch.addmm(b, x, w)),
     "oneDNN fused": lambda x: fused(x, w_out_in, b, "gelu", [], "tanh"),
 }
+if args.cpp:
+    import gelu_cpp  # beside this script
+
+    cpp = gelu_cpp.extension()
+    ways["+ C++ loop"] = lambda x: cpp.forward(torch.addmm(b, x, w))
 print(f"width {C}, {args.threads} thread(s), torch {torch.__version__}; microseconds a call")
 print("| rows | " + " | ".join(ways) + " |")
 print("| --- |" + " --- |" * len(ways))
@@ -77,3 +85,26 @@ for rows in args.rows:
     cells = [f"{best_us(lambda f=f: f(x), rows):.1f}" for f in ways.values()]  # noqa: B023
     print(f"| {rows} | " + " | ".join(cells) + " |")
 print("largest difference from float64:", {k: f"{v:.2e}" for k, v in errors.items()})
+if args.cpp:
+    print("\nthe GELU alone, forward and backward (microseconds a call)")
+    print("| rows | torch forward | C++ forward | torch backward | C++ backward |")
+    print("| --- | --- | --- | --- | --- |")
+    worst = {"forward": 0.0, "backward": 0.0}
+    for rows in args.rows:
+        h = torch.addmm(b, torch.randn(rows, C), w)
+        g = torch.randn_like(h)
+        fwd: list[Callable[[], torch.Tensor]] = [
+            lambda: F.gelu(h, approximate="tanh"),  # noqa: B023
+            lambda: cpp.forward(h),  # noqa: B023
+            lambda: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),  # noqa: B023
+            lambda: cpp.backward(g, h),  # noqa: B023
+        ]
+        print(f"| {rows} | " + " | ".join(f"{best_us(f, rows):.1f}" for f in fwd) + " |")
+        h64 = h.double().requires_grad_()
+        y64 = F.gelu(h64, approximate="tanh")
+        (d64,) = torch.autograd.grad(y64, h64, g.double())
+        worst["forward"] = max(worst["forward"], (cpp.forward(h).double() - y64).abs().max().item())
+        worst["backward"] = max(
+            worst["backward"], (cpp.backward(g, h).double() - d64).abs().max().item()
+        )
+    print("C++ loops, largest difference from float64:", {k: f"{v:.2e}" for k, v in worst.items()})

@@ -8,7 +8,9 @@ overrides follow the output folder). With PHASES=1 the step is replaced by an in
 `Trainer.train_step` (one micro-batch: data, forward, backward with the all-reduce, clipping,
 loss all-reduce, optimizer, zero_grad and schedule), and `step_and_log`'s bookkeeping (metrics,
 TensorBoard, progress bar, log line) is timed as the rest. Rank 0 prints the stage's median, p90
-and mean from metrics.csv, steps 11 on. A diagnostic, not the benchmark (bench_train.py).
+and mean from metrics.csv, steps 11 on. With GELU=cpp the stage's tanh GELUs are the
+hand-written C++ loop of `gelu_cpp.py` (an experiment; needs a C++ compiler and ninja). A
+diagnostic, not the benchmark (bench_train.py).
 """
 
 import argparse
@@ -57,6 +59,19 @@ for kv in args.overrides:
 # the stage's typed config, as the resolve_config rule writes it for every rank
 cfg = TrainConfig.of(stage_config(load_config(args.config, overrides), "train"))
 PH = os.environ.get("PHASES") == "1"
+if os.environ.get("GELU") == "cpp":
+    import gelu_cpp  # beside this script
+
+    from distlm.train import ddp as ddp_mod
+
+    fuse = ddp_mod.fuse_gelu
+
+    def fuse_then_swap(model: torch.nn.Module) -> int:
+        n = fuse(model)
+        assert gelu_cpp.swap_into(model) == n, "not every tanh GELU was swapped"
+        return n
+
+    ddp_mod.fuse_gelu = fuse_then_swap
 if env.get("threads"):
     torch.set_num_threads(int(env["threads"]))
 phases = {}
