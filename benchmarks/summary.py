@@ -136,8 +136,8 @@ def batch_rows() -> list[Row]:
         Row(
             "batch inference, all prompts in flight: 1 stage (2 / 3 stages)",
             "HF `generate`, batched",
-            f"{ratio(r['s1_in_flight_vs_hf_batched'], BATCH_GOAL)} ({ratio(r['s2_in_flight_vs_hf_batched'])}"
-            f" / {ratio(r['s3_in_flight_vs_hf_batched'])})",
+            f"{ratio(r['s1_in_flight_vs_hf_batched'], BATCH_GOAL)} "
+            f"({ratio(r['s2_in_flight_vs_hf_batched'])} / {ratio(r['s3_in_flight_vs_hf_batched'])})",
             f"≥ {BATCH_GOAL:g}x at 1 stage",
             bool(met),
             BATCH,

@@ -8,7 +8,8 @@ For `c_fc` (width -> 4 x width) on `rows` tokens, with the heap settings the tra
 
 - `addmm`: the projection alone;
 - `+ torch gelu(tanh)`: it and torch's tanh GELU kernel (what training runs);
-- `+ gelu_new_`: it and the serving engine's four-operation GELU (`distlm.model.family.gpt2_blocks`);
+- `+ gelu_new_`: it and the serving engine's four-operation GELU
+  (`distlm.model.family.gpt2_blocks`);
 - `oneDNN fused`: `torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "tanh")`, the
   projection with oneDNN's GELU as its post-op (what inductor's CPU fusion emits); it gives the
   activation only, not the pre-activation a backward pass needs;

@@ -66,9 +66,8 @@ def keep_freed_memory(what: str) -> bool:
     pages in again, and the kernel zeroes each page. On the embedded default that was up to
     ~2,600 page faults a rank a step (10 MiB; how many varies from run to run), ~1.7 us each;
     with this, almost none, and the step's median ~3% shorter (docs/performance.md,
-    "Training"). It is what the environment
-    variables MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ set before a
-    process starts, and what PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) gets from
+    "Training"). It is what the environment variables MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ set before a process starts, and what PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) gets from
     jemalloc with its decay turned off. The process then holds its peak heap until it exits,
     which a training rank reaches every step anyway; so training ranks call it, serving
     processes (whose tensors a step are small, and whose load comes and goes) do not."""

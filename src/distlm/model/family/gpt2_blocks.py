@@ -89,9 +89,9 @@ def gelu_new_(x: torch.Tensor) -> torch.Tensor:
     x^3)))), written into x and one new tensor, in four operations instead of eight: 0.5 (1 +
     tanh(z)) is sigmoid(2 z), so it is x sigmoid(2 sqrt(2 / pi) x (1 + 0.044715 x^2)). The same
     function to float rounding (tests/test_family.py: in float32 within twice transformers' own
-    float32 error of float64, and within 1e-6 of transformers' float32), not to the bit. The serving engine's steps, where every
-    operation costs microseconds, gained 2.5% at 16 clients and 7% at 64
-    (benchmarks/inference/probe_serve_steps.py; docs/performance.md, "Serving").
+    float32 error of float64, and within 1e-6 of transformers' float32), not to the bit. The
+    serving engine's steps, where every operation costs microseconds, gained 2.5% at 16 clients
+    and 7% at 64 (benchmarks/inference/probe_serve_steps.py; docs/performance.md, "Serving").
 
     The constant is a 0-dim CPU tensor of the dtype the kernels compute in (float32, or float64
     for float64), made once: an operation with a Python number first converts it into such a
