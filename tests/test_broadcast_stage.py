@@ -66,3 +66,66 @@ def test_stage_refuses_a_tampered_model_and_a_wrong_world(workflow_run, tmp_path
         with pytest.raises(DistlmError, match=r"model.safetensors: sha256 .* does not match"):
             run_broadcast_stage(cfg, topo=topo, model_dir=model, report_path=tmp_path / "r.json")
     assert not (tmp_path / "r.json").exists()
+
+
+def test_with_no_receiver_the_stage_measures_the_move_to_the_device(workflow_run, tmp_path):
+    """One rank (broadcast.receivers 0, or null on one GPU): the weights go from host memory to
+    the device in the transfer's buckets, each chunk's checksum compared; the report says so
+    (transport host-to-<device>, no receivers) and the report stage reads it."""
+    from distlm.report.inputs import read_broadcast
+
+    params = stage_config(load_config(TINY, {"broadcast": {"receivers": 0}}), "broadcast")
+    cfg = BroadcastConfig.of(params)
+    model = workflow_run / "results/model/base"
+    out = tmp_path / "report.json"
+    with distributed(backend="gloo", timeout_s=30) as topo:
+        run_broadcast_stage(cfg, topo=topo, model_dir=model, report_path=out)
+    doc = read_document(out, BroadcastReport)
+    s = doc.stats
+    sd = load_safetensors(model / WEIGHTS)
+    assert doc.world_size == 1 and doc.receivers_configured == 0 and s.receivers == []
+    assert s.transport == "host-to-cpu" and s.device == "cpu" and s.chain == [0]
+    assert s.bytes == sum(t.numel() * t.element_size() for t in sd.values())
+    assert s.buckets > 1 and s.seconds > 0 and s.gbps and s.gbps > 0
+    assert s.verified is True and s.all_verified is True and s.mismatches == []
+    _, rows = read_broadcast(out)
+    assert list(rows["transport"]) == ["host-to-cpu"] and list(rows["verified"]) == [True]
+
+
+def test_a_chunk_changed_on_its_way_to_the_device_is_named(monkeypatch):
+    """The checksum on the device is compared with the host's: a byte that changes between them
+    fails the verdict and names the bucket and the tensor."""
+    import torch
+
+    import distlm.broadcast as stage
+    from distlm.settings import TransferSettings
+
+    tensors = {"a.weight": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(10)}
+
+    class OnTheDevice(stage.Checksum):
+        """The second checksum made (the device's; the host's comes first) sees the first chunk
+        with one byte flipped: what a move that changed the byte would give."""
+
+        made = 0
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            OnTheDevice.made += 1
+            self.flip = OnTheDevice.made == 2
+
+        def __call__(self, data, out):
+            if self.flip:
+                self.flip, data = False, data.clone()
+                data[12345] ^= 0xFF
+            return super().__call__(data, out)
+
+    monkeypatch.setattr(stage, "Checksum", OnTheDevice)
+    s = stage.load_to_device(
+        tensors,
+        settings=TransferSettings(bucket_mb=0.5, chunk_mb=0.25),
+        device=torch.device("cpu"),
+        backend="gloo",
+    )
+    assert s.verified is False and s.all_verified is False
+    assert len(s.mismatches) == 1 and "bucket 0 chunk 0" in s.mismatches[0]
+    assert "a.weight" in s.mismatches[0]

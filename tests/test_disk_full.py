@@ -25,6 +25,7 @@ import yaml
 from conftest import TINY, copy_workflow, run_snakemake
 from harness.synthetic import checkpoint_state
 
+from distlm.device import DeviceBackend
 from distlm.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
 
 pytestmark = pytest.mark.skipif(
@@ -86,7 +87,7 @@ def test_checkpoint_write_on_a_full_disk_keeps_the_previous_one(tmp_path):
     weights = {"w": torch.randn(64 * 1024)}  # 256 KiB
     moments = {"exp_avg": torch.randn(64 * 1024), "exp_avg_sq": torch.randn(64 * 1024)}
     optimizer = {"state": {0: {**moments, "step": torch.tensor(1.0)}}, "param_groups": []}
-    rng = [ck.rng_state(torch.device("cpu"))]
+    rng = [DeviceBackend.cpu().rng_state()]
     with tmpfs(tmp_path / "fs", 4 << 20) as fs:
         run = fs / "run"
         first = ck.write(

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from distlm import DistlmError
 from distlm.config import ConfigError, load_config
 from distlm.data import TokenBlocks, read_tokens_meta, write_tokens
+from distlm.device import DeviceBackend, resolve_precision
 from distlm.dist import distributed, free_port
 from distlm.documents import TokenMeta
 from distlm.evaluate import (
-    autocast_dtype_for,
     check_data_matches,
     evaluate_model,
     evaluate_stream,
@@ -238,8 +238,9 @@ def test_config_rejects_stride_beyond_context():
 
 def test_precision():
     cpu = torch.device("cpu")
-    assert autocast_dtype_for("auto", cpu) is None and autocast_dtype_for("fp32", cpu) is None
-    assert autocast_dtype_for("bf16", cpu) is torch.bfloat16
+    for asked, dtype in (("auto", None), ("fp32", None), ("bf16", torch.bfloat16)):
+        hw = DeviceBackend(cpu, resolve_precision(asked, cpu, key="eval.precision"))
+        assert hw.autocast_dtype is dtype
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -299,7 +300,9 @@ def test_reduced_precision_close_to_fp32(tiny):
     tokens = TokenBlocks(tiny["tokens"], "validation").tokens()
     from distlm.dist import Topology
 
-    topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    topo = Topology(
+        rank=0, world_size=1, local_rank=0, backend="gloo", device_backend=DeviceBackend.cpu()
+    )
     fp32 = evaluate_stream(model, tokens, context=16, stride=5, batch_size=4, topo=topo)
     bf16 = evaluate_stream(
         model, tokens, context=16, stride=5, batch_size=4, topo=topo, autocast_dtype=torch.bfloat16
@@ -382,7 +385,9 @@ def test_token_beyond_vocabulary(tiny):
     model, _ = load_model(tiny["model"], torch.device("cpu"))
     from distlm.dist import Topology
 
-    topo = Topology(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    topo = Topology(
+        rank=0, world_size=1, local_rank=0, backend="gloo", device_backend=DeviceBackend.cpu()
+    )
     with pytest.raises(DistlmError, match=f"token id {VOCAB} is outside the model's vocabulary"):
         evaluate_stream(
             model, np.array([1, 2, VOCAB]), context=16, stride=8, batch_size=2, topo=topo, where="s"

@@ -431,15 +431,18 @@ def test_scheduler_launches_decodes_first_by_lane(tiny_models, hf_reference):
 # ----------------------------------------------------------------------------- MPI
 
 
-def write_config(path: Path, *, serve: dict | None = None, **over) -> Path:
-    """A resolved config as the workflow writes it: `over` in `inference`, `serve` in `serve`;
-    the serve stage's document when `serve` is given, else the inference stage's."""
+def write_config(
+    path: Path, *, serve: dict | None = None, runtime: dict | None = None, **over
+) -> Path:
+    """A resolved config as the workflow writes it: `over` in `inference`, `serve` in `serve`,
+    `runtime` in `runtime`; the serve stage's document when `serve` is given, else the inference
+    stage's."""
     from distlm.config import validate_config
     from distlm.settings.stage import write_stage_config
     from distlm.stages import stage_config
 
     stage = "inference" if serve is None else "serve"
-    cfg = validate_config({"inference": over, "serve": serve or {}})
+    cfg = validate_config({"runtime": runtime or {}, "inference": over, "serve": serve or {}})
     write_stage_config(stage, stage_config(cfg, stage), path)
     return path
 

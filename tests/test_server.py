@@ -132,12 +132,17 @@ def start_server(
     launcher: str | None = None,
     nofile: int | None = None,
     wait: bool = True,
+    runtime: dict | None = None,
     **over,
 ) -> Server:
     port = free_port()
     over.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)  # within LIMITS' max_tokens
     cfg = write_config(
-        tmp / "cfg.json", stages=stages, serve={**LIMITS, "port": port, **(serve or {})}, **over
+        tmp / "cfg.json",
+        stages=stages,
+        serve={**LIMITS, "port": port, **(serve or {})},
+        runtime=runtime,
+        **over,
     )
     log = tmp / "serve.log"
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor

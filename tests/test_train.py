@@ -24,6 +24,7 @@ from harness.synthetic import checkpoint_state, make_inputs, run_identity
 
 from distlm import DistlmError
 from distlm.config import validate_config
+from distlm.device import DeviceBackend
 from distlm.dist import threads_per_rank
 from distlm.documents import ModelMeta, TokenMeta, write_document
 from distlm.io import digest
@@ -37,7 +38,7 @@ from distlm.train import faults as faults_mod
 from distlm.train import identity as ident
 from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
-from distlm.train.trainer import fused_adamw_available, resolve_precision
+from distlm.train.trainer import fused_adamw_available
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "distlm.entry.train"  # the stage entry point, as rule train starts it
@@ -163,12 +164,6 @@ def test_sampler_ranks_disjoint_and_epoch_covers_every_block():
         StepSampler(0, plan, 0, seed=7)
 
 
-def test_precision_never_falls_back():
-    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
-    with pytest.raises(DistlmError, match="fp16 needs a GPU"):
-        resolve_precision("fp16", torch.device("cpu"))
-
-
 def test_threads_per_rank_never_oversubscribes():
     # Snakemake's OMP_NUM_THREADS is the job's total: 2 ranks on 2 cores get one thread each
     assert threads_per_rank({"OMP_NUM_THREADS": "2", "LOCAL_WORLD_SIZE": "2"}, 2) == 1
@@ -240,7 +235,7 @@ def _save(d: Path, step: int, keep: int = 10) -> None:
         d,
         weights={"w": torch.full((4,), float(step))},
         optimizer_state={"state": {}, "param_groups": []},
-        rng_states=[ck.rng_state(torch.device("cpu"))],
+        rng_states=[DeviceBackend.cpu().rng_state()],
         state=checkpoint_state(step),
         keep_last=keep,
     )

@@ -25,6 +25,7 @@ from harness.synthetic import checkpoint_state, run_identity
 
 from distlm.config import validate_settings
 from distlm.data import prepare
+from distlm.device import DeviceBackend
 from distlm.lease import Lease
 from distlm.model import serialize, write_pipeline_dir
 from distlm.settings.stage import ModelConfig
@@ -80,7 +81,7 @@ def test_every_writer_honours_umask_002_in_a_setgid_folder(tmp_path):
         write_pipeline_dir(shared / "model", shared / "pipeline", stages=2)
         weights = {"w": torch.randn(100)}
         optimizer = {"state": {0: {"exp_avg": torch.randn(100)}}, "param_groups": []}
-        rng = [ck.rng_state(torch.device("cpu"))]
+        rng = [DeviceBackend.cpu().rng_state()]
         run = ident.open_run(shared / "checkpoints", run_identity())
         ck.write(
             run, weights=weights, optimizer_state=optimizer, rng_states=rng,

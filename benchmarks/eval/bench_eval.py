@@ -25,8 +25,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from distlm.device import DeviceBackend, resolve_precision
 from distlm.dist import Topology
-from distlm.evaluate import autocast_dtype_for, evaluate_stream, sliding_windows
+from distlm.evaluate import evaluate_stream, sliding_windows
 from distlm.io import write_json
 from distlm.model import build_model
 
@@ -81,7 +82,8 @@ def main() -> None:
     a = p.parse_args()
 
     device = torch.device(a.device)
-    amp = autocast_dtype_for(a.precision, device)
+    hw = DeviceBackend(device, resolve_precision(a.precision, device, key="--precision"))
+    amp = hw.autocast_dtype
     config = GPT2Config(
         vocab_size=a.vocab,
         n_positions=a.n_positions,
@@ -94,8 +96,8 @@ def main() -> None:
     # transformers wraps PreTrainedModel.to in a decorator whose stub loses `self`
     model = build_model(config, seed=0).to(device).eval()  # pyright: ignore[reportArgumentType]
     ids = torch.as_tensor(np.random.default_rng(0).integers(0, a.vocab, a.tokens), dtype=torch.long)
-    topo = Topology(rank=0, world_size=1, local_rank=0, device=device, backend="gloo")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    topo = Topology(rank=0, world_size=1, local_rank=0, backend="gloo", device_backend=hw)
+    sync = hw.synchronize
 
     def timed(fn: Callable[[], T]) -> tuple[float, T]:
         best, out = float("inf"), None

@@ -9,7 +9,7 @@ architecture, or with `--arch llama` the Llama-family shape of LLAMA below) and 
 order that rotates over --repeats:
   * distlm-sS: `distlm.entry.serve --launcher "mpiexec -n S"`, the rule's way: the API
     server (uvicorn) and the S-stage MPI pipeline with --lanes lanes, for each S of --stages;
-  * peer: `transformers serve MODEL --continuous-batching --device cpu` (paged attention and
+  * peer: `transformers serve MODEL --continuous-batching --device D` (paged attention and
     continuous batching; it ships with transformers), on the model folder as distlm writes it;
   * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
     doing one full-model Hugging Face `generate` per request, no pipeline;
@@ -75,6 +75,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seconds", type=float, default=0, help="at least this long per level")
     p.add_argument("--servers", default="baseline,peer,distlm", help="which servers to run")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where distlm (runtime.device) and the peer (transformers serve --device) run",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gguf", default="f32,f16", help="GGUF types the llama.cpp servers serve")
     p.add_argument(
@@ -147,7 +153,7 @@ def generate(model, tok, prompt: str, max_tokens: int) -> tuple[int, list[int]]:
     """(prompt tokens, new token ids) of one greedy `generate` that stops at EOS."""
     import torch
 
-    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]], device=model.device)
     with torch.inference_mode():
         # transformers' GenerationMixin self-type protocol does not match GPT2LMHeadModel
         out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
@@ -160,12 +166,14 @@ def generate(model, tok, prompt: str, max_tokens: int) -> tuple[int, list[int]]:
     return ids.shape[1], out[0, ids.shape[1] :].tolist()
 
 
-def generate_texts(model_dir: Path, prompts: list[str], max_tokens: int) -> dict[str, str]:
-    """`generate`'s greedy text of each prompt, as the baseline server answers it."""
+def generate_texts(
+    model_dir: Path, prompts: list[str], max_tokens: int, device: str = "cpu"
+) -> dict[str, str]:
+    """`generate`'s greedy text of each prompt, as the baseline server answers it, on `device`."""
     from distlm.data import load_tokenizer
     from distlm.model import load_model_dir
 
-    model = load_model_dir(model_dir).eval()
+    model = load_model_dir(model_dir, device=device).eval()
     tok = load_tokenizer(model_dir)
     return {
         p: tok.decode(generate(model, tok, p, max_tokens)[1], skip_special_tokens=True)
@@ -364,7 +372,7 @@ def main() -> None:
                         str(args.threads),
                     ]
                 elif name == "peer":
-                    cmd = transformers_serve_command(model, port=port)
+                    cmd = transformers_serve_command(model, port=port, device=args.device)
                     env = transformers_serve_env(args.threads)
                 else:
                     stages = int(name.removeprefix("distlm-s"))
@@ -384,7 +392,7 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-        ref = texts.get("baseline") or generate_texts(model, prompts, args.max_tokens)
+        ref = texts.get("baseline") or generate_texts(model, prompts, args.max_tokens, args.device)
         for name in names:
             if name.startswith("distlm") and texts[name] != ref:
                 raise RuntimeError(f"{name} disagrees with generate on greedy text: {texts}")
@@ -517,6 +525,7 @@ def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels
 
     cfg = validate_config(
         {
+            "runtime": {"device": args.device},
             "inference": {"stages": stages, "lanes": args.lanes, "timeout_s": 300},
             "serve": {
                 "port": port,

@@ -616,7 +616,7 @@ def main() -> None:
 def drive(a, work: Path) -> None:
     import torch
 
-    from distlm.train.trainer import resolve_precision
+    from distlm.device import resolve_precision
 
     p = PRESETS[a.preset]
     if p["inputs"] == "workflow":
@@ -646,7 +646,7 @@ def drive(a, work: Path) -> None:
     if a.steps_resolved <= a.skip:
         sys.exit(f"--steps {a.steps_resolved} leaves nothing after --skip {a.skip}")
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
-    a.precision_resolved = resolve_precision(t.precision, device)
+    a.precision_resolved = resolve_precision(t.precision, device, key="train.precision")
 
     names = a.only or ["distlm", "bare", "hf"]
     step_s: dict[str, list[float]] = {k: [] for k in names}

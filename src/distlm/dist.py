@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
+from distlm.device import DeviceBackend
 from distlm.lifeline import bind_to_launcher
 from distlm.log import get_logger
 
@@ -28,13 +29,18 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits: rank, world size, node-local rank and the device it owns."""
+    """Where this process sits: rank, world size, node-local rank, the process group's backend,
+    and the device backend it computes with (distlm.device: device, precision, kernels)."""
 
     rank: int
     world_size: int
     local_rank: int
-    device: torch.device
-    backend: str
+    backend: str  # the process group's: gloo or nccl
+    device_backend: DeviceBackend
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_backend.device
 
     @property
     def is_main(self) -> bool:
@@ -50,27 +56,6 @@ class Topology:
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
-
-
-def resolve_device(device: str, local_rank: int) -> torch.device:
-    """Map the configured device ("cpu", "cuda", "auto") to this rank's device; never falls back."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise DistlmError(
-                "config runtime.device is 'cuda' but torch sees no CUDA device "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
-                "set runtime.device: cpu to run on the CPU"
-            )
-        n = torch.cuda.device_count()
-        if local_rank >= n:
-            raise DistlmError(f"local rank {local_rank} has no GPU: this node has {n}")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if device == "cpu":
-        return torch.device("cpu")
-    raise DistlmError(f"config runtime.device: unknown device {device!r} (cpu, cuda or auto)")
 
 
 def check_backend(backend: str, device: torch.device) -> None:
@@ -126,12 +111,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def distributed(
-    *, backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0
+    *,
+    backend: str = "gloo",
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+    ranks_key: str = "the stage's rank count",
+    precision: str = "fp32",
+    precision_key: str = "precision",
+    compile: bool = False,
 ) -> Iterator[Topology]:
     """Initialise the default process group from the torchrun environment; always tear it down.
 
     Outside torchrun (no RANK in the environment) this is a world of one on a private port.
-    A rank started by a launcher is bound to it first (distlm.lifeline): it dies with it.
+    A rank started by a launcher is bound to it first (distlm.lifeline): it dies with it. The
+    device backend (distlm.device) is decided before the group starts: a node with fewer GPUs
+    than ranks is refused naming `ranks_key`, a precision its GPU lacks naming `precision_key`.
     """
     bind_to_launcher()
     rank = int(os.environ.get("RANK", "0"))
@@ -140,7 +134,16 @@ def distributed(
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
-    dev = resolve_device(device, local_rank)
+    hw = DeviceBackend.for_rank(
+        device,
+        local_rank=local_rank,
+        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or 1),
+        ranks_key=ranks_key,
+        precision=precision,
+        precision_key=precision_key,
+        compile=compile,
+    )
+    dev = hw.device
     check_backend(backend, dev)
     kwargs = {}
     if backend == "nccl":
@@ -169,8 +172,10 @@ def distributed(
         **kwargs,
     )
     share_threads(dev)
-    topo = Topology(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
-    log.info("process group up: rank %d of %d, device %s, backend %s", rank, world, dev, backend)
+    topo = Topology(
+        rank=rank, world_size=world, local_rank=local_rank, backend=backend, device_backend=hw
+    )
+    log.info("process group up: rank %d of %d, backend %s, %s", rank, world, backend, hw.describe())
     try:
         yield topo
     finally:

@@ -44,7 +44,6 @@ from distlm.settings.stage import EvalConfig
 log = get_logger(__name__)
 
 METHOD = "sliding-window perplexity (Hugging Face guide 'Perplexity of fixed-length models')"
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -93,25 +92,6 @@ def resolve_window(
     if stride > context:
         raise DistlmError(f"eval.stride: {stride} is larger than the context of {context} tokens")
     return context, stride
-
-
-def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for eval.precision, or None for float32 (auto: bf16/fp16 on GPUs)."""
-    if precision == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if precision == "fp32":
-        return None
-    if precision not in _AUTOCAST:
-        raise DistlmError(
-            f"eval.precision: unknown precision {precision!r} (auto, fp32, bf16, fp16)"
-        )
-    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise DistlmError(
-            f"eval.precision: bf16 requested but {torch.cuda.get_device_name()} lacks it"
-        )
-    return _AUTOCAST[precision]
 
 
 def precision_name(dtype: torch.dtype | None) -> str:
@@ -282,7 +262,7 @@ def evaluate_model(
     check_data_matches(meta, data_meta, model_dir, tokens_path)
     n_positions = family_of(model.config).n_positions(model.config)
     context, stride = resolve_window(ecfg, n_positions, where=str(model_dir))
-    amp = autocast_dtype_for(ecfg.precision, topo.device)
+    amp = topo.device_backend.autocast_dtype  # eval.precision on this device (distlm.device)
     log.info(
         "%s (%s): context %d, stride %d, batch %d windows, %s on %s, %d rank(s)",
         name,

@@ -206,6 +206,11 @@ class Single:
     def settings_of(self, wildcards: object) -> Settings:
         return self.settings
 
+    @property
+    def every_settings(self) -> list[Settings]:
+        """The typed settings of every run: this one."""
+        return [self.settings]
+
     def upstream(self, wildcards: object, job: str) -> None:
         return None
 
@@ -226,6 +231,11 @@ class Plan:
     def settings_of(self, wildcards: Wildcards) -> Settings:
         """The typed settings of the job variant's run."""
         return self.by_variant[wildcards.variant][1].settings
+
+    @property
+    def every_settings(self) -> list[Settings]:
+        """The typed settings of every run."""
+        return [r.settings for r in self.runs.values()]
 
     @cached_property
     def by_variant(self) -> dict[str, tuple[str, Run]]:

@@ -25,8 +25,9 @@ def transformers_serve_command(
     host: str = "127.0.0.1",
     continuous_batching: bool = True,
     kv_blocks: int | None = None,
+    device: str = "cpu",
 ) -> list[str]:
-    """argv of `transformers serve` preloading `model_dir` on the CPU. `kv_blocks`: the paged KV
+    """argv of `transformers serve` preloading `model_dir` on `device`. `kv_blocks`: the paged KV
     cache's size in blocks (`--cb-num-blocks`); by default continuous batching sizes it from the
     memory it finds, and on the CPU its first request then spends ~26-30 s of a core (system time)
     setting up a cache of gigabytes before it answers (measured on the 2-core VM with the tests'
@@ -34,7 +35,7 @@ def transformers_serve_command(
     exe = shutil.which("transformers")
     if exe is None:
         raise DistlmError("`transformers` command not found: transformers >= 5.8 ships it")
-    cmd = [exe, "serve", str(model_dir), "--device", "cpu", "--host", host, "--port", str(port)]
+    cmd = [exe, "serve", str(model_dir), "--device", device, "--host", host, "--port", str(port)]
     if continuous_batching:
         cmd.append("--continuous-batching")
         if kv_blocks is not None:

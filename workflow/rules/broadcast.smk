@@ -1,4 +1,4 @@
-# Weight broadcast (torchrun, 1 sender + broadcast.receivers): rank 0 sends the serialized model to
+# Weight broadcast (torchrun, 1 sender + broadcast.receivers; null: one rank per GPU): rank 0 sends the serialized model to
 # every other rank through distlm.transfer (the module training uses for its initial weights);
 # every receiver verifies each bucket's checksum; rank 0 writes the JSON report.
 rule broadcast:
@@ -13,10 +13,10 @@ rule broadcast:
         benchmark_of("broadcast")
     conda:
         "../envs/torch.yaml"
-    threads: per_job(lambda s: 1 + s.broadcast.receivers)
+    threads: threads_of("broadcast")
     params:
         cfg=params_of("broadcast"),
-        nproc=per_job(lambda s: 1 + s.broadcast.receivers),
+        nproc=ranks_of("broadcast"),
         rank_log=rank_log("logs/broadcast/rank{rank}.log"),
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc} -m distlm.entry.broadcast"

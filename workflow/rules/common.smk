@@ -10,6 +10,8 @@ ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
 
 from distlm.config import ConfigError
+from distlm.machine import visible_gpus
+from distlm.settings.ranks import machine_problems, stage_ranks
 from distlm.settings.stage import STAGE_CONFIGS, stage_params
 from distlm.settings.validate import validate
 from distlm.stages import (
@@ -35,6 +37,26 @@ except ConfigError as e:
     raise WorkflowError(str(e))
 config.clear()
 config.update(_validated)
+# The GPUs of this machine (no torch: distlm.machine). When the jobs run here (the local profile),
+# a config the machine cannot run is refused before the first job, naming the key to change. It
+# is an onstart handler: after the DAG is planned, and never in a dry run, which plans any config
+# on any machine. Under SLURM the ranks check their own node (distlm.device).
+GPUS = visible_gpus()
+
+
+onstart:
+    if workflow.is_main_process and workflow.local_exec:
+        # a sweep's runs share most of the problems: each once
+        problems = dict.fromkeys(
+            p for s in PLAN.every_settings for p in machine_problems(s, GPUS)
+        )
+        if problems:
+            raise WorkflowError(
+                f"this machine ({GPUS} GPU(s)) cannot run the config:\n  "
+                + "\n  ".join(problems)
+            )
+
+
 # The {variant} of a job's paths: None without a sweep (today's paths), "{variant}" in a sweep,
 # where every job's outputs and logs move under results/variants/{variant}/ and
 # logs/variants/{variant}/, and its settings and inputs are those of its variant.
@@ -61,6 +83,17 @@ def log_of(path):
 def per_job(fn):
     """fn(the typed settings of the job's run), for a rule's threads or params."""
     return lambda wildcards: fn(PLAN.settings_of(wildcards))
+
+
+def ranks_of(stage):
+    """torchrun's --nproc-per-node of a torch.distributed stage: the count, or "gpu" (one rank
+    per GPU of the node it runs on); distlm.settings.ranks."""
+    return per_job(lambda s: stage_ranks(s, stage).per_node)
+
+
+def threads_of(stage):
+    """A torch.distributed stage's `threads`: its ranks on this machine."""
+    return per_job(lambda s: stage_ranks(s, stage).threads(GPUS))
 
 
 def params_of(stage):

@@ -13,10 +13,10 @@ rule evaluate:
         benchmark_of("evaluate_{model}")
     conda:
         "../envs/torch.yaml"
-    threads: per_job(lambda s: s.eval.nproc_per_node)
+    threads: threads_of("eval")
     params:
         cfg=params_of("eval"),
-        nproc=per_job(lambda s: s.eval.nproc_per_node),
+        nproc=ranks_of("eval"),
         rank_log=rank_log("logs/eval/{model}.rank{rank}.log"),
     shell:
         "{resources.torchrun} --nproc-per-node={params.nproc} -m distlm.entry.evaluate"

@@ -17,10 +17,10 @@ rule train:
         benchmark_of("train")
     conda:
         "../envs/torch.yaml"
-    threads: per_job(lambda s: s.train.nproc_per_node)
+    threads: threads_of("train")
     params:
         cfg=params_of("train"),
-        nproc=per_job(lambda s: s.train.nproc_per_node),
+        nproc=ranks_of("train"),
         max_restarts=per_job(lambda s: s.train.max_restarts),
         out=lambda wildcards, output: str(Path(output.metrics).parent),
         rank_log=rank_log("logs/train/rank{rank}.log"),

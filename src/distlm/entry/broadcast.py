@@ -32,7 +32,12 @@ def main() -> None:
     setup_logging(args.rank_log)
     cfg = read_document(args.config, BroadcastConfig)
     rt = cfg.runtime
-    with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
+    with distributed(
+        backend=rt.backend,
+        device=rt.device,
+        timeout_s=rt.timeout_s,
+        ranks_key="broadcast.receivers",
+    ) as topo:
         run_broadcast_stage(cfg, topo=topo, model_dir=args.model, report_path=args.report)
 
 

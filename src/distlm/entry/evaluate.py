@@ -32,7 +32,14 @@ def main() -> None:
     setup_logging(args.rank_log)
     cfg = read_document(args.config, EvalConfig)
     rt = cfg.runtime
-    with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
+    with distributed(
+        backend=rt.backend,
+        device=rt.device,
+        timeout_s=rt.timeout_s,
+        ranks_key="eval.nproc_per_node",
+        precision=cfg.eval.precision,
+        precision_key="eval.precision",
+    ) as topo:
         evaluate_model(
             cfg,
             topo=topo,

@@ -135,7 +135,7 @@ def srun_command(
     spread_procs: bool = False,
 ) -> list[str]:
     n = len(alloc.hosts)
-    if spread_procs:
+    if spread_procs and not _per_gpu(torchrun_args):
         spread(_nproc_at(torchrun_args)[1], n, 0)  # refuse too many nodes before starting any
     rdzv = [f"--rdzv-endpoint={alloc.head}:{port}", f"--rdzv-id={alloc.job_id}"]
     if _torchrun_option(torchrun_args, ("--rdzv-conf", "--rdzv_conf")) is None:
@@ -176,11 +176,12 @@ def node_command(
         raise DistlmError(
             f"distlm-launch torchrun-node runs as an srun task; {', '.join(missing)} not set"
         )
-    if "--spread-procs" in own:
-        own = [a for a in own if a != "--spread-procs"]
-        i, total = _nproc_at(args)
-        here = spread(total, int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"]))
-        args = args[:i] + [f"--nproc-per-node={here}"] + args[i + (1 if "=" in args[i] else 2) :]
+    if _per_gpu(args):  # one rank per GPU: resolved here, so a node without one names the key
+        args = _set_nproc(args, gpus_here(env))
+    elif "--spread-procs" in own:
+        total = _nproc_at(args)[1]
+        args = _set_nproc(args, spread(total, int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"])))
+    own = [a for a in own if a != "--spread-procs"]
     own, args = _with_is_host(own, args, env)
     return [
         python,
@@ -191,6 +192,33 @@ def node_command(
         *own,
         *args,
     ]
+
+
+def _per_gpu(args: list[str]) -> bool:
+    """--nproc-per-node=gpu: one rank per GPU of the node (a stage's null count)."""
+    found = _torchrun_option(args, ("--nproc-per-node", "--nproc_per_node"))
+    return found is not None and found[2] == "gpu"
+
+
+def _set_nproc(args: list[str], n: int) -> list[str]:
+    i, at, _ = _torchrun_option(args, ("--nproc-per-node", "--nproc_per_node")) or (0, 0, "")
+    return args[:i] + [f"--nproc-per-node={n}"] + args[at + 1 :]
+
+
+def gpus_here(env: dict[str, str]) -> int:
+    """The GPUs this node's ranks would see; none is an error naming the keys that asked."""
+    from distlm.machine import visible_gpus
+
+    n = visible_gpus(env)
+    if n == 0:
+        node = env.get("SLURMD_NODENAME") or socket.gethostname()
+        raise DistlmError(
+            f"--nproc-per-node=gpu: node {node} has no GPU that CUDA can see "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); a null "
+            "train.nproc_per_node, eval.nproc_per_node or broadcast.receivers means one rank per "
+            "GPU: set the count, or runtime.device: cpu, or give the rule GPUs (gres)"
+        )
+    return n
 
 
 def _with_is_host(

@@ -281,9 +281,12 @@ _BROADCAST_FACTS = (
 def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
     """Broadcast report (BroadcastReport) -> (run facts, one row per receiver with seconds and
     GB/s); the sender's overall GB/s (its clock stopped when the last receiver reported) is kept
-    per row as `all_gbps`."""
+    per row as `all_gbps`. A report with no receiver (one rank: distlm.broadcast's
+    `load_to_device`) has one row, the sender's own move to its device, under its transport
+    (`host-to-cuda`)."""
     rep = _document(path, BroadcastReport)
     s = rep.stats
+    measured = s.receivers or [s]  # no receiver: what the sender measured alone
     rows = [
         {
             "transport": s.transport,
@@ -296,7 +299,7 @@ def read_broadcast(path: Path) -> tuple[dict, pd.DataFrame]:
             "unpack_seconds": r.unpack_seconds,
             "all_gbps": s.gbps,
         }
-        for r in s.receivers
+        for r in measured
     ]
     facts = {
         **{k: getattr(s, k) for k in _BROADCAST_FACTS if hasattr(s, k)},

@@ -21,10 +21,13 @@ def unique(values: list) -> list:
 class EvalSettings(Section):
     """Sliding-window perplexity of the base and the trained model (config/README.md)."""
 
-    nproc_per_node: int = Field(
-        default=2,
+    nproc_per_node: int | None = Field(
+        default=None,
         ge=1,
-        description="Ranks torchrun starts per node for each model (windows are split across them).",
+        description=(
+            "Ranks torchrun starts per node for each model (windows are split across them); "
+            "null = one per GPU the node has (runtime.device cuda or auto), 1 on the CPU."
+        ),
     )
     context: int | None = Field(
         default=None,

@@ -30,7 +30,14 @@ class TrainSettings(Section):
     nodes: int = Field(
         default=1, ge=1, description="Nodes (under SLURM the profile's nodes decide)."
     )
-    nproc_per_node: int = Field(default=2, ge=1, description="Ranks torchrun starts per node.")
+    nproc_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Ranks torchrun starts per node; null = one per GPU the node has (runtime.device "
+            "cuda or auto), 1 on the CPU. More ranks than GPUs are refused before any work."
+        ),
+    )
     max_steps: int = Field(default=60, ge=1, description="Optimizer steps.")
     micro_batch_size: int = Field(
         default=8, ge=1, description="Blocks per rank per forward/backward."

@@ -37,9 +37,15 @@ class TransferSettings(Section):
 
 
 class BroadcastSettings(Section):
-    receivers: int = Field(
-        default=2,
-        ge=1,
+    receivers: int | None = Field(
+        default=None,
+        ge=0,
         le=1024,
-        description="Ranks that receive the model in the broadcast stage (world = 1 + receivers).",
+        description=(
+            "Ranks that receive the model in the broadcast stage (world = 1 + receivers); null = "
+            "one rank per GPU of each node, the first sending (runtime.device cuda or auto), no "
+            "receiver on the CPU. With no receiver (one GPU) the stage measures the sender's own "
+            "part: the weights moved from host memory to the device in buckets, each checksum "
+            "compared."
+        ),
     )

@@ -24,7 +24,6 @@ a warning naming it) for the previous good one.
 
 from __future__ import annotations
 
-import random
 import re
 import time
 from dataclasses import dataclass
@@ -79,31 +78,6 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-# ----------------------------------------------------------------------------- RNG
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This rank's RNG states (torch CPU, the CUDA device's, Python's) as weights_only-safe data."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if device.type == "cuda":
-        if "cuda" not in state:
-            raise DistlmError("checkpoint holds no CUDA RNG state (it was made on the CPU)")
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 # ----------------------------------------------------------------------------- save
 
 
@@ -125,7 +99,7 @@ def save(
     """The one save path; all ranks call. Every rank's RNG state is gathered to rank 0, which
     writes step `step`'s checkpoint into `run_dir` (rank 0's run folder) and keeps the last
     `keep_last`; returns its path on rank 0, None elsewhere. All ranks wait for the write."""
-    rng = rng_state(topo.device)
+    rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.device)
     gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(rng, gathered, dst=0)
     path = None

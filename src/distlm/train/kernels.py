@@ -2,6 +2,10 @@
 
 Which apply is the model family's `kernels` (distlm.model.family): GPT-2 both, the Llama family
 (Llama, Qwen2) the linear cross-entropy only (its MLP is a gated SiLU, with no tanh GELU to fuse).
+The chunked linear cross-entropy is a CPU kernel: the device backend (distlm.device) takes it
+where its kernel set is "cpu"; on a GPU the loss is `NextTokenLoss`, standard operations that
+torch.compile fuses (the chunked head, eager inside a compiled graph, made the compiled H100
+step 1.7x slower).
 
 Same function as transformers' `model(input_ids, labels=input_ids).loss` (the mean
 cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
@@ -152,6 +156,25 @@ def fuse_gelu(model: torch.nn.Module) -> int:
             module.act = torch.nn.GELU(approximate="tanh")
             n += 1
     return n
+
+
+class NextTokenLoss(torch.nn.Module):
+    """The next-token loss in standard operations (the "standard" kernel set, for GPUs): the
+    decoder, the LM head on every position but the last, the cross-entropy in float32 (as
+    nanoGPT and torchtitan take it). Under torch.compile the head's product, the upcast and
+    the loss are one graph, which inductor fuses; eager, it is transformers' arithmetic without
+    the shifted copies of its loss."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = self.model.lm_head(h[:, :-1])  # (B, T - 1, V): position t predicts t + 1
+        return torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), input_ids[:, 1:].flatten()
+        )
 
 
 class ReferenceLoss(torch.nn.Module):

@@ -33,7 +33,13 @@ TRAIN_COLUMNS = (
     "tokens_per_s",
     "step_time_s",  # end of the previous step to the end of this one: all the loop did between
 )
-VAL_COLUMNS = ("step", "val_loss", "val_perplexity", "tokens")
+VAL_COLUMNS = (
+    "step",
+    "val_loss",
+    "val_perplexity",
+    "tokens",
+    "seconds",  # the validation's wall time: the first holds its one-time costs
+)
 
 
 def perplexity(loss: float) -> float:
@@ -45,7 +51,7 @@ def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
     w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: r[k] for k in columns})
+        w.writerow({k: r.get(k, "") for k in columns})  # "": a column older rows lack
     return buf.getvalue()
 
 
@@ -57,6 +63,8 @@ def _tb_step(tb: SummaryWriter, row: dict) -> None:
 def _tb_val(tb: SummaryWriter, row: dict) -> None:
     tb.add_scalar("val/loss", row["val_loss"], row["step"])
     tb.add_scalar("val/perplexity", row["val_perplexity"], row["step"])
+    if "seconds" in row:
+        tb.add_scalar("val/seconds", row["seconds"], row["step"])
 
 
 class Metrics:

@@ -1,5 +1,6 @@
-"""The optimisation recipe: learning-rate schedule, precision, gradient clipping, AdamW (its
-parameter groups, fused kernel, schedule) and the weights a checkpoint holds."""
+"""The optimisation recipe: learning-rate schedule, gradient clipping, AdamW (its parameter
+groups, fused kernel, schedule) and the weights a checkpoint holds. The precision is the device
+backend's (distlm.device)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 
 import torch
 
-from distlm import DistlmError
 from distlm.log import get_logger
 from distlm.model import family_of
 from distlm.settings import TrainSettings
@@ -41,22 +41,6 @@ def clip_gradients(model: torch.nn.Module, clip: float, norm: torch.Tensor) -> b
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm, foreach=True)
         return True
     return False
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """fp32 / bf16 / fp16 for this device; an impossible request is an error, never a fallback."""
-    if device.type == "cpu":
-        if requested == "fp16":
-            raise DistlmError("train.precision: fp16 needs a GPU (use fp32 or bf16 on the CPU)")
-        return "fp32" if requested == "auto" else requested
-    bf16_ok = torch.cuda.is_bf16_supported()
-    if requested == "auto":
-        return "bf16" if bf16_ok else "fp16"
-    if requested == "bf16" and not bf16_ok:
-        raise DistlmError(
-            f"train.precision: bf16 but {torch.cuda.get_device_name(device)} lacks it; use fp16"
-        )
-    return requested
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

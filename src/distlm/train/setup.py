@@ -85,7 +85,7 @@ def open_data(cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> TrainData:
     if len(train) == 0:
         raise DistlmError(f"{paths.tokens}: the train split has no blocks: nothing to train on")
     plan = plan_batch(t, topo.world_size)
-    if topo.world_size != t.nodes * t.nproc_per_node:
+    if t.nproc_per_node is not None and topo.world_size != t.nodes * t.nproc_per_node:
         log.warning(
             "world size %d differs from train.nodes x train.nproc_per_node = %d x %d (the launcher "
             "decides; the global batch is %d)",

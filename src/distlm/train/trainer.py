@@ -47,7 +47,6 @@ from distlm.train.optim import (
     grad_norm,
     lr_at,
     make_optimizer,
-    resolve_precision,
 )
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
@@ -69,7 +68,6 @@ __all__ = [
     "TrainingStopped",
     "fused_adamw_available",
     "lr_at",
-    "resolve_precision",
     "run_training",
     "validation_blocks",
 ]
@@ -94,6 +92,7 @@ class Trainer:
         t = cfg.train
         self.cfg, self.tcfg, self.paths, self.topo = cfg, t, paths, topo
         self.device = topo.device
+        self.hw = topo.device_backend  # device, precision, kernels, compile (distlm.device)
         self._opened = contextlib.ExitStack()  # what close() closes, last opened first
         try:
             # rank 0's hold on the stage folder, before anything is written (None elsewhere)
@@ -103,10 +102,7 @@ class Trainer:
             self.data = setup.open_data(cfg, paths, topo)
             self._opened.callback(self.data.close)
             self.model, self.model_config, self.base_meta = setup.load_model(paths, topo, self.data)
-            self.precision = resolve_precision(t.precision, self.device)
-            self.autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
-                self.precision
-            ]
+            self.precision = self.hw.precision
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
             # test faults: None (nothing in the step loop) unless the test harness asks for one
             self.faults = faults_mod.arm(rank=topo.rank, world_size=topo.world_size)
@@ -139,12 +135,12 @@ class Trainer:
             self.resumed_from = resumed.path if resumed else None
             setup.sync_weights(self.model, cfg, topo)
             if resumed is not None:
-                ckpt_mod.set_rng_state(resumed.rng_state, self.device)
+                self.hw.set_rng_state(resumed.rng_state)
             else:
                 # Different dropout masks per rank, reproducible from the config seed.
                 torch.manual_seed(cfg.runtime.seed + 1000 * topo.rank)
-            # fwd: input_ids -> mean next-token loss, for evaluation (no DDP hooks)
-            self.fwd, self.ddp = wrap_model(self.model, t, self.device)
+            # fwd: input_ids -> mean next-token loss, eager, for validation (no DDP hooks)
+            self.fwd, self.ddp = wrap_model(self.model, t, self.hw)
             self.metrics = Metrics(
                 enabled=topo.is_main,
                 metrics_csv=paths.metrics_csv,
@@ -165,11 +161,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def train_step(self) -> dict:
         """Run optimizer step `self.step + 1`; return its metrics row (same on every rank)."""
         t0 = time.perf_counter()
@@ -182,7 +173,7 @@ class Trainer:
             # No gradient all-reduce on accumulation micro-steps: only the last one syncs.
             sync = self.ddp.no_sync() if i < accum - 1 else contextlib.nullcontext()
             with sync:
-                with self._autocast():
+                with self.hw.autocast():
                     loss = self.ddp(x) / accum
                 if self.faults is not None:
                     loss = self.faults.loss(step + 1, loss)  # a test's nan_at_step
@@ -263,7 +254,7 @@ class Trainer:
         try:
             for i in range(0, len(mine), t.micro_batch_size):
                 x = torch.from_numpy(val[mine[i : i + t.micro_batch_size]]).to(self.device)
-                with self._autocast():
+                with self.hw.autocast():
                     loss = self.fwd(x)
                 count = x.shape[0] * (x.shape[1] - 1)  # predicted tokens (labels shifted by one)
                 acc += torch.stack(
@@ -432,7 +423,15 @@ class Trainer:
     def step_and_log(self, *, profiler: StepProfiler | None = None, bar=None) -> dict:
         """One optimizer step with its bookkeeping (profiler, metrics, progress bar, log line)."""
         t = self.tcfg
+        first = self._last_step_end is None
         row = self.train_step()
+        if first:  # the one-time costs: torch.compile's first graph, the first allocations
+            log.info(
+                "step %d took %.2f s, the first of this process%s; later steps are the steady state",
+                self.step,
+                row["step_time_s"],
+                " (torch.compile included)" if self.hw.compile else "",
+            )
         if profiler is not None:
             profiler.step()
         self.metrics.log_step(row)
@@ -454,13 +453,17 @@ class Trainer:
         return row
 
     def _validate(self) -> None:
+        t0 = time.perf_counter()
         row = self.evaluate()
+        row["seconds"] = round(time.perf_counter() - t0, 4)
         self.metrics.log_val(row)
         log.info(
-            "step %d validation loss %.4f perplexity %.2f",
+            "step %d validation loss %.4f perplexity %.2f (%.2f s%s)",
             row["step"],
             row["val_loss"],
             row["val_perplexity"],
+            row["seconds"],
+            ", the first of this run" if len(self.metrics.val_rows) == 1 else "",
         )
 
     def close(self) -> None:
@@ -482,9 +485,18 @@ def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
     from distlm.dist import distributed
     from distlm.heap import keep_freed_memory
 
-    rt = cfg.runtime
-    with distributed(backend=rt.backend, device=rt.device, timeout_s=rt.timeout_s) as topo:
-        keep_freed_memory(f"rank {topo.rank}")  # before the model and the first step allocate
+    rt, t = cfg.runtime, cfg.train
+    with distributed(
+        backend=rt.backend,
+        device=rt.device,
+        timeout_s=rt.timeout_s,
+        ranks_key="train.nproc_per_node",
+        precision=t.precision,
+        precision_key="train.precision",
+        compile=t.compile,
+    ) as topo:
+        if topo.device_backend.kernels == "cpu":  # a CPU rank's heap (distlm.heap): CPU-tuned
+            keep_freed_memory(f"rank {topo.rank}")  # before the model and the first step allocate
         trainer = Trainer(cfg, paths, topo)
         try:
             return trainer.fit()

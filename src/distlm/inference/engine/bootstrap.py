@@ -110,7 +110,7 @@ def mpi_pipeline(
     """
     from mpi4py import MPI
 
-    from distlm.dist import resolve_device
+    from distlm.device import DeviceBackend
     from distlm.heap import freeze_startup_heap
     from distlm.lifeline import bind_to_launcher
 
@@ -122,9 +122,15 @@ def mpi_pipeline(
         local_rank, local_size, with_first = host_ranks(comm)
         set_threads(local_size, reserve=1 if serve and with_first else 0)
         stats = StageStats(stage=topo.rank)
-        model = load_stage(
-            model_dir, topo.rank, world=topo.stages, device=resolve_device(device, local_rank)
+        hw = DeviceBackend.for_rank(
+            device,
+            local_rank=local_rank,
+            local_ranks=local_size,
+            ranks_key="serve.stages" if serve else "inference.stages",
+            share_gpus=True,  # stages talk over MPI: more stages than GPUs take them in turn
         )
+        log.info("stage %d of %d: %s", topo.rank, topo.stages, hw.describe())
+        model = load_stage(model_dir, topo.rank, world=topo.stages, hw=hw)
         # Stage 0 gives up first (its engine tells the API server, which answers 503); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
         wait_s = settings.timeout_s * (1 if topo.is_first else 2)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
+from distlm.device import DeviceBackend
 from distlm.documents import ShardEntry
 from distlm.log import get_logger
 from distlm.model import check_state_dict, load_config_json, load_stage_shard, read_manifest
@@ -43,7 +44,7 @@ class StageModel(nn.Module):
     """One pipeline stage: its family's blocks (embeddings on stage 0, decoder layers
     [start, end), final norm + LM head on the last stage) and a KV cache per lane."""
 
-    def __init__(self, config, entry: ShardEntry) -> None:
+    def __init__(self, config, entry: ShardEntry, *, kernels: str = "standard") -> None:
         super().__init__()
         from distlm.model.family import family_of
 
@@ -53,7 +54,7 @@ class StageModel(nn.Module):
         self.first = entry.has_embeddings
         self.last = entry.has_head
         self.blocks = family_of(config).stage_blocks(
-            config, self.start, self.end, first=self.first, last=self.last
+            config, self.start, self.end, first=self.first, last=self.last, kernels=kernels
         )
         b = self.blocks
         self.n_head, self.n_kv_head, self.head_dim = b.n_head, b.n_kv_head, b.head_dim
@@ -332,9 +333,12 @@ class _Decode:
 
 
 def load_stage(
-    folder: str | Path, stage: int, *, world: int, device: str | torch.device = "cpu"
+    folder: str | Path, stage: int, *, world: int, hw: DeviceBackend | None = None
 ) -> StageModel:
-    """This rank's stage from a model folder's shards (sha256 checked against the manifest)."""
+    """This rank's stage from a model folder's shards (sha256 checked against the manifest), on
+    the device backend's device with its kernels (the CPU's when `hw` is None)."""
+    hw = hw or DeviceBackend.cpu()
+    device = hw.device
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest.stages != world:
@@ -345,7 +349,7 @@ def load_stage(
         )
     entry, tensors = load_stage_shard(folder, stage)  # sha256 checked first: fail before building
     config = load_config_json(folder)
-    model = StageModel(config, entry)
+    model = StageModel(config, entry, kernels=hw.kernels)
     model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     model.to(device)
     log.info(

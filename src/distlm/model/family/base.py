@@ -97,6 +97,9 @@ class Family:
         """Final norm or LM head: held by the last stage."""
         return name.startswith(self.final)
 
-    def stage_blocks(self, config, start: int, end: int, *, first: bool, last: bool) -> StageBlocks:
-        """One pipeline stage's weights and math (distlm.model.family.*_blocks)."""
+    def stage_blocks(
+        self, config, start: int, end: int, *, first: bool, last: bool, kernels: str = "standard"
+    ) -> StageBlocks:
+        """One pipeline stage's weights and math (distlm.model.family.*_blocks), with the
+        kernel set of the device it runs on (distlm.device: "cpu" or "standard")."""
         raise NotImplementedError(self.model_type)

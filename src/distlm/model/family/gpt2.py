@@ -30,10 +30,10 @@ class GPT2Family(Family):
             for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
         }
 
-    def stage_blocks(self, config, start, end, *, first, last):
+    def stage_blocks(self, config, start, end, *, first, last, kernels="standard"):
         from distlm.model.family.gpt2_blocks import GPT2Blocks
 
-        return GPT2Blocks(config, start, end, first=first, last=last)
+        return GPT2Blocks(config, start, end, first=first, last=last, kernels=kernels)
 
 
 GPT2 = GPT2Family(

@@ -22,7 +22,9 @@ from distlm.model.family.blocks import StageBlocks
 class GPT2Blocks(StageBlocks):
     """wte + wpe (first), `GPT2Block`s [start, end), ln_f + lm_head (last)."""
 
-    def __init__(self, config, start: int, end: int, *, first: bool, last: bool) -> None:
+    def __init__(
+        self, config, start: int, end: int, *, first: bool, last: bool, kernels: str = "standard"
+    ) -> None:
         from transformers.activations import ACT2FN
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -34,11 +36,13 @@ class GPT2Blocks(StageBlocks):
             self.wpe = nn.Embedding(config.n_positions, C)
         self.h = nn.ModuleList(GPT2Block(config, layer_idx=i) for i in range(start, end))
         self._h: list[Any] = list(self.h)  # the same modules, indexed without a call
-        # the MLP's activation (GPT2MLP's ACT2FN[activation_function]); gelu_new, GPT-2's, in place
+        # the MLP's activation (GPT2MLP's ACT2FN[activation_function]). GPT-2's gelu_new: on the
+        # CPU (kernel set "cpu", distlm.device) in place in four operations, which pays where every
+        # operation costs microseconds; elsewhere torch's tanh GELU, one standard kernel.
         act = config.activation_function
-        self.act: Callable[[torch.Tensor], torch.Tensor] = (
-            gelu_new_ if act == "gelu_new" else ACT2FN[act].forward
-        )
+        self.act: Callable[[torch.Tensor], torch.Tensor] = ACT2FN[act].forward
+        if act == "gelu_new":
+            self.act = gelu_new_ if kernels == "cpu" else gelu_tanh
         if last:
             self.ln_f = nn.LayerNorm(C, eps=config.layer_norm_epsilon)
             self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
@@ -81,7 +85,12 @@ class GPT2Blocks(StageBlocks):
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)
-_GELU_2K: dict[torch.dtype, torch.Tensor] = {}  # 2 sqrt(2 / pi), by input dtype
+_GELU_2K: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # 2 sqrt(2 / pi)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' `gelu_new` as torch's tanh GELU: one kernel (the "standard" kernel set)."""
+    return F.gelu(x, approximate="tanh")
 
 
 def gelu_new_(x: torch.Tensor) -> torch.Tensor:
@@ -93,20 +102,22 @@ def gelu_new_(x: torch.Tensor) -> torch.Tensor:
     serving engine's steps, where every operation costs microseconds, gained 2.5% at 16 clients
     and 7% at 64 (benchmarks/inference/probe_serve_steps.py; docs/performance.md, "Serving").
 
-    The constant is a 0-dim CPU tensor of the dtype the kernels compute in (float32, or float64
-    for float64), made once: an operation with a Python number first converts it into such a
-    tensor (two dispatches more, each time)."""
-    k2 = _gelu_constant(x.dtype)  # 2 sqrt(2 / pi)
+    The constant is a 0-dim tensor on the input's device, of the dtype the kernels compute in
+    (float32, or float64 for float64), made once per device: an operation with a Python number
+    first converts it into such a tensor (two dispatches more, each time). It is made on the
+    input's device: a CPU constant crashed addcmul on CUDA tensors (the H100 run of 2026-11-25).
+    The engine uses this form on the CPU only (distlm.device's kernel set "cpu")."""
+    k2 = _gelu_constant(x.dtype, x.device)  # 2 sqrt(2 / pi)
     s = torch.addcmul(k2, x, x, value=2 * _GELU_K * 0.044715)  # 2 sqrt(2 / pi) (1 + 0.044715 x^2)
     s.mul_(x).sigmoid_()
     return x.mul_(s)
 
 
-def _gelu_constant(dtype: torch.dtype) -> torch.Tensor:
-    k = _GELU_2K.get(dtype)
+def _gelu_constant(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    k = _GELU_2K.get((dtype, device))
     if k is None:
         compute = torch.float64 if dtype == torch.float64 else torch.float32
-        k = _GELU_2K[dtype] = torch.tensor(2 * _GELU_K, dtype=compute)
+        k = _GELU_2K[dtype, device] = torch.tensor(2 * _GELU_K, dtype=compute, device=device)
     return k
 
 

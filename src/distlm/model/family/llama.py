@@ -62,10 +62,10 @@ class LlamaFamily(Family):
         head_dim = getattr(config, "head_dim", None) or self.n_embd(config) // self.n_head(config)
         return int(config.num_key_value_heads or self.n_head(config)), int(head_dim)
 
-    def stage_blocks(self, config, start, end, *, first, last):
+    def stage_blocks(self, config, start, end, *, first, last, kernels="standard"):
         from distlm.model.family.llama_blocks import LlamaBlocks
 
-        return LlamaBlocks(config, start, end, first=first, last=last)
+        return LlamaBlocks(config, start, end, first=first, last=last, kernels=kernels)
 
 
 def _llama(model_type: str, architecture: str, config_name: str) -> LlamaFamily:

@@ -30,7 +30,10 @@ class LlamaBlocks(StageBlocks):
     """embed_tokens (first), decoder layers [start, end), norm + lm_head (last), for a Llama or a
     Qwen2 config (its model_type picks transformers' modules)."""
 
-    def __init__(self, config, start: int, end: int, *, first: bool, last: bool) -> None:
+    def __init__(
+        self, config, start: int, end: int, *, first: bool, last: bool, kernels: str = "standard"
+    ) -> None:
+        # kernels: the device's set (distlm.device); the Llama family's math has no CPU-only form
         super().__init__(start=start, end=end, first=first, last=last)
         layer_cls, rotary_cls, norm_cls = _modules(config)
         config._attn_implementation = "sdpa"

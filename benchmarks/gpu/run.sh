@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# One command that checks a GPU machine: installs distlm from a folder of wheels, runs the whole
+# workflow on config/gpu.yaml, the `gpu` tests, and the training and serving benchmarks on CUDA,
+# and writes what it measured under $OUT (at most 8 files).
+#
+#   bash benchmarks/gpu/wheels.sh .whl          # on a machine with PyPI: the wheels (docs/performance.md, "GPU")
+#   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl
+#
+# For a machine with Python 3.12 and a CUDA build of torch already installed and no network (the
+# GPU machines lent here: torch 2.11 with CUDA 13): every other package comes from the wheel folder
+# (`pip install --no-index --no-deps`), distlm itself as an editable install. Each step has a time
+# limit, and together they keep to a budget (BUDGET_S, 530 s), so the whole run ends inside 9
+# minutes on an H100; a step that fails or runs out of time is written down and the next one
+# still runs:
+#   install     the wheels and distlm
+#   workflow    snakemake --profile profiles/local --configfile config/gpu.yaml (rule all)
+#   tests       pytest -m gpu, reading the workflow's run (DISTLM_TESTS_GPU_WORKFLOW)
+#   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage beside a
+#               bare DDP loop (GPT-2 small's real shape, bf16, the stage's compile)
+#   serve       benchmarks/inference/bench_serve.py --device cuda: distlm serve beside
+#               `transformers serve --continuous-batching --device cuda`, on the trained folder
+#   uccl        the broadcast stage with transfer.transport: uccl, when a uccl wheel is in the
+#               folder and the machine has two GPUs (UCCL moves GPU memory between two of them)
+# Files under $OUT (default benchmarks/gpu/out): summary.json (each step: command, exit code,
+# seconds; the machine and the versions), run.log (everything printed), workflow-gpu.json (the
+# workflow's reports: broadcast, evaluation, training record and its one-time costs, inference
+# timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json, serve-results-gpu.json,
+# broadcast-uccl.json.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER (bash benchmarks/gpu/wheels.sh makes one)}
+out=${OUT:-benchmarks/gpu/out}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d /tmp/distlm-gpu-XXXXXX)
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# torch.compile's caches live with the run, not in /tmp's shared default
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton"
+exec > >(tee "$out/run.log") 2>&1
+started=$(date +%s)
+budget=${BUDGET_S:-530}  # the whole run's: the steps share it, the summary comes after
+steps=()
+
+# step NAME SECONDS COMMAND...: run it under a time limit (its own, or what is left of the
+# budget); its exit code and seconds go to summary.json (124: out of time).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((started + budget - $(date +%s)))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 10 ]; then
+    echo "=== $name: not run: the ${budget} s budget is spent"
+    steps+=("{\"step\": \"$name\", \"exit\": null, \"seconds\": 0, \"why\": \"budget spent\"}")
+    return 124
+  fi
+  echo "=== $name (at most ${limit} s): $*"
+  local t0 rc
+  t0=$(date +%s)
+  timeout --kill-after=20 "$limit" "$@"
+  rc=$?
+  local dt=$(($(date +%s) - t0))
+  echo "=== $name: exit $rc after ${dt} s"
+  steps+=("$($py -c 'import json, sys; print(json.dumps({"step": sys.argv[1],
+    "exit": int(sys.argv[2]), "seconds": int(sys.argv[3]), "command": sys.argv[4:]}))' \
+    "$name" "$rc" "$dt" "$@")")
+  return $rc
+}
+
+summary() {
+  local items
+  items=$(IFS=,; echo "${steps[*]-}")
+  $py benchmarks/gpu/collect.py summary "$out/summary.json" "[$items]" "$(($(date +%s) - started))"
+}
+trap summary EXIT
+
+# -- install: the wheels (distlm's dependencies the image lacks) and distlm, offline -----------
+step install 120 bash -c "
+  $py -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \"$wheels\"/*.whl &&
+  $py -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e ." || exit 1
+nvidia-smi || true
+
+# -- the whole workflow on config/gpu.yaml, then what it wrote, in one file --------------------
+wf="$work/workflow"
+mkdir -p "$wf"
+step workflow 210 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
+  --directory "$wf"
+$py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
+
+# -- the gpu tests, on the workflow's run ------------------------------------------------------
+export DISTLM_TESTS_GPU_WORKFLOW="$wf"
+step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
+  --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
+
+# -- training: the stage beside the bare DDP loop, GPT-2 small's real shape --------------------
+step train 110 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda \
+  --precision bf16 --set train.compile=true --steps 60 --skip 20 --only distlm bare \
+  --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
+
+# -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
+step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
+  --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
+  --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
+  --out "$out/serve-results-gpu.json"
+
+# -- the broadcast over UCCL, when its wheel came and there are two GPUs ------------------------
+if ls "$wheels"/uccl-*.whl >/dev/null 2>&1; then
+  gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
+  if [ "$gpus" -ge 2 ]; then
+    step uccl 90 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
+      --directory "$wf" --forcerun broadcast results/broadcast/report.json \
+      --config 'transfer={"transport": "uccl"}' 'broadcast={"receivers": 1}' &&
+      cp "$wf/results/broadcast/report.json" "$out/broadcast-uccl.json"
+  else
+    echo "=== uccl: not run: UCCL moves GPU memory between two GPUs, this machine has $gpus"
+    steps+=("{\"step\": \"uccl\", \"exit\": null, \"seconds\": 0, \"command\": [], \"why\": \"$gpus GPU(s): UCCL needs two\"}")
+  fi
+fi
+rm -rf "$work"

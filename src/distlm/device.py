@@ -1,0 +1,221 @@
+"""The device backend: what one rank runs on and how, decided once from the config and the
+machine. Stages ask it; none of them branches on the device itself.
+
+    backend = DeviceBackend.for_rank(
+        "cuda", local_rank=0, local_ranks=1, ranks_key="train.nproc_per_node",
+        precision="auto", precision_key="train.precision", compile=True,
+    )
+    backend.device            # cuda:0 (torch.cuda.set_device done), or cpu
+    backend.precision         # "bf16": auto is bf16 (else fp16) on a GPU, fp32 on the CPU
+    with backend.autocast():  # that dtype's autocast, or nothing for fp32
+        ...
+    backend.kernels           # "cpu": distlm's CPU-tuned kernels; "standard": torch's own ops
+    backend.compiled(module)  # torch.compile'd when the config asks for it
+    backend.to_device(batch)  # pinned and asynchronous where the device has a host link
+
+Which kernels apply is the device's: on the CPU, the kernels tuned for it (the LM head fused with
+its loss in cache-sized chunks, GPT-2's GELU in place; they save memory traffic a CPU is bound
+by); on CUDA, standard operations that `torch.compile` fuses, SDPA's flash kernels and
+maintained libraries. The CPU-tuned ones made the compiled GPU step 1.7x slower on an H100 and
+one of them (a 0-dim CPU constant) crashed CUDA (../docs/performance.md, "GPU"), so they are
+chosen here, once, and never applied everywhere. Both sets compute the same functions to float
+rounding, and the CPU tests run both (tests/test_device.py).
+
+A rank refuses a config its node cannot run, naming the key: more ranks on the node than it has
+GPUs, `cuda` on a node without one, a precision the GPU lacks. The workflow refuses the same
+before its first job when it runs the jobs on this machine (`distlm.machine`); under SLURM the
+node that runs Snakemake has no GPU to ask, so the ranks' check is the one that counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from distlm import DistlmError
+
+Kernels = Literal["cpu", "standard"]
+M = TypeVar("M", bound=torch.nn.Module)
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """runtime.device -> "cuda" or "cpu" for this machine ("auto": cuda when there is one)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise DistlmError(f"runtime.device: unknown device {device!r} (cpu, cuda or auto)")
+    return device
+
+
+def check_ranks_fit(local_ranks: int, gpus: int, *, ranks_key: str, where: str) -> None:
+    """More ranks on a node than it has GPUs is refused, naming the key that asked for them."""
+    if gpus == 0:
+        raise DistlmError(
+            f"runtime.device: cuda, but {where} has no GPU that CUDA can see "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch "
+            f"{torch.__version__}, CUDA build {torch.version.cuda}); set runtime.device: cpu, "
+            "or run this stage on a GPU node"
+        )
+    if local_ranks > gpus:
+        raise DistlmError(
+            f"{ranks_key}: {local_ranks} ranks on {where}, which has {gpus} GPU(s) (one rank a "
+            f"GPU); set {ranks_key} to at most {gpus}, or null for one rank per GPU"
+        )
+
+
+def resolve_precision(requested: str, device: torch.device, *, key: str) -> str:
+    """fp32 / bf16 / fp16 for this device (auto: bf16, else fp16, on a GPU; fp32 on the CPU);
+    an impossible request is an error naming `key`, never a fallback."""
+    if requested not in ("auto", *_AUTOCAST):
+        raise DistlmError(f"{key}: unknown precision {requested!r} (auto, fp32, bf16, fp16)")
+    if device.type == "cpu":
+        if requested == "fp16":
+            raise DistlmError(f"{key}: fp16 needs a GPU (use fp32 or bf16 on the CPU)")
+        return "fp32" if requested == "auto" else requested
+    bf16_ok = torch.cuda.is_bf16_supported()
+    if requested == "auto":
+        return "bf16" if bf16_ok else "fp16"
+    if requested == "bf16" and not bf16_ok:
+        raise DistlmError(
+            f"{key}: bf16 but {torch.cuda.get_device_name(device)} lacks it; use fp16 or fp32"
+        )
+    return requested
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernel set that pays on `device`: "cpu" (distlm's CPU-tuned kernels) on the CPU,
+    "standard" (torch's own operations, compiled where asked) elsewhere."""
+    return "cpu" if device.type == "cpu" else "standard"
+
+
+@dataclass(frozen=True)
+class DeviceBackend:
+    """One rank's device, precision, compile policy and kernel set (see the module doc)."""
+
+    device: torch.device
+    precision: str = "fp32"  # fp32 | bf16 | fp16, resolved for the device
+    compile: bool = False  # torch.compile the modules the stage hands to `compiled`
+    # the kernel set: the device's (see `kernels_for`); given only by tests, which run the GPU's
+    # set on the CPU to check its numerics there
+    kernels: Kernels = None  # pyright: ignore[reportAssignmentType]
+
+    def __post_init__(self) -> None:
+        if self.kernels is None:
+            object.__setattr__(self, "kernels", kernels_for(self.device))
+
+    @classmethod
+    def for_rank(
+        cls,
+        device: str,
+        *,
+        local_rank: int = 0,
+        local_ranks: int = 1,
+        ranks_key: str = "the stage's rank count",
+        precision: str = "fp32",
+        precision_key: str = "precision",
+        compile: bool = False,
+        share_gpus: bool = False,
+    ) -> DeviceBackend:
+        """This rank's backend: local rank `local_rank` of the `local_ranks` on its node, each
+        on a GPU of its own when the device is cuda (made the current device here).
+
+        `share_gpus`: ranks that talk through host memory, not NCCL (the MPI pipeline's stages,
+        each holding a slice of the model), take the node's GPUs in turn when there are more
+        ranks than GPUs; NCCL ranks (torch.distributed stages) need one GPU each."""
+        kind = resolve_device(device)
+        if kind == "cpu":
+            dev = torch.device("cpu")
+        else:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            ranks = max(local_ranks, local_rank + 1)
+            check_ranks_fit(
+                min(ranks, gpus) if share_gpus else ranks,
+                gpus,
+                ranks_key=ranks_key,
+                where=_node(),
+            )
+            dev = torch.device("cuda", local_rank % gpus)
+            torch.cuda.set_device(dev)
+        return cls(dev, resolve_precision(precision, dev, key=precision_key), compile)
+
+    @classmethod
+    def cpu(cls) -> DeviceBackend:
+        return cls(torch.device("cpu"))
+
+    # -- what the device decides -----------------------------------------------------------
+    @property
+    def is_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return _AUTOCAST[self.precision]
+
+    def autocast(self):
+        """The precision's autocast context (nothing for fp32)."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def compiled(self, module: M) -> M:
+        """`module` under torch.compile when the config asks for it (the same module otherwise).
+        An nn.Module compiles to an OptimizedModule that calls like it (the stub says Callable)."""
+        return torch.compile(module) if self.compile else module  # pyright: ignore[reportReturnType]
+
+    # -- moving data and state ---------------------------------------------------------------
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this device: through pinned memory, without waiting, on a GPU."""
+        if self.is_gpu:
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    @property
+    def ddp_device_ids(self) -> list[int] | None:
+        return [self.device.index] if self.is_gpu else None
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a timing boundary); nothing on the CPU."""
+        if self.is_gpu:
+            torch.cuda.synchronize(self.device)
+
+    def rng_state(self) -> dict[str, Any]:
+        """The RNG states a resumed rank needs (torch's CPU one, Python's, the GPU's), as
+        weights_only-safe data."""
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": [version, list(internal), gauss],
+        }
+        if self.is_gpu:
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if self.is_gpu:
+            if "cuda" not in state:
+                raise DistlmError("checkpoint holds no CUDA RNG state (it was made on the CPU)")
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def describe(self) -> str:
+        what = str(self.device)
+        if self.is_gpu:
+            what += f" ({torch.cuda.get_device_name(self.device)})"
+        return (
+            f"{what}, precision {self.precision}, kernels {self.kernels}, "
+            f"compile {'on' if self.compile else 'off'}"
+        )
+
+
+def _node() -> str:
+    return f"this node ({socket.gethostname()})"

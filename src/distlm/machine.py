@@ -1,0 +1,52 @@
+"""What the machine has, read without torch: the GPUs CUDA would see on this node.
+
+The workflow reads this while it builds the DAG (no torch there: `distlm.settings`' contract), to
+refuse before the first job a config that asks for more GPUs than this machine has, with the
+key to change. Under SLURM the node that runs Snakemake usually has no GPU; there the check is
+the ranks' own (`distlm.device`), where they run.
+
+    visible_gpus()   # 0 on a machine without the NVIDIA driver; CUDA_VISIBLE_DEVICES honoured
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")  # one folder per GPU, written by the driver
+
+
+def physical_gpus() -> int:
+    """The NVIDIA GPUs the driver shows on this node (0 without the driver)."""
+    if NVIDIA_PROC.is_dir():
+        return sum(1 for _ in NVIDIA_PROC.iterdir())
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def visible_count(physical: int, env: Mapping[str, str]) -> int:
+    """The GPUs CUDA shows a process with `env`: CUDA_VISIBLE_DEVICES' entries up to the first
+    invalid one (CUDA's rule), at most the physical count; all of them when it is unset."""
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return physical
+    n = 0
+    for item in (s.strip() for s in spec.split(",")):
+        if not item or item.startswith("-"):
+            break  # an empty or negative entry hides it and every later one
+        n += 1
+    return min(n, physical)
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> int:
+    """The GPUs a process started here with `env` (default: this one's) would see."""
+    return visible_count(physical_gpus(), os.environ if env is None else env)

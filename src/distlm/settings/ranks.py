@@ -1,0 +1,87 @@
+"""How many ranks a torch.distributed stage starts on a node, and which config key says so: the
+one place that turns `train.nproc_per_node`, `eval.nproc_per_node` and `broadcast.receivers`
+into torchrun's `--nproc-per-node`.
+
+    r = stage_ranks(settings, "train")
+    r.per_node   # 2, or "gpu": torchrun's own value, one rank per GPU of the node it runs on
+    r.key        # "train.nproc_per_node": what an error about the count names
+
+A null count follows the machine where the ranks run: one rank per GPU when the device is cuda
+(or auto), one rank on the CPU. "gpu" is resolved by torchrun on each node (the SLURM launcher
+resolves it first, to name the key when a node has none), so the workflow plans a GPU config on
+a machine without a GPU, and a SLURM allocation's nodes decide for themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from distlm.settings.root import Settings
+
+GPU = "gpu"  # torchrun's --nproc-per-node=gpu: one rank per GPU CUDA sees on the node
+TORCH_STAGES = ("broadcast", "train", "eval")
+
+
+@dataclass(frozen=True)
+class StageRanks:
+    stage: str
+    key: str  # the config key that sets the count
+    per_node: int | Literal["gpu"]  # torchrun's --nproc-per-node
+    on_gpu: bool  # each rank takes a GPU of its own (runtime.device cuda or auto)
+
+    def threads(self, gpus: int) -> int:
+        """The rule's `threads` (Snakemake's CPU budget for the job) on a machine with `gpus`."""
+        return self.per_node if isinstance(self.per_node, int) else max(1, gpus)
+
+    def fits(self, gpus: int) -> str | None:
+        """Why these ranks cannot run on a node with `gpus` GPUs, naming the key; None if they
+        can (the CPU has room for any count)."""
+        if not self.on_gpu:
+            return None
+        if self.per_node == GPU:
+            if gpus == 0:
+                return (
+                    f"{self.key}: null means one rank per GPU, and this machine has none that "
+                    f"CUDA can see; set {self.key}, or runtime.device: cpu"
+                )
+            return None
+        if gpus == 0:
+            return None  # device auto on a machine without a GPU: the CPU, any count
+        if self.per_node > gpus:
+            return (
+                f"{self.key}: {self.stage} needs {self.per_node} ranks on one node (one GPU "
+                f"each) but this machine has {gpus} GPU(s); set {self.key} to fit, or null for "
+                "one rank per GPU"
+            )
+        return None
+
+
+def stage_ranks(s: Settings, stage: str) -> StageRanks:
+    """The ranks `stage` (broadcast, train or eval) starts per node under the settings `s`."""
+    on_gpu = s.runtime.device != "cpu"
+    if stage == "broadcast":
+        key, n = "broadcast.receivers", s.broadcast.receivers
+        n = None if n is None else 1 + n  # the sender and its receivers
+    elif stage == "train":
+        key, n = "train.nproc_per_node", s.train.nproc_per_node
+    elif stage == "eval":
+        key, n = "eval.nproc_per_node", s.eval.nproc_per_node
+    else:
+        raise KeyError(f"{stage!r} is no torch.distributed stage ({', '.join(TORCH_STAGES)})")
+    per_node: int | Literal["gpu"] = n if n is not None else (GPU if on_gpu else 1)
+    return StageRanks(stage, key, per_node, on_gpu)
+
+
+def machine_problems(s: Settings, gpus: int) -> list[str]:
+    """What a machine with `gpus` GPUs cannot run of `s` when every rank runs on it (the local
+    profile): each names the key to change."""
+    if s.runtime.device == "cuda" and gpus == 0:
+        return [
+            (
+                "runtime.device: cuda, but this machine has no GPU that CUDA can see; set "
+                "runtime.device: cpu (or auto), or run on a GPU machine"
+            )
+        ]
+    # The pipeline's stages are not here: they talk over MPI, so more stages than GPUs share them.
+    return [p for st in TORCH_STAGES if (p := stage_ranks(s, st).fits(gpus))]

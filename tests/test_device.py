@@ -1,0 +1,284 @@
+"""The device backend (distlm.device), the machine's GPUs (distlm.machine) and the stages' rank
+counts (distlm.settings.ranks), on the CPU: what the backend decides, what it refuses (naming the
+key), and the numerics of the GPU's kernel set run here at small shapes.
+
+The GPU's own runs are tests/test_gpu.py (marker `gpu`, skipped without CUDA). Here the kernel set
+"standard" runs on the CPU against the CPU-tuned one and transformers', and a dispatch mode finds
+a tensor made on the CPU that meets data on another device: on a CPU-only machine the model runs
+on the `meta` device, where such a tensor is as foreign as on a GPU (the H100 run's crash was a
+0-dim CPU constant that met CUDA tensors in the engine's GELU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlm import DistlmError
+from distlm.config import load_config
+from distlm.device import DeviceBackend, check_ranks_fit, kernels_for, resolve_precision
+from distlm.machine import physical_gpus, visible_count, visible_gpus
+from distlm.settings.ranks import GPU, machine_problems, stage_ranks
+from distlm.settings.validate import validate
+
+CPU = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_precision_is_the_devices_and_never_falls_back():
+    assert resolve_precision("auto", CPU, key="train.precision") == "fp32"
+    assert resolve_precision("bf16", CPU, key="train.precision") == "bf16"
+    with pytest.raises(DistlmError, match=r"^eval.precision: fp16 needs a GPU"):
+        resolve_precision("fp16", CPU, key="eval.precision")
+    with pytest.raises(DistlmError, match=r"^train.precision: unknown precision 'fp8'"):
+        resolve_precision("fp8", CPU, key="train.precision")
+
+
+def test_the_cpu_backend():
+    hw = DeviceBackend.for_rank("cpu", precision="bf16", precision_key="train.precision")
+    assert hw.device == CPU and hw.kernels == "cpu" and hw.autocast_dtype is torch.bfloat16
+    assert hw.ddp_device_ids is None and not hw.is_gpu
+    m = torch.nn.Linear(2, 2)
+    assert hw.compiled(m) is m  # compile off
+    assert DeviceBackend(CPU, compile=True).compiled(m) is not m
+    x = torch.ones(3)
+    assert hw.to_device(x) is x
+    with hw.autocast():
+        assert torch.is_autocast_enabled("cpu")
+    with DeviceBackend.cpu().autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert kernels_for(torch.device("cuda", 0)) == "standard" and kernels_for(CPU) == "cpu"
+    # tests run the GPU's kernel set on the CPU by giving it
+    assert DeviceBackend(CPU, kernels="standard").kernels == "standard"
+
+
+def test_rng_state_round_trips():
+    hw = DeviceBackend.cpu()
+    state = hw.rng_state()
+    a = torch.rand(3)
+    hw.set_rng_state(state)
+    assert torch.equal(torch.rand(3), a)
+    with pytest.raises(DistlmError, match="no CUDA RNG state"):
+        DeviceBackend(torch.device("cuda", 0), kernels="standard").set_rng_state(state)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_cuda_on_a_machine_without_a_gpu_is_refused_naming_the_key():
+    with pytest.raises(DistlmError, match=r"^runtime.device: cuda, but this node .* has no GPU"):
+        DeviceBackend.for_rank("cuda", ranks_key="train.nproc_per_node")
+
+
+def test_more_ranks_than_gpus_is_refused_naming_the_key():
+    check_ranks_fit(2, 2, ranks_key="train.nproc_per_node", where="n")
+    with pytest.raises(
+        DistlmError, match=r"^train.nproc_per_node: 4 ranks on n, which has 1 GPU\(s\)"
+    ):
+        check_ranks_fit(4, 1, ranks_key="train.nproc_per_node", where="n")
+    with pytest.raises(DistlmError, match=r"^runtime.device: cuda, but n has no GPU"):
+        check_ranks_fit(1, 0, ranks_key="eval.nproc_per_node", where="n")
+
+
+# ----------------------------------------------------------------------------- the machine
+
+
+def test_cuda_visible_devices_is_read_as_cuda_reads_it():
+    assert visible_count(4, {}) == 4
+    assert visible_count(4, {"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+    assert visible_count(4, {"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert visible_count(4, {"CUDA_VISIBLE_DEVICES": "0,-1,2"}) == 1  # stops at -1
+    assert visible_count(1, {"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 1  # never beyond the physical
+
+
+def test_physical_gpus_from_the_drivers_folder(tmp_path, monkeypatch):
+    from distlm import machine
+
+    (tmp_path / "0000:17:00.0").mkdir()
+    (tmp_path / "0000:65:00.0").mkdir()
+    monkeypatch.setattr(machine, "NVIDIA_PROC", tmp_path)
+    assert physical_gpus() == 2
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}) == 1
+    monkeypatch.setattr(machine, "NVIDIA_PROC", tmp_path / "none")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi either
+    assert physical_gpus() == 0
+
+
+# ----------------------------------------------------------------------------- rank counts
+
+
+def settings(**overlay):
+    return validate(load_config("config/config.yaml", overlay), source="test")[1]
+
+
+def test_a_null_count_follows_the_machine():
+    cpu = settings(
+        train={"nproc_per_node": None}, eval={"nproc_per_node": None}, broadcast={"receivers": None}
+    )
+    assert [stage_ranks(cpu, s).per_node for s in ("train", "eval", "broadcast")] == [1, 1, 1]
+    gpu = settings(
+        runtime={"device": "cuda", "backend": "nccl"},
+        train={"nproc_per_node": None},
+        broadcast={"receivers": None},
+    )
+    assert stage_ranks(gpu, "train").per_node == GPU == stage_ranks(gpu, "broadcast").per_node
+    assert stage_ranks(gpu, "eval").per_node == 2  # config.yaml's
+    assert stage_ranks(gpu, "train").threads(gpus=4) == 4
+    assert stage_ranks(gpu, "train").threads(gpus=0) == 1  # a dry run without a GPU
+    assert stage_ranks(settings(broadcast={"receivers": 0}), "broadcast").per_node == 1
+
+
+def test_a_config_the_machine_cannot_run_names_the_key():
+    gpu = settings(runtime={"device": "cuda", "backend": "nccl"})  # 2 ranks, 2 receivers
+    assert machine_problems(gpu, 0) == [
+        (
+            "runtime.device: cuda, but this machine has no GPU that CUDA can see; set "
+            "runtime.device: cpu (or auto), or run on a GPU machine"
+        )
+    ]
+    problems = machine_problems(gpu, 1)
+    assert [p.split(":")[0] for p in problems] == [
+        "broadcast.receivers",
+        "train.nproc_per_node",
+        "eval.nproc_per_node",
+    ]  # inference.stages: the pipeline's stages share GPUs (they talk over MPI)
+    assert "needs 3 ranks on one node" in problems[0] and "has 1 GPU(s)" in problems[0]
+    assert machine_problems(gpu, 4) == []
+    assert machine_problems(settings(), 0) == []  # the CPU default
+    auto = settings(runtime={"device": "auto"}, train={"nproc_per_node": None})
+    assert machine_problems(auto, 0) == [
+        (
+            "train.nproc_per_node: null means one rank per GPU, and this machine has none that "
+            "CUDA can see; set train.nproc_per_node, or runtime.device: cpu"
+        )
+    ]
+
+
+def test_the_gpu_config_fits_one_gpu():
+    from distlm.config import load_settings
+
+    s = load_settings("config/gpu.yaml")
+    assert machine_problems(s, 1) == []
+    assert {st: stage_ranks(s, st).per_node for st in ("broadcast", "train", "eval")} == {
+        "broadcast": GPU,
+        "train": GPU,
+        "eval": GPU,
+    }
+    assert (s.runtime.device, s.runtime.backend, s.train.precision, s.train.compile) == (
+        "cuda",
+        "nccl",
+        "bf16",
+        True,
+    )
+    assert (s.model.source, s.data.source) == ("init", "embedded")  # offline
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+class DeviceMix(TorchDispatchMode):
+    """Records every operation that meets tensors of two devices (a CPU tensor made without the
+    device of the data it meets); run the model on `meta` to find them on a CPU-only machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixed: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        devices = set()
+
+        def visit(a):
+            if isinstance(a, torch.Tensor):
+                devices.add(a.device.type)
+            elif isinstance(a, list | tuple):
+                for b in a:
+                    visit(b)
+
+        visit(args)
+        visit(list((kwargs or {}).values()))
+        if len(devices) > 1:
+            self.mixed.append(f"{func}: {sorted(devices)}")
+        return func(*args, **(kwargs or {}))
+
+
+def gpt2_blocks(kernels: str):
+    from transformers import GPT2Config
+
+    from distlm.model.family.gpt2_blocks import GPT2Blocks
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32, vocab_size=50)
+    blocks = GPT2Blocks(config, 0, 2, first=True, last=True, kernels=kernels)
+    for p in blocks.parameters():  # transformers' init leaves biases at 0: draw them too
+        torch.nn.init.normal_(p, std=0.2)
+    return blocks
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "standard"])
+def test_gpt2_gelu_of_each_kernel_set_is_transformers(kernels):
+    from transformers.activations import NewGELUActivation
+
+    blocks = gpt2_blocks(kernels)
+    x = torch.linspace(-6, 6, 4001, dtype=torch.float64)
+    want = NewGELUActivation()(x)
+    got = blocks.act(x.float().clone())
+    assert (got.double() - want).abs().max() < 2e-6
+    if kernels == "standard":
+        assert blocks.act.__name__ == "gelu_tanh"  # one standard kernel, not the in-place form
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "standard"])
+def test_engine_blocks_make_no_tensor_on_another_device(kernels):
+    """A stage's forward with weights and inputs on `meta`: no operation meets a CPU tensor."""
+    from distlm.model.family.gpt2_blocks import gelu_new_
+
+    blocks = gpt2_blocks(kernels).to("meta")
+    ids = torch.arange(5, device="meta")
+    with DeviceMix() as mix:
+        x = blocks.embed(ids, ids)
+        q, _kv = blocks.qkv(0, x, None)
+        x = blocks.finish(0, x, q.reshape(5, -1))
+        blocks.head(x)
+        gelu_new_(torch.ones(4, device="meta"))  # the CPU form on another device too
+    assert mix.mixed == []
+
+
+def test_device_mix_finds_a_cpu_constant():
+    """The check can fail: the engine's GELU as it was (a 0-dim CPU constant)."""
+    k = torch.tensor(2.0)
+    with DeviceMix() as mix:
+        x = torch.ones(3, device="meta")
+        torch.addcmul(k, x, x)
+    assert mix.mixed and "addcmul" in mix.mixed[0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_gpu_loss_equals_transformers_and_the_cpu_kernels(family):
+    """The "standard" kernel set's loss (NextTokenLoss, what a GPU compiles) and the CPU's fused
+    head (CausalLMLoss) against transformers' own: the same loss and gradients to float
+    rounding, on both of the families' model classes."""
+    from distlm.model.family import family_of
+    from distlm.settings import ModelInitSettings
+    from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss
+
+    init = ModelInitSettings(
+        architecture=family, n_layer=2, n_head=2, n_embd=16, n_positions=32, dropout=0.0
+    )
+    fam = family_of(family)
+    model = fam.build(fam.init_config(init, 64, 0), seed=0)
+    ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    losses, grads = {}, {}
+    for name, module in [
+        ("reference", ReferenceLoss(model)),
+        ("standard", NextTokenLoss(model)),
+        ("cpu", CausalLMLoss(model)),
+    ]:
+        model.zero_grad()
+        loss = module(ids)
+        loss.backward()
+        losses[name] = loss.item()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for name in ("standard", "cpu"):
+        assert abs(losses[name] - losses["reference"]) < 1e-5, (name, losses)
+        assert torch.allclose(grads[name], grads["reference"], atol=1e-6), name
