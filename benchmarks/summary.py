@@ -34,6 +34,10 @@ BATCH = "benchmarks/inference/results.json"
 TRAIN = "benchmarks/train/results-cpu.json"
 TRAIN_GPT2 = "benchmarks/train/results-cpu-gpt2.json"
 E2E = "benchmarks/e2e/results-gpt2-small-cpu.json"
+# benchmarks/gpu/run.sh's figures, committed once a GPU machine ran it (issue #45's goals)
+TRAIN_GPU = "benchmarks/train/results-gpu.json"
+SERVE_GPU = "benchmarks/inference/serve-results-gpu.json"
+GPU_RUN = "benchmarks/gpu/run.sh"
 
 # The serving goals (issue #31): (clients, the ratio's key, its name) -> (comparison, bound): at
 # least 2x the peer's throughput and at most 0.5x its p99 latency at 16 and 64 clients; ahead of
@@ -60,10 +64,22 @@ class Row:
     goal: str
     met: bool | None  # None: reported, no goal
     source: str
+    device: str = ""  # the device that gave the figure (device_of its file)
 
     def cells(self) -> list[str]:
         status = "reported" if self.met is None else ("met" if self.met else "**not met**")
-        return [self.what, self.against, self.measured, self.goal, status, f"`{self.source}`"]
+        if not (ROOT / self.source).is_file() or self.source.endswith(".sh"):
+            status = "waits for a GPU run"
+        device = self.device or device_of(load(self.source))
+        return [
+            self.what,
+            self.against,
+            device,
+            self.measured,
+            self.goal,
+            status,
+            f"`{self.source}`",
+        ]
 
 
 def load(rel: str) -> dict[str, Any]:
@@ -200,6 +216,75 @@ def e2e_rows() -> list[Row]:
     ]
 
 
+def device_of(data: dict[str, Any]) -> str:
+    """The device a file's figures came from: its GPU's name, or the CPU's cores."""
+    device = data.get("device")
+    if isinstance(device, str) and device not in ("", "cpu"):
+        return device
+    m = data.get("machine") or data.get("host") or {}
+    cpus = m.get("cpus") or m.get("logical_cpus")
+    return f"CPU, {cpus} cores" if cpus else "CPU"
+
+
+def gpu_rows() -> list[Row]:
+    """Issue #45's goals on a GPU, from benchmarks/gpu/run.sh's files once they are committed;
+    until then one row each saying that they wait for a GPU run."""
+    rows = []
+    if (ROOT / TRAIN_GPU).is_file():
+        mfu = load(TRAIN_GPU)["mfu"]
+        value = mfu.get("distlm_over_reference")
+        rows.append(
+            Row(
+                "training, GPT-2 small's shape: steady-state MFU",
+                "the nanoGPT-style compiled loop, same run",
+                "n/a" if value is None else f"{ratio(value, 1.1)} ({mfu['distlm']:.1%} MFU)",
+                "≥ 1.1x",
+                None if value is None else value >= 1.1,
+                TRAIN_GPU,
+            )
+        )
+    else:
+        rows.append(
+            Row(
+                "training on a GPU, GPT-2 small's shape: steady-state MFU",
+                "the nanoGPT-style compiled loop",
+                "not measured",
+                "≥ 1.1x",
+                None,
+                GPU_RUN,
+                "GPU (none lent yet)",
+            )
+        )
+    if (ROOT / SERVE_GPU).is_file():
+        ours = by_clients(load(SERVE_GPU)["ratios"]["distlm-s1_over_peer"])
+        for clients in (16, 64):
+            for key, op, bound in (("throughput", "≥", 3.0), ("p99", "≤", 0.5)):
+                value = ours[clients][key]
+                rows.append(
+                    Row(
+                        f"serving on the GPU, 1 stage, {clients} clients: {key}",
+                        "`transformers serve --continuous-batching --device cuda`",
+                        ratio(value, bound),
+                        f"{op} {bound:g}x",
+                        COMPARE[op](value, bound),
+                        SERVE_GPU,
+                    )
+                )
+    else:
+        rows.append(
+            Row(
+                "serving on a GPU, 16 / 64 clients: throughput (p99)",
+                "`transformers serve --continuous-batching --device cuda`",
+                "not measured",
+                "≥ 3x (≤ 0.5x)",
+                None,
+                GPU_RUN,
+                "GPU (none lent yet)",
+            )
+        )
+    return rows
+
+
 def machine(data: dict[str, Any]) -> str:
     """One line for a file's machine, from whichever of the benchmarks' layouts it has."""
     m = data.get("machine") or data.get("host") or {}
@@ -212,8 +297,8 @@ def machine(data: dict[str, Any]) -> str:
 
 
 def render() -> str:
-    rows = serving_rows() + batch_rows() + training_rows() + e2e_rows()
-    header = ["what", "distlm against", "measured", "goal", "", "from"]
+    rows = serving_rows() + batch_rows() + training_rows() + e2e_rows() + gpu_rows()
+    header = ["what", "distlm against", "device", "measured", "goal", "", "from"]
     lines = [
         BEGIN,
         "| " + " | ".join(header) + " |",
@@ -224,6 +309,9 @@ def render() -> str:
         "",
     ]
     for rel in dict.fromkeys(row.source for row in rows):
+        if rel == GPU_RUN:
+            lines.append(f"- `{rel}`: not run yet (no GPU machine has been lent to this project)")
+            continue
         data = load(rel)
         date = str(data["date"]).replace("T", " ")[:16] + " UTC"
         command = str(data["command"]).split(" --note")[0]

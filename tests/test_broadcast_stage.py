@@ -98,6 +98,7 @@ def test_a_chunk_changed_on_its_way_to_the_device_is_named(monkeypatch):
     import torch
 
     import distlm.broadcast as stage
+    from distlm.device import DeviceBackend
     from distlm.settings import TransferSettings
 
     tensors = {"a.weight": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(10)}
@@ -123,7 +124,7 @@ def test_a_chunk_changed_on_its_way_to_the_device_is_named(monkeypatch):
     s = stage.load_to_device(
         tensors,
         settings=TransferSettings(bucket_mb=0.5, chunk_mb=0.25),
-        device=torch.device("cpu"),
+        hw=DeviceBackend.cpu(),
         backend="gloo",
     )
     assert s.verified is False and s.all_verified is False

@@ -130,3 +130,44 @@ def test_envs_pin_one_version_of_each_package():
             assert first[0] == version, (
                 f"{name}: {env.name} pins {version}, {first[1]} pins {first[0]}"
             )
+
+
+def _constraints() -> dict[str, str]:
+    """Package name -> version pinned in constraints.txt (name==version lines)."""
+    pins: dict[str, str] = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        specs = list(req.specifier)
+        assert len(specs) == 1 and specs[0].operator == "==", f"constraints.txt: {line!r}"
+        name = canonicalize_name(req.name)
+        assert name not in pins, f"constraints.txt pins {name} twice"
+        pins[name] = specs[0].version
+    return pins
+
+
+def test_the_constraints_are_what_ci_installs_and_satisfy_pyproject():
+    """constraints.txt (the set CI passed with) pins every package the install declares, torch
+    left to the user's build: each pin satisfies pyproject.toml, and .ci/run and the README's
+    set-up install with it."""
+    pins = _constraints()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = [
+        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]
+    ]
+    declared = _pyproject_requirements()
+    for req in installed:
+        name = canonicalize_name(req.name)
+        if name == "torch" or (req.marker is not None and not req.marker.evaluate()):
+            continue
+        assert name in pins, f"constraints.txt does not pin {name} (pyproject.toml needs it)"
+        assert Version(pins[name]) in declared[name], (
+            f"constraints.txt: {name} {pins[name]} does not satisfy pyproject.toml's "
+            f"{name}{declared[name]}"
+        )
+    assert "torch" not in pins and not any(n.startswith("nvidia-") for n in pins)
+    install = "-c constraints.txt torch=="
+    assert install in (ROOT / ".ci" / "run").read_text()
+    assert install in (ROOT / "README.md").read_text()

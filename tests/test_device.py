@@ -205,11 +205,11 @@ class DeviceMix(TorchDispatchMode):
 def gpt2_blocks(kernels: str):
     from transformers import GPT2Config
 
-    from distlm.model.family.gpt2_blocks import GPT2Blocks
+    from distlm.family import family_of
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32, vocab_size=50)
-    blocks = GPT2Blocks(config, 0, 2, first=True, last=True, kernels=kernels)
+    blocks = family_of(config).stage_blocks(config, 0, 2, first=True, last=True, kernels=kernels)
     for p in blocks.parameters():  # transformers' init leaves biases at 0: draw them too
         torch.nn.init.normal_(p, std=0.2)
     return blocks
@@ -231,7 +231,7 @@ def test_gpt2_gelu_of_each_kernel_set_is_transformers(kernels):
 @pytest.mark.parametrize("kernels", ["cpu", "standard"])
 def test_engine_blocks_make_no_tensor_on_another_device(kernels):
     """A stage's forward with weights and inputs on `meta`: no operation meets a CPU tensor."""
-    from distlm.model.family.gpt2_blocks import gelu_new_
+    from distlm.family.gpt2.blocks import gelu_new_
 
     blocks = gpt2_blocks(kernels).to("meta")
     ids = torch.arange(5, device="meta")
@@ -258,11 +258,11 @@ def test_the_gpu_loss_equals_transformers_and_the_cpu_kernels(family):
     """The "standard" kernel set's loss (NextTokenLoss, what a GPU compiles) and the CPU's fused
     head (CausalLMLoss) against transformers' own: the same loss and gradients to float
     rounding, on both of the families' model classes."""
-    from distlm.model.family import family_of
-    from distlm.settings import ModelInitSettings
+    from distlm.family import family_of
+    from distlm.settings import init_settings
     from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss
 
-    init = ModelInitSettings(
+    init = init_settings(
         architecture=family, n_layer=2, n_head=2, n_embd=16, n_positions=32, dropout=0.0
     )
     fam = family_of(family)

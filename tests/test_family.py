@@ -1,4 +1,4 @@
-"""Model families (distlm.model.family): Llama-family models (grouped-query attention with 1 and 2
+"""Model families (distlm.family): Llama-family models (grouped-query attention with 1 and 2
 KV heads, tied and untied embeddings, Llama 3.2's rope scaling, Qwen2's QKV biases) through the
 model folder, the shard cut, sliding-window evaluation against the transformers perplexity guide's
 loop, DDP training on 2 gloo ranks against one process, and a kill with a bit-identical resume;
@@ -24,9 +24,10 @@ from distlm.data import TokenBlocks
 from distlm.dist import distributed
 from distlm.documents import ShardManifest, write_document
 from distlm.evaluate import evaluate_model
+from distlm.family import REGISTRY
+from distlm.family.llama import RopeScalingSettings
 from distlm.io import read_json, write_json
 from distlm.model import (
-    FAMILIES,
     build_model,
     family_of,
     init_config,
@@ -38,8 +39,7 @@ from distlm.model import (
     write_model_dir,
     write_pipeline_dir,
 )
-from distlm.settings import ModelInitSettings
-from distlm.settings.model import RopeScalingSettings
+from distlm.settings import init_settings
 from distlm.settings.stage import EvalConfig, TrainConfig
 from distlm.stages import stage_config
 from distlm.train import run_training
@@ -70,11 +70,13 @@ def variant(request, tmp_path_factory) -> dict:
 
 
 def test_the_families_are_the_supported_ones():
-    assert set(FAMILIES) == {"gpt2", "llama", "qwen2"}
+    assert set(REGISTRY) == {"gpt2", "llama", "qwen2", "qwen3"}
     with pytest.raises(DistlmError, match="'mamba' is not supported; distlm supports gpt2, llama"):
         family_of("mamba")
-    assert family_of("gpt2").kernels == {"linear_ce", "gelu"}
-    assert family_of("llama").kernels == family_of("qwen2").kernels == {"linear_ce"}
+    for name, spec in REGISTRY.items():  # each spec's model is its family's, by the same name
+        fam = family_of(name)
+        assert fam.model_type == name and fam.spec is spec and fam.linear_logits
+        assert fam.model_class.__name__ == spec.architecture
 
 
 def test_the_stages_in_place_gelu_new_is_transformers_to_float_rounding():
@@ -84,7 +86,7 @@ def test_the_stages_in_place_gelu_new_is_transformers_to_float_rounding():
     their rounding, on every magnitude tanh saturates at."""
     from transformers.activations import NewGELUActivation
 
-    from distlm.model.family.gpt2_blocks import gelu_new_
+    from distlm.family.gpt2.blocks import gelu_new_
 
     x = torch.cat(
         [torch.randn(7, 1536), torch.randn(7, 1536) * 30, torch.linspace(-9, 9, 1536)[None]]
@@ -112,7 +114,7 @@ def test_folder_loads_unchanged_and_shards_cut_by_family(variant, tmp_path):
     folder = variant["model"]
     spec = VARIANTS[variant["name"]]
     config = json.loads((folder / "config.json").read_text())
-    family = FAMILIES[spec["architecture"]]
+    family = family_of(spec["architecture"])
     assert config["architectures"] == [family.architecture]
     assert config["num_key_value_heads"] == spec["n_kv_head"]
     assert config["tie_word_embeddings"] == spec.get("tie_embeddings", True)
@@ -136,9 +138,11 @@ def test_folder_loads_unchanged_and_shards_cut_by_family(variant, tmp_path):
     assert "lm_head.weight" in last.tensors and "lm_head.weight" not in first.tensors
     assert man.tied == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
     assert all(
-        family.layer_of(k) in (0, 1) for k in first.tensors if family.layer_of(k) is not None
+        family.tensors.layer_of(k) in (0, 1)
+        for k in first.tensors
+        if family.tensors.layer_of(k) is not None
     )
-    assert {family.layer_of(k) for k in last.tensors} == {2, None}
+    assert {family.tensors.layer_of(k) for k in last.tensors} == {2, None}
     if spec["architecture"] == "qwen2":
         assert "model.layers.0.self_attn.q_proj.bias" in first.tensors
     back = load_shards(tmp_path / "p")
@@ -204,7 +208,7 @@ def test_perplexity_equals_the_transformers_guide_loop(variant, tmp_path):
     history moves the loss) equals the guide's loop on AutoModelForCausalLM, to 1e-5."""
     from transformers import AutoModelForCausalLM
 
-    init = ModelInitSettings(
+    init = init_settings(
         n_layer=3, n_head=4, n_embd=32, n_positions=BLOCK, **VARIANTS[variant["name"]]
     )
     config = init_config(init, VOCAB, 0)
@@ -377,11 +381,11 @@ def test_ddp_equals_one_process_and_a_kill_resumes_bit_identically(variant, tmp_
 def test_fused_loss_matches_transformers_for_the_llama_family(variant):
     """train.fast_kernels on a Llama-family model: the fused linear cross-entropy gives
     transformers' loss and gradients to float rounding; no GELU is swapped (a SiLU MLP)."""
-    from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu
+    from distlm.train.kernels import CausalLMLoss, ReferenceLoss
 
     ref = load_model_dir(variant["model"]).train()
     fast = load_model_dir(variant["model"]).train()
-    assert fuse_gelu(fast) == 0
+    assert family_of(fast.config).prepare_training(fast, "cpu") == ""
     x = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
     want = ReferenceLoss(ref)(x)
     want.backward()
@@ -414,7 +418,14 @@ def test_init_keys_are_checked_and_gpt2_configs_hash_as_before():
     same = validate_settings({"model": {"init": {"architecture": "gpt2"}}})
     assert stage_config(same.model_dump(), "model") == stage_config(base.model_dump(), "model")
     bad = {
-        "model.init.n_kv_head: a key of the Llama family": {"n_kv_head": 2},
+        "model.init.n_kv_head: a key of architecture llama, qwen2, qwen3, not gpt2": {
+            "n_kv_head": 2
+        },
+        "model.init.head_dim: a key of architecture qwen3, not llama": {
+            "architecture": "llama",
+            "head_dim": 64,
+        },
+        "model.init.head_dim: 15 is odd": {"architecture": "qwen3", "head_dim": 15},
         "model.init.n_kv_head: model.init.n_head 4 is not divisible by n_kv_head 3": {
             "architecture": "llama",
             "n_kv_head": 3,
@@ -435,6 +446,12 @@ def test_init_keys_are_checked_and_gpt2_configs_hash_as_before():
             validate_settings({"model": {"init": init}})
     llama = validate_settings({"model": {"init": {"architecture": "llama", "n_kv_head": 2}}})
     assert llama.model.init.model_dump()["architecture"] == "llama"
+    # Qwen3: a head width of its own, so n_head need not divide n_embd (q_proj: 32 -> 4 x 16)
+    qwen3 = {"architecture": "qwen3", "n_embd": 32, "n_head": 4, "n_kv_head": 2, "head_dim": 16}
+    s = validate_settings({"model": {"init": qwen3}})
+    assert type(s.model.init).__name__ == "Qwen3Init" and s.model.init.head_dim == 16
+    config = init_config(s.model.init, VOCAB, 0)
+    assert config.head_dim == 16 and family_of(config).kv_shape(config) == (2, 16)
 
 
 def test_a_local_folder_of_another_type_is_refused_when_the_config_is_validated(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from harness.families import CASES, N_LAYER, STAGES, build_family_models
 from test_inference import INFER, PROMPTS, mpiexec, write_config
 
-from distlm.inference.engine.stage import Item, load_stage
+from distlm.inference.engine.pipeline_stage import Item, load_stage
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +101,8 @@ def test_stage_chain_greedy_and_prompt_logprobs_match_transformers(family_models
                 got[k].append(int(nxt[k]))
             items = [Item(k, k, len(ids[k]) + step, 1) for k in range(len(ids))]
             x = nxt
+        eos = ref.tok.eos_token_id  # generate stops after end-of-text; the chain runs on
+        got = [g[: g.index(eos) + 1] if eos in g else g for g in got]
         assert got == want, (case, stages)
 
 
@@ -108,6 +110,7 @@ def test_stage_chain_greedy_and_prompt_logprobs_match_transformers(family_models
 # stages in one process; what the entry point adds (mpiexec ranks, lanes, admission while others
 # decode) is the same code for every family (tests/test_inference.py runs it for GPT-2).
 MPI_RUNS = list(zip(sorted(CASES), itertools.cycle(sorted(STAGES, reverse=True))))
+MPI_RUNS[-1] = (MPI_RUNS[-1][0], 2)  # Qwen3 over two stages (the stage counts stay covered)
 
 
 @pytest.mark.slow
@@ -241,3 +244,31 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
     hf_chat = test_ecosystem.chat_with_hf(folder, s2)
     test_ecosystem.assert_same_evaluation(api, hf)
     test_ecosystem.assert_same_chat_answers(chat, hf_chat)
+
+
+@pytest.mark.slow
+def test_transformers_serve_loads_a_qwen3_folder_distlm_wrote(family_models, tmp_path, hub_offline):
+    """Qwen3's model folder as distlm writes it loads unchanged in `transformers serve` and in
+    AutoModelForCausalLM: greedy text equals `generate`'s."""
+    import subprocess
+
+    import test_ecosystem
+
+    case = "qwen3-kv2-untied-hd16"
+    ref = reference(family_models, case)
+    folder = family_models(case)["model"]
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    proc, base = test_ecosystem.start_transformers_serve(folder, tmp_path / "ts.log")
+    try:
+        doc = test_ecosystem.post(
+            base, {"model": str(folder), "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+        )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    want = ref.tok.decode(ref.generate(ref.ids[1], 6), skip_special_tokens=True)
+    assert doc["choices"][0]["text"] == want

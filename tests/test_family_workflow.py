@@ -1,7 +1,7 @@
 """The whole workflow through `snakemake --profile profiles/local` on a sweep that crosses the model
 families (tests/configs/tiny-families.yaml over tiny.yaml): the tiny GPT-2, a tiny Llama (1 KV
-head, untied, Llama 3.2's rope scaling, 3 layers in 2 pipeline stages) and a folder shaped as
-SmolLM2-135M ships, through `model.source: local`. One run serves every check."""
+head, untied, Llama 3.2's rope scaling, 3 layers in 2 pipeline stages), and folders shaped as
+SmolLM2-135M and Qwen3-0.6B ship, through `model.source: local`. One run serves every check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from conftest import ROOT, TINY, run_snakemake
-from harness.hub_folder import smollm2_shaped_folder
+from harness.hub_folder import qwen3_shaped_folder, smollm2_shaped_folder
 
 from distlm.data.sources import load_embedded
 from distlm.documents import EvalReport, read_document
@@ -18,8 +18,12 @@ from distlm.model import family_of, load_config_json, load_model_dir, read_manif
 from distlm.sweep import SweepRun
 
 FAMILIES = ROOT / "tests" / "configs" / "tiny-families.yaml"
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-RUNS = {"gpt2": "gpt2", "llama": "llama", "smollm2-local": "llama"}
+ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+RUNS = {"gpt2": "gpt2", "llama": "llama", "smollm2-local": "llama", "qwen3-local": "qwen3"}
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +31,7 @@ def families_run(tmp_path_factory):
     wd = tmp_path_factory.mktemp("families")
     texts = [text for _, text in load_embedded()][:300]
     smollm2_shaped_folder(wd / "hub", texts)
+    qwen3_shaped_folder(wd / "hub", texts)
     proc = run_snakemake(wd, "--configfile", str(TINY), str(FAMILIES), configfile=None)
     return wd, proc
 
@@ -57,6 +62,8 @@ def test_a_sweep_across_families_runs_every_stage(families_run):
             assert family_of(cfg).kv_shape(cfg) == (1, 32)
             assert not cfg.tie_word_embeddings
             assert cfg.rope_parameters["rope_type"] == "llama3"
+        if name == "qwen3-local":  # its head width, not width / heads, shapes the KV cache
+            assert family_of(cfg).kv_shape(cfg) == (2, 16) and cfg.head_dim == 16
         metrics = (folders["train"] / "train/metrics.csv").read_text().splitlines()[1:]
         loss = [float(r.split(",")[1]) for r in metrics]
         assert len(loss) == 8 and loss[-1] < loss[0], (name, loss)

@@ -14,14 +14,14 @@ import torch
 from harness.faults import slow_reader_env
 
 from distlm import DistlmError
+from distlm.inference.engine.pipeline_stage import Item, _Plan, load_stage
 from distlm.inference.engine.ring import PipelineTopology
 from distlm.inference.engine.scheduler import Scheduler, Sequence
-from distlm.inference.engine.stage import Item, _Plan, load_stage
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
 from distlm.inference.stats import StageStats
 from distlm.inference.validate import sampling_settings
-from distlm.settings import InferenceSettings, ModelInitSettings, SamplingSettings
+from distlm.settings import InferenceSettings, SamplingSettings, init_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER = "distlm.entry.infer"  # the stage entry point, as rule inference starts it
@@ -59,7 +59,7 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
     train_tokenizer([t for _, t in load_embedded()[:150]], 400, 2, tokdir)
     tok = AutoTokenizer.from_pretrained(tokdir)
     cfg = init_config(
-        ModelInitSettings(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0),
+        init_settings(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0),
         len(tok),
         tok.eos_token_id,
     )

@@ -29,7 +29,7 @@ from distlm.model import (
     write_model_dir,
     write_pipeline_dir,
 )
-from distlm.settings import ModelInitSettings, ModelSourceSettings, Settings
+from distlm.settings import ModelSourceSettings, Settings, init_settings
 from distlm.settings.stage import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def test_folders_carry_what_save_pretrained_writes(tmp_path, data, folder):
 def test_balance_by_bytes():
     # GPT-2-small-shaped: embeddings weigh ~5.5 blocks, so the end stages get fewer blocks.
     cfg = init_config(
-        ModelInitSettings(n_layer=12, n_head=12, n_embd=768, n_positions=1024, dropout=0.0),
+        init_settings(n_layer=12, n_head=12, n_embd=768, n_positions=1024, dropout=0.0),
         50257,
         50256,
     )
@@ -222,7 +222,7 @@ def test_local_model_folder_source(tmp_path, data):
     from transformers import AutoTokenizer
 
     cfg = init_config(
-        ModelInitSettings(n_layer=3, n_head=2, n_embd=32, n_positions=64, dropout=0.0), 400, 0
+        init_settings(n_layer=3, n_head=2, n_embd=32, n_positions=64, dropout=0.0), 400, 0
     )
     model = build_model(cfg, seed=7)
     model.save_pretrained(src)
@@ -263,7 +263,7 @@ def test_failed_write_leaves_nothing_that_looks_complete(tmp_path, data):
     out = tmp_path / "model"
     before = (out / "model.safetensors").read_bytes()
     cfg = init_config(
-        ModelInitSettings(n_layer=2, n_head=2, n_embd=32, n_positions=64, dropout=0.0), 400, 0
+        init_settings(n_layer=2, n_head=2, n_embd=32, n_positions=64, dropout=0.0), 400, 0
     )
     sd = state_dict_for_save(build_model(cfg, seed=1))
     with pytest.raises(DistlmError):

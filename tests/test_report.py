@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import run_snakemake
 
+from distlm.device import DeviceBackend
 from distlm.documents import (
     BroadcastReport,
     DataStats,
@@ -92,7 +93,7 @@ def write_profile(results: Path, ranks=(0, 1), enabled: bool = True) -> None:
             cfg,
             out_dir=results / LAYOUT["profile"],
             rank=rank,
-            device=torch.device("cpu"),
+            hw=DeviceBackend.cpu(),
             start_step=0,
         )
         with prof:

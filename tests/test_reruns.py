@@ -89,6 +89,11 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
         ALL_FROM_MODEL,
     ),
     "model.init.rms_norm_eps": (_llama(rms_norm_eps=1e-6), ALL_FROM_MODEL),
+    # Qwen3's own key (tiny.yaml: width 64, 2 heads of 32; heads of 8 instead)
+    "model.init.head_dim": (
+        {"model": {"init": {"architecture": "qwen3", "head_dim": 8}}},
+        ALL_FROM_MODEL,
+    ),
     "transfer.transport": ({"transfer": {"transport": "uccl"}}, BROADCAST | TRAIN | REPORT),
     "transfer.bucket_mb": ({"transfer": {"bucket_mb": 0.5}}, BROADCAST | TRAIN | REPORT),
     "transfer.chunk_mb": ({"transfer": {"chunk_mb": 0.125}}, BROADCAST | TRAIN | REPORT),

@@ -380,9 +380,9 @@ def test_finished_and_cancelled_lanes_free_their_kv_cache(tiny_models, hf_refere
     assert all(f.finish_reason == "error" and f.error == "stage 1 died" for f in failed)
     assert model.cached_bytes() == 0 and sched.lanes_busy == 0 and not sched.busy
     # the last stage of two frees the lanes stage 0 names in Work.release (cache and sampler)
+    from distlm.inference.engine.pipeline_stage import Item, load_stage
     from distlm.inference.engine.ring import Slot
     from distlm.inference.engine.sampler import last_stage
-    from distlm.inference.engine.stage import Item, load_stage
 
     first, last = (load_stage(tiny_models[2], st, world=2) for st in (0, 1))
     item = Item(0, 1, 0, len(ids[0]))
@@ -467,9 +467,9 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
     beside other sequences; the figures equal a single-process GPT2LMHeadModel to 1e-4."""
     from test_inference import _scheduler
 
+    from distlm.inference.engine.pipeline_stage import Item, load_stage
     from distlm.inference.engine.ring import Slot
     from distlm.inference.engine.sampler import last_stage
-    from distlm.inference.engine.stage import Item, load_stage
 
     folder = tiny_models[1].parent / "model"
     ids = _ids(hf_reference.tokenizer)

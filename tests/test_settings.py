@@ -7,6 +7,7 @@ import copy
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 import yaml
@@ -162,14 +163,29 @@ def test_validation_needs_no_checkout(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def _models(ann: object) -> list[type[BaseModel]]:
+    """The models a field holds: its type, or each member of a union of models (model.init: the
+    families' init settings), in order; [] for a leaf."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    members = [typing.get_args(a)[0] if typing.get_args(a) else a for a in typing.get_args(ann)]
+    if typing.get_origin(ann) is typing.Annotated:
+        return _models(typing.get_args(ann)[0])
+    if members and all(isinstance(m, type) and issubclass(m, BaseModel) for m in members):
+        return members
+    return []
+
+
 def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
-    """Every leaf key of a model, dotted, with its FieldInfo."""
+    """Every leaf key of a model, dotted, with its FieldInfo (a union of models: every member's
+    keys, the first's where they share one)."""
     out: dict[str, object] = {}
     for name, f in model.model_fields.items():
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out.update(_leaves(ann, f"{prefix}{name}."))
-        else:
+        models = _models(f.annotation)
+        for m in models:
+            for k, v in _leaves(m, f"{prefix}{name}.").items():
+                out.setdefault(k, v)
+        if not models:
             out[prefix + name] = f
     return out
 

@@ -24,10 +24,11 @@ from harness.synthetic import checkpoint_state, make_inputs, run_identity
 
 from distlm import DistlmError
 from distlm.config import validate_config
-from distlm.device import DeviceBackend
-from distlm.dist import threads_per_rank
+from distlm.device import DeviceBackend, threads_per_rank
 from distlm.documents import ModelMeta, TokenMeta, write_document
+from distlm.family import family_of
 from distlm.io import digest
+from distlm.launch.torchrun import local_torchrun, stage_args
 from distlm.model import load_model_dir, read_meta
 from distlm.settings import TrainSettings
 from distlm.settings.stage import TrainConfig
@@ -36,7 +37,7 @@ from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
 from distlm.train import faults as faults_mod
 from distlm.train import identity as ident
-from distlm.train.kernels import CausalLMLoss, ReferenceLoss, fuse_gelu, linear_cross_entropy
+from distlm.train.kernels import CausalLMLoss, ReferenceLoss, linear_cross_entropy
 from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.trainer import fused_adamw_available
 
@@ -178,7 +179,8 @@ def test_threads_per_rank_never_oversubscribes():
 def test_fast_kernels_match_transformers_loss_and_gradients(inputs, rows):
     ref = load_model_dir(inputs["model"]).train()
     fast = load_model_dir(inputs["model"]).train()
-    assert fuse_gelu(fast) == fast.config.n_layer
+    swapped = family_of(fast.config).prepare_training(fast, "cpu")
+    assert swapped == f"{fast.config.n_layer} tanh GELUs in one kernel"
     x = torch.randint(
         0, fast.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0)
     )
@@ -388,29 +390,19 @@ def _torchrun_cmd(
     cfg_path = out.parent / f"{out.name}.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     write_document(cfg_path, cfg)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={restarts}",
-        "--monitor-interval=0.2",
-        "-m",
-        ENTRY,
-        "--config",
-        str(cfg_path),
-        "--tokens",
-        str(inputs["tokens"]),
-        "--tokenizer",
-        str(inputs["tokenizer"]),
-        "--model",
-        str(inputs["model"]),
-        "--out",
-        str(out),
-        "--rank-log",
-        str(out / "logs" / "rank{rank}.log"),
-    ]
+    cmd = local_torchrun(  # the rule's command (distlm.launch.torchrun), 2 ranks
+        stage_args(
+            "train",
+            nproc=2,
+            max_restarts=restarts,
+            launcher=["--monitor-interval=0.2"],
+            args=[
+                *("--config", str(cfg_path), "--tokens", str(inputs["tokens"])),
+                *("--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"])),
+                *("--out", str(out), "--rank-log", str(out / "logs" / "rank{rank}.log")),
+            ],
+        )
+    )
     return cmd, {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
 
 
@@ -426,7 +418,7 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     assert b.returncode == 0, b.stderr[-4000:]
     assert "killing rank 1" in (tmp_path / "b" / "logs" / "rank1.log").read_text()
     assert "resuming from" in (tmp_path / "b" / "logs" / "rank0.log").read_text()
-    for rank in (0, 1):  # each rank set glibc's malloc to keep what it frees (distlm.heap)
+    for rank in (0, 1):  # each rank set glibc's malloc to keep what it frees (distlm.device)
         log = (tmp_path / "a" / "logs" / f"rank{rank}.log").read_text()
         assert f"rank {rank}: glibc" in log and "keeps freed memory for reuse" in log
 
@@ -966,7 +958,7 @@ def test_a_malformed_checkpoint_state_names_the_field(tmp_path):
 
 _FAULTS = """
 import resource, statistics, sys, torch
-from distlm.heap import keep_freed_memory
+from distlm.device import keep_freed_memory
 from distlm.log import setup_logging
 
 setup_logging()
@@ -1007,7 +999,7 @@ def test_a_training_rank_keeps_freed_memory_instead_of_faulting_it_in_again():
 def test_keep_freed_memory_says_when_the_c_library_is_not_glibc(monkeypatch, caplog):
     import platform
 
-    from distlm.heap import keep_freed_memory
+    from distlm.device import keep_freed_memory
 
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
     with caplog.at_level(logging.INFO, logger="distlm"):
@@ -1033,3 +1025,88 @@ def test_clipping_is_clip_grad_norm_s_to_the_bit(clip):
     assert torch.equal(norm, want)
     assert clip_gradients(ours, clip, norm) is (clip < norm.item())
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), ref.parameters()))
+
+
+def test_background_checkpoints_write_what_the_loop_writes(inputs, tmp_path, monkeypatch):
+    """The GPU's checkpoint policy run on the CPU (rank 0 copies the checkpoint to host memory,
+    a thread writes it while training goes on): every checkpoint holds the weights of its own
+    step, bit for bit those written in the loop; the final weights are the same; the run waits
+    for the last write; each save's stall is in the training record."""
+    import dataclasses
+
+    from distlm.device import DeviceBackend
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_training(train_cfg(), paths(inputs, a))
+    in_loop = DeviceBackend.for_rank
+
+    def background(cls, *args, **kw):
+        return dataclasses.replace(in_loop(*args, **kw), background_checkpoints=True)
+
+    monkeypatch.setattr(DeviceBackend, "for_rank", classmethod(background))
+    run_training(train_cfg(), paths(inputs, b))
+    ca, cb = ck.list_checkpoints(only_run(a)), ck.list_checkpoints(only_run(b))
+    assert [c.step for c in ca] == [c.step for c in cb] == [4, 6]  # keep_last 2
+    for x, y in zip(ca, cb, strict=True):
+        wx, wy = ck.load_weights(x), ck.load_weights(y)
+        assert all(torch.equal(wx[k], wy[k]) for k in wx)
+        ox = ck.load_optimizer_state(x, torch.device("cpu"))["state"]
+        oy = ck.load_optimizer_state(y, torch.device("cpu"))["state"]
+        assert all(torch.equal(ox[i]["exp_avg"], oy[i]["exp_avg"]) for i in ox)
+    fa, fb = (load_model_dir(d / "final").state_dict() for d in (a, b))
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    stalls = read_meta(b / "final").training["checkpoint_stall_s"]
+    assert len(stalls) == 3 and all(s >= 0 for s in stalls)
+
+
+def test_a_background_write_that_fails_is_raised_at_the_next_wait(tmp_path):
+    """A background write's error (here a run folder that is a file) is not lost: the next
+    save or the end of the run raises it."""
+    writer = ck.CheckpointWriter(background=True)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+
+    def write(where):
+        (where / "x").write_text("")
+
+    assert writer.submit(write, blocker) is None
+    with pytest.raises(OSError):
+        writer.wait()
+    writer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.with_slurm  # a minute of compiling: in the session that mostly waits on SLURM
+def test_compile_compiles_the_step_once_and_keeps_its_cache_with_the_run(inputs, tmp_path):
+    """train.compile: the training step's graph is compiled once; validation runs the same
+    module eagerly, so it compiles nothing (on an H100 the eval graph's compile took as long
+    as the first); torch.compile's caches are kept in the stage's compile-cache folder."""
+    import os
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = tmp_path / "train"
+    env = {
+        k: os.environ.pop(k)
+        for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+        if k in os.environ
+    }
+    try:
+        run_training(
+            train_cfg(max_steps=3, eval_every=1, ckpt_every=3, compile=True),
+            paths(inputs, out),
+        )
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(out))
+    finally:
+        for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            os.environ.pop(k, None)
+        os.environ.update(env)
+    frames = torch._dynamo.utils.counters["frames"]
+    # the loss module's forward (and what its graph breaks leave), compiled for the training
+    # step; three validations and three steps later no frame was compiled again
+    assert 0 < frames["ok"] == frames["total"] <= 4, dict(frames)
+    cache = TrainPaths(**paths(inputs, out).__dict__).compile_cache / "inductor"
+    assert cache.is_dir() and any(cache.rglob("*")), cache
+    assert read_meta(out / "final").training["steps"] == 3

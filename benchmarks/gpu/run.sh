@@ -15,8 +15,9 @@
 #   install     the wheels and distlm
 #   workflow    snakemake --profile profiles/local --configfile config/gpu.yaml (rule all)
 #   tests       pytest -m gpu, reading the workflow's run (DISTLM_TESTS_GPU_WORKFLOW)
-#   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage beside a
-#               bare DDP loop (GPT-2 small's real shape, bf16, the stage's compile)
+#   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage, compiled,
+#               beside the nanoGPT-style compiled loop (GPT-2 small's real shape, bf16); steady-
+#               state MFU of both, one-time costs (compile, first validation, checkpoint stalls)
 #   serve       benchmarks/inference/bench_serve.py --device cuda: distlm serve beside
 #               `transformers serve --continuous-batching --device cuda`, on the trained folder
 #   uccl        the broadcast stage with transfer.transport: uccl, when a uccl wheel is in the
@@ -94,7 +95,7 @@ step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovid
 
 # -- training: the stage beside the bare DDP loop, GPT-2 small's real shape --------------------
 step train 110 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda \
-  --precision bf16 --set train.compile=true --steps 60 --skip 20 --only distlm bare \
+  --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
   --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
 
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------

@@ -80,14 +80,14 @@ def seeded_model(folder: Path, args, **arch) -> Path:
     by the model stage's own functions."""
     from distlm.data import load_embedded, train_tokenizer
     from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
-    from distlm.settings import ModelInitSettings
+    from distlm.settings import init_settings
 
     tokdir = folder / "tokenizer"
     tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
     if not isinstance(tok.eos_token_id, int):
         raise SystemExit(f"tokenizer {tokdir}: eos_token_id {tok.eos_token_id!r} is not one id")
     cfg = init_config(
-        ModelInitSettings(
+        init_settings(
             n_positions=256,
             n_embd=args.embd,
             n_layer=args.layers,

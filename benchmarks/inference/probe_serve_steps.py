@@ -42,7 +42,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from distlm.inference.engine import stage
+    from distlm.inference.engine import pipeline_stage as stage
     from distlm.inference.engine.ring import PipelineTopology
     from distlm.inference.engine.scheduler import Scheduler, Sequence
     from distlm.inference.sampling import SamplingParams

@@ -232,8 +232,55 @@ def bare_worker(a, cfg: TrainConfig) -> None:
             )
 
 
-def hf_worker(a, cfg: TrainConfig) -> None:
-    """`transformers.Trainer` on the same weights, blocks and optimizer settings."""
+def nanogpt_worker(a, cfg: TrainConfig) -> None:
+    """The loop a GPU user would write (benchmarks/train/nanogpt.py, nanoGPT's train.py): its
+    GPT-2 on the same weights and blocks, torch.compile of the whole model and loss, DDP, fused
+    AdamW with decay on the matrices, clipping at the stage's grad_clip, bf16 autocast."""
+    import torch
+    from nanogpt import GPT
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distlm.data import TokenBlocks
+    from distlm.dist import distributed
+    from distlm.train.optim import param_groups
+
+    t, rt = cfg.train, cfg.runtime
+    with distributed(backend=rt.backend, device=rt.device, timeout_s=600) as topo:
+        dev = topo.device
+        blocks = TokenBlocks(a.tokens, "train")
+        data = torch.from_numpy(blocks[list(range(len(blocks)))])
+        blocks.close()
+        model = GPT.from_gpt2_folder(a.model).to(dev).train()
+        opt = torch.optim.AdamW(
+            param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True
+        )
+        ddp = DDP(torch.compile(model), device_ids=topo.device_backend.ddp_device_ids)
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision_resolved)
+        g = torch.Generator().manual_seed(rt.seed + topo.rank)
+        mb = t.micro_batch_size
+        stamps = [time.perf_counter()]
+        for _ in range(a.steps):
+            x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
+            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
+                loss = ddp(x)
+            loss.backward()
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            topo.device_backend.synchronize()  # per-step times need the step to have finished
+            stamps.append(time.perf_counter())
+        if topo.is_main:
+            _write_worker_result(
+                a,
+                step_s=[b - e for e, b in itertools.pairwise(stamps)],
+                tokens_per_step=mb * topo.world_size * data.shape[1],
+            )
+
+
+def hf_worker(a, cfg: TrainConfig, *, compile: bool = False) -> None:
+    """`transformers.Trainer` on the same weights, blocks and optimizer settings (with
+    `torch_compile=True` for the hf-compile variant)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -310,6 +357,7 @@ def hf_worker(a, cfg: TrainConfig) -> None:
             save_total_limit=t.keep_last,
             report_to="none",
             seed=rt.seed,
+            torch_compile=compile,
         )
         trainer = Trainer(
             model=model,
@@ -455,6 +503,10 @@ def resolved_config(a, work: Path) -> tuple[TrainConfig, Path]:
     p = PRESETS[a.preset]
     micro = p.get(f"micro_batch_{a.device}", p["micro_batch"])
     train = {"nproc_per_node": a.nproc, "micro_batch_size": micro}
+    if a.device == "cuda":
+        train["compile"] = (
+            True  # the stage as a GPU user runs it (config/gpu.yaml); --set overrides
+        )
     if a.precision:
         train["precision"] = a.precision
     if a.steps:
@@ -476,15 +528,11 @@ def resolved_config(a, work: Path) -> tuple[TrainConfig, Path]:
     return read_document(path, TrainConfig), path
 
 
-def torchrun(a, script: list[str], env: dict, log: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={a.nproc}",
-        *script,
-    ]
+def torchrun(a, args: list[str], env: dict, log: Path) -> None:
+    """torchrun's `args` on this machine (distlm.launch.torchrun: the stage's own command)."""
+    from distlm.launch.torchrun import local_torchrun
+
+    cmd = local_torchrun(args)
     with log.open("w") as f:
         rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
     if rc != 0:
@@ -492,28 +540,29 @@ def torchrun(a, script: list[str], env: dict, log: Path) -> None:
         sys.exit(f"{' '.join(cmd)} failed with exit code {rc}; last lines of {log}:\n{tail}")
 
 
+# What one run can train: the stage, and the loops users would pick instead (the module doc).
+RUNNERS = ("distlm", "bare", "hf", "hf-compile", "nanogpt")
+DEFAULT_RUNS_CPU = ["distlm", "bare", "hf"]
+DEFAULT_RUNS_GPU = ["distlm", "nanogpt", "hf", "hf-compile"]
+
+
 def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
     from distlm.train import TrainPaths
 
     out = work / f"distlm-{n}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.nproc)}  # what Snakemake gives the rule
-    script = [
-        "-m",
-        "distlm.entry.train",
-        "--config",
-        str(cfg_path),
-        "--tokens",
-        str(inputs["tokens"]),
-        "--tokenizer",
-        str(inputs["tokenizer"]),
-        "--model",
-        str(inputs["model"]),
-        "--out",
-        str(out),
-        "--rank-log",
-        str(work / f"distlm-{n}-rank{{rank}}.log"),
-    ]
-    torchrun(a, script, env, work / f"distlm-{n}.log")
+    from distlm.launch.torchrun import stage_args
+
+    args = stage_args(
+        "train",
+        nproc=a.nproc,
+        args=[
+            *("--config", str(cfg_path), "--tokens", str(inputs["tokens"])),
+            *("--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"])),
+            *("--out", str(out), "--rank-log", str(work / f"distlm-{n}-rank{{rank}}.log")),
+        ],
+    )
+    torchrun(a, args, env, work / f"distlm-{n}.log")
     paths = TrainPaths(
         tokens=inputs["tokens"], model=inputs["model"], tokenizer=inputs["tokenizer"], out=out
     )
@@ -522,11 +571,22 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
     final = json.loads((paths.final / "distlm.json").read_text())
     threads = _logged_threads(work / f"distlm-{n}-rank0.log")
     tr = final["training"]
+    with paths.val_csv.open() as f:
+        vals = list(csv.DictReader(f))
     return {
         "step_s": [float(r["step_time_s"]) for r in rows],
         "tokens_per_step": tr["global_batch"] * tr["block_size"],
         "threads_per_rank": threads,
         "stage_wall_s": tr["wall_s"],
+        # the one-time costs, apart from the steady state: the first step (torch.compile's
+        # first graph), the first validation, and the loop's stall at each checkpoint
+        "one_time": {
+            "first_step_s": float(rows[0]["step_time_s"]),
+            "first_validation_s": float(vals[0]["seconds"])
+            if vals and vals[0].get("seconds")
+            else None,
+            "checkpoint_stall_s": tr.get("checkpoint_stall_s"),
+        },
     }
 
 
@@ -546,6 +606,7 @@ def run_baseline(a, name: str, cfg_path: Path, inputs: dict, work: Path, n: int)
     else:
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's 1
     script = [
+        f"--nproc-per-node={a.nproc}",
         str(Path(__file__).resolve()),
         "--worker",
         name,
@@ -586,12 +647,12 @@ def main() -> None:
         metavar="KEY=JSON",
         help="config override for all three, e.g. train.profile.enabled=false (repeatable)",
     )
-    ap.add_argument("--only", nargs="+", choices=["distlm", "bare", "hf"], default=None)
+    ap.add_argument("--only", nargs="+", choices=list(RUNNERS), default=None)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results-cpu.json")))
     ap.add_argument("--workdir", default=None, help="keep the runs' outputs and logs here")
     ap.add_argument("--note", default="", help="what else ran on the machine (goes in the JSON)")
     # worker mode (the script starts itself under torchrun)
-    ap.add_argument("--worker", choices=["bare", "hf", "peak"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=[*RUNNERS[1:], "peak"], help=argparse.SUPPRESS)
     ap.add_argument("--config-resolved", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -603,7 +664,14 @@ def main() -> None:
 
         setup_logging(None, level=30)
         cfg = read_document(a.config_resolved, TrainConfig)
-        {"bare": bare_worker, "hf": hf_worker, "peak": peak_worker}[a.worker](a, cfg)
+        workers = {
+            "bare": bare_worker,
+            "hf": hf_worker,
+            "hf-compile": lambda a, cfg: hf_worker(a, cfg, compile=True),
+            "nanogpt": nanogpt_worker,
+            "peak": peak_worker,
+        }
+        workers[a.worker](a, cfg)
         return
     if a.workdir:
         Path(a.workdir).mkdir(parents=True, exist_ok=True)
@@ -648,7 +716,9 @@ def drive(a, work: Path) -> None:
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     a.precision_resolved = resolve_precision(t.precision, device, key="train.precision")
 
-    names = a.only or ["distlm", "bare", "hf"]
+    names = a.only or (DEFAULT_RUNS_GPU if a.device == "cuda" else DEFAULT_RUNS_CPU)
+    if "nanogpt" in names and model_dims(inputs["model"])["architecture"] != "gpt2":
+        sys.exit("--only nanogpt: the nanoGPT-style reference is GPT-2's (the gpt2 presets)")
     step_s: dict[str, list[float]] = {k: [] for k in names}
     info: dict[str, dict] = {}
     peaks = [run_baseline(a, "peak", cfg_path, inputs, work, 0)]  # before the training jobs
@@ -660,7 +730,9 @@ def drive(a, work: Path) -> None:
                 r = run_distlm(a, cfg_path, inputs, work, n)
             else:
                 r = run_baseline(a, name, cfg_path, inputs, work, n)
-            step_s[name] += r.pop("step_s")[a.skip :]
+            steps = r.pop("step_s")
+            r.setdefault("one_time", {})["first_step_s"] = steps[0]  # compile, first allocations
+            step_s[name] += steps[a.skip :]
             info.setdefault(name, {}).update(r)
             info[name].setdefault("run_wall_s", []).append(time.perf_counter() - t0)
             print(f"{name} run {n + 1}/{a.repeats}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -767,18 +839,27 @@ def drive(a, work: Path) -> None:
         result["mfu"] = None  # no datasheet peak for a CPU: see `flops`
     else:
         sheet = peak_flops(result["device"], a.precision_resolved)
+        steady = {  # the median step after --skip: the steady state, one-time costs apart
+            k: fpt * s["tokens_per_s"]["median"] / a.nproc / sheet if sheet else None
+            for k, s in summary.items()
+        }
         result["mfu"] = {  # against the datasheet's dense peak
             "flops_per_token": fpt,
             "peak_flops_per_device": sheet,
-            **{
-                k: fpt * s["tokens_per_s"]["mean"] / a.nproc / sheet if sheet else None
-                for k, s in summary.items()
-            },
+            "of": "median tokens/s after the skipped steps (the steady state)",
+            **steady,
+            "reference": steady.get("nanogpt"),
+            "distlm_over_reference": _ratio(steady.get("distlm"), steady.get("nanogpt")),
             "note": None if sheet else "device not in PEAK_FLOPS",
         }
+        result["one_time"] = {k: v.get("one_time") for k, v in info.items()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("summary", "ratios_distlm", "flops")}, indent=2))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def _public_argv(argv: list[str]) -> list[str]:

@@ -6,8 +6,8 @@ maintained route was measured and gains nothing in the training stage (docs/perf
 "Training"). This module measures what a hand-written kernel would give instead: a plain loop
 that GCC vectorizes with glibc's vector `tanhf` (libmvec; `-O3 -march=native -ffast-math`).
 `python benchmarks/train/gelu_cpp.py` builds it and checks it against torch's kernels;
-`probe_gelu.py --cpp` times it alone; `GELU=cpp` in `probe_phases.py`'s environment trains the
-stage with it. It needs a C++ compiler and ninja (`torch.utils.cpp_extension.load_inline`; ~25 s
+`probe_gelu.py --cpp` times it alone (the stage was trained with it by `probe_phases.py`, a
+diagnostic since removed: the stage's own profile now times a step's phases). It needs a C++ compiler and ninja (`torch.utils.cpp_extension.load_inline`; ~25 s
 to build, cached by torch under TORCH_EXTENSIONS_DIR), which is why the stage does not use it.
 """
 

@@ -4,12 +4,12 @@
     python benchmarks/train/probe_gelu.py --width 768 --rows 1024
 
 For `c_fc` (width -> 4 x width) on `rows` tokens, with the heap settings the training ranks use
-(`distlm.heap.keep_freed_memory`), the best of five rounds of:
+(`distlm.device.keep_freed_memory`), the best of five rounds of:
 
 - `addmm`: the projection alone;
 - `+ torch gelu(tanh)`: it and torch's tanh GELU kernel (what training runs);
 - `+ gelu_new_`: it and the serving engine's four-operation GELU
-  (`distlm.model.family.gpt2_blocks`);
+  (`distlm.family.gpt2.blocks`);
 - `oneDNN fused`: `torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "tanh")`, the
   projection with oneDNN's GELU as its post-op (what inductor's CPU fusion emits); it gives the
   activation only, not the pre-activation a backward pass needs;
@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from distlm.heap import keep_freed_memory
-from distlm.model.family.gpt2_blocks import gelu_new_
+from distlm.device import keep_freed_memory
+from distlm.family.gpt2.blocks import gelu_new_
 
 parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
 parser.add_argument("--width", type=int, default=128, help="model width (the default's: 128)")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from distlm.device import DeviceBackend
 from distlm.documents import BroadcastReport, TransferStats, write_document
 from distlm.log import get_logger
 from distlm.model import WEIGHTS, load_safetensors, verify_model_folder
@@ -60,7 +61,7 @@ def run_broadcast_stage(
             topo.device,
             opts.bucket_mb,
         )
-        s = load_to_device(tensors, settings=opts, device=topo.device, backend=topo.backend)
+        s = load_to_device(tensors, settings=opts, hw=topo.device_backend, backend=topo.backend)
         log.info(
             "moved %.1f MB to %s in %.3f s (%.3f GB/s), %d buckets, verified: %s",
             s.bytes / 1e6,
@@ -118,16 +119,18 @@ def load_to_device(
     tensors: dict[str, torch.Tensor],
     *,
     settings: TransferSettings,
-    device: torch.device,
+    hw: DeviceBackend,
     backend: str,
 ) -> TransferStats:
     """The sender's part of a broadcast, alone: host tensors packed into the transfer's buckets
-    (distlm.transfer.plan), each bucket moved to `device`, each chunk's checksum there compared
-    with the same checksum of the host's bytes. What a world of one rank can measure."""
+    (distlm.transfer.plan), each bucket moved to the backend's device, each chunk's checksum
+    there compared with the same checksum of the host's bytes. What a world of one rank can
+    measure."""
+    device = hw.device
     plan = make_plan(tensors, bucket_mb=settings.bucket_mb, chunk_mb=settings.chunk_mb)
-    cpu = torch.device("cpu")
+    cpu = torch.device("cpu")  # the host side: the buffer and its checksums stay there
     size = min(plan.bucket_bytes, plan.stream_bytes)
-    host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = torch.zeros(size, dtype=torch.uint8, pin_memory=hw.pin_host)
     there = torch.empty(size, dtype=torch.uint8, device=device)
     sum_here, sum_there = Checksum(plan.chunk_bytes, cpu), Checksum(plan.chunk_bytes, device)
     flats = {e.name: flat_bytes(tensors[e.name].contiguous()) for e in plan.entries if e.nbytes}
@@ -143,7 +146,7 @@ def load_to_device(
         there[: hi - lo].copy_(host[: hi - lo])  # the bytes that move: host -> device
         t = time.perf_counter()
         chunks = plan.chunks(b)
-        ours = torch.empty(len(chunks), 2, dtype=torch.int64)
+        ours = torch.empty(len(chunks), 2, dtype=torch.int64, device=cpu)  # the host's sums
         theirs = torch.empty(len(chunks), 2, dtype=torch.int64, device=device)
         for c, (a, z) in enumerate(chunks):
             sum_here(host[a:z], ours[c])

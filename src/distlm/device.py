@@ -30,15 +30,22 @@ node that runs Snakemake has no GPU to ask, so the ranks' check is the one that 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import platform
 import random
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 
 from distlm import DistlmError
+from distlm.log import get_logger
+
+log = get_logger(__name__)
 
 Kernels = Literal["cpu", "standard"]
 M = TypeVar("M", bound=torch.nn.Module)
@@ -105,10 +112,16 @@ class DeviceBackend:
     # the kernel set: the device's (see `kernels_for`); given only by tests, which run the GPU's
     # set on the CPU to check its numerics there
     kernels: Kernels = None  # pyright: ignore[reportAssignmentType]
+    # Whether rank 0 writes checkpoints in a background thread after copying them to host memory
+    # (distlm.train.checkpoint): on a GPU, where the copy is fast and the write slow; on the CPU
+    # the copy costs what the write saves, so it writes in the loop. Given only by tests.
+    background_checkpoints: bool = None  # pyright: ignore[reportAssignmentType]
 
     def __post_init__(self) -> None:
         if self.kernels is None:
             object.__setattr__(self, "kernels", kernels_for(self.device))
+        if self.background_checkpoints is None:
+            object.__setattr__(self, "background_checkpoints", self.device.type == "cuda")
 
     @classmethod
     def for_rank(
@@ -165,6 +178,17 @@ class DeviceBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
+    def keep_compile_cache(self, folder: Path) -> None:
+        """Have torch.compile (inductor, Triton) keep its caches in `folder`, the stage's, not in
+        /tmp (a node's, gone with the job): a resumed or requeued run, or the next one, loads its
+        compiled graphs instead of compiling again. A cache the user set stays theirs."""
+        if not self.compile:
+            return
+        for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+            if var not in os.environ:
+                os.environ[var] = str(folder / sub)
+        log.info("torch.compile's caches: %s", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
     def compiled(self, module: M) -> M:
         """`module` under torch.compile when the config asks for it (the same module otherwise).
         An nn.Module compiles to an OptimizedModule that calls like it (the stub says Callable)."""
@@ -173,7 +197,7 @@ class DeviceBackend:
     # -- moving data and state ---------------------------------------------------------------
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on this device: through pinned memory, without waiting, on a GPU."""
-        if self.is_gpu:
+        if self.pin_host:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
 
@@ -207,6 +231,23 @@ class DeviceBackend:
                 raise DistlmError("checkpoint holds no CUDA RNG state (it was made on the CPU)")
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
+    def share_threads(self) -> int:
+        """This rank's intra-op threads: its share of the host's cores on the CPU (see
+        `share_threads`), torch's own on a GPU."""
+        return share_threads(self.device)
+
+    def keep_host_memory(self, what: str) -> bool:
+        """A training rank's C heap: on the CPU, glibc keeps what the rank frees for its next
+        step's tensors (`keep_freed_memory`, a CPU-tuned setting); a GPU rank's host memory is
+        left as it is. True when the setting was made."""
+        return keep_freed_memory(what) if self.kernels == "cpu" else False
+
+    @property
+    def pin_host(self) -> bool:
+        """Whether host buffers bound for the device are pinned (page-locked: copied without a
+        staging copy, asynchronously): on a GPU."""
+        return self.is_gpu
+
     def describe(self) -> str:
         what = str(self.device)
         if self.is_gpu:
@@ -215,6 +256,97 @@ class DeviceBackend:
             f"{what}, precision {self.precision}, kernels {self.kernels}, "
             f"compile {'on' if self.compile else 'off'}"
         )
+
+
+def threads_per_rank(env: Mapping[str, str], cpus: int) -> int:
+    """Intra-op threads for one rank: OMP_NUM_THREADS, at most its share of the usable cores.
+
+    `cpus` is the number of cores this process may run on; the LOCAL_WORLD_SIZE ranks on the host
+    share them equally (at least one thread each). OMP_NUM_THREADS is per process (torchrun's
+    meaning: it sets 1 when it starts several ranks), but Snakemake sets it to the rule's
+    `threads`, the job's total, which torchrun passes on to every rank: so it is only a ceiling.
+    """
+    share = max(1, cpus // int(env.get("LOCAL_WORLD_SIZE") or 1))
+    omp = env.get("OMP_NUM_THREADS")
+    return min(int(omp), share) if omp else share
+
+
+def share_threads(device: torch.device) -> int:
+    """Give this rank its share of the host's thread budget (a CPU rank; a GPU rank's torch
+    threads stay as they are); return the count.
+
+    Snakemake sets OMP_NUM_THREADS to the rule's `threads` (a total for the job: train.nproc_per_node,
+    eval.nproc_per_node) and torchrun passes it on unchanged, so every rank started that many
+    intra-op threads: 2 ranks x 2 threads on 2 cores made training steps 4x slower, with spikes.
+    The thread count changes float sums, so a resumed run must see the same cores.
+    """
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = threads_per_rank(os.environ, cpus or 1)
+    torch.set_num_threads(threads)
+    log.info(
+        "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
+        threads,
+        os.environ.get("OMP_NUM_THREADS", "unset"),
+        cpus,
+        os.environ.get("LOCAL_WORLD_SIZE", "1"),
+    )
+    return threads
+
+
+# mallopt(3)'s parameters, and what keep_freed_memory sets them to
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_KEEP = (
+    ("M_MMAP_THRESHOLD", _M_MMAP_THRESHOLD, 1 << 30),  # blocks below 1 GiB from the heap
+    ("M_TRIM_THRESHOLD", _M_TRIM_THRESHOLD, (1 << 31) - 1),  # its free top kept (mallopt: an int)
+    ("M_TOP_PAD", _M_TOP_PAD, 64 << 20),  # and grown 64 MiB at a time
+)
+
+
+def keep_freed_memory(what: str) -> bool:
+    """Have glibc's malloc keep the memory this process frees for its next allocations instead
+    of handing it back to the kernel; True when glibc took every setting.
+
+    A training step frees and makes again tensors of the same sizes (activations, gradients, the
+    LM head's chunks of logits). By default glibc serves blocks from 128 KiB up (a threshold it
+    raises to the largest block freed, up to 32 MiB) with their own mmap, unmapped when freed,
+    and trims the heap's free top above twice that threshold: the next step's tensors fault their
+    pages in again, and the kernel zeroes each page. On the embedded default that was up to
+    ~2,600 page faults a rank a step (10 MiB; how many varies from run to run), ~1.7 us each;
+    with this, almost none, and the step's median ~3% shorter (docs/performance.md,
+    "Training"). It is what the environment variables MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ set before a process starts, and what PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) gets from
+    jemalloc with its decay turned off. The process then holds its peak heap until it exits,
+    which a training rank reaches every step anyway; so training ranks call it, serving
+    processes (whose tensors a step are small, and whose load comes and goes) do not."""
+    libc, version = platform.libc_ver()
+    if platform.system() != "Linux" or libc != "glibc":
+        log.info(
+            "%s: the C library is not glibc (%s): freed memory goes back as it decides",
+            what,
+            f"{platform.system()}, {libc or 'unknown'}",
+        )
+        return False
+    mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    refused = [name for name, param, value in _KEEP if mallopt(param, value) != 1]
+    if refused:
+        log.warning(
+            "%s: glibc %s refused mallopt %s: freed memory may go back to the kernel and be "
+            "faulted in again",
+            what,
+            version,
+            ", ".join(refused),
+        )
+        return False
+    log.info(
+        "%s: glibc %s keeps freed memory for reuse (%s)",
+        what,
+        version,
+        ", ".join(f"{name} {value >> 20} MiB" for name, _, value in _KEEP),
+    )
+    return True
 
 
 def _node() -> str:

@@ -13,7 +13,7 @@ import contextlib
 import datetime as _dt
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,42 +65,6 @@ def check_backend(backend: str, device: torch.device) -> None:
         raise DistlmError("config runtime.backend is 'nccl' but this torch build has no NCCL")
     if backend == "gloo" and not dist.is_gloo_available():
         raise DistlmError("config runtime.backend is 'gloo' but this torch build has no gloo")
-
-
-def threads_per_rank(env: Mapping[str, str], cpus: int) -> int:
-    """Intra-op threads for one rank: OMP_NUM_THREADS, at most its share of the usable cores.
-
-    `cpus` is the number of cores this process may run on; the LOCAL_WORLD_SIZE ranks on the host
-    share them equally (at least one thread each). OMP_NUM_THREADS is per process (torchrun's
-    meaning: it sets 1 when it starts several ranks), but Snakemake sets it to the rule's
-    `threads`, the job's total, which torchrun passes on to every rank: so it is only a ceiling.
-    """
-    share = max(1, cpus // int(env.get("LOCAL_WORLD_SIZE") or 1))
-    omp = env.get("OMP_NUM_THREADS")
-    return min(int(omp), share) if omp else share
-
-
-def share_threads(device: torch.device) -> int:
-    """Give this rank its share of the host's thread budget (CPU only); return the count.
-
-    Snakemake sets OMP_NUM_THREADS to the rule's `threads` (a total for the job: train.nproc_per_node,
-    eval.nproc_per_node) and torchrun passes it on unchanged, so every rank started that many
-    intra-op threads: 2 ranks x 2 threads on 2 cores made training steps 4x slower, with spikes.
-    The thread count changes float sums, so a resumed run must see the same cores.
-    """
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = threads_per_rank(os.environ, cpus or 1)
-    torch.set_num_threads(threads)
-    log.info(
-        "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
-        threads,
-        os.environ.get("OMP_NUM_THREADS", "unset"),
-        cpus,
-        os.environ.get("LOCAL_WORLD_SIZE", "1"),
-    )
-    return threads
 
 
 def free_port() -> int:
@@ -171,7 +135,7 @@ def distributed(
         timeout=_dt.timedelta(seconds=timeout_s),
         **kwargs,
     )
-    share_threads(dev)
+    hw.share_threads()
     topo = Topology(
         rank=rank, world_size=world, local_rank=local_rank, backend=backend, device_backend=hw
     )

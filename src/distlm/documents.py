@@ -205,7 +205,7 @@ class ShardEntry(BaseModel):
 
 class ShardManifest(Document):
     """shards/manifest.json of a pipeline folder (rule shard): the stage shards of a model folder,
-    cut by its family (distlm.model.family), with `tied` the last stage's copies of tied tensors
+    cut by its family (distlm.family), with `tied` the last stage's copies of tied tensors
     ({"lm_head.weight": the input embedding}, or {} when the head is its own)."""
 
     KIND: ClassVar[str] = "distlm-shards"

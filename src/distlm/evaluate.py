@@ -35,9 +35,9 @@ import torch.nn.functional as F
 
 from distlm import DistlmError
 from distlm.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
+from distlm.family import family_of
 from distlm.io import sha256_file
 from distlm.log import get_logger, progress
-from distlm.model import family_of
 from distlm.settings import EvalSettings
 from distlm.settings.stage import EvalConfig
 
@@ -136,14 +136,15 @@ def score_windows(
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
+    family = family_of(model.config)
     starts = range(0, len(windows), batch_size)
     for i in progress(starts, enabled=show_progress, desc=desc, unit="batch"):
         ids, scored, labels = _batch(tokens, windows[i : i + batch_size])
         ids, scored, labels = ids.to(device), scored.to(device), labels.to(device)
         with amp:
-            # the decoder of any family (GPT-2's `transformer`, Llama's `model`), then the head
-            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
-            logits = model.lm_head(hidden[scored])  # (n_scored, V)
+            # the family's decoder, then its logits hook (distlm.family), on the scored positions
+            hidden = family.decoder(model)(input_ids=ids, use_cache=False).last_hidden_state
+            logits = family.logits(model.lm_head, hidden[scored])  # (B, T, C) -> (n_scored, V)
         nll = F.cross_entropy(logits.float(), labels[scored], reduction="none")  # (n_scored,)
         total += nll.double().sum()
         count += nll.numel()

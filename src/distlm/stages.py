@@ -52,11 +52,18 @@ class Stage:
     outputs: Mapping[str, Output]
     # (output, type): the output holding the stage's report document and its distlm.documents type
     document: tuple[str, str] | None = None
-    # jobs whose outputs it reads (see JOBS); "{model}" is the job that writes the {model} folder
-    consumes: tuple[str, ...] = ()
+    # what it reads of other jobs' outputs: its rule's input name -> (job, output); the job
+    # "{model}" is the one that writes the {model} folder (MODELS), its output that folder. The
+    # rule's inputs and the DAG's edges (`consumes`, JOBS) are derived from it.
+    reads: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     instances: tuple[str, ...] = ()  # values of its {model} wildcard in `rule all`; () = one job
     in_all: bool = True  # a job of `rule all` (serve and its shards are started by name)
     scratch: Mapping[str, str] = field(default_factory=dict)  # undeclared working folders
+
+    @property
+    def consumes(self) -> tuple[str, ...]:
+        """The jobs whose outputs it reads (JOBS' edges), in the order of `reads`."""
+        return tuple(dict.fromkeys(job for job, _ in self.reads.values()))
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -136,7 +143,10 @@ STAGES: dict[str, Stage] = {
             "serialize_model",
             "model",
             outputs=_outputs(model=("base", True)),
-            consumes=("prepare_data",),
+            reads={
+                "tokens": ("prepare_data", "tokens"),
+                "tokenizer": ("prepare_data", "tokenizer"),
+            },
         ),
         # rank 0 sends the base model to every receiver, verified
         Stage(
@@ -145,7 +155,7 @@ STAGES: dict[str, Stage] = {
             "broadcast",
             outputs=_outputs(report="report.json"),
             document=("report", "BroadcastReport"),
-            consumes=("serialize_model",),
+            reads={"model": ("serialize_model", "model")},
         ),
         # DDP training -> final model folder, metrics, TensorBoard, profile
         Stage(
@@ -159,8 +169,14 @@ STAGES: dict[str, Stage] = {
                 tb=("tb", True),
                 profile=("profile", True),
             ),
-            consumes=("prepare_data", "serialize_model"),
-            scratch={"checkpoints": "checkpoints"},
+            reads={
+                "tokens": ("prepare_data", "tokens"),
+                "tokenizer": ("prepare_data", "tokenizer"),
+                "model": ("serialize_model", "model"),
+            },
+            # checkpoints: the run folders; compile-cache: torch.compile's caches (a resumed or
+            # requeued run finds its compiled graphs there instead of compiling again)
+            scratch={"checkpoints": "checkpoints", "compile_cache": "compile-cache"},
         ),
         # sliding-window perplexity of the base and the trained model
         Stage(
@@ -169,7 +185,7 @@ STAGES: dict[str, Stage] = {
             "eval",
             outputs=_outputs(json="{model}.json"),
             document=("json", "EvalReport"),
-            consumes=("prepare_data", "{model}"),
+            reads={"tokens": ("prepare_data", "tokens"), "model": ("{model}", "")},
             instances=EVAL_MODELS,
         ),
         # a model folder -> one shard per pipeline stage, with a sha256 manifest
@@ -178,7 +194,7 @@ STAGES: dict[str, Stage] = {
             "shard",
             "pipeline",
             outputs=_outputs(pipeline=("{model}", True)),
-            consumes=("{model}",),
+            reads={"model": ("{model}", "")},
             instances=("trained",),
         ),
         # prompts through the pipeline-parallel trained model -> generations, timing
@@ -188,7 +204,7 @@ STAGES: dict[str, Stage] = {
             "inference",
             outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
             document=("timing", "InferenceTiming"),
-            consumes=("shard[trained]",),
+            reads={"model": ("shard[trained]", "pipeline")},
         ),
         # every stage's metrics -> figures, tables, one HTML summary
         Stage(
@@ -196,7 +212,7 @@ STAGES: dict[str, Stage] = {
             "report",
             "report",
             outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
-            consumes=tuple(dict.fromkeys(job for job, _ in REPORT_READS.values())),
+            reads=REPORT_READS,
         ),
         # the trained model -> one shard per serve stage (serve.stages; not in rule all): its own
         # shards, as serve's best stage count (1 on one machine) is not batch inference's
@@ -205,12 +221,19 @@ STAGES: dict[str, Stage] = {
             "serve_shard",
             "serve",
             outputs=_outputs(pipeline=("pipeline", True)),
-            consumes=("train",),
+            reads={"model": ("train", "final")},
             in_all=False,
         ),
         # the pipeline behind an OpenAI-compatible API server: writes nothing but its shards; the
         # foreground server of `snakemake serve`
-        Stage("serve", "serve", "serve", outputs={}, consumes=("serve_shard",), in_all=False),
+        Stage(
+            "serve",
+            "serve",
+            "serve",
+            outputs={},
+            reads={"model": ("serve_shard", "pipeline")},
+            in_all=False,
+        ),
     )
 }
 

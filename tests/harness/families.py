@@ -3,7 +3,8 @@
 Each case is a shape that exercises what the Llama family changes in a pipeline stage: grouped-
 query attention with 1 and 2 KV heads (of 4 query heads), tied and untied embeddings, Llama 3.2's
 `llama3` rope scaling (its original context set below the tests' positions, so the scaled
-frequencies matter), and Qwen2's biases on q, k and v. Every case has 5 decoder layers, which
+frequencies matter), Qwen2's biases on q, k and v, and Qwen3's query/key RMSNorm with a head
+width of its own. Every case has 5 decoder layers, which
 divide by neither 2 nor 3 stages.
 
     folders = build_family_models(root, "llama-kv1-tied")
@@ -42,6 +43,14 @@ CASES: dict[str, dict] = {
         "rope": LLAMA3_ROPE,
     },
     "qwen2-kv2-tied": {"model_type": "qwen2", "n_kv_head": 2, "tied": True, "rope": None},
+    # Qwen3: query/key RMSNorm, heads of 16 on a width of 32 (head_dim is not width / heads)
+    "qwen3-kv2-untied-hd16": {
+        "model_type": "qwen3",
+        "n_kv_head": 2,
+        "tied": False,
+        "rope": None,
+        "head_dim": 16,
+    },
 }
 
 
@@ -60,7 +69,11 @@ def family_config(case: str, vocab_size: int, eos_token_id: int):
     import transformers
 
     spec = CASES[case]
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[spec["model_type"]]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[spec["model_type"]]
     kwargs: dict = {
         "vocab_size": vocab_size,
         "hidden_size": 32,
@@ -75,8 +88,10 @@ def family_config(case: str, vocab_size: int, eos_token_id: int):
     }
     if spec["rope"]:
         kwargs["rope_parameters"] = dict(spec["rope"])
-    if spec["model_type"] == "qwen2":
+    if spec["model_type"] in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
+    if "head_dim" in spec:
+        kwargs["head_dim"] = spec["head_dim"]
     return cls(**kwargs)
 
 

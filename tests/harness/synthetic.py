@@ -14,7 +14,7 @@ from distlm.data import write_tokens
 from distlm.documents import TokenMeta
 from distlm.io import digest
 from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
-from distlm.settings import ModelInitSettings
+from distlm.settings import init_settings
 from distlm.stages import STAGES
 
 
@@ -72,7 +72,7 @@ def make_inputs(
     write_tokens(tokens, streams, block_size, vocab, TokenMeta(**meta))
     tokenizer = root / "tokenizer"
     tokenizer.mkdir(exist_ok=True)
-    init = ModelInitSettings(
+    init = init_settings(
         n_layer=n_layer,
         n_head=n_head,
         n_embd=n_embd,

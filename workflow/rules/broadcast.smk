@@ -3,8 +3,8 @@
 # every receiver verifies each bucket's checksum; rank 0 writes the JSON report.
 rule broadcast:
     input:
+        **inputs_of("broadcast"),
         cfg=resolved_config("broadcast"),
-        model=upstream("serialize_model", "model"),
     output:
         **outputs_of("broadcast"),
     log:
@@ -19,6 +19,7 @@ rule broadcast:
         nproc=ranks_of("broadcast"),
         rank_log=rank_log("logs/broadcast/rank{rank}.log"),
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} -m distlm.entry.broadcast"
-        " --config {input.cfg:q} --model {input.model:q} --report {output.report:q}"
-        " --rank-log {params.rank_log:q} > {log:q} 2>&1"
+        torchrun_shell(
+            "broadcast",
+            ["--model", "{input.model:q}", "--report", "{output.report:q}"],
+        )

@@ -6,10 +6,19 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-ROOT = Path(workflow.basedir)
-sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
+# The workflow's own folder (its repository): this file's, two folders up. Not workflow.basedir:
+# where distlm runs as a module of the user's own project (snakedeploy's layout, README "Deploy"),
+# that is the project's. None when the module comes from a remote source (github(...)): then the
+# library is the installed package, and the workflow reads nothing of its own folder by path.
+_HERE = workflow.current_basedir
+ROOT = (
+    Path(_HERE.get_path_or_uri(secret_free=True)).parents[1] if _HERE.is_local else None
+)
+if ROOT is not None:
+    sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
 
 from distlm.config import ConfigError
+from distlm.launch.torchrun import stage_args
 from distlm.machine import visible_gpus
 from distlm.settings.ranks import machine_problems, stage_ranks
 from distlm.settings.stage import STAGE_CONFIGS, stage_params
@@ -85,6 +94,23 @@ def per_job(fn):
     return lambda wildcards: fn(PLAN.settings_of(wildcards))
 
 
+def torchrun_shell(entry, args, *, restarts=False, append_log=False):
+    """A torch.distributed stage's shell command: the profile's launcher (resources.torchrun),
+    its ranks (params.nproc), torchrun's restarts (params.max_restarts) when asked, the entry
+    module `distlm.entry.<entry>` with its resolved config, `args` and its per-rank logs, and the
+    rule's log (appended to with `append_log`). Built by distlm.launch.torchrun.stage_args.
+    """
+    argv = stage_args(
+        entry,
+        nproc="{params.nproc}",
+        max_restarts="{params.max_restarts}" if restarts else None,
+        args=["--config", "{input.cfg:q}", *args, "--rank-log", "{params.rank_log:q}"],
+    )
+    return " ".join(
+        ["{resources.torchrun}", *argv, ">>" if append_log else ">", "{log:q} 2>&1"]
+    )
+
+
 def ranks_of(stage):
     """torchrun's --nproc-per-node of a torch.distributed stage: the count, or "gpu" (one rank
     per GPU of the node it runs on); distlm.settings.ranks."""
@@ -103,16 +129,20 @@ def params_of(stage):
     return per_job(lambda s: stage_params(s, stage))
 
 
-def upstream(job, output):
-    """Output `output` of job `job` (distlm.stages.JOBS), an input of the job that consumes it:
-    of the variant of `job` that the consuming job's variant was derived from."""
-    return lambda wc: variant_path(job_output(job, output), PLAN.upstream(wc, job))
+def inputs_of(stage, variant=VARIANT):
+    """A stage's inputs, named, as distlm.stages declares what it reads (`Stage.reads`): each
+    another job's output, of the variant of that job this job's variant was derived from (the
+    whole-sweep jobs, variant None: the paths without a sweep); "{model}" is the model folder of
+    the job's {model} wildcard (distlm.stages.MODELS)."""
 
+    def one(job, output):
+        def path(wc):
+            j, out = MODELS[wc.model] if job == "{model}" else (job, output)
+            return variant_path(job_output(j, out), variant and PLAN.upstream(wc, j))
 
-def model_folder(wildcards):
-    """The model folder of {model} (distlm.stages.MODELS), of the variant this job consumes."""
-    job, output = MODELS[wildcards.model]
-    return variant_path(job_output(job, output), PLAN.upstream(wildcards, job))
+        return path
+
+    return {name: one(job, out) for name, (job, out) in STAGES[stage].reads.items()}
 
 
 def outputs_of(stage, variant=VARIANT, **wildcards):
@@ -146,7 +176,7 @@ def tracked_path(path):
     tracked input or param holds an absolute path that a moved project would change; a path
     elsewhere (the user's own absolute path) stays as it is."""
     path = Path(path).resolve()
-    for base in (Path.cwd().resolve(), ROOT.resolve()):
+    for base in (Path.cwd().resolve(), *([ROOT.resolve()] if ROOT else [])):
         if path.is_relative_to(base):
             return os.path.relpath(path)
     return str(path)

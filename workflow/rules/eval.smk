@@ -2,9 +2,8 @@
 # the final training checkpoint, every split in eval.splits, one JSON per model.
 rule evaluate:
     input:
+        **inputs_of("eval"),
         cfg=resolved_config("eval"),
-        tokens=upstream("prepare_data", "tokens"),
-        model=model_folder,
     output:
         **outputs_of("eval", model="{model}"),
     log:
@@ -19,7 +18,8 @@ rule evaluate:
         nproc=ranks_of("eval"),
         rank_log=rank_log("logs/eval/{model}.rank{rank}.log"),
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc} -m distlm.entry.evaluate"
-        " --config {input.cfg:q} --model {input.model:q} --tokens {input.tokens:q}"
-        " --name {wildcards.model} --out {output.json:q}"
-        " --rank-log {params.rank_log:q} > {log:q} 2>&1"
+        torchrun_shell(
+            "evaluate",
+            ["--model", "{input.model:q}", "--tokens", "{input.tokens:q}"]
+            + ["--name", "{wildcards.model}", "--out", "{output.json:q}"],
+        )

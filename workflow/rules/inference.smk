@@ -6,8 +6,8 @@ from distlm.inference.prompts import resolve_prompts_path
 
 rule inference:
     input:
+        **inputs_of("inference"),
         cfg=resolved_config("inference"),
-        model=upstream("shard[trained]", "pipeline"),
         # relative to the working directory first, then the repository root
         prompts=lambda wc: tracked_path(
             resolve_prompts_path(PLAN.settings_of(wc).inference.prompts, ROOT)

@@ -1,8 +1,7 @@
 # Model download/serialize: hub id, local folder or seeded init -> model folder (safetensors).
 rule serialize_model:
     input:
-        tokens=upstream("prepare_data", "tokens"),
-        tokenizer=upstream("prepare_data", "tokenizer"),
+        **inputs_of("model"),
     output:
         **outputs_of("model"),
     log:
@@ -22,7 +21,7 @@ rule serialize_model:
 # by the pipeline-parallel stages; so a change of inference.stages re-cuts, never retrains.
 rule shard:
     input:
-        model=model_folder,
+        **inputs_of("shard"),
     output:
         **outputs_of("shard", model="{model}"),
     log:

@@ -3,7 +3,7 @@
 # (serve.stages; 1 serves best on one machine), so neither stage count re-cuts the other's.
 rule serve_shard:
     input:
-        model=job_output(*MODELS["trained"]),
+        **inputs_of("serve_shard", variant=None),
     output:
         **outputs_of("serve_shard", variant=None),
     log:
@@ -21,8 +21,8 @@ rule serve_shard:
 
 rule serve:
     input:
+        **inputs_of("serve", variant=None),
         cfg=job_path(f"{CONFIGS}/serve.json", variant=None),
-        model=STAGES["serve_shard"].path("pipeline"),
     log:
         job_path("logs/inference/serve.log", variant=None),
     conda:

@@ -5,10 +5,8 @@
 # two attempts (a rerun beside a job Snakemake lost) never overwrite each other's.
 rule train:
     input:
+        **inputs_of("train"),
         cfg=resolved_config("train"),
-        tokens=upstream("prepare_data", "tokens"),
-        tokenizer=upstream("prepare_data", "tokenizer"),
-        model=upstream("serialize_model", "model"),
     output:
         **outputs_of("train"),
     log:
@@ -25,8 +23,10 @@ rule train:
         out=lambda wildcards, output: str(Path(output.metrics).parent),
         rank_log=rank_log("logs/train/rank{rank}.log"),
     shell:
-        "{resources.torchrun} --nproc-per-node={params.nproc}"
-        " --max-restarts={params.max_restarts} -m distlm.entry.train"
-        " --config {input.cfg:q} --tokens {input.tokens:q} --tokenizer {input.tokenizer:q}"
-        " --model {input.model:q} --out {params.out:q}"
-        " --rank-log {params.rank_log:q} >> {log:q} 2>&1"
+        torchrun_shell(
+            "train",
+            ["--tokens", "{input.tokens:q}", "--tokenizer", "{input.tokenizer:q}"]
+            + ["--model", "{input.model:q}", "--out", "{params.out:q}"],
+            restarts=True,
+            append_log=True,
+        )

@@ -1,6 +1,6 @@
 """What a pipeline stage asks of a model family: one stage's weights and its per-token math.
 
-The inference engine (`distlm.inference.engine.stage`) owns everything that is not per token: the
+The inference engine (`distlm.inference.engine.pipeline_stage`) owns everything that is not per token: the
 lanes, the KV cache, the packed micro-batch and the attention call (SDPA). For each decoder layer
 it asks the family's blocks for the new tokens' queries, keys and values, attends, and hands the
 attention output back:
@@ -22,6 +22,7 @@ checkpoint tensor) and shapes are the checkpoint's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ class StageBlocks(nn.Module):
     n_layers: int  # end - start
     context: int  # positions the model was built for (the cache never grows past it)
     scales: list[float]  # SDPA scale of each local layer
+    # the family's logits hook (Family.logits: LM head, hidden -> logits), set by Family.stage_blocks
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
     def __init__(self, *, start: int, end: int, first: bool, last: bool) -> None:
         super().__init__()
@@ -72,5 +75,6 @@ class StageBlocks(nn.Module):
         raise NotImplementedError
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden states (M, C) -> logits (M, V) (last stage)."""
+        """Final norm, then the family's logits hook: hidden states (M, C) -> logits (M, V) (last
+        stage)."""
         raise NotImplementedError

@@ -1,50 +1,63 @@
-"""`Family`: what one model family knows (build, init, the pipeline cut, the KV-cache shape, the
-fused training kernels). The families are `distlm.model.family.gpt2` and `.llama`."""
+"""`Family`: what one model family's model is, with torch: build and seeded init, its shapes, the
+KV cache's, the pipeline stage's blocks, the `logits` hook and its training pieces. Each family's
+folder subclasses it (`distlm/family/<name>/model.py`, its `FAMILY`); `distlm.family.family_of`
+finds it from a config or a model_type.
+
+The logits hook is the one place that says how a family's hidden states become logits: training
+(`distlm.train.kernels`), evaluation and the pipeline engine (the family's blocks) all call it. A
+family whose logits are not the plain LM head of the hidden states (soft-capping, a scale) says so
+in `logits` and `linear_logits`, and training then never takes the fused linear cross-entropy,
+which computes `hidden @ lm_head.weight.T` itself.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distlm.family.spec import FamilySpec, InitSettings, TensorNames
+
 if TYPE_CHECKING:
-    from distlm.model.family.blocks import StageBlocks
-    from distlm.settings.model import ModelInitSettings
+    from distlm.family.blocks import StageBlocks
 
 
-@dataclass(frozen=True)
 class Family:
-    """One model family, by its checkpoint's tensor names and transformers' classes.
+    """One model family's model (see the module doc); its spec says what it is without torch."""
 
-    The pipeline cut: every tensor is an embedding (stage 0), in one decoder layer, or part of
-    the final norm and head (the last stage); with tied embeddings the last stage holds its own
-    copy of the embedding as `lm_head.weight`."""
+    linear_logits: bool = True  # logits = hidden @ lm_head.weight.T (the fused head applies)
 
-    model_type: str  # config.json's model_type
-    architecture: str  # config.json's `architectures`: the transformers class that loads it
-    config_name: str  # the transformers config class
-    layers: str  # prefix of decoder layer i's tensors, before "i."
-    embeddings: tuple[str, ...]  # prefixes of stage 0's tensors
-    final: tuple[str, ...]  # prefixes of the last stage's tensors (final norm, head)
-    embedding: str  # the input embedding's weight (what a tied lm_head.weight is)
-    kernels: frozenset[str]  # train/kernels.py's fused kernels that apply: "linear_ce", "gelu"
+    def __init__(self, spec: FamilySpec) -> None:
+        self.spec = spec
+
+    @property
+    def model_type(self) -> str:
+        return self.spec.name
+
+    @property
+    def architecture(self) -> str:
+        return self.spec.architecture
+
+    @property
+    def tensors(self) -> TensorNames:
+        return self.spec.tensors
 
     # -- transformers' classes, imported when first asked for --------------------------------
     @property
     def config_class(self) -> Any:
         import transformers
 
-        return getattr(transformers, self.config_name)
+        return getattr(transformers, self.spec.config_name)
 
     @property
     def model_class(self) -> Any:
         import transformers
 
-        return getattr(transformers, self.architecture)
+        return getattr(transformers, self.spec.architecture)
 
     # -- build -------------------------------------------------------------------------------
-    def init_config(self, init: ModelInitSettings, vocab_size: int, eos_token_id: int | None):
+    def init_config(self, init: InitSettings, vocab_size: int, eos_token_id: int | None):
         """The transformers config of a seeded random init (`model.init`) for this vocabulary."""
         raise NotImplementedError(self.model_type)
 
@@ -77,29 +90,36 @@ class Family:
         """(KV heads, head dim) of one layer's cache: fewer KV heads with grouped-query attention."""
         return self.n_head(config), self.n_embd(config) // self.n_head(config)
 
-    # -- the pipeline cut, by checkpoint tensor name -----------------------------------------
     def tied(self, config) -> dict[str, str]:
         """{"lm_head.weight": the embedding} when the head is the input embedding, else {}."""
-        return {"lm_head.weight": self.embedding} if config.tie_word_embeddings else {}
+        t = self.tensors
+        return {t.head: t.embedding} if config.tie_word_embeddings else {}
 
-    def layer_of(self, name: str) -> int | None:
-        """The decoder layer a tensor belongs to; None for embeddings, final norm and head."""
-        if not name.startswith(self.layers):
-            return None
-        index = name[len(self.layers) :].split(".", 1)[0]
-        return int(index) if index.isdigit() else None
+    # -- the logits hook and the training pieces ---------------------------------------------
+    def logits(self, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (..., C) -> (..., V): the LM head, for most families."""
+        return lm_head(hidden)
 
-    def is_first(self, name: str) -> bool:
-        """An embedding tensor: held by stage 0."""
-        return name.startswith(self.embeddings)
+    def decoder(self, model) -> torch.nn.Module:
+        """The model without its LM head: input ids -> final hidden states (normed)."""
+        return model.base_model
 
-    def is_last(self, name: str) -> bool:
-        """Final norm or LM head: held by the last stage."""
-        return name.startswith(self.final)
+    def prepare_training(self, model, kernels: str) -> str:
+        """Swap in the family's training kernels for the device's kernel set (distlm.device:
+        "cpu" or "standard"); modules that hold no weights only, so the model saved is the same.
+        Returns what it did, for the log ("" for nothing)."""
+        return ""
+
+    # -- the pipeline engine -----------------------------------------------------------------
+    def blocks_class(self) -> Callable[..., StageBlocks]:
+        """The family's pipeline stage (its blocks.py), imported when first asked for."""
+        raise NotImplementedError(self.model_type)
 
     def stage_blocks(
         self, config, start: int, end: int, *, first: bool, last: bool, kernels: str = "standard"
     ) -> StageBlocks:
-        """One pipeline stage's weights and math (distlm.model.family.*_blocks), with the
-        kernel set of the device it runs on (distlm.device: "cpu" or "standard")."""
-        raise NotImplementedError(self.model_type)
+        """One pipeline stage's weights and math (the family's blocks.py), with the kernel set
+        of the device it runs on (distlm.device: "cpu" or "standard") and the logits hook."""
+        blocks = self.blocks_class()(config, start, end, first=first, last=last, kernels=kernels)
+        blocks.logits = self.logits
+        return blocks

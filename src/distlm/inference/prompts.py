@@ -84,13 +84,14 @@ def check_prompt_ids(
     return _fit(list(ids), context=context, max_new_tokens=max_new_tokens, overflow=overflow)
 
 
-def resolve_prompts_path(path: str | Path, root: str | Path) -> Path:
-    """A relative prompt file is looked up in the working directory first, then the repository root."""
+def resolve_prompts_path(path: str | Path, root: str | Path | None) -> Path:
+    """A relative prompt file is looked up in the working directory first (the user's project),
+    then the workflow's own folder `root` (None: the workflow came from a remote source)."""
     p = Path(path)
     if p.is_absolute():
         candidates = [p]
     else:
-        candidates = [Path.cwd() / p, Path(root) / p]
+        candidates = [Path.cwd() / p, *([Path(root) / p] if root is not None else [])]
     for c in candidates:
         if c.is_file():
             return c.resolve()

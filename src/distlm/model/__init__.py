@@ -1,4 +1,4 @@
-"""Models of a supported family (GPT-2, Llama, Qwen2: `distlm.model.family`): build, load,
+"""Models of a supported family (`distlm.family`): build, load,
 serialize, and split into pipeline-stage shards.
 
 A *model folder* (written by the model stage and by training's final checkpoint) holds:
@@ -18,14 +18,14 @@ stages: config.json, the tokenizer, distlm.json (the source folder and its sha25
     shards/manifest.json     S pipeline stages: layer ranges, tensor names, bytes, sha256 per shard
     shards/stage-XX.safetensors
 
-The package, by part: `family` (what each model family knows: the one place that branches on
-the architecture), `layout` (file names, formats), `build` (config, init, hub or local source),
+The package, by part (what each model family knows is `distlm.family`): `layout` (file names, formats), `build` (config, init, hub or local source),
 `folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
 `stage` (the model stage: `serialize`). Import from `distlm.model`.
 """
 
+from distlm.family import SUPPORTED, family_of
+from distlm.family.model import Family
 from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
-from distlm.model.family import FAMILIES, SUPPORTED, Family, family_of
 from distlm.model.folder import (
     arch_signature,
     check_state_dict,
@@ -60,7 +60,6 @@ from distlm.model.stage import serialize
 
 __all__ = [
     "DTYPES",
-    "FAMILIES",
     "MANIFEST",
     "META",
     "MODEL_FORMAT",

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.model.family import family_of
-from distlm.settings import ModelInitSettings, ModelSourceSettings
+from distlm.family import InitSettings, family_of
+from distlm.settings import ModelSourceSettings
 
 
-def init_config(init: ModelInitSettings, vocab_size: int, eos_token_id: int | None):
+def init_config(init: InitSettings, vocab_size: int, eos_token_id: int | None):
     """The architecture of a random init (`model.init`) for this vocabulary."""
     family = family_of(init.architecture, where="model.init.architecture")
     return family.init_config(init, vocab_size, eos_token_id)

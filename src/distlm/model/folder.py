@@ -14,10 +14,10 @@ import torch
 
 from distlm import DistlmError
 from distlm.documents import ModelMeta, read_document, write_document
+from distlm.family import family_of
 from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
 from distlm.log import get_logger
 from distlm.model.build import build_model
-from distlm.model.family import family_of
 from distlm.model.layout import (
     META,
     WEIGHTS,

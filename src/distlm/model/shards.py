@@ -17,9 +17,10 @@ from distlm.documents import (
     read_document,
     write_document,
 )
+from distlm.family import family_of
+from distlm.family.model import Family
 from distlm.io import atomic_dir, sha256_file
 from distlm.log import get_logger
-from distlm.model.family import Family, family_of
 from distlm.model.folder import (
     copy_files,
     load_config_json,
@@ -71,12 +72,12 @@ def plan_stages(
     block_names: list[list[str]] = [[] for _ in range(n_layer)]
     head, embed = [], []
     for k in sd:
-        layer = family.layer_of(k)
+        layer = family.tensors.layer_of(k)
         if layer is not None:
             block_names[layer].append(k)
-        elif family.is_first(k):
+        elif family.tensors.is_first(k):
             embed.append(k)
-        elif family.is_last(k):
+        elif family.tensors.is_last(k):
             head.append(k)
         else:
             raise DistlmError(f"tensor {k!r} is no part of a {family.model_type} model")

@@ -1,5 +1,5 @@
 """The model stage (rule model): hub id, local folder or seeded init -> model folder, of any
-supported family (distlm.model.family), written with that family's architecture."""
+supported family (distlm.family), written with that family's architecture."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 from distlm import DistlmError
 from distlm.documents import ModelMeta
+from distlm.family import family_of
 from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
-from distlm.model.family import family_of
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META
 from distlm.settings.stage import ModelConfig

@@ -30,7 +30,7 @@ from distlm.settings.inference import (
     ServePipelineSettings,
     ServeSettings,
 )
-from distlm.settings.model import ModelInitSettings, ModelSettings, ModelSourceSettings
+from distlm.settings.model import ModelSettings, ModelSourceSettings, init_settings
 from distlm.settings.report import ReportSettings
 from distlm.settings.root import MOVED, Settings, known_architecture
 from distlm.settings.runtime import DeviceSettings, ProcessGroupSettings, RuntimeSettings
@@ -50,7 +50,6 @@ __all__ = [
     "EvalSettings",
     "InferenceSettings",
     "MaxNewTokens",
-    "ModelInitSettings",
     "ModelSettings",
     "ModelSourceSettings",
     "PipelineSettings",
@@ -70,5 +69,6 @@ __all__ = [
     "TopP",
     "TrainSettings",
     "TransferSettings",
+    "init_settings",
     "known_architecture",
 ]

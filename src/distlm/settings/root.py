@@ -12,7 +12,7 @@ from distlm.settings.base import ConfigError, Section
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
 from distlm.settings.inference import InferenceSettings, ServeSettings
-from distlm.settings.model import LLAMA_KEYS, SUPPORTED_MODEL_TYPES, ModelSettings
+from distlm.settings.model import SUPPORTED_MODEL_TYPES, ModelSettings
 from distlm.settings.report import ReportSettings
 from distlm.settings.runtime import RuntimeSettings
 from distlm.settings.sweep import SweepSettings, _no_default
@@ -151,42 +151,8 @@ def consistency_problems(s: Settings) -> list[str]:
 
 
 def init_problems(m: ModelSettings) -> list[str]:
-    """The architecture of model.init: its shapes, and only the keys of its family."""
-    i, problems = m.init, []
-    if i.n_embd % i.n_head:
-        problems.append(
-            f"model.init.n_embd: {i.n_embd} is not divisible by model.init.n_head {i.n_head}"
-        )
-    if i.architecture == "gpt2":
-        problems += [
-            f"model.init.{k}: a key of the Llama family (architecture llama or qwen2), not gpt2"
-            for k in LLAMA_KEYS
-            if getattr(i, k) is not None
-        ]
-        return problems
-    if i.n_kv_head is not None and i.n_head % i.n_kv_head:
-        problems.append(
-            f"model.init.n_kv_head: model.init.n_head {i.n_head} is not divisible by "
-            f"n_kv_head {i.n_kv_head}"
-        )
-    if not i.n_embd % i.n_head and (i.n_embd // i.n_head) % 2:
-        problems.append(
-            f"model.init.n_head: head width n_embd / n_head = {i.n_embd // i.n_head} is odd; "
-            "rotary positions need an even one"
-        )
-    rs = i.rope_scaling
-    if rs is not None and rs.original_max_position_embeddings >= i.n_positions:
-        problems.append(
-            "model.init.rope_scaling.original_max_position_embeddings: "
-            f"{rs.original_max_position_embeddings} must be less than model.init.n_positions "
-            f"{i.n_positions} (the scaled context)"
-        )
-    if rs is not None and rs.high_freq_factor <= rs.low_freq_factor:
-        problems.append(
-            f"model.init.rope_scaling.high_freq_factor: {rs.high_freq_factor} must be larger than "
-            f"low_freq_factor {rs.low_freq_factor}"
-        )
-    return problems
+    """What model.init's keys make impossible together: its family's checks (distlm.family)."""
+    return m.init.problems()
 
 
 def known_architecture(m: ModelSettings) -> tuple[int, int] | None:

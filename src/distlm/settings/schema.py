@@ -67,6 +67,55 @@ def _inline(node: Any, defs: dict) -> Any:
     return out
 
 
+def _merge_families(node: Any) -> Any:
+    """model.init, a union of the families' init settings (`oneOf`, one object a family told apart
+    by its `architecture` const), as one object for editors and the config's walkers: every key
+    of every family, `architecture` an enum, each family's own key saying whose it is. The models
+    (a discriminated union) refuse the keys of another family; the schema is no second gate."""
+    if isinstance(node, list):
+        return [_merge_families(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _merge_families(v) for k, v in node.items()}
+    members = node.get("oneOf")
+    if not members or not all("architecture" in m.get("properties", {}) for m in members):
+        return node
+    names = [m["properties"]["architecture"]["const"] for m in members]
+    owners: dict[str, list[str]] = {}
+    for name, m in zip(names, members):
+        for key in m["properties"]:
+            owners.setdefault(key, []).append(name)
+    props: dict[str, Any] = {}
+    for m in members:
+        for key, sub in m["properties"].items():
+            if key in props:
+                continue
+            sub = dict(sub)
+            if key == "architecture":
+                sub.pop("const")
+                # no default: a config that names no family dumps without the key (the first's)
+                sub = {**sub, "enum": names}
+                sub["description"] = (
+                    "The model family: "
+                    + "; ".join(
+                        str(x["properties"]["architecture"]["description"]).rstrip(".")
+                        for x in members
+                    )
+                    + f". Default: {names[0]}."
+                )
+            elif len(owners[key]) < len(members):
+                sub["description"] = f"{', '.join(owners[key])} only: {sub.get('description', '')}"
+            props[key] = sub
+    rest = {k: v for k, v in node.items() if k != "oneOf"}
+    return {
+        **rest,
+        "type": "object",
+        "default": {},
+        "additionalProperties": False,
+        "properties": props,
+    }
+
+
 def _tidy(node: Any) -> Any:
     """Keys in a readable order, descriptions on one line (docstrings wrap)."""
     if isinstance(node, list):
@@ -87,7 +136,7 @@ def _tidy(node: Any) -> Any:
 @cache
 def _schema() -> dict:
     raw = Settings.model_json_schema(mode="validation")
-    body = _tidy(_inline(raw, raw.get("$defs", {})))
+    body = _tidy(_merge_families(_inline(raw, raw.get("$defs", {}))))
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "distlm workflow configuration",

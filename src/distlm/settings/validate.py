@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from distlm.family import REGISTRY
 from distlm.settings.base import ConfigError
 from distlm.settings.root import Settings, moved_keys
 from distlm.settings.schema import settings_schema
@@ -92,17 +93,37 @@ def _section(loc: tuple) -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
+_INIT = ("model", "init")
+
+
+def _family_key(loc: tuple) -> tuple[tuple, str | None]:
+    """A model.init error's key without the family tag pydantic puts in it, and that family."""
+    if loc[:2] == _INIT and len(loc) > 2 and loc[2] in REGISTRY:
+        return (*_INIT, *loc[3:]), str(loc[2])
+    return loc, None
+
+
 def explain(e: ValidationError) -> list[str]:
     """One line per error, each naming the dotted key; enums list their valid values."""
     lines = []
     for err in e.errors():
-        loc = tuple(err["loc"])
+        loc, family = _family_key(tuple(err["loc"]))
         key = ".".join(str(p) for p in loc)
         kind, value, ctx = err["type"], err.get("input"), err.get("ctx") or {}
-        if kind == "extra_forbidden":
+        if kind == "extra_forbidden" and family is not None and len(loc) == 3:
+            others = [n for n, s in REGISTRY.items() if loc[2] in s.init.model_fields]
+            known = ", ".join(REGISTRY[family].init.model_fields)
+            where = f"a key of architecture {', '.join(others)}, not" if others else "unknown in"
+            lines.append(f"{key}: {where} {family} (known here: {known})")
+        elif kind == "extra_forbidden":
             section = _section(loc[:-1])
             known = ", ".join(section.model_fields) if section else "?"
             lines.append(f"{key}: unknown key (known here: {known})")
+        elif kind == "union_tag_invalid" and loc == _INIT:
+            lines.append(
+                f"model.init.architecture: {ctx.get('tag')!r} is not one of "
+                f"{', '.join(map(repr, REGISTRY))}"
+            )
         elif kind == "literal_error":
             lines.append(f"{key}: {value!r} is not one of {ctx.get('expected')}")
         elif kind in _TYPES:

@@ -20,12 +20,22 @@ Leftovers of interrupted writes (`.step-*.tmp`) are removed at the next start (`
 
 Loading verifies checkpoint.json and every sha256; a corrupt or partial checkpoint is skipped (with
 a warning naming it) for the previous good one.
+
+Where the device backend says so (`DeviceBackend.background_checkpoints`: on a GPU, where a
+checkpoint of GPT-2 small with AdamW is ~1 GB and its write stalled an H100's loop 3.9 s), rank 0
+copies the checkpoint's tensors to host memory in the loop and writes them in a background thread
+(`CheckpointWriter`, torchtitan's async checkpoint in spirit): the loop stalls for the copy only.
+The write is the same atomic one; a kill before it finishes leaves no checkpoint folder (only a
+leftover the next start removes), so the run resumes from the one before, never from a partial
+one. The next save, a stop and the end of the run wait for it, and its error (a full disk)
+surfaces there.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +91,54 @@ def checkpoint_name(step: int) -> str:
 # ----------------------------------------------------------------------------- save
 
 
+class CheckpointWriter:
+    """Rank 0's checkpoint writes, one at a time: in a background thread (`background`) or in the
+    caller's. `wait` returns when the last one is on disk, raising its error if it failed."""
+
+    def __init__(self, *, background: bool) -> None:
+        self._pool = ThreadPoolExecutor(1, "checkpoint") if background else None
+        self._pending: Future | None = None
+
+    @property
+    def background(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, write, *args, **kwargs) -> Path | None:
+        """Write after the previous write; the path when written here, None when in the
+        background (`wait` gives it)."""
+        self.wait()
+        if self._pool is None:
+            return write(*args, **kwargs)
+        self._pending = self._pool.submit(write, *args, **kwargs)
+        return None
+
+    def wait(self) -> Path | None:
+        """The last background write's path once it is on disk (None if there was none)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Wait for the last write (its error is raised), then let the thread go."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+
+
+def host_copy(tree):
+    """Tensors of `tree` (a state dict, an optimizer state: dicts, lists and tuples of tensors
+    and numbers) copied to host memory: what the background write reads while training goes on
+    changing the originals."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: host_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(host_copy(v) for v in tree)
+    return tree
+
+
 def save(
     run_dir: Path | None,
     step: int,
@@ -95,10 +153,12 @@ def save(
     plan: BatchPlan,
     history: dict,
     keep_last: int,
+    writer: CheckpointWriter | None = None,
 ) -> Path | None:
     """The one save path; all ranks call. Every rank's RNG state is gathered to rank 0, which
     writes step `step`'s checkpoint into `run_dir` (rank 0's run folder) and keeps the last
-    `keep_last`; returns its path on rank 0, None elsewhere. All ranks wait for the write."""
+    `keep_last`, with `writer` (None: here and now); returns its path on rank 0 once written
+    here, None elsewhere and for a background write. All ranks wait for rank 0's part."""
     rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.device)
     gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(rng, gathered, dst=0)
@@ -120,16 +180,38 @@ def save(
             distlm_version=__version__,
             step=step,
         )
-        path = write(
+        writer = writer or CheckpointWriter(background=False)
+        if writer.background:  # copies, which the training loop cannot change under the write
+            weights, optimizer_state = (
+                host_copy(weights_of(model)),
+                host_copy(optimizer.state_dict()),
+            )
+        else:
+            weights = {k: v.detach().cpu() for k, v in weights_of(model).items()}
+            optimizer_state = optimizer.state_dict()
+        path = writer.submit(
+            _timed_write,
             run_dir,
-            weights={k: v.detach().cpu() for k, v in weights_of(model).items()},
-            optimizer_state=optimizer.state_dict(),
+            weights=weights,
+            optimizer_state=optimizer_state,
             rng_states=gathered,
             state=state,
             keep_last=keep_last,
         )
-        log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
+        if path is None:
+            log.info(
+                "checkpoint of step %d: copied to host memory in %.2f s, written in the background",
+                step,
+                time.perf_counter() - t0,
+            )
     topo.barrier()
+    return path
+
+
+def _timed_write(ckpt_dir: str | Path, **kw) -> Path:
+    t0 = time.perf_counter()
+    path = write(ckpt_dir, **kw)
+    log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
     return path
 
 

@@ -11,10 +11,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlm.device import DeviceBackend
+from distlm.family import family_of
 from distlm.log import get_logger
-from distlm.model import family_of
 from distlm.settings import TrainSettings
-from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss, fuse_gelu
+from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -34,22 +34,21 @@ def no_buffer_sync() -> dict:
 
 
 def loss_module(model: PreTrainedModel, tcfg: TrainSettings, hw: DeviceBackend) -> torch.nn.Module:
-    """input_ids -> mean next-token loss, with the kernels that apply: the family's (distlm.model
-    .family) on the device backend's kernel set, or transformers' own (`fast_kernels: false`).
-    The modules swapped hold no weights; the model saved is the same."""
+    """input_ids -> mean next-token loss, with the kernels that apply: the device backend's set
+    (distlm.device) for the model's family (distlm.family), or transformers' own
+    (`fast_kernels: false`). The modules swapped hold no weights; the model saved is the same."""
     if not tcfg.fast_kernels:
         return ReferenceLoss(model)
-    kernels = family_of(model.config).kernels
-    # nn.GELU(approximate="tanh"): GPT-2's gelu_new as one standard kernel each way, any device
-    fused = fuse_gelu(model) if "gelu" in kernels else 0
-    if hw.kernels == "cpu" and "linear_ce" in kernels:
+    family = family_of(model.config)
+    swapped = family.prepare_training(model, hw.kernels)  # the family's own kernels (GPT-2's GELU)
+    if hw.kernels == "cpu" and family.linear_logits:
         module: torch.nn.Module = CausalLMLoss(model)
         head = "the LM head fused with the cross-entropy in cache-sized chunks"
     else:
         module = NextTokenLoss(model)
         head = "the LM head and the cross-entropy as standard operations"
     log.info(
-        "train.fast_kernels (%s kernels): %s, %d tanh GELUs in one kernel", hw.kernels, head, fused
+        "train.fast_kernels (%s kernels): %s%s", hw.kernels, head, f"; {swapped}" if swapped else ""
     )
     return module
 

@@ -1,11 +1,12 @@
-"""Training kernels: the LM head fused with its loss (any family), and GPT-2's tanh GELU in one op.
+"""Training's loss modules: the LM head fused with its loss (the CPU's), the same in standard
+operations (a GPU's), and transformers' own (the reference).
 
-Which apply is the model family's `kernels` (distlm.model.family): GPT-2 both, the Llama family
-(Llama, Qwen2) the linear cross-entropy only (its MLP is a gated SiLU, with no tanh GELU to fuse).
-The chunked linear cross-entropy is a CPU kernel: the device backend (distlm.device) takes it
-where its kernel set is "cpu"; on a GPU the loss is `NextTokenLoss`, standard operations that
+Which applies is the device's kernel set (distlm.device) and the family's logits (distlm.family):
+the chunked linear cross-entropy on the CPU for a family whose logits are the plain LM head of its
+hidden states (`Family.linear_logits`); `NextTokenLoss` elsewhere, standard operations that
 torch.compile fuses (the chunked head, eager inside a compiled graph, made the compiled H100
-step 1.7x slower).
+step 1.7x slower). A family's own training kernels (GPT-2's one-kernel tanh GELU) are its
+`prepare_training`.
 
 Same function as transformers' `model(input_ids, labels=input_ids).loss` (the mean
 cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
@@ -18,9 +19,6 @@ step (see benchmarks/train and docs/performance.md, "Training"):
   and of the head's weight are made in the forward pass (backward only scales them). transformers
   writes the logits, their log-softmax and a zero-filled gradient of the same size, and reads
   each back.
-- `fuse_gelu`: GPT-2's `gelu_new` is the tanh approximation of GELU, which transformers evaluates
-  as eight element-wise ops forward and more backward; `torch.nn.GELU(approximate="tanh")` is the
-  same formula in one kernel each way.
 
 Results agree with transformers' path to float rounding (tests/test_train.py), not bit for bit;
 `train.fast_kernels: false` trains through transformers' own modules.
@@ -40,11 +38,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _chunk_rows(vocab: int, width: int, device: torch.device) -> int:
-    if device.type != "cpu":
-        # GPU: a few large chunks keep the matmuls big while the fp32 logits stay a few hundred MB
-        return max(16, (256 << 20) // (4 * vocab))
-    # CPU: chunks of about 2 MiB of logits, in cache from the matmul through the gradient: 128 rows
+def _chunk_rows(vocab: int, width: int) -> int:
+    # Chunks of about 2 MiB of logits (the kernel set "cpu" is where this kernel runs), in cache from the matmul through the gradient: 128 rows
     # of a 4,096 vocabulary were fastest on a 2-core Xeon (64 rows 1.18x slower, 256 1.10x). But
     # every chunk reads and writes the head's whole weight gradient (V x C) once: where that is
     # beyond the caches, fewer chunks win. GPT-2's 50,257 x 768 head (154 MB), one thread:
@@ -124,54 +119,52 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Mean cross-entropy of `h @ weight.T` against `targets`; h (..., C), targets (...)."""
     h2 = h.reshape(-1, h.shape[-1])
-    rows = rows or _chunk_rows(weight.shape[0], weight.shape[1], h.device)
+    rows = rows or _chunk_rows(weight.shape[0], weight.shape[1])
     return _LinearCrossEntropy.apply(h2, weight, targets.reshape(-1), rows)
 
 
 class CausalLMLoss(torch.nn.Module):
     """A causal LM's next-token loss through `linear_cross_entropy` (wrap this in DDP): its
-    decoder (`base_model`: GPT-2's `transformer`, Llama's `model`) then its bias-free `lm_head`.
+    family's decoder (distlm.family: `Family.decoder`) then its bias-free `lm_head`, for a
+    family whose logits are that head's product (`Family.linear_logits`).
 
     Holds the model as its only child, so DDP sees the same parameters in the same order.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
+        from distlm.family import family_of
+
         self.model = model
+        self.family = family_of(model.config)
+        assert self.family.linear_logits, self.family.model_type
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        decoder = self.family.decoder(self.model)
+        h = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
         # position t predicts token t + 1: the last position has nothing to predict
         return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
 
 
-def fuse_gelu(model: torch.nn.Module) -> int:
-    """Swap GPT-2's `gelu_new` modules (its MLPs' `act`) for the one-kernel tanh GELU; returns
-    how many (0 for a family without them: the Llama family's MLP is a gated SiLU)."""
-    from transformers.activations import NewGELUActivation
-
-    n = 0
-    for module in model.modules():
-        if isinstance(getattr(module, "act", None), NewGELUActivation):
-            module.act = torch.nn.GELU(approximate="tanh")
-            n += 1
-    return n
-
-
 class NextTokenLoss(torch.nn.Module):
     """The next-token loss in standard operations (the "standard" kernel set, for GPUs): the
-    decoder, the LM head on every position but the last, the cross-entropy in float32 (as
-    nanoGPT and torchtitan take it). Under torch.compile the head's product, the upcast and
-    the loss are one graph, which inductor fuses; eager, it is transformers' arithmetic without
-    the shifted copies of its loss."""
+    family's decoder and logits hook (distlm.family) on every position but the last, the
+    cross-entropy in float32 (as nanoGPT and torchtitan take it). Under torch.compile the head's
+    product, the upcast and the loss are one graph, which inductor fuses; eager, it is
+    transformers' arithmetic without the shifted copies of its loss."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
+        from distlm.family import family_of
+
         self.model = model
+        self.family = family_of(model.config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-        logits = self.model.lm_head(h[:, :-1])  # (B, T - 1, V): position t predicts t + 1
+        decoder = self.family.decoder(self.model)
+        h = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        # (B, T - 1, V): position t predicts t + 1
+        logits = self.family.logits(self.model.lm_head, h[:, :-1])
         return torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), input_ids[:, 1:].flatten()
         )

@@ -45,6 +45,11 @@ class TrainPaths:
         return self.out / _STAGE.scratch["checkpoints"]
 
     @property
+    def compile_cache(self) -> Path:
+        """torch.compile's caches (inductor's, Triton's), kept with the stage's runs."""
+        return self.out / _STAGE.scratch["compile_cache"]
+
+    @property
     def lease(self) -> Path:
         """One trainer per stage folder at a time (distlm.lease)."""
         return self.checkpoints / "trainer.lease.json"

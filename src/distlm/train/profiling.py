@@ -2,7 +2,9 @@
 
 Exports, for each rank, a Chrome/Perfetto trace (`trace-rank{r}.json`, open in ui.perfetto.dev or
 chrome://tracing) and the top operators by self time (`top-ops-rank{r}.csv` and `.json`), which the
-report stage reads; both are written when the training loop ends, never inside a timed step. Rank
+report stage reads; the JSON also holds the step's phases (the trainer's `distlm.*` ranges: data,
+forward, backward with DDP's all-reduce, clip, optimizer), CPU and device time a call. Both are
+written when the training loop ends, never inside a timed step. Rank
 0 writes `profile.json` (a ProfileSummary document): whether profiling was on, and whether a window
 was captured. The top-ops tables are data files (tables, like
 metrics.csv), not versioned documents.
@@ -14,8 +16,7 @@ import contextlib
 from pathlib import Path
 from typing import Self
 
-import torch
-
+from distlm.device import DeviceBackend
 from distlm.documents import ProfileSummary, ProfileWindow, write_document
 from distlm.io import atomic_path, write_json, write_text
 from distlm.log import get_logger
@@ -24,9 +25,25 @@ from distlm.settings import ProfileSettings
 log = get_logger(__name__)
 
 
-def top_ops(prof, *, device: torch.device, limit: int) -> list[dict]:
+def phases(prof) -> list[dict]:
+    """The trainer's step phases (record_function ranges named `distlm.*`): time a call."""
+    out = []
+    for e in prof.key_averages():
+        if e.key.startswith("distlm."):
+            n = max(1, int(e.count))
+            out.append(
+                {
+                    "name": e.key,
+                    "calls": int(e.count),
+                    "cpu_us_per_call": round(float(e.cpu_time_total) / n, 1),
+                    "device_us_per_call": round(float(getattr(e, "device_time_total", 0.0)) / n, 1),
+                }
+            )
+    return out
+
+
+def top_ops(prof, *, on_gpu: bool, limit: int) -> list[dict]:
     """The `limit` operators with the largest self time (device time on GPUs, CPU time otherwise)."""
-    on_gpu = device.type == "cuda"
     rows = []
     for e in prof.key_averages():
         self_dev = getattr(e, "self_device_time_total", 0.0) if on_gpu else 0.0
@@ -57,13 +74,13 @@ class StepProfiler:
         *,
         out_dir: Path,
         rank: int,
-        device: torch.device,
+        hw: DeviceBackend,
         start_step: int,
     ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.rank = rank
-        self.device = device
+        self.hw = hw
         self.start_step = start_step
         self._prof = None
         self._ready = None  # the profiler whose window is complete, until __exit__ exports it
@@ -79,17 +96,18 @@ class StepProfiler:
         trace = self.out_dir / f"trace-rank{self.rank}.json"
         with atomic_path(trace) as tmp:
             prof.export_chrome_trace(str(tmp))
-        rows = top_ops(prof, device=self.device, limit=self.cfg.top_ops)
+        rows = top_ops(prof, on_gpu=self.hw.is_gpu, limit=self.cfg.top_ops)
         window = self.cfg.model_dump(include={"wait", "warmup", "active"})
         write_json(
             self.out_dir / f"top-ops-rank{self.rank}.json",
             {
                 "rank": self.rank,
-                "device": str(self.device),
+                "device": str(self.hw.device),
                 "first_step": self.start_step + 1,
                 "window": window,
-                "sort_by": "self_device_us" if self.device.type == "cuda" else "self_cpu_us",
+                "sort_by": "self_device_us" if self.hw.is_gpu else "self_cpu_us",
                 "ops": rows,
+                "phases": phases(prof),
             },
         )
         cols = [
@@ -116,9 +134,7 @@ class StepProfiler:
             return self
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        acts = [ProfilerActivity.CPU] + (
-            [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-        )
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.hw.is_gpu else [])
         self._prof = profile(
             activities=acts,
             schedule=schedule(

@@ -18,6 +18,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.data import TokenBlocks
+from distlm.device import DeviceBackend
 from distlm.settings import TrainSettings
 
 
@@ -106,15 +107,14 @@ class StepSampler:
 class StepLoader:
     """Reads one step's micro-batches for this rank from the HDF5 file (only those rows)."""
 
-    def __init__(self, blocks: TokenBlocks, sampler: StepSampler, device: torch.device) -> None:
+    def __init__(self, blocks: TokenBlocks, sampler: StepSampler, hw: DeviceBackend) -> None:
         self.blocks = blocks
         self.sampler = sampler
-        self.device = device
+        self.hw = hw  # the device backend: where the batch goes, and how
 
     def __call__(self, step: int) -> list[torch.Tensor]:
         idx = self.sampler.indices(step)
         # Row by row: a few contiguous reads beat one HDF5 point selection by ~5x.
         rows = torch.from_numpy(np.stack([self.blocks[int(i)] for i in idx.reshape(-1)]))
-        if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        rows = self.hw.to_device(rows)  # pinned and asynchronous where the device is a GPU
         return list(rows.view(*idx.shape, -1).unbind(0))  # grad_accum x (micro, T)

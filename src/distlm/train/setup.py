@@ -95,7 +95,9 @@ def open_data(cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> TrainData:
             plan.global_batch,
         )
     sampler = StepSampler(len(train), plan, topo.rank, cfg.runtime.seed)
-    data = TrainData(meta, train, val, plan, sampler, StepLoader(train, sampler, topo.device))
+    data = TrainData(
+        meta, train, val, plan, sampler, StepLoader(train, sampler, topo.device_backend)
+    )
     log.info(
         "data: %d train blocks of %d tokens, global batch %d blocks (%d per rank = %d micro x %d accum "
         "x %d ranks), %d tokens per step, %.2f epochs in %d steps",

@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function as phase
 
 from distlm import DistlmError, stop_latch
 from distlm.dist import Topology
@@ -139,6 +140,7 @@ class Trainer:
             else:
                 # Different dropout masks per rank, reproducible from the config seed.
                 torch.manual_seed(cfg.runtime.seed + 1000 * topo.rank)
+            self.hw.keep_compile_cache(paths.compile_cache)  # before the first graph compiles
             # fwd: input_ids -> mean next-token loss, eager, for validation (no DDP hooks)
             self.fwd, self.ddp = wrap_model(self.model, t, self.hw)
             self.metrics = Metrics(
@@ -150,6 +152,9 @@ class Trainer:
                 start_step=self.step,
             )
             self._opened.callback(outputs.metrics_io, self.metrics.close)
+            # rank 0's checkpoint writes, in the background where the device backend says so
+            self.writer = ckpt_mod.CheckpointWriter(background=self.hw.background_checkpoints)
+            self._opened.callback(self.writer.close)
         except BaseException:
             self._opened.close()
             raise
@@ -158,6 +163,7 @@ class Trainer:
         self._stop_signal: int | None = None  # set by the signal handler, read at step ends
         self.stop_requested: str | None = None  # agreed by every rank at the last step end
         self.stop_signals: list[str] = []  # the STOP_SIGNALS behind stop_requested
+        self.checkpoint_stalls: list[float] = []  # seconds the loop spent in each save
 
     # ------------------------------------------------------------------ steps
 
@@ -165,7 +171,8 @@ class Trainer:
         """Run optimizer step `self.step + 1`; return its metrics row (same on every rank)."""
         t0 = time.perf_counter()
         step = self.step
-        micro = self.data.loader(step)
+        with phase("distlm.data"):
+            micro = self.data.loader(step)
         lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = torch.zeros((), device=self.device)
         accum = len(micro)
@@ -173,37 +180,43 @@ class Trainer:
             # No gradient all-reduce on accumulation micro-steps: only the last one syncs.
             sync = self.ddp.no_sync() if i < accum - 1 else contextlib.nullcontext()
             with sync:
-                with self.hw.autocast():
+                with phase("distlm.forward"), self.hw.autocast():
                     loss = self.ddp(x) / accum
                 if self.faults is not None:
                     loss = self.faults.loss(step + 1, loss)  # a test's nan_at_step
-                self.scaler.scale(loss).backward()
+                with phase("distlm.backward"):  # with DDP's gradient all-reduce
+                    self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        self.scaler.unscale_(self.optimizer)
-        clip = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
-        gnorm = grad_norm(self.model)
-        # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any rank
-        # makes the all-reduced gradients, hence the (global) norm, non-finite on every rank: all
-        # ranks stop together, before the step (with fp16 the scaler skips such steps instead).
-        # A stop request (a signal on any rank, or rank 0's lease lost) travels with the loss, so
-        # every rank learns it at this step's end without a collective of its own.
-        # [loss, ranks that got each of STOP_SIGNALS..., rank 0's lease lost]
-        loss_red = torch.zeros(2 + len(STOP_SIGNALS), device=self.device)
-        loss_red[0] = loss_sum.float()
-        if self._stop_signal is not None:
-            loss_red[1 + STOP_SIGNALS.index(self._stop_signal)] = 1.0
-        loss_red[-1] = float(self.lease is not None and self.lease.lost is not None)
-        work = dist.all_reduce(loss_red, async_op=True)
-        assert work is not None  # async_op=True: a Work (the stub says Optional)
-        gnorm_v = gnorm.item()
-        clip_gradients(self.model, clip, gnorm)  # clip_grad_norm_'s, without its pass if not needed
+        with phase("distlm.clip"):
+            self.scaler.unscale_(self.optimizer)
+            clip = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
+            gnorm = grad_norm(self.model)
+            # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any
+            # rank makes the all-reduced gradients, hence the (global) norm, non-finite on every
+            # rank: all ranks stop together, before the step (with fp16 the scaler skips such
+            # steps instead). A stop request (a signal on any rank, or rank 0's lease lost)
+            # travels with the loss, so every rank learns it at this step's end without a
+            # collective of its own.
+            # [loss, ranks that got each of STOP_SIGNALS..., rank 0's lease lost]
+            loss_red = torch.zeros(2 + len(STOP_SIGNALS), device=self.device)
+            loss_red[0] = loss_sum.float()
+            if self._stop_signal is not None:
+                loss_red[1 + STOP_SIGNALS.index(self._stop_signal)] = 1.0
+            loss_red[-1] = float(self.lease is not None and self.lease.lost is not None)
+            work = dist.all_reduce(loss_red, async_op=True)
+            assert work is not None  # async_op=True: a Work (the stub says Optional)
+            gnorm_v = gnorm.item()
+            clip_gradients(
+                self.model, clip, gnorm
+            )  # clip_grad_norm_'s, without its pass if not needed
         if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
             work.wait()
             self._diverged(step, loss_red[0].item() / self.topo.world_size, gnorm_v)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with phase("distlm.optimizer"):
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
         work.wait()
         loss_v, *signalled, lost = loss_red.tolist()
         loss_v /= self.topo.world_size
@@ -276,7 +289,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """All ranks call: this step's checkpoint through the one save path
-        (distlm.train.checkpoint.save), then rank 0 rewrites the metrics files."""
+        (distlm.train.checkpoint.save), then rank 0 rewrites the metrics files. The time the loop
+        spent here (the stall; a background write goes on after it) is logged and kept."""
+        t0 = time.perf_counter()
         ckpt_mod.save(
             self.run_dir,
             self.step,
@@ -290,9 +305,19 @@ class Trainer:
             plan=self.data.plan,
             history=self.metrics.history(),
             keep_last=self.tcfg.keep_last,
+            writer=self.writer,
         )
         if self.topo.is_main:
             outputs.metrics_io(self.metrics.flush)
+        self.checkpoint_stalls.append(round(time.perf_counter() - t0, 4))
+        log.info(
+            "step %d: checkpoint stalled the loop %.2f s", self.step, self.checkpoint_stalls[-1]
+        )
+
+    def checkpoint_written(self) -> None:
+        """All ranks: rank 0's last checkpoint is on disk (a background write finished)."""
+        self.writer.wait()
+        self.topo.barrier()
 
     def write_final(self, wall_s: float, *, steps_run: int | None = None) -> ModelMeta | None:
         """Rank 0 writes the final model folder (distlm.train.outputs); all ranks wait for it."""
@@ -310,6 +335,8 @@ class Trainer:
                 "precision": self.precision,
                 "device": self.device.type,
                 "backend": self.topo.backend,
+                # the one-time costs (the first step holds torch.compile) and each save's stall
+                "checkpoint_stall_s": self.checkpoint_stalls,
             }
             meta = outputs.write_final(
                 self.paths,
@@ -337,7 +364,7 @@ class Trainer:
             t.profile,
             out_dir=self.paths.profile,
             rank=self.topo.rank,
-            device=self.device,
+            hw=self.hw,
             start_step=start,
         )
         bar = progress(
@@ -377,6 +404,7 @@ class Trainer:
                         log.warning("%s: its checkpoint is written first", why)
                         if last_ckpt != self.step:
                             self.save_checkpoint()
+                        self.checkpoint_written()  # on disk before the launcher is told
                         if self.topo.is_main and self.run_dir is not None:
                             self._tell_launcher()
                         raise TrainingStopped(
@@ -395,6 +423,7 @@ class Trainer:
             self._validate()
         if last_ckpt != self.step:
             self.save_checkpoint()
+        self.checkpoint_written()  # the last checkpoint on disk before the final folder
         self.metrics.flush()
         meta = self.write_final(time.perf_counter() - t_start, steps_run=self.step - start)
         if self.topo.is_main and self.run_dir is not None:
@@ -483,7 +512,6 @@ def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
     """The training stage on this rank (the train stage's keys: `runtime`, `train`, `transfer`):
     process group up, train, outputs written, torn down."""
     from distlm.dist import distributed
-    from distlm.heap import keep_freed_memory
 
     rt, t = cfg.runtime, cfg.train
     with distributed(
@@ -495,8 +523,8 @@ def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
         precision_key="train.precision",
         compile=t.compile,
     ) as topo:
-        if topo.device_backend.kernels == "cpu":  # a CPU rank's heap (distlm.heap): CPU-tuned
-            keep_freed_memory(f"rank {topo.rank}")  # before the model and the first step allocate
+        # before the model and the first step allocate (a CPU rank's heap: distlm.device)
+        topo.device_backend.keep_host_memory(f"rank {topo.rank}")
         trainer = Trainer(cfg, paths, topo)
         try:
             return trainer.fit()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlm.model.family.blocks import StageBlocks
+from distlm.family.blocks import StageBlocks
 
 
 class GPT2Blocks(StageBlocks):
@@ -81,7 +81,7 @@ class GPT2Blocks(StageBlocks):
         return _conv1d(mlp.c_proj, self.act(_conv1d(mlp.c_fc, _layer_norm(block.ln_2, x)))).add_(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+        return self.logits(self.lm_head, self.ln_f(x))
 
 
 _GELU_K = math.sqrt(2.0 / math.pi)

@@ -1,13 +1,13 @@
-"""GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, a GELU MLP, tied embeddings."""
+"""GPT-2's model: init, build, signature, its pipeline blocks and its training kernels."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
-from distlm.model.family.base import Family
+from distlm.family.gpt2 import GPT2
+from distlm.family.model import Family
 
 
-@dataclass(frozen=True)
 class GPT2Family(Family):
     def init_config(self, init, vocab_size, eos_token_id):
         return self.config_class(
@@ -30,19 +30,23 @@ class GPT2Family(Family):
             for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
         }
 
-    def stage_blocks(self, config, start, end, *, first, last, kernels="standard"):
-        from distlm.model.family.gpt2_blocks import GPT2Blocks
+    def prepare_training(self, model, kernels: str) -> str:
+        """GPT-2's `gelu_new` (transformers' NewGELUActivation, eight element-wise operations
+        each way) as torch's tanh GELU, one kernel each way: the same function to float rounding,
+        on any device (under torch.compile on a GPU too, as nanoGPT's MLP)."""
+        from transformers.activations import NewGELUActivation
 
-        return GPT2Blocks(config, start, end, first=first, last=last, kernels=kernels)
+        n = 0
+        for module in model.modules():
+            if isinstance(getattr(module, "act", None), NewGELUActivation):
+                module.act = torch.nn.GELU(approximate="tanh")
+                n += 1
+        return f"{n} tanh GELUs in one kernel" if n else ""
+
+    def blocks_class(self):
+        from distlm.family.gpt2.blocks import GPT2Blocks
+
+        return GPT2Blocks
 
 
-GPT2 = GPT2Family(
-    model_type="gpt2",
-    architecture="GPT2LMHeadModel",
-    config_name="GPT2Config",
-    layers="transformer.h.",
-    embeddings=("transformer.wte.", "transformer.wpe."),
-    final=("transformer.ln_f.", "lm_head."),
-    embedding="transformer.wte.weight",
-    kernels=frozenset({"linear_ce", "gelu"}),
-)
+FAMILY = GPT2Family(GPT2)

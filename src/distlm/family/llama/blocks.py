@@ -1,6 +1,6 @@
 """The Llama family's per-token math for a pipeline stage (`LlamaForCausalLM`, and Qwen2, which is
-Llama with a bias on q, k and v): RMSNorm, rotary positions, grouped-query attention, a gated SiLU
-MLP, a head tied to the embeddings or not.
+Llama with a bias on q, k and v; Qwen3 builds on it in its own folder): RMSNorm, rotary positions,
+grouped-query attention, a gated SiLU MLP, a head tied to the embeddings or not.
 
 The weights are transformers' own decoder layers (`LlamaDecoderLayer`, `Qwen2DecoderLayer`), so
 the checkpoint's names, shapes and biases hold as they are; their math runs here through the
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
-from distlm.model.family.blocks import StageBlocks
+from distlm.family.blocks import StageBlocks
 
 # rope types whose frequencies depend on the sequence's length (transformers' dynamic_rope_update):
 # sequences of different lengths share a micro-batch, so one set of frequencies cannot serve them
@@ -27,15 +27,16 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class LlamaBlocks(StageBlocks):
-    """embed_tokens (first), decoder layers [start, end), norm + lm_head (last), for a Llama or a
-    Qwen2 config (its model_type picks transformers' modules)."""
+    """embed_tokens (first), decoder layers [start, end), norm + lm_head (last) of a Llama config;
+    a family built on it names its own modules (`modules`)."""
 
     def __init__(
         self, config, start: int, end: int, *, first: bool, last: bool, kernels: str = "standard"
     ) -> None:
         # kernels: the device's set (distlm.device); the Llama family's math has no CPU-only form
         super().__init__(start=start, end=end, first=first, last=last)
-        layer_cls, rotary_cls, norm_cls = _modules(config)
+        check_rope(config)
+        layer_cls, rotary_cls, norm_cls = self.modules(config)
         config._attn_implementation = "sdpa"
         C = config.hidden_size
         if first:
@@ -76,13 +77,13 @@ class LlamaBlocks(StageBlocks):
         layer = self._layers[j]
         attn = layer.self_attn
         nh, nkv, D = self.n_head, self.n_kv_head, self.head_dim
-        h = _rms_norm(layer.input_layernorm, x)
+        h = rms_norm(layer.input_layernorm, x)
         q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(-1, nh, D)
         k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(-1, nkv, D)
         v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(-1, nkv, D)
         cos, sin = rot
-        k = k * cos + _rotate_half(k) * sin
-        return q * cos + _rotate_half(q) * sin, torch.stack((k, v), dim=1)
+        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, torch.stack((k, v), dim=1)
 
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         layer = self._layers[j]
@@ -91,36 +92,30 @@ class LlamaBlocks(StageBlocks):
         # (addition and multiplication commute: the same bits, no allocation each)
         x = F.linear(attn, o.weight, o.bias).add_(x)
         mlp = layer.mlp
-        h = _rms_norm(layer.post_attention_layernorm, x)
+        h = rms_norm(layer.post_attention_layernorm, x)
         gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
         up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
         return F.linear(mlp.act_fn(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias).add_(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_norm(self.norm, x))
+        return self.logits(self.lm_head, rms_norm(self.norm, x))
 
-
-def _modules(config) -> tuple:
-    """transformers' (decoder layer, rotary embedding, RMSNorm) classes of the config's model
-    type, after refusing what the pipeline cannot run exactly."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    if rope.get("rope_type") in _LENGTH_DEPENDENT_ROPE:
-        raise DistlmError(
-            f"config.json rope_parameters.rope_type {rope['rope_type']!r}: its frequencies depend "
-            "on the sequence's length, which the sequences of a micro-batch do not share; "
-            f"supported: default, linear, llama3, yarn ({config.model_type})"
+    def modules(self, config) -> tuple:
+        """transformers' (decoder layer, rotary embedding, RMSNorm) classes of this family."""
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
         )
-    if config.model_type == "qwen2":  # Llama with a bias on q, k and v
-        sliding = [
-            i
-            for i, t in enumerate(getattr(config, "layer_types", None) or [])
-            if t != "full_attention"
-        ]
-        if sliding:
-            raise DistlmError(
-                f"config.json layer_types: layers {sliding} use sliding-window attention, which "
-                "the pipeline does not run; set use_sliding_window to false"
-            )
+
+        return LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaRMSNorm
+
+
+class Qwen2Blocks(LlamaBlocks):
+    """Qwen2's stage: Llama's math with a bias on q, k and v (its decoder layer holds them)."""
+
+    def modules(self, config) -> tuple:
+        check_full_attention(config)
         from transformers.models.qwen2.modeling_qwen2 import (
             Qwen2DecoderLayer,
             Qwen2RMSNorm,
@@ -128,22 +123,38 @@ def _modules(config) -> tuple:
         )
 
         return Qwen2DecoderLayer, Qwen2RotaryEmbedding, Qwen2RMSNorm
-    from transformers.models.llama.modeling_llama import (
-        LlamaDecoderLayer,
-        LlamaRMSNorm,
-        LlamaRotaryEmbedding,
-    )
-
-    return LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaRMSNorm
 
 
-def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+def check_rope(config) -> None:
+    """Refuse rotary positions the pipeline cannot run exactly."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type") in _LENGTH_DEPENDENT_ROPE:
+        raise DistlmError(
+            f"config.json rope_parameters.rope_type {rope['rope_type']!r}: its frequencies depend "
+            "on the sequence's length, which the sequences of a micro-batch do not share; "
+            f"supported: default, linear, llama3, yarn ({config.model_type})"
+        )
+
+
+def check_full_attention(config) -> None:
+    """Refuse sliding-window layers (Qwen's `layer_types`): the pipeline attends over all."""
+    sliding = [
+        i for i, t in enumerate(getattr(config, "layer_types", None) or []) if t != "full_attention"
+    ]
+    if sliding:
+        raise DistlmError(
+            f"config.json layer_types: layers {sliding} use sliding-window attention, which "
+            "the pipeline does not run; set use_sliding_window to false"
+        )
+
+
+def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """LlamaRMSNorm's computation: normalised in float32, scaled in the input's dtype."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * h.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

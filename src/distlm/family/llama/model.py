@@ -1,29 +1,21 @@
-"""The Llama family: Llama (`LlamaForCausalLM`) and Qwen2 (`Qwen2ForCausalLM`, Llama with biases
-on the query, key and value projections). Rotary positions (with `rope_scaling` such as Llama
-3.2's `llama3`), RMSNorm, a gated SiLU MLP, grouped-query attention (`num_key_value_heads` KV
-heads), tied or untied embeddings."""
+"""The Llama family's model (Llama and Qwen2): init, build, signature, its pipeline blocks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from distlm.model.family.base import Family
-
-# model.init's defaults where the Llama family has a key GPT-2 lacks (config/README.md)
-ROPE_THETA = 10000.0
-RMS_NORM_EPS = 1e-5
+from distlm.family.llama import LLAMA, QWEN2, RMS_NORM_EPS, ROPE_THETA
+from distlm.family.model import Family
 
 
-@dataclass(frozen=True)
 class LlamaFamily(Family):
-    def init_config(self, init, vocab_size, eos_token_id):
+    def config_kwargs(self, init, vocab_size, eos_token_id) -> dict:
+        """The config of a seeded init as keyword arguments (Qwen3 adds its own)."""
         rope: dict = {
             "rope_type": "default",
             "rope_theta": init.rope_theta if init.rope_theta is not None else ROPE_THETA,
         }
         if init.rope_scaling is not None:
             rope.update(init.rope_scaling.model_dump())
-        kwargs = {
+        return {
             "vocab_size": vocab_size,
             "hidden_size": init.n_embd,
             "intermediate_size": init.intermediate_size or 4 * init.n_embd,
@@ -38,9 +30,9 @@ class LlamaFamily(Family):
             "bos_token_id": eos_token_id,
             "eos_token_id": eos_token_id,
         }
-        if self.model_type == "qwen2":
-            kwargs["use_sliding_window"] = False
-        return self.config_class(**kwargs)
+
+    def init_config(self, init, vocab_size, eos_token_id):
+        return self.config_class(**self.config_kwargs(init, vocab_size, eos_token_id))
 
     def signature(self, config) -> dict:
         return {
@@ -62,24 +54,22 @@ class LlamaFamily(Family):
         head_dim = getattr(config, "head_dim", None) or self.n_embd(config) // self.n_head(config)
         return int(config.num_key_value_heads or self.n_head(config)), int(head_dim)
 
-    def stage_blocks(self, config, start, end, *, first, last, kernels="standard"):
-        from distlm.model.family.llama_blocks import LlamaBlocks
+    def blocks_class(self):
+        from distlm.family.llama.blocks import LlamaBlocks
 
-        return LlamaBlocks(config, start, end, first=first, last=last, kernels=kernels)
-
-
-def _llama(model_type: str, architecture: str, config_name: str) -> LlamaFamily:
-    return LlamaFamily(
-        model_type=model_type,
-        architecture=architecture,
-        config_name=config_name,
-        layers="model.layers.",
-        embeddings=("model.embed_tokens.",),
-        final=("model.norm.", "lm_head."),
-        embedding="model.embed_tokens.weight",
-        kernels=frozenset({"linear_ce"}),  # SiLU MLP: no GPT-2 tanh GELU to fuse
-    )
+        return LlamaBlocks
 
 
-LLAMA = _llama("llama", "LlamaForCausalLM", "LlamaConfig")
-QWEN2 = _llama("qwen2", "Qwen2ForCausalLM", "Qwen2Config")
+class Qwen2Family(LlamaFamily):
+    def init_config(self, init, vocab_size, eos_token_id):
+        kwargs = self.config_kwargs(init, vocab_size, eos_token_id)
+        return self.config_class(**kwargs, use_sliding_window=False)
+
+    def blocks_class(self):
+        from distlm.family.llama.blocks import Qwen2Blocks
+
+        return Qwen2Blocks
+
+
+LLAMA_FAMILY = LlamaFamily(LLAMA)
+QWEN2_FAMILY = Qwen2Family(QWEN2)

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from distlm import DistlmError
+from distlm.inference.engine.pipeline_stage import StageModel, load_stage
 from distlm.inference.engine.ring import PipelineError, PipelineTopology, Ring
 from distlm.inference.engine.scheduler import Scheduler
-from distlm.inference.engine.stage import StageModel, load_stage
 from distlm.inference.engine.worker import worker_loop
 from distlm.inference.stats import StageInfo, StageStats
 from distlm.log import flush_to_reader, get_logger
@@ -108,12 +108,19 @@ def mpi_pipeline(
     of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
     with 2, whose threads took turns on the cores with the API server's).
     """
-    from mpi4py import MPI
-
     from distlm.device import DeviceBackend
     from distlm.heap import freeze_startup_heap
     from distlm.lifeline import bind_to_launcher
+    from distlm.mpi_init import MPILaunchError, init_mpi
 
+    try:
+        # not `from mpi4py import MPI`: MPI_Init's failures are C aborts, so the launch is checked
+        # first (under srun --mpi=pmi2 it also selects mpich's OFI netmod: issue #42)
+        MPI = init_mpi()
+    except MPILaunchError as e:
+        log.error("%s", e)
+        flush_to_reader()
+        sys.exit(1)
     bind_to_launcher()  # this rank dies with mpiexec's proxy (or srun's step), batch or serve
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)

@@ -1,4 +1,4 @@
-"""One pipeline stage: its model family's blocks (`distlm.model.family`), a KV cache per lane.
+"""One pipeline stage: its model family's blocks (`distlm.family`), a KV cache per lane.
 
 A stage runs a *micro-batch*: several sequences (each in its own lane) packed along the token axis,
 (N, C) with N = sum of the items' new tokens. The per-token work (norms, QKV and output
@@ -46,7 +46,7 @@ class StageModel(nn.Module):
 
     def __init__(self, config, entry: ShardEntry, *, kernels: str = "standard") -> None:
         super().__init__()
-        from distlm.model.family import family_of
+        from distlm.family import family_of
 
         self.config = config
         self.stage = entry.stage

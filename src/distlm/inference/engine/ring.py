@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from distlm import DistlmError
-from distlm.inference.engine.stage import Item, StageModel
+from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.sampling import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 

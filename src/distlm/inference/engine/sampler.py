@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Pick, PipelineError, Slot
-from distlm.inference.engine.stage import StageModel
 from distlm.inference.sampling import (
     SamplingParams,
     new_generator,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.engine.ring import (
     Backoff,
     Fork,
@@ -37,7 +38,6 @@ from distlm.inference.engine.ring import (
     to_wire,
 )
 from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage
-from distlm.inference.engine.stage import Item, StageModel
 from distlm.inference.sampling import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 

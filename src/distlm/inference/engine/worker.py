@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import (
     Hello,
     Pick,
@@ -25,7 +26,6 @@ from distlm.inference.engine.ring import (
     to_wire,
 )
 from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage, release_lanes
-from distlm.inference.engine.stage import StageModel
 from distlm.inference.stats import StageStats
 
 

@@ -1,0 +1,58 @@
+"""Qwen3 (`Qwen3ForCausalLM`: Qwen3-0.6B and up): the Llama family's decoder with RMSNorm on each
+head's queries and keys before the rotary positions, and a head width (`head_dim`) of its own,
+not `hidden_size / num_attention_heads`. Its spec (no torch); the model is `model.py`, a pipeline
+stage's math `blocks.py`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from distlm.family.llama import TENSORS, LlamaInit
+from distlm.family.spec import ONLY_WHEN_SET, FamilySpec
+
+
+class Qwen3Init(LlamaInit):
+    """`model.init` of Qwen3: Llama's keys and `head_dim`."""
+
+    architecture: Literal["qwen3"] = Field(  # pyright: ignore[reportIncompatibleVariableOverride]
+        default="qwen3",
+        description="qwen3 (Qwen3ForCausalLM: query/key RMSNorm, a head width of its own).",
+        **ONLY_WHEN_SET,
+    )
+    head_dim: int | None = Field(
+        default=None,
+        ge=2,
+        description="Width of each attention head; null = n_embd / n_head (Qwen3-0.6B: 128).",
+        **ONLY_WHEN_SET,
+    )
+
+    @property
+    def head_width(self) -> int | None:
+        return self.head_dim if self.head_dim is not None else super().head_width
+
+    @property
+    def head_width_is(self) -> str:
+        if self.head_dim is None:
+            return super().head_width_is
+        return f"model.init.head_dim: {self.head_dim}"
+
+    def problems(self) -> list[str]:
+        problems = super().problems()
+        if (
+            self.head_dim is not None
+        ):  # n_head need not divide n_embd: q_proj maps to n_head x head_dim
+            problems = [p for p in problems if not p.startswith("model.init.n_embd:")]
+        return problems
+
+
+QWEN3 = FamilySpec(
+    name="qwen3",
+    architecture="Qwen3ForCausalLM",
+    config_name="Qwen3Config",
+    init=Qwen3Init,
+    tensors=TENSORS,
+    model="distlm.family.qwen3.model:FAMILY",
+    description="Qwen3ForCausalLM: query/key RMSNorm, its own head width (Qwen3-0.6B)",
+)

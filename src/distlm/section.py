@@ -1,0 +1,71 @@
+"""A config section as a pydantic model: unknown keys refused, values immutable, no coercion, keys
+dumped in the order the config gave them. The settings (`distlm.settings`) and the model families'
+init settings (`distlm.family`) are made of these.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_serializer,
+    model_validator,
+)
+
+
+class Section(BaseModel):
+    """A section (or sub-section) of the config: unknown keys refused, values immutable, no type
+    coercion (a YAML string is not a number; `distlm.settings.validate` turns command-line
+    strings into the type a key asks for before validation)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    # The order of the keys it was given (a config file's): a section dumps its keys in that
+    # order, then any others in field order, so the mapping a stage's params are dumped from is
+    # the one the config held, key order included (Snakemake compares params by their repr).
+    _order: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_order(cls, data: object, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        section = handler(data)
+        if isinstance(data, dict):
+            section._order = tuple(k for k in data if k in cls.model_fields)
+        return section
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when of one type with equal values, whatever order the keys were given in."""
+        if not isinstance(other, BaseModel):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    @model_serializer(mode="wrap")
+    def _ordered(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        first = {k: out[k] for k in self._order if k in out}
+        return self._dumped({**first, **{k: v for k, v in out.items() if k not in first}})
+
+    def _dumped(self, out: dict) -> dict:
+        """The mapping this section dumps to; a section whose newer keys must leave the digests of
+        configs without them unchanged drops them here (the families' init settings)."""
+        return out
+
+
+def _keep_int(value: object, handler: ValidatorFunctionWrapHandler) -> object:
+    checked = handler(value)
+    return value if type(value) is int else checked
+
+
+# A real number that stays as written: 2 stays the int 2 (a plain `float` field makes it 2.0). So a
+# validated section dumps to exactly the mapping it came from, and every digest made of settings
+# (stage configs, the data and model digests, the train run identity) is what it was before
+# the models.
+KeepInt = WrapValidator(_keep_int)
+Real = Annotated[float, KeepInt]
