@@ -63,6 +63,20 @@ def start_transformers_serve(folder: Path, log: Path) -> tuple[subprocess.Popen,
     raise AssertionError(f"transformers serve did not come up:\n{log.read_text()[-4000:]}")
 
 
+def transformers_serve_once(folder: Path, body: dict, log: Path) -> dict:
+    """One completion of `transformers serve` started on `folder` (stopped afterwards)."""
+    proc, base = start_transformers_serve(folder, log)
+    try:
+        return post(base, {"model": str(folder), **body})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def test_trained_folder_loads_in_transformers_serve_and_automodel(workflow_run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

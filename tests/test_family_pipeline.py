@@ -197,7 +197,6 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
     gives its `hf` model's answers, document by document."""
     import json
     import shutil
-    import subprocess
 
     import test_ecosystem
     from test_serve_chat import TEMPLATE
@@ -206,18 +205,9 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
     ref = reference(family_models, case)
     folder = family_models(case)["model"]
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    proc, base = test_ecosystem.start_transformers_serve(folder, tmp_path / "ts.log")
-    try:
-        doc = test_ecosystem.post(
-            base, {"model": str(folder), "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
-        )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    doc = test_ecosystem.transformers_serve_once(
+        folder, {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}, tmp_path / "ts.log"
+    )
     want = ref.tok.decode(ref.generate(ref.ids[0], 6), skip_special_tokens=True)
     assert doc["choices"][0]["text"] == want
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
@@ -250,7 +240,6 @@ def test_transformers_serve_and_lm_eval_on_a_llama_folder(
 def test_transformers_serve_loads_a_qwen3_folder_distlm_wrote(family_models, tmp_path, hub_offline):
     """Qwen3's model folder as distlm writes it loads unchanged in `transformers serve` and in
     AutoModelForCausalLM: greedy text equals `generate`'s."""
-    import subprocess
 
     import test_ecosystem
 
@@ -258,17 +247,8 @@ def test_transformers_serve_loads_a_qwen3_folder_distlm_wrote(family_models, tmp
     ref = reference(family_models, case)
     folder = family_models(case)["model"]
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    proc, base = test_ecosystem.start_transformers_serve(folder, tmp_path / "ts.log")
-    try:
-        doc = test_ecosystem.post(
-            base, {"model": str(folder), "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
-        )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    doc = test_ecosystem.transformers_serve_once(
+        folder, {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}, tmp_path / "ts.log"
+    )
     want = ref.tok.decode(ref.generate(ref.ids[1], 6), skip_special_tokens=True)
     assert doc["choices"][0]["text"] == want

@@ -81,9 +81,15 @@ class LlamaBlocks(StageBlocks):
         q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(-1, nh, D)
         k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(-1, nkv, D)
         v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(-1, nkv, D)
+        q, k = self.qk_norm(attn, q, k)
         cos, sin = rot
         k = k * cos + rotate_half(k) * sin
         return q * cos + rotate_half(q) * sin, torch.stack((k, v), dim=1)
+
+    def qk_norm(self, attn: Any, q: torch.Tensor, k: torch.Tensor):
+        """Queries (N, n_head, D) and keys (N, n_kv_head, D) before the rotary positions: as they
+        are (a family that norms them, Qwen3, says how)."""
+        return q, k
 
     def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         layer = self._layers[j]
