@@ -217,12 +217,15 @@ def slurm_run(cluster, profile, tmp_path_factory):
 
 
 def _multi_process_rules() -> dict[str, str]:
-    """Rules whose shell starts several processes: rule -> launcher resource."""
+    """Rules whose shell starts several processes: rule -> launcher resource (a torchrun stage's
+    shell is common.smk's torchrun_shell, which starts with `{resources.torchrun}`)."""
     found = {}
     for smk in (ROOT / "workflow" / "rules").glob("*.smk"):
         for m in re.finditer(
             r"^rule (\w+):(.*?)(?=^rule |\Z)", smk.read_text(), re.DOTALL | re.MULTILINE
         ):
+            if "torchrun_shell(" in m.group(2):
+                found[m.group(1)] = "torchrun"
             for res in ("torchrun", "mpi"):
                 if f"{{resources.{res}}}" in m.group(2):
                     found[m.group(1)] = res

@@ -27,7 +27,7 @@ ModelInit = Annotated[
     Union[tuple(Annotated[s.init, Tag(s.name)] for s in REGISTRY.values())],  # noqa: UP007  # pyright: ignore
     Discriminator(_architecture),
 ]
-_MODEL_INIT: TypeAdapter[InitSettings] = TypeAdapter(ModelInit)
+_MODEL_INIT: TypeAdapter[InitSettings] = TypeAdapter(ModelInit)  # pyright: ignore[reportArgumentType]
 
 
 def init_settings(**keys: Any) -> InitSettings:
