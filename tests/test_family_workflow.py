@@ -1,7 +1,8 @@
 """The whole workflow through `snakemake --profile profiles/local` on a sweep that crosses the model
-families (tests/configs/tiny-families.yaml over tiny.yaml): the tiny GPT-2, a tiny Llama (1 KV
-head, untied, Llama 3.2's rope scaling, 3 layers in 2 pipeline stages), and folders shaped as
-SmolLM2-135M and Qwen3-0.6B ship, through `model.source: local`. One run serves every check."""
+families (tests/configs/tiny-families.yaml over tiny.yaml): a tiny Llama (1 KV head, untied,
+Llama 3.2's rope scaling, 3 layers in 2 pipeline stages), and folders shaped as SmolLM2-135M and
+Qwen3-0.6B ship, through `model.source: local`. The tiny GPT-2 is the tiny workflow's own
+(tests/test_workflow.py). One run serves every check."""
 
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ from distlm.sweep import SweepRun
 
 FAMILIES = ROOT / "tests" / "configs" / "tiny-families.yaml"
 ARCHITECTURES = {
-    "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-RUNS = {"gpt2": "gpt2", "llama": "llama", "smollm2-local": "llama", "qwen3-local": "qwen3"}
+RUNS = {"llama": "llama", "smollm2-local": "llama", "qwen3-local": "qwen3"}
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,10 @@ def test_a_sweep_across_families_runs_every_stage(families_run):
             ev = read_document(folders[f"evaluate[{model}]"] / f"eval/{model}.json", EvalReport)
             assert ev.splits["validation"].tokens_scored > 0
         man = read_manifest(folders["shard[trained]"] / "pipeline/trained")
-        assert man.stages == (3 if name == "gpt2" else 2)
+        assert man.stages == 2
         lines = (folders["inference"] / "inference/generations.jsonl").read_text().splitlines()
         recs = [json.loads(line) for line in lines]
         assert recs and all(1 <= r["tokens"] == len(r["token_ids"]) for r in recs)
         page = (wd / f"results/runs/{name}/report/summary.html").read_text()
         assert "Validation loss" in page and 'class="not-collected"' not in page
-    # the GPT-2 run of the sweep is the tiny workflow's: the same model folder bits
     assert (wd / "results/report/summary.html").is_file()
