@@ -160,7 +160,6 @@ def load_to_device(
             for c in bad
         ]
     seconds = time.perf_counter() - t0
-    payload = plan.payload_bytes
     return TransferStats(
         rank=0,
         role="sender",
@@ -169,19 +168,11 @@ def load_to_device(
         device=str(device),
         src=0,
         chain=[0],
-        bytes=payload,
-        stream_bytes=plan.stream_bytes,
-        tensors=len(plan.entries),
-        tied_tensors=sum(e.alias is not None for e in plan.entries),
-        buckets=plan.buckets,
-        bucket_bytes=plan.bucket_bytes,
-        chunk_bytes=plan.chunk_bytes,
+        **plan.stats_fields(seconds),
         metadata_seconds=0.0,
-        seconds=round(seconds, 6),
-        gbps=round(payload / seconds / 1e9, 4) if seconds > 0 else None,
         pack_seconds=round(pack_s, 6),
         checksum_seconds=round(checksum_s, 6),
-        packed_bytes=payload,
+        packed_bytes=plan.payload_bytes,
         verified=not mismatches,
         mismatches=mismatches,
         all_verified=not mismatches,

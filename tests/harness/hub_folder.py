@@ -42,8 +42,6 @@ def _token(content: str) -> dict:
 
 def smollm2_shaped_folder(root: Path, texts: list[str], *, vocab_size: int = 384) -> Path:
     """Write the folder under root/smollm2-tiny and return it."""
-    import torch
-    from safetensors.torch import save_file
     from tokenizers import ByteLevelBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,16 +121,23 @@ def smollm2_shaped_folder(root: Path, texts: list[str], *, vocab_size: int = 384
             indent=2,
         )
     )
-    # random weights in bfloat16, as the hub's file holds them; the tied head is not stored
+    _write_weights(out, LlamaForCausalLM, LlamaConfig)
+    return out
+
+
+def _write_weights(out: Path, model_class, config_class) -> None:
+    """Random weights in bfloat16, as the hub's files hold them; the tied head is not stored."""
+    import torch
+    from safetensors.torch import save_file
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig.from_json_file(str(out / "config.json")))
+    model = model_class(config_class.from_json_file(str(out / "config.json")))
     sd = {
         k: v.to(torch.bfloat16).contiguous()
         for k, v in model.state_dict().items()
         if k != "lm_head.weight"
     }
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 # Qwen3's special tokens, in its vocabulary's order (Qwen3-0.6B: ids 151643-151645 of many more)
@@ -144,8 +149,6 @@ def qwen3_shaped_folder(root: Path, texts: list[str], *, vocab_size: int = 384) 
     `head_dim`, query/key RMSNorm, rope_theta 1e6, tied embeddings), small: 2 layers of width 32,
     4 query heads of 16 (q_proj 32 -> 64, as Qwen3-0.6B's 1024 -> 2048), 2 KV heads, random
     weights in bfloat16. Written under root/qwen3-tiny; returned."""
-    import torch
-    from safetensors.torch import save_file
     from tokenizers import ByteLevelBPETokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -206,12 +209,5 @@ def qwen3_shaped_folder(root: Path, texts: list[str], *, vocab_size: int = 384) 
             indent=2,
         )
     )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config.from_json_file(str(out / "config.json")))
-    sd = {
-        k: v.to(torch.bfloat16).contiguous()
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"
-    }
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_weights(out, Qwen3ForCausalLM, Qwen3Config)
     return out

@@ -63,10 +63,16 @@ class InitSettings(Section):
         drop = () if self.DUMPS_ARCHITECTURE else ("architecture",)
         return {k: v for k, v in out.items() if not (v is None or k in drop)}
 
+    @property
+    def head_width(self) -> int | None:
+        """Each attention head's width: n_embd / n_head (None when n_head does not divide
+        n_embd); a family with a key of its own for it overrides this."""
+        return None if self.n_embd % self.n_head else self.n_embd // self.n_head
+
     def problems(self) -> list[str]:
         """What the keys together make impossible, each naming its key (model.init.<key>); a
         family adds its own."""
-        if self.n_embd % self.n_head:
+        if self.head_width is None:
             return [
                 (
                     f"model.init.n_embd: {self.n_embd} is not divisible by model.init.n_head "

@@ -74,8 +74,6 @@ def broadcast_state_dict(
 def _stats(
     s: TransferSession, seconds: float, t_meta: float, timing: stream.Timing
 ) -> TransferStats:
-    plan = s.plan
-    payload = plan.payload_bytes
     return TransferStats(
         rank=s.rank,
         role="sender" if s.is_src else "receiver",
@@ -84,16 +82,8 @@ def _stats(
         device=str(s.device),
         src=s.src,
         chain=s.chain,
-        bytes=payload,
-        stream_bytes=plan.stream_bytes,
-        tensors=len(plan.entries),
-        tied_tensors=sum(e.alias is not None for e in plan.entries),
-        buckets=plan.buckets,
-        bucket_bytes=plan.bucket_bytes,
-        chunk_bytes=plan.chunk_bytes,
+        **s.plan.stats_fields(seconds),
         metadata_seconds=round(t_meta, 6),
-        seconds=round(seconds, 6),
-        gbps=round(payload / seconds / 1e9, 4) if seconds > 0 else None,
         pack_seconds=round(timing.pack_seconds, 6),
         checksum_seconds=round(timing.checksum_seconds, 6),
         unpack_seconds=round(timing.unpack_seconds, 6),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,6 +66,22 @@ class Plan:
     @property
     def buckets(self) -> int:
         return max(1, -(-self.stream_bytes // self.bucket_bytes)) if self.stream_bytes else 0
+
+    def stats_fields(self, seconds: float) -> dict[str, Any]:
+        """The fields of a TransferStats that the plan and the transfer's time give: what every
+        transfer of this plan reports, whichever way it moved the bytes."""
+        payload = self.payload_bytes
+        return {
+            "bytes": payload,
+            "stream_bytes": self.stream_bytes,
+            "tensors": len(self.entries),
+            "tied_tensors": sum(e.alias is not None for e in self.entries),
+            "buckets": self.buckets,
+            "bucket_bytes": self.bucket_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "seconds": round(seconds, 6),
+            "gbps": round(payload / seconds / 1e9, 4) if seconds > 0 else None,
+        }
 
     def bucket_range(self, b: int) -> tuple[int, int]:
         lo = b * self.bucket_bytes

@@ -65,11 +65,6 @@ class LlamaInit(InitSettings):
     )
 
     @property
-    def head_width(self) -> int | None:
-        """Each attention head's width (None when n_head does not divide n_embd)."""
-        return None if self.n_embd % self.n_head else self.n_embd // self.n_head
-
-    @property
     def head_width_is(self) -> str:
         """Where the head width comes from, for an error (naming the key to change)."""
         return f"model.init.n_head: head width n_embd / n_head = {self.head_width}"

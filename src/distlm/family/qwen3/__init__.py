@@ -30,6 +30,7 @@ class Qwen3Init(LlamaInit):
 
     @property
     def head_width(self) -> int | None:
+        # with head_dim, n_head need not divide n_embd: q_proj maps n_embd to n_head x head_dim
         return self.head_dim if self.head_dim is not None else super().head_width
 
     @property
@@ -37,14 +38,6 @@ class Qwen3Init(LlamaInit):
         if self.head_dim is None:
             return super().head_width_is
         return f"model.init.head_dim: {self.head_dim}"
-
-    def problems(self) -> list[str]:
-        problems = super().problems()
-        if (
-            self.head_dim is not None
-        ):  # n_head need not divide n_embd: q_proj maps to n_head x head_dim
-            problems = [p for p in problems if not p.startswith("model.init.n_embd:")]
-        return problems
 
 
 QWEN3 = FamilySpec(
