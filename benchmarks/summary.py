@@ -252,7 +252,7 @@ def gpu_rows() -> list[Row]:
                 "≥ 1.1x",
                 None,
                 GPU_RUN,
-                "GPU (none lent yet)",
+                "GPU (not run yet)",
             )
         )
     if (ROOT / SERVE_GPU).is_file():
@@ -279,7 +279,7 @@ def gpu_rows() -> list[Row]:
                 "≥ 3x (≤ 0.5x)",
                 None,
                 GPU_RUN,
-                "GPU (none lent yet)",
+                "GPU (not run yet)",
             )
         )
     return rows
@@ -310,7 +310,10 @@ def render() -> str:
     ]
     for rel in dict.fromkeys(row.source for row in rows):
         if rel == GPU_RUN:
-            lines.append(f"- `{rel}`: not run yet (no GPU machine has been lent to this project)")
+            lines.append(
+                f"- `{rel}`: not run yet (the first H100 run, 2026-11-25, came before it: "
+                "docs/performance.md#gpu)"
+            )
             continue
         data = load(rel)
         date = str(data["date"]).replace("T", " ")[:16] + " UTC"
