@@ -11,6 +11,8 @@ on the `meta` device, where such a tensor is as foreign as on a GPU (the H100 ru
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -172,6 +174,23 @@ def test_the_gpu_config_fits_one_gpu():
         True,
     )
     assert (s.model.source, s.data.source) == ("init", "embedded")  # offline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["gpu.yaml", "gpt2-wikitext2.yaml", "smollm2-135m.yaml", "qwen3-0.6b.yaml"]
+)
+def test_a_dry_run_without_a_gpu_plans_the_gpu_configs(name, tmp_path):
+    """The user's dry run of a GPU config on a machine with no GPU visible (a SLURM cluster's
+    login node): every stage is planned; the ranks per GPU are counted where the ranks run."""
+    from conftest import ROOT, run_snakemake
+
+    proc = run_snakemake(
+        tmp_path, "-n", configfile=ROOT / "config" / name, env={"CUDA_VISIBLE_DEVICES": ""}
+    )
+    stats = proc.stdout[proc.stdout.index("Job stats:") :]
+    for rule in ("broadcast", "train", "evaluate", "inference", "report"):
+        assert re.search(rf"^{rule}\s+\d+$", stats, re.MULTILINE), (rule, stats)
 
 
 # ----------------------------------------------------------------------------- kernels
