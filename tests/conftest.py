@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "configs" / "tiny.yaml"
+SINGLE = ROOT / "tests" / "configs" / "tiny-single.yaml"  # layered after TINY: one rank a stage
 SLURM_CONFIG = ROOT / "tests" / "harness" / "slurm-config.yaml"
 
 
@@ -110,29 +111,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="session")
-def workflow_run(tmp_path_factory) -> Path:
-    """The whole tiny workflow, run once per test session; returns its working directory. Tests
-    read it; a test that runs jobs or edits files works on a copy (copy_workflow).
-
-    DISTLM_TESTS_WORKFLOW names a folder that the pytest sessions of one tests/run.sh share: the
-    first to need the workflow runs it there (the others wait on the folder's lock), the others
-    use it."""
+def _once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """A folder that `build(folder)` fills, made once per test session, or once for all the
+    sessions of one tests/run.sh: DISTLM_TESTS_WORKFLOW names a folder they share; the first
+    session to need `name` builds it there (the others wait on its lock), the others use it."""
     shared = os.environ.get("DISTLM_TESTS_WORKFLOW")
     if not shared:
-        wd = tmp_path_factory.mktemp("workflow")
-        run_snakemake(wd)
+        wd = tmp_path_factory.mktemp(name)
+        build(wd)
         return wd
     root = Path(shared)
-    wd, done = root / "workflow", root / "workflow.done"
-    with open(root / "workflow.lock", "a") as lock:
+    wd, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             shutil.rmtree(wd, ignore_errors=True)  # what a session that failed in it left
             wd.mkdir()
-            run_snakemake(wd)
+            build(wd)
             done.touch()
     return wd
+
+
+@pytest.fixture(scope="session")
+def workflow_run(tmp_path_factory) -> Path:
+    """The whole tiny workflow, run once per test session (or once for tests/run.sh's sessions:
+    _once_per_run); returns its working directory. Tests read it; a test that runs jobs or edits
+    files works on a copy (copy_workflow)."""
+    return _once_per_run(tmp_path_factory, "workflow", run_snakemake)
 
 
 @pytest.fixture(scope="session")
@@ -191,21 +196,23 @@ def profile(cluster, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def slurm_built(tmp_path_factory) -> Path:
     """A work dir whose data and base model exist for the SLURM layout (tiny.yaml and
-    tests/harness/slurm-config.yaml), built once with the local profile: the files and
-    Snakemake's records are the same whichever profile ran them, and no train setting changes
-    them. The SLURM training tests train in copies (tests/slurm_training.py: prepared)."""
-    wd = tmp_path_factory.mktemp("slurm-built") / "built"
-    wd.mkdir()
-    run_snakemake(
-        wd,
-        "results/model/base",
-        "results/data/tokens.h5",
-        "--configfile",
-        str(TINY),
-        str(SLURM_CONFIG),
-        configfile=None,
-    )
-    return wd
+    tests/harness/slurm-config.yaml), built once (_once_per_run: the two SLURM sessions of
+    tests/run.sh share it) with the local profile: the files and Snakemake's records are the
+    same whichever profile ran them, and no train setting changes them. The SLURM training tests
+    train in copies (tests/slurm_training.py: prepared)."""
+
+    def build(wd: Path) -> None:
+        run_snakemake(
+            wd,
+            "results/model/base",
+            "results/data/tokens.h5",
+            "--configfile",
+            str(TINY),
+            str(SLURM_CONFIG),
+            configfile=None,
+        )
+
+    return _once_per_run(tmp_path_factory, "slurm-built", build)
 
 
 def pytest_configure(config):

@@ -57,7 +57,8 @@ lint-imports --no-cache || lint_failed=1  # the layers ([tool.importlinter] in p
 # The SLURM tests mostly wait on the local cluster's scheduler and its time limits: they run in two
 # more pytest sessions beside the others (the requeue tests, marker slurm_requeue, in one; the
 # other SLURM tests in the other), each with a SLURM cluster of its own; their output follows the
-# others'. The sessions share one run of the tiny workflow (DISTLM_TESTS_WORKFLOW). With a -m of
+# others'. The sessions share one run of the tiny workflow, and the SLURM sessions one build of
+# their data and base model (DISTLM_TESTS_WORKFLOW; tests/conftest.py: _once_per_run). With a -m of
 # the caller's, or DISTLM_TESTS_SERIAL=1, one pytest runs everything as given.
 status=0
 if [ "${DISTLM_TESTS_SERIAL:-0}" = 1 ] || printf '%s\n' "$@" | grep -qx -- '-m.*\|--markexpr.*'; then

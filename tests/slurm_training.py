@@ -20,10 +20,15 @@ TARGET = "results/train/final"
 STEP_S = 0.1
 
 
+def cluster_env(cluster) -> dict[str, str]:
+    """This environment with the cluster's client settings: training at full speed."""
+    return {**os.environ, **cluster.env()}
+
+
 def slurm_env(cluster) -> dict[str, str]:
     """The environment of a command of the SLURM training tests: the cluster's client settings,
     training paced at STEP_S."""
-    return paced_env({**os.environ, **cluster.env()}, STEP_S)
+    return paced_env(cluster_env(cluster), STEP_S)
 
 
 def long_training(steps: int) -> dict:

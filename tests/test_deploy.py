@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, SINGLE, TINY
 from test_kill_workflow import COPY_IGNORE, job_counts
 
 pytestmark = [pytest.mark.slow, pytest.mark.with_slurm]
 PROFILE = ["--profile", "profiles/local"]
-CONFIGS = ["--configfile", "config/config.yaml", "config/tiny.yaml"]
+# the tiny config with one rank a stage (tests/configs/tiny-single.yaml), copied into the project
+CONFIGS = ["--configfile", "config/config.yaml", "config/tiny.yaml", "config/single.yaml"]
 
 
 def snakemake(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -62,6 +63,7 @@ def deployed(tmp_path_factory) -> Path:
     snakefile.write_text(text.replace('"Snakefile"', repr(str(source / "Snakefile")), 1))
     assert (project / "profiles" / "local" / "config.yaml").is_file()
     shutil.copy(TINY, project / "config" / "tiny.yaml")
+    shutil.copy(SINGLE, project / "config" / "single.yaml")
     snakemake(project, *CONFIGS)
     return project
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import TINY, copy_workflow, run_snakemake
+from conftest import SINGLE, TINY, copy_workflow, run_snakemake
 from harness.synthetic import checkpoint_state
 
 from distlm.device import DeviceBackend
@@ -219,7 +219,9 @@ def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path, workflow_
     from distlm.train import checkpoint as ck
 
     conf = tmp_path / "tiny-disk.yaml"
-    conf.write_text(yaml.safe_dump(_merge(yaml.safe_load(TINY.read_text()), DISK)))
+    # one training rank (tiny-single.yaml): a checkpoint is written by rank 0 whatever the ranks
+    tiny = _merge(*(yaml.safe_load(p.read_text()) for p in (TINY, SINGLE)))
+    conf.write_text(yaml.safe_dump(_merge(tiny, DISK)))
 
     # the run that never saw a full disk: the session's tiny workflow (no train setting changes
     # its data or base model) trained afresh with DISK

@@ -1,5 +1,5 @@
 """The whole workflow through `snakemake --profile profiles/local` on a sweep that crosses the model
-families (tests/configs/tiny-families.yaml over tiny.yaml): a tiny Llama (1 KV head, untied,
+families (tests/configs/tiny-families.yaml over tiny.yaml and tiny-single.yaml): a tiny Llama (1 KV head, untied,
 Llama 3.2's rope scaling, 3 layers in 2 pipeline stages), and folders shaped as SmolLM2-135M and
 Qwen3-0.6B ship, through `model.source: local`. The tiny GPT-2 is the tiny workflow's own
 (tests/test_workflow.py). One run serves every check."""
@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, TINY, run_snakemake
+from conftest import ROOT, SINGLE, TINY, run_snakemake
 from harness.hub_folder import qwen3_shaped_folder, smollm2_shaped_folder
 
 from distlm.data.sources import load_embedded
@@ -32,7 +32,12 @@ def families_run(tmp_path_factory):
     texts = [text for _, text in load_embedded()][:300]
     smollm2_shaped_folder(wd / "hub", texts)
     qwen3_shaped_folder(wd / "hub", texts)
-    proc = run_snakemake(wd, "--configfile", str(TINY), str(FAMILIES), configfile=None)
+    # one rank for train, eval and broadcast (tiny-single.yaml: how they split the work across
+    # ranks is the same code for every family, tested on the tiny GPT-2 in the session's tiny
+    # workflow; DDP of each family's parameters: tests/test_family.py), each run's pipeline in 2
+    # stages (tiny-families.yaml)
+    configs = (TINY, SINGLE, FAMILIES)
+    proc = run_snakemake(wd, "--configfile", *map(str, configs), configfile=None)
     return wd, proc
 
 

@@ -46,6 +46,7 @@ def _snakemake(checkout: Path, work: Path, *args: str, edit: dict | None = None)
         str(work),
         "--configfile",
         str(checkout / "tests" / "configs" / "tiny.yaml"),
+        str(checkout / "tests" / "configs" / "tiny-single.yaml"),
         str(work.parent / "prompts override.yaml"),
         *extra,
         "--profile",
@@ -83,16 +84,12 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     prompts = base / "my prompts" / "prompts file.txt"
     prompts.parent.mkdir()
     prompts.write_text("The quick brown fox\nOnce upon a time\n")
-    # One process per multi-process stage: the paths, the reuse and the forced-rerun table do not
-    # depend on how many ranks a stage has (the other workflow tests run tiny.yaml's), and the
-    # table starts the train job eight times
-    single = {
-        "train": {"nproc_per_node": 1},
-        "eval": {"nproc_per_node": 1},
-        "broadcast": {"receivers": 1},
-        "inference": {"stages": 1, "prompts": str(prompts)},
-    }
-    (base / "prompts override.yaml").write_text(yaml.safe_dump(single))
+    # One process per multi-process stage (tests/configs/tiny-single.yaml): the paths, the reuse
+    # and the forced-rerun table do not depend on how many ranks a stage has, and the table
+    # starts the train job eight times
+    (base / "prompts override.yaml").write_text(
+        yaml.safe_dump({"inference": {"prompts": str(prompts)}})
+    )
     _snakemake(
         checkout,
         work,

@@ -30,7 +30,14 @@ from pathlib import Path
 import pytest
 from conftest import snakemake_cmd
 from harness.faults import fault_env
-from slurm_training import TARGET, long_training, prepared, profile_with, slurm_env
+from slurm_training import (
+    TARGET,
+    cluster_env,
+    long_training,
+    prepared,
+    profile_with,
+    slurm_env,
+)
 from test_slurm import job_fields, sh, submissions
 
 from distlm.model import read_meta
@@ -64,9 +71,9 @@ def _prepared(built: Path, tmp_path: Path, name: str, overlay_cfg: dict = LONG):
 @pytest.fixture(scope="module")
 def reference(cluster, profile, slurm_built, tmp_path_factory) -> Path:
     """The uninterrupted run: the same config and topology, one allocation long enough for all of
-    it (the profile's runtime)."""
+    it (the profile's runtime), not paced (a step's pace is a sleep: the same bits, ~100 s sooner)."""
     ref, configs = _prepared(slurm_built, tmp_path_factory.mktemp("requeue-ref"), "reference")
-    done = _snakemake(cluster, ref, configs, profile)
+    done = _snakemake(cluster, ref, configs, profile, env=cluster_env(cluster))
     assert done.returncode == 0, done.stderr[-3000:]
     assert _attempts(ref) == [0]
     return ref

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY, run_snakemake, snakemake_cmd
+from conftest import ROOT, SINGLE, TINY, run_snakemake, snakemake_cmd
 from test_reruns import MATRIX
 
 from distlm.config import ConfigError, deep_merge, load_config
@@ -19,6 +19,9 @@ from distlm.stages import reruns
 from distlm.sweep import SweepError, SweepRun, grid_name, job_counts, plan_sweep
 
 TINY_SWEEP = ROOT / "tests" / "configs" / "tiny-sweep.yaml"
+# the sweep's run (sweep_run): one rank a stage, as the sharing does not depend on the ranks; the
+# grid's inference.stages overrides tiny-single.yaml's
+SWEPT = (TINY, SINGLE, TINY_SWEEP)
 LRS, STAGES_ = (0.003, 0.001), (1, 3)
 RUNS = [f"lr-{lr}_stages-{s}" for lr in LRS for s in STAGES_]
 
@@ -163,14 +166,14 @@ def _job_stats(out: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def sweep_run(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     wd = tmp_path_factory.mktemp("sweep")
-    proc = run_snakemake(wd, "--configfile", str(TINY), str(TINY_SWEEP), configfile=None)
+    proc = run_snakemake(wd, "--configfile", *map(str, SWEPT), configfile=None)
     return wd, _job_stats(proc.stdout + proc.stderr)
 
 
 def _dry(forks, wd: Path, tmp: Path, sweep: dict, name: str) -> dict[str, int]:
     edit = tmp / f"{name}.yaml"
     edit.write_text(yaml.safe_dump({"sweep": sweep}, sort_keys=False))  # grid order names runs
-    proc = forks.run(snakemake_cmd(wd, "-n", "--nolock", configfiles=(TINY, edit)))
+    proc = forks.run(snakemake_cmd(wd, "-n", "--nolock", configfiles=(TINY, SINGLE, edit)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     return _job_stats(out)
@@ -223,7 +226,7 @@ def test_tiny_sweep_writes_per_run_outputs_and_the_comparison(sweep_run):
 def test_snakemake_report_labels_each_runs_outputs_with_the_run(sweep_run, tmp_path):
     wd, _ = sweep_run
     out = tmp_path / "report.html"
-    cmd = snakemake_cmd(wd, "--report", str(out), configfiles=(TINY, TINY_SWEEP))
+    cmd = snakemake_cmd(wd, "--report", str(out), configfiles=SWEPT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     text = out.read_text()

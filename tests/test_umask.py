@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY, snakemake_cmd
+from conftest import ROOT, SINGLE, TINY, snakemake_cmd
 from harness.synthetic import checkpoint_state, run_identity
 
 from distlm.config import validate_settings
@@ -204,14 +204,16 @@ def test_a_teammate_evaluates_resumes_and_serves_what_another_trained(tmp_path):
         )
         os.chmod(over, 0o664)
 
+        # one rank a stage (tiny-single.yaml): every rank writes through the same functions
+        tiny = (TINY, SINGLE)
         u1, u2 = USERS
-        _run_as(u1, snakemake_cmd(wd), homes[u1])
+        _run_as(u1, snakemake_cmd(wd, configfiles=tiny), homes[u1])
         bad = wrong_modes(wd / "results", file_mode=0o664, dir_mode=0o2775)
         assert bad == {}, bad
         assert {p.stat().st_gid for p in (wd / "results").rglob("*")} == {gid}
 
-        _run_as(u2, snakemake_cmd(wd, "--forcerun", "evaluate"), homes[u2])
-        more = (TINY, over)
+        _run_as(u2, snakemake_cmd(wd, "--forcerun", "evaluate", configfiles=tiny), homes[u2])
+        more = (*tiny, over)
         out = _run_as(u2, snakemake_cmd(wd, "train", configfiles=more), homes[u2])
         final = json.loads((wd / "results/train/final/distlm.json").read_text())
         assert final["training"]["steps"] == 12 and final["training"]["resumed_from"], out[-3000:]
