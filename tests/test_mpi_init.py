@@ -11,6 +11,7 @@ distlm's choice of the OFI netmod a node's address is lost and the step aborts i
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,25 @@ def test_srun_without_a_pmi_plugin_is_refused_not_a_world_of_one_per_task():
         prepare(env, detect_launch(env), MPICH5)
     one = {**env, "SLURM_STEP_NUM_TASKS": "1"}  # one task (the jobstep's srun -n1): a world of one
     assert prepare(one, detect_launch(one), MPICH5) == {}
+
+
+def test_a_refused_launch_says_why_in_its_first_line():
+    """srun ends a step once a task fails and can drop the rest of that task's output (CI: only
+    "Traceback (most recent call last):" came through): the reason is the process's first write."""
+    env = {k: v for k, v in SRUN_PMI2.items() if not k.startswith("PMI_")}
+    env["SLURM_MPI_TYPE"] = "none"
+    proc = subprocess.run(
+        [sys.executable, "-c", "from distlm.mpi_init import init_mpi; init_mpi()"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("MPI: srun started 3 tasks without a PMI plugin"), proc.stderr
+    assert "MPILaunchError" in proc.stderr  # and the traceback after it
 
 
 def test_pmi2_or_pmix_with_the_mpich_wheel_is_refused():

@@ -231,7 +231,11 @@ def init_mpi() -> Any:
 
     launch = detect_launch(os.environ)
     lib = library_of(MPI)
-    changed = prepare(os.environ, launch, lib)
+    try:
+        changed = prepare(os.environ, launch, lib)
+    except MPILaunchError as e:
+        _say(e)
+        raise
     if launch.rank in (0, None) and launch.pmi:
         extra = ", ".join(f"{k}={v}" for k, v in changed.items())
         log.info("MPI: %s%s", _versions(launch, lib), f"; set {extra}" if extra else "")
@@ -244,8 +248,17 @@ def init_mpi() -> Any:
         MPI.Init_thread(required)
     size = MPI.COMM_WORLD.Get_size()
     if launch.tasks is not None and size != launch.tasks:
-        raise MPILaunchError(
+        e = MPILaunchError(
             f"MPI: {launch.launcher or 'the launcher'} started {launch.tasks} processes but this "
             f"one joined a world of {size}. [{_versions(launch, lib)}]"
         )
+        _say(e)
+        raise e
     return MPI
+
+
+def _say(e: MPILaunchError) -> None:
+    """The reason, logged in one write before it is raised: srun ends a step once a task fails
+    and can drop the rest of that task's output (on the loaded test cluster only the first line
+    of the traceback came through), so the line that says why goes first."""
+    log.error("%s", e)
