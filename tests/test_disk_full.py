@@ -25,6 +25,7 @@ import yaml
 from conftest import SINGLE, TINY, copy_workflow, run_snakemake
 from harness.synthetic import checkpoint_state
 
+from distlm.config import deep_merge
 from distlm.device import DeviceBackend
 from distlm.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
 
@@ -220,8 +221,8 @@ def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path, workflow_
 
     conf = tmp_path / "tiny-disk.yaml"
     # one training rank (tiny-single.yaml): a checkpoint is written by rank 0 whatever the ranks
-    tiny = _merge(*(yaml.safe_load(p.read_text()) for p in (TINY, SINGLE)))
-    conf.write_text(yaml.safe_dump(_merge(tiny, DISK)))
+    tiny = deep_merge(*(yaml.safe_load(p.read_text()) for p in (TINY, SINGLE)))
+    conf.write_text(yaml.safe_dump(deep_merge(tiny, DISK)))
 
     # the run that never saw a full disk: the session's tiny workflow (no train setting changes
     # its data or base model) trained afresh with DISK
@@ -275,13 +276,6 @@ def test_workflow_on_a_full_disk_resumes_once_space_is_freed(tmp_path, workflow_
             "step-00000008",
             "step-00000012",
         ]
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return out
 
 
 def _only_run(wd: Path) -> Path:

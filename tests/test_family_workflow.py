@@ -1,8 +1,8 @@
 """The whole workflow through `snakemake --profile profiles/local` on a sweep that crosses the model
-families (tests/configs/tiny-families.yaml over tiny.yaml and tiny-single.yaml): a tiny Llama (1 KV head, untied,
-Llama 3.2's rope scaling, 3 layers in 2 pipeline stages), and folders shaped as SmolLM2-135M and
-Qwen3-0.6B ship, through `model.source: local`. The tiny GPT-2 is the tiny workflow's own
-(tests/test_workflow.py). One run serves every check."""
+families (tests/configs/tiny-families.yaml over tiny.yaml and tiny-single.yaml): a tiny Llama (1
+KV head, untied, Llama 3.2's rope scaling, 3 layers in 2 pipeline stages), and folders shaped as
+SmolLM2-135M and Qwen3-0.6B ship, through `model.source: local`. The tiny GPT-2 is the tiny
+workflow's own (tests/test_workflow.py). One run serves every check."""
 
 from __future__ import annotations
 
