@@ -75,6 +75,7 @@ def job_counts(proc: subprocess.CompletedProcess) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.with_requeue  # ~3 min: tests/run.sh runs it beside the requeue tests' waits
 def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     base = tmp_path / "dist lm"
     checkout = base / "check out"

@@ -16,7 +16,9 @@ Between allocations SLURM holds a requeued job (Reason=BeginTime, then its next 
 about three minutes with SLURM's defaults, SLURM's own delay that a user's job just waits out. The
 test cluster's slurm.conf shortens it to ~17 s (cred_expire, sched_interval in
 tests/harness/slurm_cluster.py) so each requeue here is cheap. The data and base model are built
-once and copied; one uninterrupted reference run serves every weight comparison.
+once and copied; one uninterrupted reference run serves every weight comparison. The first test's
+two commands and the reference train at the same time (the test waits out the time limits once):
+each train job takes 1 of a node's 4 CPUs.
 """
 
 from __future__ import annotations
@@ -68,15 +70,60 @@ def _prepared(built: Path, tmp_path: Path, name: str, overlay_cfg: dict = LONG):
     return prepared(built, tmp_path / name, overlay_cfg)
 
 
-@pytest.fixture(scope="module")
-def reference(cluster, profile, slurm_built, tmp_path_factory) -> Path:
+class Started:
+    """A command of the user's, started now, its output to a file: `finished` waits for it."""
+
+    def __init__(self, cluster, wd: Path, configs: tuple, profile: Path, env=None) -> None:
+        self.wd, self.out = wd, wd.parent / f"{wd.name}.out"
+        with self.out.open("w") as f:
+            self.proc = subprocess.Popen(
+                snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile),
+                env=env or slurm_env(cluster),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+
+    def finished(self, timeout: float) -> tuple[int, str]:
+        """(exit code, output); a command still running after `timeout` s fails the test."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(
+                f"still running after {timeout} s:\n{self.out.read_text()[-5000:]}"
+            )
+        return self.proc.returncode, self.out.read_text()
+
+    def stop(self) -> None:
+        """Snakemake cancels its SLURM jobs on a TERM; a KILL if it has not ended in 60 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Reference(Started):
     """The uninterrupted run: the same config and topology, one allocation long enough for all of
-    it (the profile's runtime), not paced (a step's pace is a sleep: the same bits, ~100 s sooner)."""
+    it (the profile's runtime), not paced (a step's pace is a sleep: the same bits, ~100 s
+    sooner). It trains while the tests that compare with it do; `weights` waits for it."""
+
+    def weights(self) -> bytes:
+        rc, out = self.finished(timeout=900)
+        assert rc == 0, out[-3000:]
+        assert _attempts(self.wd) == [0]
+        return _weights(self.wd)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, profile, slurm_built, tmp_path_factory):
     ref, configs = _prepared(slurm_built, tmp_path_factory.mktemp("requeue-ref"), "reference")
-    done = _snakemake(cluster, ref, configs, profile, env=cluster_env(cluster))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert _attempts(ref) == [0]
-    return ref
+    started = Reference(cluster, ref, configs, profile, env=cluster_env(cluster))
+    yield started
+    started.stop()
 
 
 def _weights(wd: Path) -> bytes:
@@ -122,7 +169,9 @@ def _stops(wd: Path, how: str, steps: int = STEPS) -> list[int]:
 def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
     cluster, profile, slurm_built, reference, tmp_path
 ):
-    # 1. runtime 2 minutes, warned 35 s before, up to 8 requeues: ONE command trains to the end
+    # 1. runtime 2 minutes, warned 35 s before, up to 8 requeues: ONE command trains to the end;
+    # 2. the bound: one requeue allowed, a training that needs more (twice as long): it stops
+    # after one, and Snakemake reports the launcher's message. The two commands run together.
     wd, configs = _prepared(slurm_built, tmp_path, "requeued")
     requeuing = profile_with(
         profile,
@@ -130,9 +179,26 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
         **LIMITED,
         torchrun=_launcher(f"--max-requeues={MAX_REQUEUES}"),
     )
-    run = _snakemake(cluster, wd, configs, requeuing, timeout=1500)
-    assert run.returncode == 0, run.stderr[-5000:]
-    job = _train_job(run.stdout + run.stderr)
+    longer = 2 * STEPS
+    wd2, configs2 = _prepared(
+        slurm_built,
+        tmp_path,
+        "bounded",
+        {"train": {**LONG["train"], "max_steps": longer, "eval_every": longer}},
+    )
+    bounded = profile_with(
+        profile, tmp_path / "bounded-profile", **LIMITED, torchrun=_launcher("--max-requeues=1")
+    )
+    runs = (Started(cluster, wd, configs, requeuing), Started(cluster, wd2, configs2, bounded))
+    try:
+        rc, out = runs[0].finished(timeout=1500)
+        rc2, out2 = runs[1].finished(timeout=900)
+    finally:
+        for run in runs:
+            run.stop()
+
+    assert rc == 0, out[-5000:]
+    job = _train_job(out)
     restarts = int(job_fields(cluster, job)["Restarts"])
     assert 1 <= restarts <= MAX_REQUEUES
     assert _attempts(wd) == list(range(restarts + 1))  # one attempt per allocation, logged
@@ -150,23 +216,11 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
     for step in stops:
         assert f"(step {step} of {STEPS}" in rank0.split(f"stopping at step {step} of")[1]
     assert read_meta(wd / "results" / "train" / "final").training["steps"] == STEPS
-    assert _weights(wd) == _weights(reference)
+    assert _weights(wd) == reference.weights()
 
-    # 2. the bound: one requeue allowed, a training that needs more (twice as long): it stops
-    # after one, and Snakemake reports the launcher's message
-    longer = 2 * STEPS
-    wd2, configs2 = _prepared(
-        slurm_built,
-        tmp_path,
-        "bounded",
-        {"train": {**LONG["train"], "max_steps": longer, "eval_every": longer}},
-    )
-    bounded = profile_with(
-        profile, tmp_path / "bounded-profile", **LIMITED, torchrun=_launcher("--max-requeues=1")
-    )
-    short = _snakemake(cluster, wd2, configs2, bounded)
-    assert short.returncode != 0
-    job2 = _train_job(short.stdout + short.stderr)
+    # 2. the bound
+    assert rc2 != 0
+    job2 = _train_job(out2)
     assert job_fields(cluster, job2)["Restarts"] == "1"
     assert _attempts(wd2) == [0, 1]
     (last,) = _stops(wd2, "SIGUSR1", longer)[1:]
@@ -175,7 +229,7 @@ def test_one_command_trains_past_the_time_limit_and_the_bound_holds(
         f"training stopped at step {last} of {longer} for the time limit after 1 requeues of job "
         f"{job2}: --max-requeues=1 reached, not requeued again"
     ) in log2
-    assert "Error in rule train" in short.stderr
+    assert "Error in rule train" in out2
     # Snakemake removed the failed job's outputs (metrics.csv); the checkpoint stays for a rerun
     ((run, _),) = ident.list_runs(wd2 / "results" / "train" / "checkpoints")
     assert last in [c.step for c in ck.list_checkpoints(run)]
@@ -212,6 +266,8 @@ def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(
 ):
     from harness import slurm_cluster as sc
 
+    # the urgent job below would preempt the reference's job too: it has ended first
+    want = reference.weights()
     wd, configs = _prepared(slurm_built, tmp_path, "preempted")
     proc = subprocess.Popen(
         [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), "--slurm-requeue"],
@@ -250,6 +306,6 @@ def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(
     rank0 = log.read_text()
     assert f"(step {stop} of {STEPS}" in rank0.split(f"stopping at step {stop} of")[1]
     assert _metric_steps(wd) == list(range(1, STEPS + 1))
-    assert _weights(wd) == _weights(reference)
+    assert _weights(wd) == want
     # SLURM requeued it, not the launcher (no time-limit warning was sent)
     assert "requeueing job" not in (wd / "logs" / "train" / "train.log").read_text()
