@@ -1011,7 +1011,7 @@ def test_keep_freed_memory_says_when_the_c_library_is_not_glibc(monkeypatch, cap
 def test_clipping_is_clip_grad_norm_s_to_the_bit(clip):
     """grad_norm and clip_gradients (the training step's) leave every gradient as
     torch.nn.utils.clip_grad_norm_ does, bit for bit, whether the norm is above the clip (scaled)
-    or below it (left alone, without clip_grad_norm_'s multiplication by 1)."""
+    or below it (multiplied by 1), without reading the norm on the host."""
     from distlm.train.optim import clip_gradients, grad_norm
 
     torch.manual_seed(0)
@@ -1023,8 +1023,43 @@ def test_clipping_is_clip_grad_norm_s_to_the_bit(clip):
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, foreach=True)
     norm = grad_norm(ours)
     assert torch.equal(norm, want)
-    assert clip_gradients(ours, clip, norm) is (clip < norm.item())
+    clip_gradients(ours, clip, norm)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_a_step_with_a_non_finite_norm_leaves_weights_and_optimizer_alone(fused):
+    """step_unless_nonfinite (the training step's): a finite norm steps as AdamW.step does, to
+    the bit; a non-finite one leaves the weights and the whole optimizer state (moments, step
+    count) as they were, so the next finite step is the one the skipped step never touched."""
+    from distlm.train.optim import step_unless_nonfinite
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+
+    def run(nan_at: int | None, with_guard: bool) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(40, 30))
+        opt = torch.optim.AdamW([w], lr=1e-2, fused=fused)
+        for i in range(4):
+            w.grad = torch.randn(40, 30, generator=torch.Generator().manual_seed(i))
+            if i == nan_at:
+                w.grad[3, 4] = float("nan")
+            norm = torch.nn.utils.get_total_norm([w.grad])
+            if with_guard:
+                step_unless_nonfinite(opt, scaler, norm)
+            elif i != nan_at:
+                opt.step()
+        return w.detach(), opt.state[w]
+
+    plain, plain_state = run(None, with_guard=False)
+    guarded, guarded_state = run(None, with_guard=True)
+    assert torch.equal(plain, guarded)
+    assert all(torch.equal(plain_state[k], guarded_state[k]) for k in plain_state)
+    left_out, left_out_state = run(2, with_guard=False)  # step 2 never taken
+    skipped, skipped_state = run(2, with_guard=True)
+    assert torch.isfinite(skipped).all() and torch.equal(skipped, left_out)
+    assert all(torch.equal(left_out_state[k], skipped_state[k]) for k in left_out_state)
+    assert int(skipped_state["step"]) == 3
 
 
 def test_background_checkpoints_write_what_the_loop_writes(inputs, tmp_path, monkeypatch):

@@ -33,14 +33,34 @@ def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads, foreach=True)
 
 
-def clip_gradients(model: torch.nn.Module, clip: float, norm: torch.Tensor) -> bool:
-    """Scale the gradients by clip_grad_norm_'s min(1, clip / (norm + 1e-6)), to the bit, where
-    that is below 1; True if it was. clip_grad_norm_ multiplies every gradient by it on every
-    step; most steps clip nothing, and skip that pass over the gradients here."""
-    if torch.clamp(clip / (norm + 1e-6), max=1.0).item() < 1.0:
+def clip_gradients(model: torch.nn.Module, clip: float, norm: torch.Tensor) -> None:
+    """clip_grad_norm_'s scaling of the gradients by min(1, clip / (norm + 1e-6)), on the device:
+    the host never reads the norm (a coefficient of 1 leaves every gradient as it was, to the
+    bit). No pass at all without clipping (`clip` inf: train.grad_clip 0)."""
+    if math.isfinite(clip):
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm, foreach=True)
-        return True
-    return False
+
+
+def step_unless_nonfinite(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, norm: torch.Tensor
+) -> None:
+    """The optimizer step, or none (weights and optimizer state as they were) when the gradient
+    norm is not finite, decided on the device, so the host does not wait for the backward pass
+    here: with fp16 the scaler skips such a step itself; fused AdamW is given the verdict as
+    GradScaler gives it (`found_inf`: its kernel leaves everything alone, and its step count goes
+    back). Only an unfused AdamW (a device without the fused kernel) reads the norm on the host.
+    The caller learns of a non-finite norm when it reads the step's results."""
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+    elif optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~torch.isfinite(norm)).float()  # pyright: ignore[reportAttributeAccessIssue]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # pyright: ignore[reportAttributeAccessIssue]
+    elif math.isfinite(norm.item()):
+        optimizer.step()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -48,6 +48,7 @@ from distlm.train.optim import (
     grad_norm,
     lr_at,
     make_optimizer,
+    step_unless_nonfinite,
 )
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
@@ -193,8 +194,9 @@ class Trainer:
             gnorm = grad_norm(self.model)
             # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any
             # rank makes the all-reduced gradients, hence the (global) norm, non-finite on every
-            # rank: all ranks stop together, before the step (with fp16 the scaler skips such
-            # steps instead). A stop request (a signal on any rank, or rank 0's lease lost)
+            # rank: the optimizer leaves that step out on every rank (step_unless_nonfinite) and
+            # all ranks stop together at its end (with fp16 the scaler skips such steps and
+            # training goes on). A stop request (a signal on any rank, or rank 0's lease lost)
             # travels with the loss, so every rank learns it at this step's end without a
             # collective of its own.
             # [loss, ranks that got each of STOP_SIGNALS..., rank 0's lease lost]
@@ -205,22 +207,18 @@ class Trainer:
             loss_red[-1] = float(self.lease is not None and self.lease.lost is not None)
             work = dist.all_reduce(loss_red, async_op=True)
             assert work is not None  # async_op=True: a Work (the stub says Optional)
-            gnorm_v = gnorm.item()
-            clip_gradients(
-                self.model, clip, gnorm
-            )  # clip_grad_norm_'s, without its pass if not needed
-        if not self.scaler.is_enabled() and not math.isfinite(gnorm_v):
-            work.wait()
-            self._diverged(step, loss_red[0].item() / self.topo.world_size, gnorm_v)
+            clip_gradients(self.model, clip, gnorm)
         with phase("distlm.optimizer"):
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            step_unless_nonfinite(self.optimizer, self.scaler, gnorm)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         work.wait()
-        loss_v, *signalled, lost = loss_red.tolist()
+        # The step's one read on the host: what every rank needs at its end (the loss, the stop
+        # requests) and the norm, together
+        *reduced, gnorm_v = torch.cat([loss_red, gnorm.float().reshape(1)]).tolist()
+        loss_v, *signalled, lost = reduced
         loss_v /= self.topo.world_size
-        if not math.isfinite(loss_v):
+        if not math.isfinite(loss_v) or not (self.scaler.is_enabled() or math.isfinite(gnorm_v)):
             self._diverged(step, loss_v, gnorm_v)
         self.step = step + 1
         if lost:
@@ -231,10 +229,10 @@ class Trainer:
         if any(signalled) and self.stop_requested is None:
             self.stop_requested = stop_reason(signalled, self.topo.world_size)
             self.stop_signals = stop_signals(signalled)
-        # No device synchronize: the .item() above already waited for forward and backward, and
-        # the optimizer kernels overlap the next step's launches (counted in the next step time).
-        # The step time runs from the end of the previous step, so it holds everything the loop
-        # did in between: bookkeeping, and validation or a checkpoint after the previous step.
+        # No device synchronize: the read above waited for the whole step, the optimizer's
+        # kernels included. The step time runs from the end of the previous step, so it holds
+        # everything the loop did in between: bookkeeping, and validation or a checkpoint after
+        # the previous step.
         end = time.perf_counter()
         dt = end - (t0 if self._last_step_end is None else self._last_step_end)
         self._last_step_end = end
