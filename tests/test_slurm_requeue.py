@@ -130,18 +130,6 @@ def _weights(wd: Path) -> bytes:
     return (wd / "results" / "train" / "final" / "model.safetensors").read_bytes()
 
 
-def _snakemake(
-    cluster, wd: Path, configs: tuple, profile: Path, *extra: str, timeout=900, env=None
-):
-    return subprocess.run(
-        [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), *extra],
-        env=env or slurm_env(cluster),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def _train_job(out: str) -> str:
     jobs = submissions(out)
     assert list(jobs) == ["train"], jobs  # the copied data and base model are not rebuilt
@@ -248,16 +236,16 @@ def test_a_training_that_fails_on_its_own_is_never_requeued(
     )
     # the test harness's fault (never a config key): every rank's loss is NaN at step 5
     nan = fault_env(tmp_path / "faults.json", slurm_env(cluster), nan_at_step=5)
-    run = _snakemake(cluster, wd, configs, requeuing, env=nan)
-    assert run.returncode != 0
-    job = _train_job(run.stdout + run.stderr)
+    rc, out = Started(cluster, wd, configs, requeuing, env=nan).finished(timeout=900)
+    assert rc != 0
+    job = _train_job(out)
     fields = job_fields(cluster, job)
     assert fields["Restarts"] == "0" and fields["JobState"] == "FAILED", fields
     assert _attempts(wd) == [0]
     log = (wd / "logs" / "train" / "train.log").read_text()
     assert "without a stop notice: an error, not a time-limit stop; not requeued" in log
     assert "requeueing job" not in log
-    assert "Error in rule train" in run.stderr
+    assert "Error in rule train" in out
 
 
 @pytest.mark.timeout(900)

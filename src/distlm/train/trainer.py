@@ -218,7 +218,8 @@ class Trainer:
         *reduced, gnorm_v = torch.cat([loss_red, gnorm.float().reshape(1)]).tolist()
         loss_v, *signalled, lost = reduced
         loss_v /= self.topo.world_size
-        if not math.isfinite(loss_v) or not (self.scaler.is_enabled() or math.isfinite(gnorm_v)):
+        skipped = not math.isfinite(gnorm_v) and not self.scaler.is_enabled()  # fp16's goes on
+        if skipped or not math.isfinite(loss_v):
             self._diverged(step, loss_v, gnorm_v)
         self.step = step + 1
         if lost:
