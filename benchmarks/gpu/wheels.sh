@@ -27,7 +27,7 @@ for req in "${reqs[@]}"; do
     python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$dest" "$req"
   fi
 done
-bad=$(find "$dest" -name '*.whl' ! -name '*-none-any.whl' ! -name '*cp312*' ! -name '*abi3*' ! -name '*py3-none*')
+bad=$(find "$dest" -type f -name '*.whl' ! -name '*-none-any.whl' ! -name '*cp312*' ! -name '*abi3*' ! -name '*py3-none*')
 if [ -n "$bad" ]; then
   echo "wheels.sh: wheels for another Python in $dest (built here, not pure Python):" >&2
   echo "$bad" >&2
