@@ -344,6 +344,28 @@ def test_full_report_embeds_every_figure(tmp_path):
     assert ">report<" not in bench  # the report rule's own (stale) benchmark is left out
 
 
+def test_an_operator_listed_twice_for_a_rank_is_one_bar(tmp_path):
+    """On a GPU torch's key_averages() lists an operator's CPU and device events apart under one
+    name (the H200 run of 2026-11-26: the report rule failed on the duplicate label). The figure
+    draws the rank's rows of a name as one bar, their sum."""
+    import pandas as pd
+
+    from distlm.report.figures import profile_ops
+
+    write_all(tmp_path)
+    inp = collect(tmp_path)
+    p = inp.profile
+    name = p[p["rank"] == 0]["operator"].iloc[0]
+    twice = pd.concat([p, p[(p["rank"] == 0) & (p["operator"] == name)]], ignore_index=True)
+    twice.attrs = p.attrs
+    inp.profile = twice
+    fig = profile_ops(inp)
+    assert fig is not None
+    bars = {(b.get_label(), round(b.get_width(), 9)) for b in fig.axes[0].patches}
+    want = 2 * p[(p["rank"] == 0) & (p["operator"] == name)]["self_ms"].iloc[0]
+    assert any(abs(w - want) < 1e-9 for _, w in bars), (want, sorted(bars))
+
+
 def test_collect_reads_real_writer_formats(tmp_path):
     write_all(tmp_path)
     inp = collect(tmp_path)

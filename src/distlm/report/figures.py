@@ -156,14 +156,17 @@ def profile_ops(inp: Inputs, top: int = 15) -> Figure | None:
     p = inp.profile
     if p is None:
         return None
-    mean = p.groupby("operator")["self_ms"].mean().sort_values(ascending=False).head(top)
+    # a rank's rows of one name together: on a GPU torch's key_averages() keeps an operator's CPU
+    # and device events (and a range's) apart, under the same name
+    per_rank = p.groupby(["rank", "operator"])["self_ms"].sum()
+    mean = per_rank.groupby("operator").mean().sort_values(ascending=False).head(top)
     ops = list(mean.index[::-1])  # largest at the top
     ranks = sorted(p["rank"].unique())
     fig = Figure(figsize=(11, 0.42 * len(ops) * max(1, len(ranks) / 2) + 1.8), layout="constrained")
     ax = fig.subplots()
     h = 0.8 / len(ranks)
     for i, r in enumerate(ranks):
-        d = p[p["rank"] == r].set_index("operator")["self_ms"].reindex(ops).fillna(0)
+        d = per_rank[r].reindex(ops).fillna(0)
         ys = [j - (i - (len(ranks) - 1) / 2) * h for j in range(len(ops))]  # rank 0 on top
         ax.barh(ys, d.values, h, label=f"rank {r}")
     ax.set_yticks(range(len(ops)), [o if len(o) <= 48 else o[:45] + "..." for o in ops])
