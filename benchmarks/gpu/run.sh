@@ -94,7 +94,7 @@ step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovid
   --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
 
 # -- training: the stage beside the bare DDP loop, GPT-2 small's real shape --------------------
-step train 110 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda \
+step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda \
   --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
   --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
 

@@ -468,6 +468,8 @@ def main() -> None:
         "runs": runs,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "note": args.note,
+        # where distlm and the peer ran: the GPU's name (benchmarks/summary.py's device column)
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
