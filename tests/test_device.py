@@ -301,3 +301,91 @@ def test_the_gpu_loss_equals_transformers_and_the_cpu_kernels(family):
     for name in ("standard", "cpu"):
         assert abs(losses[name] - losses["reference"]) < 1e-5, (name, losses)
         assert torch.allclose(grads[name], grads["reference"], atol=1e-6), name
+
+
+def _sdpa_calls(module: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+    """(the loss, each SDPA call's mask, is_causal and enable_gqa) of `module` under
+    torch.compile, traced by dynamo and AOT autograd and run without inductor's code generation."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    calls: list[dict] = []
+
+    def record(gm, _inputs):
+        for node in gm.graph.nodes:
+            if "scaled_dot_product" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append(
+                    {
+                        "mask": mask is not None,
+                        "is_causal": node.kwargs.get("is_causal", False),
+                        "enable_gqa": node.kwargs.get("enable_gqa", False),
+                    }
+                )
+        return gm.forward
+
+    torch._dynamo.reset()
+    loss = torch.compile(module, backend=aot_autograd(fw_compiler=lambda gm, _: gm))(ids)
+    torch._dynamo.reset()
+    # the graph dynamo traced, before AOT autograd lowers SDPA to its kernels
+    torch.compile(module, backend=record)(ids)
+    torch._dynamo.reset()
+    return loss, calls
+
+
+@pytest.mark.parametrize("family,n_kv_head", [("gpt2", None), ("llama", 1), ("qwen3", None)])
+def test_compiled_training_attends_whole_blocks_without_a_mask(family, n_kv_head):
+    """Under torch.compile, transformers' SDPA path builds a (B, 1, T, T) mask (torch < 2.14),
+    which keeps CUDA off its flash kernel; the training loss modules attend as WHOLE_BLOCKS:
+    SDPA's is_causal and no mask (grouped heads with enable_gqa), with transformers' loss and
+    gradients to float rounding, and the config that is saved unchanged."""
+    from distlm.family import family_of
+    from distlm.settings import init_settings
+    from distlm.train.kernels import NextTokenLoss, ReferenceLoss, attend_whole_blocks
+
+    extra = {"n_kv_head": n_kv_head} if n_kv_head else {}
+    init = init_settings(
+        architecture=family, n_layer=2, n_head=2, n_embd=16, n_positions=32, dropout=0.0, **extra
+    )
+    fam = family_of(family)
+    model = fam.build(fam.init_config(init, 64, 0), seed=0)
+    ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+
+    _, calls = _sdpa_calls(NextTokenLoss(model), ids)  # transformers' own choice: a mask
+    assert calls and all(c["mask"] and not c["is_causal"] for c in calls), calls
+
+    want = ReferenceLoss(model)(ids)
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    saved = model.config.to_json_string()
+    attend_whole_blocks(model)
+    assert model.config.to_json_string() == saved
+    loss, calls = _sdpa_calls(NextTokenLoss(model), ids)
+    assert len(calls) == 2 and all(c["is_causal"] and not c["mask"] for c in calls), calls
+    assert all(c["enable_gqa"] == (n_kv_head is not None) for c in calls), calls
+    loss.backward()
+    assert abs(loss.item() - want.item()) < 1e-5
+    for got, ref in zip((p.grad for p in model.parameters()), want_grads, strict=True):
+        assert got is not None and torch.allclose(got, ref, atol=1e-6)
+
+
+def test_whole_block_attention_refuses_what_is_not_a_whole_block():
+    """A padding mask or queries after a KV cache are more than SDPA's is_causal: refused, naming
+    what the call had, never attended without it."""
+    from distlm.family import family_of
+    from distlm.settings import init_settings
+    from distlm.train.kernels import attend_whole_blocks
+
+    init = init_settings(architecture="llama", n_layer=1, n_head=2, n_embd=16, n_positions=32)
+    fam = family_of("llama")
+    model = fam.build(fam.init_config(init, 64, 0), seed=0)
+    attend_whole_blocks(model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, use_cache=False)  # a whole block
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    with pytest.raises(DistlmError, match="a padding mask"):
+        model(input_ids=ids, attention_mask=padded, use_cache=False)
+    cache = model(input_ids=ids, use_cache=True).past_key_values
+    with pytest.raises(DistlmError, match="queries after a KV cache"):
+        model(input_ids=ids[:, :2], cache=cache, use_cache=True)

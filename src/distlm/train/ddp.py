@@ -14,7 +14,7 @@ from distlm.device import DeviceBackend
 from distlm.family import family_of
 from distlm.log import get_logger
 from distlm.settings import TrainSettings
-from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss
+from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss, attend_whole_blocks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -40,6 +40,7 @@ def loss_module(model: PreTrainedModel, tcfg: TrainSettings, hw: DeviceBackend) 
     if not tcfg.fast_kernels:
         return ReferenceLoss(model)
     family = family_of(model.config)
+    attend_whole_blocks(model)  # SDPA's is_causal, no mask: compiled too (flash on CUDA)
     swapped = family.prepare_training(model, hw.kernels)  # the family's own kernels (GPT-2's GELU)
     if hw.kernels == "cpu" and family.linear_logits:
         module: torch.nn.Module = CausalLMLoss(model)
@@ -48,7 +49,10 @@ def loss_module(model: PreTrainedModel, tcfg: TrainSettings, hw: DeviceBackend) 
         module = NextTokenLoss(model)
         head = "the LM head and the cross-entropy as standard operations"
     log.info(
-        "train.fast_kernels (%s kernels): %s%s", hw.kernels, head, f"; {swapped}" if swapped else ""
+        "train.fast_kernels (%s kernels): causal SDPA without a mask; %s%s",
+        hw.kernels,
+        head,
+        f"; {swapped}" if swapped else "",
     )
     return module
 

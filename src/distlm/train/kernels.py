@@ -6,7 +6,9 @@ the chunked linear cross-entropy on the CPU for a family whose logits are the pl
 hidden states (`Family.linear_logits`); `NextTokenLoss` elsewhere, standard operations that
 torch.compile fuses (the chunked head, eager inside a compiled graph, made the compiled H100
 step 1.7x slower). A family's own training kernels (GPT-2's one-kernel tanh GELU) are its
-`prepare_training`.
+`prepare_training`. On every device and family, the fast kernels attend over whole blocks
+(`attend_whole_blocks`): SDPA's `is_causal` without a mask, which transformers builds under
+torch.compile and which keeps CUDA off its flash kernel.
 
 Same function as transformers' `model(input_ids, labels=input_ids).loss` (the mean
 cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 
 import torch
+
+from distlm import DistlmError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -121,6 +125,48 @@ def linear_cross_entropy(
     h2 = h.reshape(-1, h.shape[-1])
     rows = rows or _chunk_rows(weight.shape[0], weight.shape[1])
     return _LinearCrossEntropy.apply(h2, weight, targets.reshape(-1), rows)
+
+
+# -- attention over whole blocks -----------------------------------------------------------------
+# transformers' SDPA path builds no mask in eager mode (SDPA's `is_causal`), but under
+# torch.compile (torch < 2.14) it materialises a (batch, 1, T, T) boolean mask: it cannot read the
+# position ids while tracing to rule out packed sequences, and dynamo turned its export check into
+# a constant (its masking_utils). With a mask, SDPA on CUDA cannot take its flash kernel, and the
+# Llama family's grouped heads are repeated instead of attended with `enable_gqa`. A training
+# step's inputs are whole causal blocks: no padding, no cache, positions 0..T-1 that the model
+# makes itself (the loss modules pass token ids alone). There the mask is exactly SDPA's
+# `is_causal`, so this attention implementation builds none, compiled too, and refuses the calls
+# whose mask would be more (a padding mask, a sliding window, queries after a cache).
+WHOLE_BLOCKS = "distlm_whole_blocks"
+
+
+def _whole_block_mask(**kw) -> None:
+    """transformers' mask hook for WHOLE_BLOCKS: no mask, or an error naming what the call asked
+    for beyond a causal block."""
+    asked = {
+        "a padding mask": kw.get("attention_mask") is not None,
+        "a sliding window": kw.get("local_size") is not None,
+        "queries after a KV cache": kw.get("q_length") != kw.get("kv_length")
+        or kw.get("q_offset", 0) != 0,
+    }
+    beyond = [what for what, yes in asked.items() if yes]
+    if beyond:
+        raise DistlmError(
+            f"{WHOLE_BLOCKS} attention takes whole causal blocks; this call has {', '.join(beyond)}"
+        )
+
+
+def attend_whole_blocks(model: PreTrainedModel) -> None:
+    """Have `model` (a transformers model on the SDPA path) attend as WHOLE_BLOCKS: transformers'
+    own SDPA call with `is_causal` and no mask, eager and compiled alike. The weights and the
+    config saved are unchanged (the attention implementation is not part of config.json)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(WHOLE_BLOCKS, sdpa_attention_forward)
+    AttentionMaskInterface.register(WHOLE_BLOCKS, _whole_block_mask)
+    model.set_attn_implementation(WHOLE_BLOCKS)
 
 
 class CausalLMLoss(torch.nn.Module):
