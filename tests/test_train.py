@@ -1094,6 +1094,37 @@ def test_background_checkpoints_write_what_the_loop_writes(inputs, tmp_path, mon
     assert len(stalls) == 3 and all(s >= 0 for s in stalls)
 
 
+def test_staged_copies_are_kept_from_save_to_save_and_wait_for_the_last_write():
+    """A background write reads host copies (`CheckpointWriter.stage`) in buffers the writer
+    keeps: the next save copies into the same buffers, and only once the write in flight is done
+    with them; each write reads the values of its own save, whatever the loop changed since."""
+    import threading
+
+    writer = ck.CheckpointWriter(background=True)
+    tree = {
+        "w": torch.arange(4.0),
+        "opt": {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1}]},
+    }
+    first, ready = writer.stage(tree)
+    assert ready is None  # not pinned: the copies are done
+    gate, read = threading.Event(), []
+
+    def write(copy):
+        assert gate.wait(10)
+        read.append(copy["w"].clone())
+
+    assert writer.submit(write, first) is None
+    tree["w"] += 10  # the loop goes on
+    threading.Timer(0.2, gate.set).start()
+    second, _ = writer.stage(tree)  # waits for the write in flight
+    assert read and torch.equal(read[0], torch.arange(4.0))
+    assert second["w"].data_ptr() == first["w"].data_ptr()
+    assert torch.equal(second["w"], torch.arange(4.0) + 10)
+    assert torch.equal(second["opt"]["state"][0]["exp_avg"], torch.ones(3))
+    assert second["opt"]["param_groups"] == [{"lr": 0.1}]
+    writer.close()
+
+
 def test_a_background_write_that_fails_is_raised_at_the_next_wait(tmp_path):
     """A background write's error (here a run folder that is a file) is not lost: the next
     save or the end of the run raises it."""

@@ -154,7 +154,9 @@ class Trainer:
             )
             self._opened.callback(outputs.metrics_io, self.metrics.close)
             # rank 0's checkpoint writes, in the background where the device backend says so
-            self.writer = ckpt_mod.CheckpointWriter(background=self.hw.background_checkpoints)
+            self.writer = ckpt_mod.CheckpointWriter(
+                background=self.hw.background_checkpoints, pinned=self.hw.pin_host
+            )
             self._opened.callback(self.writer.close)
         except BaseException:
             self._opened.close()
@@ -165,6 +167,7 @@ class Trainer:
         self.stop_requested: str | None = None  # agreed by every rank at the last step end
         self.stop_signals: list[str] = []  # the STOP_SIGNALS behind stop_requested
         self.checkpoint_stalls: list[float] = []  # seconds the loop spent in each save
+        self._next_batch: dict[int, list[torch.Tensor]] = {}  # step -> its batch, read ahead
 
     # ------------------------------------------------------------------ steps
 
@@ -173,7 +176,9 @@ class Trainer:
         t0 = time.perf_counter()
         step = self.step
         with phase("distlm.data"):
-            micro = self.data.loader(step)
+            # read while the device ran the previous step (below), or now (the first step)
+            micro = self._next_batch.pop(step, None) or self.data.loader(step)
+            self._next_batch.clear()
         lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = torch.zeros((), device=self.device)
         accum = len(micro)
@@ -212,6 +217,12 @@ class Trainer:
             step_unless_nonfinite(self.optimizer, self.scaler, gnorm)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+        if step + 1 < self.tcfg.max_steps:
+            # The next step's batch is read and its copy queued while the device runs this step's
+            # kernels, before the read below waits for them (nanoGPT's prefetch). A step's batch
+            # is a function of the step alone: unused, it changes nothing.
+            with phase("distlm.data"):
+                self._next_batch[step + 1] = self.data.loader(step + 1)
         work.wait()
         # The step's one read on the host: what every rank needs at its end (the loss, the stop
         # requests) and the norm, together
