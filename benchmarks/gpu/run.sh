@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One command that checks a GPU machine: installs distlm from a folder of wheels, runs the whole
 # workflow on config/gpu.yaml, the `gpu` tests, and the training and serving benchmarks on CUDA,
-# and writes what it measured under $OUT (at most 8 files).
+# and writes what it measured under $OUT.
 #
 #   bash benchmarks/gpu/wheels.sh .whl          # on a machine with PyPI: the wheels (docs/performance.md, "GPU")
-#   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl
+#   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl [STEP...]
+#
+# STEPs name the steps to run after the install (default: all of them, in the order below). All
+# of them take longer than one 10-minute call of the machines lent here: run them as two calls,
+#   OUT=... bash benchmarks/gpu/run.sh .whl workflow tests serve infer
+#   OUT=... bash benchmarks/gpu/run.sh .whl train train-smollm2
 #
 # For a machine with Python 3.12 and a CUDA build of torch already installed and no network (the
 # GPU machines lent here: torch 2.11 with CUDA 13): every other package comes from the wheel folder
@@ -18,18 +23,35 @@
 #   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage, compiled,
 #               beside the nanoGPT-style compiled loop (GPT-2 small's real shape, bf16); steady-
 #               state MFU of both, one-time costs (compile, first validation, checkpoint stalls)
+#   train-smollm2  the same for the stage alone on SmolLM2-135M's shape (--preset smollm2): the
+#               Llama family's MFU, its compile and checkpoint stalls
 #   serve       benchmarks/inference/bench_serve.py --device cuda: distlm serve beside
 #               `transformers serve --continuous-batching --device cuda`, on the trained folder
+#   infer       benchmarks/inference/bench.py --device cuda: batch inference, the one-stage
+#               pipeline with 32 prompts in flight beside transformers' batched `generate` on the
+#               GPU, on the trained folder; greedy ids compared with `generate`'s
 #   uccl        the broadcast stage with transfer.transport: uccl, when a uccl wheel is in the
 #               folder and the machine has two GPUs (UCCL moves GPU memory between two of them)
 # Files under $OUT (default benchmarks/gpu/out): summary.json (each step: command, exit code,
 # seconds; the machine and the versions), run.log (everything printed), workflow-gpu.json (the
 # workflow's reports: broadcast, evaluation, training record and its one-time costs, inference
-# timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json, serve-results-gpu.json,
-# broadcast-uccl.json.
+# timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json,
+# train-results-gpu-smollm2.json, serve-results-gpu.json, infer-results-gpu.json,
+# broadcast-uccl.json (9 with every step: the device tool brings 8 a call, so use two calls).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER (bash benchmarks/gpu/wheels.sh makes one)}
+wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER [STEP...] (bash benchmarks/gpu/wheels.sh makes one)}
+shift
+all_steps=(workflow tests train train-smollm2 serve infer uccl)
+chosen=("${@:-${all_steps[@]}}")
+for name in "${chosen[@]}"; do
+  [[ " ${all_steps[*]} " == *" $name "* ]] || {
+    echo "benchmarks/gpu/run.sh: no step $name (steps: ${all_steps[*]})" >&2
+    exit 2
+  }
+done
+# wanted NAME: whether this run was asked for step NAME
+wanted() { [[ " ${chosen[*]} " == *" $1 "* ]]; }
 out=${OUT:-benchmarks/gpu/out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -84,28 +106,55 @@ nvidia-smi || true
 # -- the whole workflow on config/gpu.yaml, then what it wrote, in one file --------------------
 wf="$work/workflow"
 mkdir -p "$wf"
-step workflow 210 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
-  --directory "$wf"
-$py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
+if wanted workflow; then
+  step workflow 210 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
+    --directory "$wf"
+  $py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
+  export DISTLM_TESTS_GPU_WORKFLOW="$wf"  # the tests read this run (without it, they make one)
+fi
 
 # -- the gpu tests, on the workflow's run ------------------------------------------------------
-export DISTLM_TESTS_GPU_WORKFLOW="$wf"
-step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
+wanted tests && step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
   --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
 
-# -- training: the stage beside the bare DDP loop, GPT-2 small's real shape --------------------
-step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda \
-  --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
+# -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
+wanted train && step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
+  --device cuda --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
   --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
 
+# -- training: the stage alone on SmolLM2-135M's shape (the Llama family) -----------------------
+wanted train-smollm2 && step train-smollm2 200 $py benchmarks/train/bench_train.py \
+  --preset smollm2 --nproc 1 --device cuda --precision bf16 --steps 60 --skip 20 --only distlm \
+  --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu-smollm2.json"
+
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
-step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
-  --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
-  --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
-  --out "$out/serve-results-gpu.json"
+if wanted serve; then
+  if [ -f "$wf/results/train/final/model.safetensors" ]; then
+    step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
+      --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
+      --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
+      --out "$out/serve-results-gpu.json"
+  else
+    echo "=== serve: not run: it serves the workflow's trained folder (run the workflow step too)"
+    steps+=("{\"step\": \"serve\", \"exit\": null, \"seconds\": 0, \"command\": [], \"why\": \"no trained folder: the workflow step did not run or failed\"}")
+  fi
+fi
+
+# -- batch inference: the pipeline against batched `generate`, on the trained folder -----------
+if wanted infer; then
+  if [ -f "$wf/results/train/final/model.safetensors" ]; then
+    step infer 90 $py benchmarks/inference/bench.py --device cuda \
+      --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
+      --max-new-tokens 64 --repeats 2 --note "benchmarks/gpu/run.sh" \
+      --out "$out/infer-results-gpu.json"
+  else
+    echo "=== infer: not run: it runs on the workflow's trained folder (run the workflow step too)"
+    steps+=("{\"step\": \"infer\", \"exit\": null, \"seconds\": 0, \"command\": [], \"why\": \"no trained folder: the workflow step did not run or failed\"}")
+  fi
+fi
 
 # -- the broadcast over UCCL, when its wheel came and there are two GPUs ------------------------
-if ls "$wheels"/uccl-*.whl >/dev/null 2>&1; then
+if wanted uccl && ls "$wheels"/uccl-*.whl >/dev/null 2>&1; then
   gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
   if [ "$gpus" -ge 2 ]; then
     step uccl 90 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \

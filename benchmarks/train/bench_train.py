@@ -6,6 +6,8 @@
         --out benchmarks/train/results-cpu-llama.json          # Llama family, CPU, 2 ranks
     python benchmarks/train/bench_train.py --preset gpt2 --nproc 1 --device cuda --precision bf16 \\
         --out benchmarks/train/results-gpu.json
+    python benchmarks/train/bench_train.py --preset smollm2 --nproc 1 --device cuda \\
+        --precision bf16 --only distlm --out benchmarks/train/results-gpu-smollm2.json
 
 One run starts three torchrun jobs on the same model weights, token blocks, world size, micro
 batch, precision and optimizer settings, one after the other (`--repeats 2` runs them again in
@@ -97,6 +99,27 @@ PRESETS = {
             "architecture": "llama",
             "n_kv_head": 2,
             "intermediate_size": 512,
+            "rope_theta": 100000.0,
+            "tie_embeddings": True,
+        },
+    },
+    # SmolLM2-135M's own shape, for a GPU (#45's MFU goal for the Llama family): 30 layers of
+    # 576, 9 heads of 64 with 3 KV heads, MLP 1,536, vocabulary 49,152, tied embeddings,
+    # rope_theta 1e5, on blocks of 2,048 (its pretraining context), 8 a micro-batch: 16,384
+    # tokens a step, as the gpt2 preset's
+    "smollm2": {
+        "inputs": "synthetic",
+        "vocab": 49152,
+        "block_size": 2048,
+        "n_layer": 30,
+        "n_head": 9,
+        "n_embd": 576,
+        "micro_batch": 8,
+        "micro_batch_cpu": 1,
+        "arch": {
+            "architecture": "llama",
+            "n_kv_head": 3,
+            "intermediate_size": 1536,
             "rope_theta": 100000.0,
             "tie_embeddings": True,
         },
@@ -573,6 +596,18 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
     tr = final["training"]
     with paths.val_csv.open() as f:
         vals = list(csv.DictReader(f))
+    # the stage's profiler window (rank 0): where a step's time goes by phase, and its top
+    # operators (on a GPU: which attention kernel ran, and the device time of each)
+    top = paths.profile / "top-ops-rank0.json"
+    profile = None
+    if top.is_file():
+        doc = json.loads(top.read_text())
+        profile = {
+            "window": doc.get("window"),
+            "sort_by": doc.get("sort_by"),
+            "phases": doc.get("phases"),
+            "top_ops": (doc.get("ops") or [])[:15],
+        }
     return {
         "step_s": [float(r["step_time_s"]) for r in rows],
         "tokens_per_step": tr["global_batch"] * tr["block_size"],
@@ -587,6 +622,7 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
             else None,
             "checkpoint_stall_s": tr.get("checkpoint_stall_s"),
         },
+        "profile": profile,
     }
 
 
@@ -823,9 +859,9 @@ def drive(a, work: Path) -> None:
             f"{peaks[0]['threads_per_rank']}"
         )
     if a.device == "cpu":
-        targets = TARGETS_CPU[a.preset]
+        targets = TARGETS_CPU.get(a.preset, {})  # the GPU-shaped presets have none here
         result["targets_cpu"] = targets
-        if "distlm" in summary:
+        if "distlm" in summary and targets:
             have = {
                 "mean_over_hf": ratios.get("mean_over_hf", 0),
                 "p90_over_median_step": summary["distlm"]["p90_over_median_step"],
