@@ -1143,10 +1143,12 @@ def test_a_background_write_that_fails_is_raised_at_the_next_wait(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.with_slurm  # a minute of compiling: in the session that mostly waits on SLURM
-def test_compile_compiles_the_step_once_and_keeps_its_cache_with_the_run(inputs, tmp_path):
+def test_compile_compiles_the_step_once_and_keeps_its_cache_with_the_run(inputs, tmp_path, caplog):
     """train.compile: the training step's graph is compiled once; validation runs the same
     module eagerly, so it compiles nothing (on an H100 the eval graph's compile took as long
-    as the first); torch.compile's caches are kept in the stage's compile-cache folder."""
+    as the first); torch.compile's caches are kept in the stage's compile-cache folder, and a
+    later process of the stage (a resumed or requeued run) loads its graphs from there instead
+    of compiling them again, and says so."""
     import os
 
     import torch._dynamo
@@ -1176,3 +1178,26 @@ def test_compile_compiles_the_step_once_and_keeps_its_cache_with_the_run(inputs,
     cache = TrainPaths(**paths(inputs, out).__dict__).compile_cache / "inductor"
     assert cache.is_dir() and any(cache.rglob("*")), cache
     assert read_meta(out / "final").training["steps"] == 3
+    inductor = torch._dynamo.utils.counters["inductor"]
+    assert inductor["fxgraph_cache_miss"] > 0 and inductor["fxgraph_cache_hit"] == 0
+
+    # the next process of the stage (here: two more steps, a run of its own) starts with no
+    # compiled frame in memory and finds every graph in the stage's cache
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="distlm.train.trainer"):
+            run_training(
+                train_cfg(max_steps=5, eval_every=5, ckpt_every=5, compile=True),
+                paths(inputs, out),
+            )
+    finally:
+        for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+            os.environ.pop(k, None)
+        os.environ.update(env)
+    inductor = torch._dynamo.utils.counters["inductor"]
+    assert inductor["fxgraph_cache_hit"] > 0 and inductor["fxgraph_cache_miss"] == 0, inductor
+    first = next(
+        r.getMessage() for r in caplog.records if "the first of this process" in r.getMessage()
+    )
+    assert f"{inductor['fxgraph_cache_hit']} graph(s) from the compile cache, 0 compiled" in first

@@ -469,7 +469,9 @@ class Trainer:
                 "step %d took %.2f s, the first of this process%s; later steps are the steady state",
                 self.step,
                 row["step_time_s"],
-                " (torch.compile included)" if self.hw.compile else "",
+                f" (torch.compile included: {self.hw.compile_cache_use()})"
+                if self.hw.compile
+                else "",
             )
         if profiler is not None:
             profiler.step()
