@@ -149,7 +149,11 @@ def test_a_killed_training_resumes_on_the_gpu(gpu_run, tmp_path):
     assert first.returncode != 0, said
     assert "killing rank" in (wd / "logs/train/rank0.log").read_text(), said
     snakemake(wd, "results/train/final", extra=edit)
-    assert "resuming from" in (wd / "logs/train/rank0.log").read_text()
+    log = (wd / "logs/train/rank0.log").read_text()
+    assert "resuming from" in log
+    # the resumed process compiled nothing: every graph came from the compile cache
+    resumed = log[log.rindex("resuming from") :]
+    assert "graph(s) from the compile cache, 0 compiled" in resumed, resumed[-3000:]
     meta = read_meta(wd / "results/train/final")
     assert meta.training["resumed_from"].endswith(("step-00000010", "step-00000015"))
     assert meta.training["steps"] == 20 and meta.training["device"] == "cuda"
