@@ -37,6 +37,10 @@ E2E = "benchmarks/e2e/results-gpt2-small-cpu.json"
 # benchmarks/gpu/run.sh's figures, committed once a GPU machine ran it (issue #45's goals)
 TRAIN_GPU = "benchmarks/train/results-gpu.json"
 SERVE_GPU = "benchmarks/inference/serve-results-gpu.json"
+TRAIN_GPU_SMOLLM2 = "benchmarks/train/results-gpu-smollm2.json"
+BATCH_GPU = "benchmarks/inference/results-gpu.json"
+SMOLLM2_MFU = 0.35  # issue #45: the Llama family's steady-state MFU at SmolLM2-135M's shape
+BATCH_GPU_GOAL = 2.0  # issue #45: all prompts in flight against `generate` batched, on the GPU
 GPU_RUN = "benchmarks/gpu/run.sh"
 
 # The serving goals (issue #31): (clients, the ratio's key, its name) -> (comparison, bound): at
@@ -255,6 +259,54 @@ def gpu_rows() -> list[Row]:
                 "GPU (not run yet)",
             )
         )
+    if (ROOT / TRAIN_GPU_SMOLLM2).is_file():
+        mfu = load(TRAIN_GPU_SMOLLM2)["mfu"].get("distlm")
+        rows.append(
+            Row(
+                "training, SmolLM2-135M's shape: steady-state MFU",
+                "the GPU's dense bf16 peak",
+                "n/a" if mfu is None else f"{mfu:.1%}",
+                f"≥ {SMOLLM2_MFU:.0%}",
+                None if mfu is None else mfu >= SMOLLM2_MFU,
+                TRAIN_GPU_SMOLLM2,
+            )
+        )
+    else:
+        rows.append(
+            Row(
+                "training on a GPU, SmolLM2-135M's shape: steady-state MFU",
+                "the GPU's dense bf16 peak",
+                "not measured",
+                f"≥ {SMOLLM2_MFU:.0%}",
+                None,
+                GPU_RUN,
+                "GPU (not run yet)",
+            )
+        )
+    if (ROOT / BATCH_GPU).is_file():
+        value = load(BATCH_GPU)["ratios"].get("s1_in_flight_vs_hf_batched")
+        rows.append(
+            Row(
+                "batch inference on the GPU, all prompts in flight, 1 stage",
+                "HF `generate`, batched, on the GPU",
+                "n/a" if value is None else ratio(value, BATCH_GPU_GOAL),
+                f"≥ {BATCH_GPU_GOAL:g}x",
+                None if value is None else value >= BATCH_GPU_GOAL,
+                BATCH_GPU,
+            )
+        )
+    else:
+        rows.append(
+            Row(
+                "batch inference on a GPU, all prompts in flight, 1 stage",
+                "HF `generate`, batched, on the GPU",
+                "not measured",
+                f"≥ {BATCH_GPU_GOAL:g}x",
+                None,
+                GPU_RUN,
+                "GPU (not run yet)",
+            )
+        )
     if (ROOT / SERVE_GPU).is_file():
         ours = by_clients(load(SERVE_GPU)["ratios"]["distlm-s1_over_peer"])
         for clients in (16, 64):
@@ -311,8 +363,8 @@ def render() -> str:
     for rel in dict.fromkeys(row.source for row in rows):
         if rel == GPU_RUN:
             lines.append(
-                f"- `{rel}`: not run yet (the first H100 run, 2026-11-25, came before it: "
-                "docs/performance.md#gpu)"
+                f"- `{rel}`: the rows that name it have no committed figures yet: a GPU machine "
+                "has not run their steps (docs/performance.md#gpu)"
             )
             continue
         data = load(rel)

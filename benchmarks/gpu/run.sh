@@ -38,6 +38,9 @@
 # timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json,
 # train-results-gpu-smollm2.json, serve-results-gpu.json, infer-results-gpu.json,
 # broadcast-uccl.json (9 with every step: the device tool brings 8 a call, so use two calls).
+# The figures are committed as benchmarks/train/results-gpu.json, results-gpu-smollm2.json,
+# benchmarks/inference/serve-results-gpu.json and results-gpu.json (the infer step's); then
+# `python benchmarks/summary.py` renders them into the README's table.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER [STEP...] (bash benchmarks/gpu/wheels.sh makes one)}
