@@ -230,6 +230,11 @@ def device_of(data: dict[str, Any]) -> str:
     return f"CPU, {cpus} cores" if cpus else "CPU"
 
 
+def waits(what: str, against: str, goal: str) -> Row:
+    """A GPU goal's row before benchmarks/gpu/run.sh's figures for it are committed."""
+    return Row(what, against, "not measured", goal, None, GPU_RUN, "GPU (not run yet)")
+
+
 def gpu_rows() -> list[Row]:
     """Issue #45's goals on a GPU, from benchmarks/gpu/run.sh's files once they are committed;
     until then one row each saying that they wait for a GPU run."""
@@ -249,14 +254,10 @@ def gpu_rows() -> list[Row]:
         )
     else:
         rows.append(
-            Row(
+            waits(
                 "training on a GPU, GPT-2 small's shape: steady-state MFU",
                 "the nanoGPT-style compiled loop",
-                "not measured",
                 "≥ 1.1x",
-                None,
-                GPU_RUN,
-                "GPU (not run yet)",
             )
         )
     if (ROOT / TRAIN_GPU_SMOLLM2).is_file():
@@ -273,14 +274,10 @@ def gpu_rows() -> list[Row]:
         )
     else:
         rows.append(
-            Row(
+            waits(
                 "training on a GPU, SmolLM2-135M's shape: steady-state MFU",
                 "the GPU's dense bf16 peak",
-                "not measured",
                 f"≥ {SMOLLM2_MFU:.0%}",
-                None,
-                GPU_RUN,
-                "GPU (not run yet)",
             )
         )
     if (ROOT / BATCH_GPU).is_file():
@@ -297,14 +294,10 @@ def gpu_rows() -> list[Row]:
         )
     else:
         rows.append(
-            Row(
+            waits(
                 "batch inference on a GPU, all prompts in flight, 1 stage",
                 "HF `generate`, batched, on the GPU",
-                "not measured",
                 f"≥ {BATCH_GPU_GOAL:g}x",
-                None,
-                GPU_RUN,
-                "GPU (not run yet)",
             )
         )
     if (ROOT / SERVE_GPU).is_file():
@@ -324,14 +317,10 @@ def gpu_rows() -> list[Row]:
                 )
     else:
         rows.append(
-            Row(
+            waits(
                 "serving on a GPU, 16 / 64 clients: throughput (p99)",
                 "`transformers serve --continuous-batching --device cuda`",
-                "not measured",
                 "≥ 3x (≤ 0.5x)",
-                None,
-                GPU_RUN,
-                "GPU (not run yet)",
             )
         )
     return rows
