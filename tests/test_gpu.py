@@ -159,6 +159,43 @@ def test_a_killed_training_resumes_on_the_gpu(gpu_run, tmp_path):
     assert meta.training["steps"] == 20 and meta.training["device"] == "cuda"
 
 
+@pytest.mark.parametrize("family,n_kv_head", [("gpt2", None), ("llama", 2)])
+def test_the_compiled_training_step_attends_with_a_fused_kernel_on_the_gpu(family, n_kv_head):
+    """The training loss module under torch.compile in bf16 on CUDA (the stage's fast kernels):
+    its attention runs SDPA's flash (or cuDNN) kernel, never the memory-efficient or math one a
+    materialised mask forces (tests/test_device.py traces the same graph on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from distlm.family import family_of
+    from distlm.settings import init_settings
+    from distlm.train.kernels import NextTokenLoss, attend_whole_blocks
+
+    extra = {"n_kv_head": n_kv_head} if n_kv_head else {}
+    init = init_settings(
+        architecture=family, n_layer=2, n_head=4, n_embd=256, n_positions=512, **extra
+    )
+    fam = family_of(family)
+    model = fam.build(fam.init_config(init, 1024, 0), seed=0).cuda().train()
+    attend_whole_blocks(model)
+    step = torch.compile(NextTokenLoss(model))
+    ids = torch.randint(0, 1024, (4, 512), device="cuda")
+    for _ in range(2):  # the compile, then a compiled step
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step(ids).backward()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step(ids).backward()
+        torch.cuda.synchronize()
+    ops = {e.key for e in prof.key_averages() if "attention" in e.key}
+    fused = {o for o in ops if "flash_attention" in o or "cudnn_attention" in o}
+    slow = {
+        o
+        for o in ops
+        if "efficient_attention" in o or o == "aten::_scaled_dot_product_attention_math"
+    }
+    assert fused and not slow, sorted(ops)
+
+
 def test_checkpoint_copies_are_pinned_and_queued_on_the_stream():
     """On a GPU a background checkpoint's host copies are page-locked and queued on the device's
     stream (the loop does not wait for them); the event they end at says when the write may read,
