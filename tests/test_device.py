@@ -370,8 +370,8 @@ def test_compiled_training_attends_whole_blocks_without_a_mask(family, n_kv_head
 
 
 def test_whole_block_attention_refuses_what_is_not_a_whole_block():
-    """A padding mask or queries after a KV cache are more than SDPA's is_causal: refused, naming
-    what the call had, never attended without it."""
+    """A padding mask, queries after a KV cache or a sliding window are more than SDPA's
+    is_causal: refused, naming what the call had, never attended without it."""
     from distlm.family import family_of
     from distlm.settings import init_settings
     from distlm.train.kernels import attend_whole_blocks
@@ -389,3 +389,23 @@ def test_whole_block_attention_refuses_what_is_not_a_whole_block():
     cache = model(input_ids=ids, use_cache=True).past_key_values
     with pytest.raises(DistlmError, match="queries after a KV cache"):
         model(input_ids=ids[:, :2], cache=cache, use_cache=True)
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    windowed = Qwen2Config(
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=16,
+        intermediate_size=32,
+        vocab_size=64,
+        max_position_embeddings=32,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+    )
+    windowed._attn_implementation = "sdpa"
+    qwen2 = Qwen2ForCausalLM(windowed)
+    attend_whole_blocks(qwen2)
+    with pytest.raises(DistlmError, match="a sliding window"):
+        qwen2(input_ids=ids, use_cache=False)

@@ -152,7 +152,9 @@ def _whole_block_mask(**kw) -> None:
     beyond = [what for what, yes in asked.items() if yes]
     if beyond:
         raise DistlmError(
-            f"{WHOLE_BLOCKS} attention takes whole causal blocks; this call has {', '.join(beyond)}"
+            f"{WHOLE_BLOCKS} attention (train.fast_kernels) takes whole causal blocks; this call "
+            f"has {', '.join(beyond)} (train.fast_kernels: false trains through transformers' "
+            "own attention)"
         )
 
 
