@@ -22,7 +22,8 @@
 #   tests       pytest -m gpu, reading the workflow's run (DISTLM_TESTS_GPU_WORKFLOW)
 #   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage, compiled,
 #               beside the nanoGPT-style compiled loop (GPT-2 small's real shape, bf16); steady-
-#               state MFU of both, one-time costs (compile, first validation, checkpoint stalls)
+#               state MFU of both, one-time costs (compile, first validation, checkpoint stalls:
+#               three saves, at steps 20, 40 and 60; the first holds the pinned buffers' allocation)
 #   train-smollm2  the same for the stage alone on SmolLM2-135M's shape (--preset smollm2): the
 #               Llama family's MFU, its compile and checkpoint stalls
 #   serve       benchmarks/inference/bench_serve.py --device cuda: distlm serve beside
@@ -123,12 +124,13 @@ wanted tests && step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -
 # -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
 wanted train && step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
   --device cuda --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
-  --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
+  --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
 
 # -- training: the stage alone on SmolLM2-135M's shape (the Llama family) -----------------------
 wanted train-smollm2 && step train-smollm2 200 $py benchmarks/train/bench_train.py \
   --preset smollm2 --nproc 1 --device cuda --precision bf16 --steps 60 --skip 20 --only distlm \
-  --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu-smollm2.json"
+  --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" \
+  --out "$out/train-results-gpu-smollm2.json"
 
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
 if wanted serve; then
