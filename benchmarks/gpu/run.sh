@@ -118,7 +118,7 @@ if wanted workflow; then
 fi
 
 # -- the gpu tests, on the workflow's run ------------------------------------------------------
-wanted tests && step tests 180 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
+wanted tests && step tests 240 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
   --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
 
 # -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
