@@ -1125,6 +1125,23 @@ def test_staged_copies_are_kept_from_save_to_save_and_wait_for_the_last_write():
     writer.close()
 
 
+def test_staging_buffers_reserved_ahead_are_the_ones_a_save_copies_into():
+    """`reserve` allocates the buffers in the background thread (the first save then stalls no
+    longer than the next); `stage` copies into exactly those."""
+    writer = ck.CheckpointWriter(background=True)
+    tree = ({"w": torch.arange(6.0).reshape(2, 3)}, {"state": {0: {"step": torch.tensor(2.0)}}})
+    writer.reserve(tree)
+    writer.wait()
+    reserved = {k: v.data_ptr() for k, v in writer._buffers.items()}
+    assert set(reserved) == {(0, "w"), (1, "state", 0, "step")}
+    copy, _ = writer.stage(tree)
+    assert copy[0]["w"].data_ptr() == reserved[(0, "w")]
+    assert torch.equal(copy[0]["w"], tree[0]["w"]) and copy[1]["state"][0]["step"].item() == 2.0
+    writer.reserve(tree)  # once: the buffers exist
+    assert writer._pending is None
+    writer.close()
+
+
 def test_a_background_write_that_fails_is_raised_at_the_next_wait(tmp_path):
     """A background write's error (here a run folder that is a file) is not lost: the next
     save or the end of the run raises it."""

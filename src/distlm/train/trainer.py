@@ -464,6 +464,9 @@ class Trainer:
         t = self.tcfg
         first = self._last_step_end is None
         row = self.train_step()
+        if first and self.topo.is_main:
+            # the host buffers of background checkpoints, allocated while training goes on
+            self.writer.reserve(ckpt_mod.saved_tensors(self.model, self.optimizer))
         if first:  # the one-time costs: torch.compile's first graph, the first allocations
             log.info(
                 "step %d took %.2f s, the first of this process%s; later steps are the steady state",
