@@ -23,7 +23,7 @@
 #   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage, compiled,
 #               beside the nanoGPT-style compiled loop (GPT-2 small's real shape, bf16); steady-
 #               state MFU of both, one-time costs (compile, first validation, checkpoint stalls:
-#               three saves, at steps 20, 40 and 60; the first holds the pinned buffers' allocation)
+#               three saves, at steps 20, 40 and 60)
 #   train-smollm2  the same for the stage alone on SmolLM2-135M's shape (--preset smollm2): the
 #               Llama family's MFU, its compile and checkpoint stalls
 #   serve       benchmarks/inference/bench_serve.py --device cuda: distlm serve beside
