@@ -120,6 +120,11 @@ fi
 # -- the gpu tests, on the workflow's run ------------------------------------------------------
 wanted tests && step tests 240 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
   --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
+# torch.compile's first step: the workflow's (an empty cache) against the processes of the kill
+# test (the same graphs, from the cache it left: the second is the resumed one), into run.log
+echo "=== compile: the first step of each training process (cold, then from the cache)"
+grep -h "the first of this process" "$wf/logs/train/rank0.log" \
+  "$work"/pytest-tmp/test_a_killed_training_resume*/work/logs/train/rank0.log 2>/dev/null || true
 
 # -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
 wanted train && step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
