@@ -6,18 +6,23 @@
 #   bash benchmarks/gpu/wheels.sh .whl          # on a machine with PyPI: the wheels (docs/performance.md, "GPU")
 #   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl [STEP...]
 #
-# STEPs name the steps to run after the install (default: all of them, in the order below). All
-# of them take longer than one 10-minute call of the machines lent here: run them as two calls,
-#   OUT=... bash benchmarks/gpu/run.sh .whl workflow tests serve infer
-#   OUT=... bash benchmarks/gpu/run.sh .whl train train-smollm2
+# STEPs name the steps to run after the install, in the order given (default: all of them, in
+# the order below). A session lent a machine here has 15 minutes of device time, the machine's start
+# included, and one call runs at most 10 minutes; the figures still missing go first:
+#   OUT=... bash benchmarks/gpu/run.sh .whl workflow train infer tests                # ~9 min
+#   OUT=... BUDGET_S=200 bash benchmarks/gpu/run.sh .whl workflow train-smollm2 serve  # ~3 min
+# the second at once after the first, on the same warm machine: the work folder (GPU_WORK,
+# /tmp/distlm-gpu) stays, so its workflow step finds the run finished and reruns nothing (what the
+# user's second `snakemake` does), and serve and infer use its trained folder.
 #
 # For a machine with Python 3.12 and a CUDA build of torch already installed and no network (the
 # GPU machines lent here: torch 2.11 with CUDA 13): every other package comes from the wheel folder
 # (`pip install --no-index --no-deps`), distlm itself as an editable install. Each step has a time
-# limit, and together they keep to a budget (BUDGET_S, 530 s), so the whole run ends inside 9
-# minutes on an H100; a step that fails or runs out of time is written down and the next one
-# still runs:
-#   install     the wheels and distlm
+# limit, and together they keep to a budget (BUDGET_S, 530 s): a step that fails or runs out of
+# time is written down and the next one still runs. torch.compile's caches are what a user gets:
+# the stages keep theirs with the run, and each benchmark job starts from empty ones, so the
+# one-time costs are a first run's.
+#   install     the wheels and distlm (always first)
 #   workflow    snakemake --profile profiles/local --configfile config/gpu.yaml (rule all)
 #   tests       pytest -m gpu, reading the workflow's run (DISTLM_TESTS_GPU_WORKFLOW)
 #   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage, compiled,
@@ -54,16 +59,15 @@ for name in "${chosen[@]}"; do
     exit 2
   }
 done
-# wanted NAME: whether this run was asked for step NAME
-wanted() { [[ " ${chosen[*]} " == *" $1 "* ]]; }
 out=${OUT:-benchmarks/gpu/out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-work=$(mktemp -d /tmp/distlm-gpu-XXXXXX)
+# kept from call to call on one machine (a fresh machine starts without it)
+work=${GPU_WORK:-/tmp/distlm-gpu}
+wf="$work/workflow"
+mkdir -p "$wf"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# torch.compile's caches live with the run, not in /tmp's shared default
-export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton"
 exec > >(tee "$out/run.log") 2>&1
 started=$(date +%s)
 budget=${BUDGET_S:-530}  # the whole run's: the steps share it, the summary comes after
@@ -94,6 +98,13 @@ step() {
   return $rc
 }
 
+# not_run NAME WHY: a step asked for that cannot run, written down with the reason
+not_run() {
+  echo "=== $1: not run: $2"
+  steps+=("$($py -c 'import json, sys; print(json.dumps({"step": sys.argv[1], "exit": None,
+    "seconds": 0, "command": [], "why": sys.argv[2]}))' "$1" "$2")")
+}
+
 summary() {
   local items
   items=$(IFS=,; echo "${steps[*]-}")
@@ -101,79 +112,101 @@ summary() {
 }
 trap summary EXIT
 
+# trained: whether the workflow's run has its trained folder (this call's, or an earlier call's on
+# this machine), which the tests, serve and infer read
+trained() { [ -f "$wf/results/train/final/model.safetensors" ]; }
+
+# -- the whole workflow on config/gpu.yaml, then what it wrote, in one file --------------------
+run_workflow() {
+  if [ -n "$(ls -A "$wf/.snakemake/locks" 2>/dev/null)" ]; then
+    # an earlier call's run ended by its time limit: Snakemake's lock is stale
+    $py -m snakemake --profile profiles/local --configfile config/gpu.yaml --directory "$wf" --unlock
+  fi
+  step workflow 210 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
+    --directory "$wf"
+  $py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
+}
+
+# -- the gpu tests, on the workflow's run ------------------------------------------------------
+run_tests() {
+  if trained; then
+    export DISTLM_TESTS_GPU_WORKFLOW="$wf"  # the tests read this run (without it, they make one)
+  fi
+  step tests 240 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
+    --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
+  # torch.compile's first step: the workflow's (an empty cache) against the processes of the
+  # kill test (the same graphs, from the cache it left: the second is the resumed one)
+  echo "=== compile: the first step of each training process (cold, then from the cache)"
+  grep -h "the first of this process" "$wf/logs/train/rank0.log" \
+    "$work"/pytest-tmp/test_a_killed_training_resume*/work/logs/train/rank0.log 2>/dev/null || true
+}
+
+# -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
+run_train() {
+  step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
+    --device cuda --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
+    --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
+}
+
+# -- training: the stage alone on SmolLM2-135M's shape (the Llama family) -----------------------
+run_train-smollm2() {
+  step train-smollm2 200 $py benchmarks/train/bench_train.py \
+    --preset smollm2 --nproc 1 --device cuda --precision bf16 --steps 60 --skip 20 --only distlm \
+    --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" \
+    --out "$out/train-results-gpu-smollm2.json"
+}
+
+# -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
+run_serve() {
+  trained || {
+    not_run serve "no trained folder: it serves the workflow's (name the workflow step first)"
+    return
+  }
+  step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
+    --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
+    --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
+    --out "$out/serve-results-gpu.json"
+}
+
+# -- batch inference: the pipeline against batched `generate`, on the trained folder -----------
+run_infer() {
+  trained || {
+    not_run infer "no trained folder: it runs on the workflow's (name the workflow step first)"
+    return
+  }
+  step infer 90 $py benchmarks/inference/bench.py --device cuda \
+    --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
+    --max-new-tokens 64 --repeats 2 --note "benchmarks/gpu/run.sh" \
+    --out "$out/infer-results-gpu.json"
+}
+
+# -- the broadcast over UCCL, when its wheel came and there are two GPUs ------------------------
+run_uccl() {
+  ls "$wheels"/uccl-*.whl >/dev/null 2>&1 || {
+    not_run uccl "no uccl wheel in $wheels"
+    return
+  }
+  trained || {
+    not_run uccl "no finished workflow run to broadcast in (name the workflow step first)"
+    return
+  }
+  local gpus
+  gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
+  [ "$gpus" -ge 2 ] || {
+    not_run uccl "$gpus GPU(s): UCCL moves GPU memory between two"
+    return
+  }
+  step uccl 90 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
+    --directory "$wf" --forcerun broadcast results/broadcast/report.json \
+    --config 'transfer={"transport": "uccl"}' 'broadcast={"receivers": 1}' &&
+    cp "$wf/results/broadcast/report.json" "$out/broadcast-uccl.json"
+}
+
 # -- install: the wheels (distlm's dependencies the image lacks) and distlm, offline -----------
 step install 120 bash -c "
   $py -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \"$wheels\"/*.whl &&
   $py -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e ." || exit 1
 nvidia-smi || true
-
-# -- the whole workflow on config/gpu.yaml, then what it wrote, in one file --------------------
-wf="$work/workflow"
-mkdir -p "$wf"
-if wanted workflow; then
-  step workflow 210 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
-    --directory "$wf"
-  $py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
-  export DISTLM_TESTS_GPU_WORKFLOW="$wf"  # the tests read this run (without it, they make one)
-fi
-
-# -- the gpu tests, on the workflow's run ------------------------------------------------------
-wanted tests && step tests 240 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
-  --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
-# torch.compile's first step: the workflow's (an empty cache) against the processes of the kill
-# test (the same graphs, from the cache it left: the second is the resumed one), into run.log
-echo "=== compile: the first step of each training process (cold, then from the cache)"
-grep -h "the first of this process" "$wf/logs/train/rank0.log" \
-  "$work"/pytest-tmp/test_a_killed_training_resume*/work/logs/train/rank0.log 2>/dev/null || true
-
-# -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
-wanted train && step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
-  --device cuda --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
-  --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
-
-# -- training: the stage alone on SmolLM2-135M's shape (the Llama family) -----------------------
-wanted train-smollm2 && step train-smollm2 200 $py benchmarks/train/bench_train.py \
-  --preset smollm2 --nproc 1 --device cuda --precision bf16 --steps 60 --skip 20 --only distlm \
-  --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" \
-  --out "$out/train-results-gpu-smollm2.json"
-
-# -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
-if wanted serve; then
-  if [ -f "$wf/results/train/final/model.safetensors" ]; then
-    step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
-      --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
-      --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
-      --out "$out/serve-results-gpu.json"
-  else
-    echo "=== serve: not run: it serves the workflow's trained folder (run the workflow step too)"
-    steps+=("{\"step\": \"serve\", \"exit\": null, \"seconds\": 0, \"command\": [], \"why\": \"no trained folder: the workflow step did not run or failed\"}")
-  fi
-fi
-
-# -- batch inference: the pipeline against batched `generate`, on the trained folder -----------
-if wanted infer; then
-  if [ -f "$wf/results/train/final/model.safetensors" ]; then
-    step infer 90 $py benchmarks/inference/bench.py --device cuda \
-      --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
-      --max-new-tokens 64 --repeats 2 --note "benchmarks/gpu/run.sh" \
-      --out "$out/infer-results-gpu.json"
-  else
-    echo "=== infer: not run: it runs on the workflow's trained folder (run the workflow step too)"
-    steps+=("{\"step\": \"infer\", \"exit\": null, \"seconds\": 0, \"command\": [], \"why\": \"no trained folder: the workflow step did not run or failed\"}")
-  fi
-fi
-
-# -- the broadcast over UCCL, when its wheel came and there are two GPUs ------------------------
-if wanted uccl && ls "$wheels"/uccl-*.whl >/dev/null 2>&1; then
-  gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
-  if [ "$gpus" -ge 2 ]; then
-    step uccl 90 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
-      --directory "$wf" --forcerun broadcast results/broadcast/report.json \
-      --config 'transfer={"transport": "uccl"}' 'broadcast={"receivers": 1}' &&
-      cp "$wf/results/broadcast/report.json" "$out/broadcast-uccl.json"
-  else
-    echo "=== uccl: not run: UCCL moves GPU memory between two GPUs, this machine has $gpus"
-    steps+=("{\"step\": \"uccl\", \"exit\": null, \"seconds\": 0, \"command\": [], \"why\": \"$gpus GPU(s): UCCL needs two\"}")
-  fi
-fi
-rm -rf "$work"
+for name in "${chosen[@]}"; do
+  "run_$name"
+done

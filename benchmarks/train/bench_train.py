@@ -55,6 +55,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -569,11 +570,23 @@ DEFAULT_RUNS_CPU = ["distlm", "bare", "hf"]
 DEFAULT_RUNS_GPU = ["distlm", "nanogpt", "hf", "hf-compile"]
 
 
+def first_run(env) -> dict:
+    """`env` without torch.compile's cache folders: each job compiles as a user's first run,
+    whatever compiled on this machine before (a cache set for a whole GPU check would make the
+    one-time costs of a later job a second run's)."""
+    return {
+        k: v for k, v in env.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    }
+
+
 def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
     from distlm.train import TrainPaths
 
     out = work / f"distlm-{n}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.nproc)}  # what Snakemake gives the rule
+    shutil.rmtree(out, ignore_errors=True)  # a run from scratch (a kept --workdir would resume)
+    # what Snakemake gives the rule; torch.compile's caches are the stage's own, in its run
+    # folder (none set in the environment): empty, as in a user's first run
+    env = {**first_run(os.environ), "OMP_NUM_THREADS": str(a.nproc)}
     from distlm.launch.torchrun import stage_args
 
     args = stage_args(
@@ -637,10 +650,18 @@ def run_baseline(a, name: str, cfg_path: Path, inputs: dict, work: Path, n: int)
     """A worker of this script under torchrun: bare, hf, or peak (the matmul peak, with the
     stage's environment, so its ranks take the threads the stage's ranks take)."""
     result = work / f"{name}-{n}.json"
+    # torch.compile's caches in an empty folder of the job's own, as run_distlm's
+    caches = work / f"{name}-{n}-compile-cache"
+    shutil.rmtree(caches, ignore_errors=True)
+    env = {
+        **first_run(os.environ),
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+    }
     if name == "peak":
-        env = {**os.environ, "OMP_NUM_THREADS": str(a.nproc)}  # as run_distlm
+        env["OMP_NUM_THREADS"] = str(a.nproc)  # as run_distlm
     else:
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's 1
+        env.pop("OMP_NUM_THREADS", None)  # torchrun's 1
     script = [
         f"--nproc-per-node={a.nproc}",
         str(Path(__file__).resolve()),
@@ -858,6 +879,7 @@ def drive(a, work: Path) -> None:
             f"training jobs ran {sorted(threads, key=str)} threads a rank, the peak "
             f"{peaks[0]['threads_per_rank']}"
         )
+    result["compile_caches"] = "empty for each job: the one-time costs are a first run's"
     if a.device == "cpu":
         targets = TARGETS_CPU.get(a.preset, {})  # the GPU-shaped presets have none here
         result["targets_cpu"] = targets
