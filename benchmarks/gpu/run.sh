@@ -35,7 +35,8 @@
 #               `transformers serve --continuous-batching --device cuda`, on the trained folder
 #   infer       benchmarks/inference/bench.py --device cuda: batch inference, the one-stage
 #               pipeline with 32 prompts in flight beside transformers' batched `generate` on the
-#               GPU, on the trained folder; greedy ids compared with `generate`'s
+#               GPU, on the trained folder (--batch-only: those two rows timed); greedy ids
+#               compared with `generate`'s, one prompt at a time, untimed
 #   uccl        the broadcast stage with transfer.transport: uccl, when a uccl wheel is in the
 #               folder and the machine has two GPUs (UCCL moves GPU memory between two of them)
 # Files under $OUT (default benchmarks/gpu/out): summary.json (each step: command, exit code,
@@ -176,7 +177,7 @@ run_infer() {
   }
   step infer 90 $py benchmarks/inference/bench.py --device cuda \
     --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
-    --max-new-tokens 64 --repeats 2 --note "benchmarks/gpu/run.sh" \
+    --max-new-tokens 64 --repeats 2 --batch-only --note "benchmarks/gpu/run.sh" \
     --out "$out/infer-results-gpu.json"
 }
 

@@ -4,7 +4,7 @@
     python benchmarks/inference/bench.py --model results/train/final --prompts config/prompts.txt
     python benchmarks/inference/bench.py --out benchmarks/inference/results.json
     python benchmarks/inference/bench.py --device cuda --model results/train/final --stages 1 \
-        --peers hf_batched --m 32                              # on a GPU (#45: >= 2x hf batched)
+        --peers hf_batched --m 32 --batch-only                 # on a GPU (#45: >= 2x hf batched)
 
 Same model weights, prompts and greedy settings for every row:
   * hf_generate: single-process GPT2LMHeadModel.generate (KV cache), one prompt at a time, timed
@@ -17,6 +17,10 @@ Same model weights, prompts and greedy settings for every row:
   * distlm S = 1, 2, 3 (mpiexec -n S): one prompt at a time (lanes = 1), then all M >= S prompts in
     flight together (lanes = M), in the same pipeline launch.
 Each figure is the best of --repeats timed runs after one warm-up run (the machine may be shared).
+--batch-only times the batch rows alone (the pipeline with all M prompts in flight, the batch
+peers): `generate` one prompt at a time then runs once for each distinct prompt, untimed, as the
+greedy reference, and the pipeline's one-at-a-time row is left out (on a GPU, where both are
+launch-bound, they would take most of the run for figures no goal asks of it).
 Every row's greedy token ids are compared with hf_generate's: the pipeline's must be equal (the run
 fails after writing the JSON otherwise), the peers' are counted (batched kernels may break ties).
 Targets (issue 6): S = 1 >= 0.8x hf_generate; S = 3 with M >= 3 in flight >= 1.5x S = 3 one at a time.
@@ -73,6 +77,11 @@ def parse() -> argparse.Namespace:
         choices=["cpu", "cuda"],
         default="cpu",
         help="where generate and the pipeline's ranks run (runtime.device)",
+    )
+    p.add_argument(
+        "--batch-only",
+        action="store_true",
+        help="time the batch rows alone; generate one prompt at a time is the untimed reference",
     )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
@@ -144,7 +153,7 @@ def prompts(path: str, m: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- measurements
 
-MODES = ("one_at_a_time", "in_flight")  # the pipeline's, in every launch
+MODES = ("one_at_a_time", "in_flight")  # the pipeline's (in_flight alone with --batch-only)
 
 
 def greedy_kwargs(n: int, tok) -> dict:
@@ -226,6 +235,14 @@ def hf_batched_runner(model_dir: Path, texts: list[str], n: int, device: str = "
     return run
 
 
+def hf_reference(model_dir: Path, texts: list[str], n: int, device: str = "cpu") -> list:
+    """`generate`'s greedy token ids of each prompt, one prompt at a time (hf_runner's), each
+    distinct prompt once: the reference of --batch-only, untimed."""
+    distinct = list(dict.fromkeys(texts))
+    ids = dict(zip(distinct, hf_runner(model_dir, distinct, n, device)()["token_ids"], strict=True))
+    return [ids[t] for t in texts]
+
+
 def worker(spec_path: str, out_path: str) -> None:
     """Under mpiexec: one pipeline, timed one prompt at a time and with all prompts in flight.
 
@@ -268,11 +285,19 @@ def worker(spec_path: str, out_path: str) -> None:
 
             return run
 
-        modes = {"one_at_a_time": pipeline(1), "in_flight": pipeline(len(spec["prompts"]))}
+        modes = {"in_flight": pipeline(len(spec["prompts"]))}
+        if not spec["batch_only"]:
+            modes = {"one_at_a_time": pipeline(1), **modes}
+        reference = None
         if spec["hf"]:
-            modes["hf_generate"] = hf_runner(
-                spec["hf_model"], spec["prompts"], icfg.max_new_tokens, spec["device"]
-            )
+            if spec["batch_only"]:
+                reference = hf_reference(
+                    spec["hf_model"], spec["prompts"], icfg.max_new_tokens, spec["device"]
+                )
+            else:
+                modes["hf_generate"] = hf_runner(
+                    spec["hf_model"], spec["prompts"], icfg.max_new_tokens, spec["device"]
+                )
             if "hf_batched" in spec["peers"]:
                 modes["hf_generate_batched"] = hf_batched_runner(
                     spec["hf_model"], spec["prompts"], icfg.max_new_tokens, spec["device"]
@@ -297,6 +322,8 @@ def worker(spec_path: str, out_path: str) -> None:
         results = {name: max(rs, key=lambda x: x["tokens_per_s"]) for name, rs in runs.items()}
         for name, rs in runs.items():
             results[name]["all_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
+        if reference is not None:
+            results["hf_generate"] = {"timed": False, "token_ids": reference}
         results["per_stage"] = pipe.stage0.stop()
         Path(out_path).write_text(json.dumps(results))
 
@@ -314,6 +341,7 @@ def distlm_run(
     peers: list[str],
     ct2_model: Path | None,
     device: str = "cpu",
+    batch_only: bool = False,
 ) -> dict:
     from distlm.config import validate_config
 
@@ -335,6 +363,7 @@ def distlm_run(
                 "ct2_model": str(ct2_model),
                 "threads": threads,
                 "device": device,
+                "batch_only": batch_only,
             }
         )
     )
@@ -405,27 +434,35 @@ def main() -> None:
                 peers,
                 ct2,
                 args.device,
+                args.batch_only,
             )
             r = rows[str(s)]
+            alone = (
+                f"one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
+                if "one_at_a_time" in r
+                else ""
+            )
             print(
-                f"distlm S={s}: one at a time {r['one_at_a_time']['tokens_per_s']:.1f} tokens/s, "
-                f"{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} tokens/s",
+                f"distlm S={s}: {alone}{args.m} in flight {r['in_flight']['tokens_per_s']:.1f} "
+                "tokens/s",
                 flush=True,
             )
         hf = rows["1"].pop("hf_generate")
+        timed = hf.get("timed", True)
         peer_rows = {
             name: rows["1"].pop(name)
             for name in ("hf_generate_batched", "ct2_generate_batch")
             if name in rows["1"]
         }
-        print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
+        if timed:
+            print(f"hf_generate: {hf['tokens_per_s']:.1f} tokens/s", flush=True)
         for name, r in peer_rows.items():
             print(f"{name}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
         # greedy token ids against hf_generate's: the pipeline's must be equal, peers' counted
         ref = hf.pop("token_ids")
         greedy, disagree = {}, []
         for label, r in [
-            *((f"s{s}_{mode}", r[mode]) for s, r in rows.items() for mode in MODES),
+            *((f"s{s}_{mode}", r[mode]) for s, r in rows.items() for mode in MODES if mode in r),
             *peer_rows.items(),
         ]:
             same = sum(a == b for a, b in zip(r.pop("token_ids"), ref, strict=True))
@@ -433,13 +470,16 @@ def main() -> None:
             if label.startswith("s") and same != len(ref):
                 disagree.append(label)
         cfg = load_config_json(model)
-        ratios = {
-            "s1_vs_hf_generate": rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]
-        }
-        for s, r in rows.items():
-            ratios[f"s{s}_in_flight_vs_one_at_a_time"] = (
-                r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
+        ratios = {}
+        if timed:
+            ratios["s1_vs_hf_generate"] = (
+                rows["1"]["one_at_a_time"]["tokens_per_s"] / hf["tokens_per_s"]
             )
+        for s, r in rows.items():
+            if "one_at_a_time" in r:
+                ratios[f"s{s}_in_flight_vs_one_at_a_time"] = (
+                    r["in_flight"]["tokens_per_s"] / r["one_at_a_time"]["tokens_per_s"]
+                )
         for name, short in (("hf_generate_batched", "hf_batched"), ("ct2_generate_batch", "ct2")):
             if name not in peer_rows:
                 continue
@@ -477,6 +517,7 @@ def main() -> None:
             "prompts": len(texts),
             "max_new_tokens": n,
             "repeats": args.repeats,
+            "batch_only": args.batch_only,
             "threads": args.threads,
             "hf_generate": hf,
             **peer_rows,
