@@ -11,6 +11,7 @@ on the `meta` device, where such a tensor is as foreign as on a GPU (the H100 ru
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -55,6 +56,36 @@ def test_the_cpu_backend():
     assert kernels_for(torch.device("cuda", 0)) == "standard" and kernels_for(CPU) == "cpu"
     # tests run the GPU's kernel set on the CPU by giving it
     assert DeviceBackend(CPU, kernels="standard").kernels == "standard"
+
+
+@pytest.mark.parametrize(
+    "inherited",
+    [
+        {},  # nothing set: the stage's folder
+        # inductor's defaults, which a process that compiled writes into its environment and a
+        # process it starts inherits: inductor's folder, and Triton's under it once it built one
+        {"TORCHINDUCTOR_CACHE_DIR": "{default}", "TRITON_CACHE_DIR": "{default}/triton/0"},
+    ],
+)
+def test_compile_caches_live_with_the_stage_unless_the_user_set_them(
+    inherited, tmp_path, monkeypatch
+):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = default_cache_dir()
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+        if var in inherited:
+            monkeypatch.setenv(var, inherited[var].format(default=default))
+    DeviceBackend(CPU, compile=True).keep_compile_cache(tmp_path / "stage")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "stage" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "stage" / "triton")
+    # the user's own cache stays theirs
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine-triton"))
+    DeviceBackend(CPU, compile=True).keep_compile_cache(tmp_path / "stage")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine-triton")
 
 
 def test_rng_state_round_trips():

@@ -182,27 +182,33 @@ class DeviceBackend:
         """Have torch.compile (inductor, Triton) keep its caches in `folder`, the stage's, not in
         /tmp (a node's, gone with the job): a resumed or requeued run, or the next one, loads its
         compiled graphs instead of compiling again. A cache the user set stays theirs; inductor's
-        default, which inductor writes into the environment once it has looked, is not one."""
+        defaults are not one: inductor writes its folder into the environment once it has looked,
+        and Triton's under it (`<folder>/triton/<device>`) once it has built a kernel, and a
+        process started from one that compiled inherits them."""
         if not self.compile:
             return
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        default = os.path.abspath(default_cache_dir())
+        default = Path(os.path.abspath(default_cache_dir()))
         for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-            if os.environ.get(var) in (None, default):
+            value = os.environ.get(var)
+            if value is None or Path(os.path.abspath(value)).is_relative_to(default):
                 os.environ[var] = str(folder / sub)
         log.info("torch.compile's caches: %s", os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
     def compile_cache_use(self) -> str:
         """What torch.compile's caches gave this process so far, for the log: its compiled graphs
         loaded from the cache (`keep_compile_cache`'s folder) and compiled afresh, as inductor
-        counts them ("" without compile)."""
+        counts them: a graph the cache cannot hold (a bypass) is compiled too ("" without
+        compile)."""
         if not self.compile:
             return ""
         from torch._dynamo.utils import counters
 
-        hits, misses = (counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss"))
-        return f"{hits} graph(s) from the compile cache, {misses} compiled"
+        hits, misses, bypassed = (
+            counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")
+        )
+        return f"{hits} graph(s) from the compile cache, {misses + bypassed} compiled"
 
     def compiled(self, module: M) -> M:
         """`module` under torch.compile when the config asks for it (the same module otherwise).

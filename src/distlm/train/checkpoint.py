@@ -25,7 +25,9 @@ Where the device backend says so (`DeviceBackend.background_checkpoints`: on a G
 checkpoint of GPT-2 small with AdamW is ~1 GB and its write stalled an H100's loop 3.9 s), rank 0
 copies the checkpoint's tensors to host memory in the loop and writes them in a background thread
 (`CheckpointWriter`, torchtitan's async checkpoint in spirit). The copies go to pinned buffers
-kept from save to save and are queued on the device's stream: the loop stalls for queuing them.
+kept from save to save and are queued on the device's stream; the save's closing barrier waits
+for that stream, so the loop stalls for the copies at the bus's rate into pinned memory, not for
+a pageable copy or the write.
 The write is the same atomic one; a kill before it finishes leaves no checkpoint folder (only a
 leftover the next start removes), so the run resumes from the one before, never from a partial
 one. The next save, a stop and the end of the run wait for it, and its error (a full disk)
@@ -99,9 +101,11 @@ class CheckpointWriter:
     A background write reads host copies that `stage` makes, in buffers kept from save to save.
     With `pinned` (a GPU: distlm.device's `pin_host`) they are page-locked, and the copies are
     queued on the device's stream without waiting, as torchtitan's async checkpoint stages into
-    pinned memory: the loop stalls for queuing them, not for the transfer (an H200's pageable
-    copy of GPT-2 small with AdamW, ~1.5 GB, stalled it 1.36 s). Stream order keeps the next
-    steps' updates behind the copies; the write waits for them before it reads."""
+    pinned memory. `save`'s closing barrier synchronises that stream (NCCL's barrier does), so the
+    loop stalls for the copies at the rate of pinned memory (tens of ms for GPT-2 small with
+    AdamW, ~1.5 GB), not for a pageable copy (which stalled an H200's loop 1.36 s) or the write.
+    Stream order keeps the next steps' updates behind the copies; the write waits for them before
+    it reads."""
 
     def __init__(self, *, background: bool, pinned: bool = False) -> None:
         self._pool = ThreadPoolExecutor(1, "checkpoint") if background else None
@@ -116,8 +120,9 @@ class CheckpointWriter:
     def reserve(self, tree) -> None:
         """Allocate the host buffers that `stage` copies `tree` into (the shapes it will have at
         every save), in the background thread while training goes on: pinning the ~1.5 GB of
-        GPT-2 small with AdamW takes a while, which the first save would otherwise stall for.
-        Nothing without a background thread or once the buffers exist."""
+        GPT-2 small with AdamW takes a while, which the first save would otherwise stall for (it
+        holds the CUDA driver's lock, so the steps meanwhile may be slower: a one-time cost of the
+        early steps). Nothing without a background thread or once the buffers exist."""
         if self._pool is None or self._buffers:
             return
         specs: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
