@@ -151,6 +151,28 @@ def snakemake_forks():
     forks.close()
 
 
+@pytest.fixture(scope="session")
+def pipeline_folders(tmp_path_factory):
+    """case -> the tiny model's pipeline folders of 1, 2 and 3 stages ({stages: folder}), built
+    once per session: "gpt2" (tests/test_inference.py's) or a Llama-family case of
+    tests/harness/families.py."""
+    from harness.families import build_family_models
+    from test_inference import build_tiny_models
+
+    root = tmp_path_factory.getbasetemp()
+    cache: dict[str, dict] = {}
+
+    def get(case: str) -> dict:
+        if case not in cache:
+            if case == "gpt2":
+                cache[case] = build_tiny_models(root / "inference-models")
+            else:
+                cache[case] = build_family_models(root / "family-models", case)
+        return cache[case]
+
+    return get
+
+
 def copy_workflow(src: Path, dest: Path, *, without: tuple[str, ...] = ()) -> Path:
     """A copy of a finished working directory (results, logs and Snakemake's records, with their
     mtimes), less the relative paths in `without` (a stage's outputs and logs, so that it runs

@@ -22,6 +22,7 @@ import torch
 import yaml
 from conftest import ROOT, copy_workflow, recent_logs, run_snakemake
 from harness.faults import fault_env
+from test_decode_graphs import Chain, same_steps
 from test_inference import INFER, PROMPTS, mpiexec, write_config
 
 pytestmark = [
@@ -213,6 +214,23 @@ def test_checkpoint_copies_are_pinned_and_queued_on_the_stream():
     assert torch.equal(copy["w"], before.cpu())
     assert copy["opt"]["state"][0]["step"].item() == 3.0
     writer.close()
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-kv1-tied"])
+def test_decode_steps_replay_as_cuda_graphs_with_the_eager_steps_logits(pipeline_folders, case):
+    """On a GPU the engine's decode steps are CUDA graphs, one per bucket of cache rows
+    (distlm.inference.engine.pipeline_stage's `DecodeGraphs`): through tests/test_decode_graphs.py's
+    schedule (lanes that come and go, a live lane outside the step, the cache grown and freed)
+    the same logits as the eager steps on the same GPU, and the graphs were captured."""
+    from distlm.device import DeviceBackend
+
+    folder = pipeline_folders(case)[1]
+    cuda = torch.device("cuda", 0)
+    eager = Chain(folder, 1, DeviceBackend(cuda, decode_graphs=False))
+    graphs = Chain(folder, 1, DeviceBackend(cuda))  # a GPU's default
+    assert eager.models[0].graphs is None and graphs.models[0].graphs is not None
+    same_steps(eager, graphs, tol=1e-4)
+    assert graphs.models[0].graphs.captured >= 3
 
 
 @pytest.fixture(scope="session")

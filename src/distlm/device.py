@@ -116,12 +116,20 @@ class DeviceBackend:
     # (distlm.train.checkpoint): on a GPU, where the copy is fast and the write slow; on the CPU
     # the copy costs what the write saves, so it writes in the loop. Given only by tests.
     background_checkpoints: bool = None  # pyright: ignore[reportAssignmentType]
+    # Whether the pipeline engine's decode steps run as static steps, one per bucket of cache
+    # rows, captured as CUDA graphs (distlm.inference.engine.pipeline_stage's `DecodeGraphs`): on
+    # a GPU, where a decode step is bound by launching its kernels; on the CPU each kernel's own
+    # time dominates and the eager step, sized to its items, does less. Given only by tests,
+    # which run the static steps on the CPU (without a capture) to check their numerics.
+    decode_graphs: bool = None  # pyright: ignore[reportAssignmentType]
 
     def __post_init__(self) -> None:
         if self.kernels is None:
             object.__setattr__(self, "kernels", kernels_for(self.device))
         if self.background_checkpoints is None:
             object.__setattr__(self, "background_checkpoints", self.device.type == "cuda")
+        if self.decode_graphs is None:
+            object.__setattr__(self, "decode_graphs", self.device.type == "cuda")
 
     @classmethod
     def for_rank(

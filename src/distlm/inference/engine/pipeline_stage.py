@@ -3,17 +3,19 @@
 A stage runs a *micro-batch*: several sequences (each in its own lane) packed along the token axis,
 (N, C) with N = sum of the items' new tokens. The per-token work (norms, QKV and output
 projections, rotary positions, MLP) is the family's (`StageBlocks`) and runs on the packed tensor.
-The KV cache is one tensor per layer, (lanes, 2, n_kv_head, T, head_dim), grown as lanes and lengths
-need (grouped-query attention caches fewer heads than it queries). Attention is the SDPA call
-Hugging Face's models make: a prefill attends over its own new tokens (causal); the decode items
-of a micro-batch (one new token each) attend together, in one call, over their lanes' cached
-keys with a mask of each lane's length, so a sequence's logits do not depend on which other
-sequences share its micro-batch, and a decode step costs a handful of tensor operations per
-layer whatever the number of sequences.
+The KV cache is one tensor per layer, (lanes, 2, n_kv_head, T + 1, head_dim), grown as lanes and
+lengths need (grouped-query attention caches fewer heads than it queries; position T is a
+scratch one). Attention is the SDPA call Hugging Face's models make: a prefill attends over its
+own new tokens (causal); the decode items of a micro-batch (one new token each) attend together,
+in one call, over their lanes' cached keys with a mask of each lane's length, so a sequence's
+logits do not depend on which other sequences share its micro-batch, and a decode step costs a
+handful of tensor operations per layer whatever the number of sequences. On a GPU a decode step
+is a CUDA graph replayed (`DecodeGraphs`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +46,14 @@ class StageModel(nn.Module):
     """One pipeline stage: its family's blocks (embeddings on stage 0, decoder layers
     [start, end), final norm + LM head on the last stage) and a KV cache per lane."""
 
-    def __init__(self, config, entry: ShardEntry, *, kernels: str = "standard") -> None:
+    def __init__(
+        self,
+        config,
+        entry: ShardEntry,
+        *,
+        kernels: str = "standard",
+        decode_graphs: bool = False,
+    ) -> None:
         super().__init__()
         from distlm.family import family_of
 
@@ -53,21 +62,26 @@ class StageModel(nn.Module):
         self.start, self.end = entry.layers
         self.first = entry.has_embeddings
         self.last = entry.has_head
-        self.blocks = family_of(config).stage_blocks(
+        family = family_of(config)
+        self.blocks = family.stage_blocks(
             config, self.start, self.end, first=self.first, last=self.last, kernels=kernels
         )
+        self.hidden_size = family.n_embd(config)  # C
         b = self.blocks
         self.n_head, self.n_kv_head, self.head_dim = b.n_head, b.n_kv_head, b.head_dim
         self.gqa = b.n_kv_head != b.n_head  # SDPA shares each cached head among n_head/n_kv_head
         self.width = b.n_head * b.head_dim  # attention output per token
         self.context = b.context
         self.scales = b.scales  # SDPA scale per local layer
-        # per local layer: keys and values of every lane, (lanes, 2, n_kv_head, T, head_dim)
-        # (keys then values: a step writes both in one operation), grown by _reserve;
+        # per local layer: keys and values of every lane, (lanes, 2, n_kv_head, T + 1, head_dim)
+        # (keys then values: a step writes both in one operation; position T is a scratch one,
+        # never attended: DecodeGraphs' rows without an item write there), grown by _reserve;
         # `length[lane]`: the positions cached for the lane's sequence
         self.kv: list[torch.Tensor] = []
         self.length: dict[int, int] = {}
         self._cache_bytes = 0
+        # decode steps as CUDA graphs (the device backend's `decode_graphs`: a GPU's), or None
+        self.graphs = DecodeGraphs(self) if decode_graphs else None
         self._note_placement()
 
     def _note_placement(self) -> None:
@@ -109,6 +123,8 @@ class StageModel(nn.Module):
         if not self.length:
             self.kv.clear()
             self._cache_bytes = 0
+            if self.graphs is not None:
+                self.graphs.clear()  # they held the freed cache
 
     def cached_bytes(self) -> int:
         """Bytes the KV cache holds now (keys and values of every layer)."""
@@ -127,7 +143,7 @@ class StageModel(nn.Module):
         """Room in the cache for lanes up to `lane` and positions up to `end` (both grown by
         doubling, positions up to the context), so that a step writes in place and admitting
         lanes one by one copies the cache a logarithmic number of times."""
-        lanes, T = (self.kv[0].shape[0], self.kv[0].shape[3]) if self.kv else (0, 0)
+        lanes, T = (self.kv[0].shape[0], self.kv[0].shape[3] - 1) if self.kv else (0, 0)
         if lane < lanes and end <= T:
             return
         new_lanes = max(lanes * 2 if lane >= lanes else lanes, lane + 1)
@@ -136,15 +152,17 @@ class StageModel(nn.Module):
             raise DistlmError(
                 f"stage {self.stage}: position {end} is beyond the context of {new_T} tokens"
             )
-        shape = (new_lanes, 2, self.n_kv_head, new_T, self.head_dim)
+        shape = (new_lanes, 2, self.n_kv_head, new_T + 1, self.head_dim)  # + the scratch position
         for j in range(self.blocks.n_layers):
             grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if j < len(self.kv):
-                grown[:lanes, :, :, :T] = self.kv[j]
+                grown[:lanes, :, :, :T] = self.kv[j][:, :, :, :T]
                 self.kv[j] = grown
             else:
                 self.kv.append(grown)
         self._cache_bytes = sum(t.numel() * t.element_size() for t in self.kv)
+        if self.graphs is not None:
+            self.graphs.clear()  # they held the cache before it grew
 
     @torch.inference_mode()
     def forward(
@@ -166,6 +184,13 @@ class StageModel(nn.Module):
                     f"cached positions, the step starts at position {it.pos}"
                 )
         self._reserve(max(it.lane for it in items), max(it.pos + it.n for it in items))
+        graphs = self.graphs
+        rows = graphs.rows(items) if graphs is not None and not every else None
+        if graphs is not None and rows is not None:  # a decode step: a CUDA graph on a GPU
+            out = graphs.run(rows, items, x)
+            for it in items:
+                self.length[it.lane] = it.pos + 1
+            return out
         plan = _Plan(items, dev, self.dtype)
         if self.first:
             x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
@@ -332,6 +357,169 @@ class _Decode:
         self.mask = mask[:, None, None, :]  # (R, 1, 1, T): each row's length
 
 
+class DecodeGraphs:
+    """Decode steps as CUDA graphs, one per bucket of cache rows, as vLLM captures its decode
+    batches.
+
+    A decode step (every item of a micro-batch one new token after cached ones) is a few hundred
+    small kernels; on a GPU it is bound by launching them, not by computing them. Captured once
+    as a CUDA graph, a step is one launch. A graph replays fixed kernels on fixed memory, so the
+    step it captures has fixed shapes and addresses (`StaticStep`):
+
+    - **Rows, not items.** It runs R rows, the KV cache's lanes 0..R-1 (R: the lanes the step's
+      items reach, rounded up to a power of two, at most the cache's lanes), each row the item
+      on that lane: the scheduler hands out the lowest lanes first, so the items' lanes lie
+      below R. A row whose lane has no item here attends position 0 (its output unused) and
+      writes its key and value into the cache's scratch position (the last one, which no row
+      ever attends: `StageModel._reserve`), never over another sequence's.
+    - **Every cached position.** Each row attends the cache's T positions with an additive mask
+      of its own length (0 up to its position, -inf after), the mask the eager step makes for
+      its longest item's length.
+    - **Inputs in place.** The step's token ids (or hidden states, after stage 0), positions,
+      write positions and mask are copied into the step's own tensors before each replay; its
+      output rows are picked in the items' order after it.
+
+    A graph holds the cache's addresses: when the cache is grown or freed (`StageModel._reserve`,
+    `release`), every graph is dropped (`clear`) and the next decode step of a bucket captures
+    again.
+
+    The step is device-neutral: the same tensor operations as the eager step (the family's
+    blocks, SDPA), with fixed shapes. Only the capture is CUDA's; on the CPU
+    (tests/test_decode_graphs.py) the static step runs as it is, so its numerics are checked
+    there against the eager step. The device backend decides whether a stage has them
+    (`DeviceBackend.decode_graphs`: on a GPU).
+    """
+
+    def __init__(self, model: StageModel) -> None:
+        self.model = model
+        self._steps: dict[int, StaticStep] = {}
+        self.captured = 0  # graphs captured so far (the log and the tests read it)
+
+    def buckets(self) -> list[int]:
+        """The buckets (rows) that have a step now."""
+        return sorted(self._steps)
+
+    def clear(self) -> None:
+        """Drop every step: the cache they captured was grown or freed."""
+        self._steps.clear()
+
+    def rows(self, items: list[Item]) -> int | None:
+        """The rows a static step of `items` runs (a power of two, at most the cache's lanes);
+        None when `items` are not a decode step (a prefill, or new tokens after cached ones)."""
+        if any(it.n != 1 or it.pos == 0 for it in items):
+            return None
+        top = max(it.lane for it in items) + 1
+        return min(1 << (top - 1).bit_length(), self.model.kv[0].shape[0])
+
+    def run(self, rows: int, items: list[Item], x: torch.Tensor) -> torch.Tensor:
+        """The decode step of `items` (token ids (B,) on stage 0, hidden states (B, C) after)
+        in the static step of `rows` rows -> hidden states (B, C), or logits (B, V) on the last
+        stage, in the items' order."""
+        step = self._steps.get(rows)
+        if step is None:
+            step = self._steps[rows] = StaticStep(self.model, rows)
+        lanes = step.load(items, x)
+        if self.model.device.type != "cuda":  # no graphs: the static step as it is
+            return step.forward().index_select(0, lanes)
+        if step.graph is None:
+            t0 = time.perf_counter()
+            step.capture()
+            self.captured += 1
+            log.debug(
+                "stage %d: the decode step of %d rows over %d positions captured in %.0f ms",
+                self.model.stage,
+                rows,
+                step.T,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        return step.replay().index_select(0, lanes)
+
+
+class StaticStep:
+    """One bucket's decode step over the cache's rows [0, R), its shapes and tensors fixed
+    (DecodeGraphs' doc); `forward` is what a CUDA graph captures."""
+
+    def __init__(self, model: StageModel, rows: int) -> None:
+        self.model = model
+        dev, R = model.device, rows
+        self.R = R
+        self.T = model.kv[0].shape[3] - 1  # the positions rows attend; index T is the scratch
+        long = {"dtype": torch.long, "device": dev}
+        self.rows = torch.arange(R, **long)
+        self.span = torch.arange(self.T, **long)
+        self.pos = torch.zeros(R, **long)  # each row's new position (0: a row without an item)
+        self.write = torch.full((R,), self.T, **long)  # where each row's key and value go
+        self.mask = torch.zeros(R, 1, 1, self.T, dtype=model.dtype, device=dev)
+        # the rows' token ids (stage 0) or hidden states (R, C) (later stages)
+        self.x = (
+            torch.zeros(R, **long)
+            if model.first
+            else torch.zeros(R, model.hidden_size, dtype=model.dtype, device=dev)
+        )
+        # the CUDA graph of `forward` and the output it writes (`capture`)
+        self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+
+    def load(self, items: list[Item], x: torch.Tensor) -> torch.Tensor:
+        """The step's inputs into this step's tensors, in place; returns the items' rows (B,)."""
+        dev = self.model.device
+        # one tensor made for both (each torch.tensor call costs microseconds a step)
+        lanes, pos = torch.tensor([[it.lane for it in items], [it.pos for it in items]], device=dev)
+        self.pos.zero_().index_copy_(0, lanes, pos)
+        self.write.fill_(self.T).index_copy_(0, lanes, pos)
+        self.x.index_copy_(0, lanes, x.to(dev, self.x.dtype))
+        # each row attends its cached positions up to its own (a row without one: position 0)
+        beyond = (self.span > self.pos.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, T)
+        self.mask.zero_().masked_fill_(beyond, -torch.inf)
+        return lanes
+
+    def forward(self) -> torch.Tensor:
+        """The stage's layers over the R rows, as the eager decode step computes them: hidden
+        states (R, C), or logits (R, V) on the last stage."""
+        m, b = self.model, self.model.blocks
+        R, T = self.R, self.T
+        h = b.embed(self.x, self.pos) if m.first else self.x
+        rot = b.positions(self.pos)
+        for j in range(b.n_layers):
+            q, kv = b.qkv(j, h, rot)  # (R, n_head, D), (R, 2, n_kv_head, D)
+            cache = m.kv[j]  # (lanes, 2, n_kv_head, T + 1, D)
+            cache[self.rows, :, :, self.write] = kv  # rows without an item: the scratch position
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2),  # (R, n_head, 1, D)
+                cache[:R, 0, :, :T],
+                cache[:R, 1, :, :T],
+                attn_mask=self.mask,
+                scale=m.scales[j],
+                enable_gqa=m.gqa,
+            )
+            h = b.finish(j, h, o.reshape(R, m.width))
+        return b.head(h) if m.last else h
+
+    def capture(self) -> None:
+        """`forward` captured as a CUDA graph (torch.cuda.graph, as vLLM captures its decode
+        batches), after one run outside it on a side stream (cuBLAS workspaces, cuDNN plans:
+        what must not be made during a capture). That run computes what the first replay does:
+        the same keys and values into the same places."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the API server's threads may use CUDA meanwhile (they do not capture)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = self.forward()
+        self.graph = graph, out
+
+    def replay(self) -> torch.Tensor:
+        """`forward`'s output, by replaying its graph (`capture` first): valid until the next
+        replay, which writes the same tensor."""
+        if self.graph is None:
+            raise RuntimeError("StaticStep.replay before capture")
+        graph, out = self.graph
+        graph.replay()
+        return out
+
+
 def load_stage(
     folder: str | Path, stage: int, *, world: int, hw: DeviceBackend | None = None
 ) -> StageModel:
@@ -349,11 +537,11 @@ def load_stage(
         )
     entry, tensors = load_stage_shard(folder, stage)  # sha256 checked first: fail before building
     config = load_config_json(folder)
-    model = StageModel(config, entry, kernels=hw.kernels)
+    model = StageModel(config, entry, kernels=hw.kernels, decode_graphs=hw.decode_graphs)
     model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     model.to(device)
     log.info(
-        "stage %d on %s: layers %d-%d%s%s, %.1f MB",
+        "stage %d on %s: layers %d-%d%s%s, %.1f MB%s",
         stage,
         device,
         model.start,
@@ -361,5 +549,6 @@ def load_stage(
         ", embeddings" if model.first else "",
         ", head" if model.last else "",
         sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
+        "; decode steps replayed as CUDA graphs" if model.graphs and device.type == "cuda" else "",
     )
     return model
