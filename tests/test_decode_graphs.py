@@ -32,8 +32,8 @@ class Chain:
         for m in self.models:
             m.release(lane)
 
-    def buckets(self) -> list[list[int]]:
-        return [m.graphs.buckets() if m.graphs else [] for m in self.models]
+    def blocks(self) -> list[list[tuple[int, int]]]:
+        return [m.graphs.blocks() if m.graphs else [] for m in self.models]
 
 
 @pytest.mark.parametrize("stages", [1, 3])
@@ -54,7 +54,7 @@ def same_steps(eager: Chain, static: Chain, *, tol: float) -> None:
     vocab = eager.models[-1].blocks.lm_head.weight.shape[0]
     length: dict[int, int] = {}  # lane -> positions cached
     last: dict[int, int] = {}  # lane -> its newest token
-    used: set[int] = set()  # the buckets the static steps ran in
+    used: set[tuple[int, int]] = set()  # the blocks of rows (lo, R) the static steps ran
 
     def step(prefill: dict[int, int], decode: list[int]) -> None:
         """One micro-batch through both chains: prompts of the given lengths on their lanes
@@ -74,7 +74,7 @@ def same_steps(eager: Chain, static: Chain, *, tol: float) -> None:
         for it, tok in zip(items, want.argmax(-1).tolist(), strict=True):
             length[it.lane] = it.pos + it.n
             last[it.lane] = tok
-        used.update(b for m in static.buckets() for b in m)
+        used.update(b for m in static.blocks() for b in m)
 
     def end(lane: int) -> None:
         eager.release(lane)
@@ -84,27 +84,28 @@ def same_steps(eager: Chain, static: Chain, *, tol: float) -> None:
     step({0: 5, 1: 3, 2: 9}, [])  # three prompts in one prefill (eager): a cache of 3 lanes
     for _ in range(3):
         step({}, [0, 1, 2])  # rows 0-2 (4 rounded up, at most the cache's lanes)
-    assert static.buckets() == [[3]] * stages
+    assert static.blocks() == [[(0, 3)]] * stages
     step({3: 4}, [])  # a prompt alone: the cache grows to 6 lanes, the steps are dropped
-    assert static.buckets() == [[]] * stages
+    assert static.blocks() == [[]] * stages
     step({}, [0, 1, 2, 3])  # rows 0-3
     # micro-batches of their own (a pipeline's): a live lane without an item in the step keeps
     # its cache (its row's key and value go to the scratch position)
     step({}, [0, 2, 3])
-    step({}, [1])
+    step({}, [1])  # row 1 alone
+    step({}, [2, 3])  # rows 2-3
     step({}, [0, 1, 2, 3])
     end(1)
     for _ in range(2):
-        step({}, [0, 2, 3])  # a gap: lane 1 ended (its row's key goes to the scratch position)
+        step({}, [0, 2, 3])  # a gap: lane 1 ended
     step({1: 6}, [0, 2, 3])  # a prompt beside decodes: the eager step
     step({4: 2}, [0, 1, 2, 3])
     for _ in range(3):
         step({}, [0, 1, 2, 3, 4])  # rows 0-5 (8 rounded up, at most the cache's 6 lanes)
-    step({}, [4])  # one item on a high lane
-    assert used == {2, 3, 4, 6}, used
+    step({}, [4])  # one item on a high lane: row 4 alone
+    assert used == {(0, 3), (0, 4), (1, 1), (2, 2), (0, 6), (4, 1)}, used
     for lane in list(length):
-        end(lane)  # the cache is freed, its steps with it
-    assert static.buckets() == [[]] * stages
+        end(lane)  # an idle stage: the eager one frees its cache, the static one keeps it
+    assert eager.models[0].cached_bytes() == 0 < static.models[0].cached_bytes()
     step({2: 3}, [])  # the next sequence starts afresh
     step({}, [2])
-    assert static.buckets() == [[3]] * stages
+    assert (2, 1) in static.blocks()[0]

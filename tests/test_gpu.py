@@ -233,6 +233,31 @@ def test_decode_steps_replay_as_cuda_graphs_with_the_eager_steps_logits(pipeline
     assert graphs.models[0].graphs.captured >= 3
 
 
+def test_a_failed_capture_leaves_the_decode_steps_eager(pipeline_folders, monkeypatch, caplog):
+    """A decode step whose CUDA graph cannot be captured (out of memory, a kernel that refuses
+    capture) is logged and the stage goes on with the eager steps: the same logits."""
+    from distlm.device import DeviceBackend
+    from distlm.inference.engine.pipeline_stage import Item, StaticStep
+
+    def refuse(self):
+        raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+
+    folder = pipeline_folders("gpt2")[1]
+    cuda = torch.device("cuda", 0)
+    eager = Chain(folder, 1, DeviceBackend(cuda, decode_graphs=False))
+    graphs = Chain(folder, 1, DeviceBackend(cuda))
+    monkeypatch.setattr(StaticStep, "capture", refuse)
+    prompt = [Item(0, 0, 0, 5)]
+    ids = torch.arange(5)
+    tok = eager(prompt, ids).argmax(-1)
+    assert torch.equal(graphs(prompt, ids).argmax(-1), tok)
+    with caplog.at_level("WARNING"):
+        got = graphs([Item(0, 0, 5, 1)], tok)
+    torch.testing.assert_close(got, eager([Item(0, 0, 5, 1)], tok), atol=1e-4, rtol=1e-4)
+    assert graphs.models[0].graphs is None
+    assert "decode steps stay eager" in caplog.text and "the test's" in caplog.text
+
+
 @pytest.fixture(scope="session")
 def trained(gpu_run, tmp_path_factory) -> dict:
     """The trained folder, its pipeline folders of 1 and 2 stages, and `generate` on the GPU."""

@@ -93,6 +93,8 @@ class StageModel(nn.Module):
         # instead of finding a parameter in every step
         out = super()._apply(fn, recurse)
         self._note_placement()
+        if self.graphs is not None:
+            self.graphs.clear()  # they held the weights where they were
         return out
 
     # ------------------------------------------------------------------ weights
@@ -118,13 +120,13 @@ class StageModel(nn.Module):
     def release(self, lane: int) -> None:
         """The lane's sequence ended: its positions are forgotten; when no lane holds any, the
         cache tensors themselves are freed (an idle stage holds no KV cache; the next prefill
-        grows them again)."""
+        grows them again). With decode graphs (a GPU) the cache stays, as vLLM's does: the
+        graphs hold it, and capturing them again after each idle spell would stall the steps
+        after it."""
         self.length.pop(lane, None)
-        if not self.length:
+        if not self.length and self.graphs is None:
             self.kv.clear()
             self._cache_bytes = 0
-            if self.graphs is not None:
-                self.graphs.clear()  # they held the freed cache
 
     def cached_bytes(self) -> int:
         """Bytes the KV cache holds now (keys and values of every layer)."""
@@ -185,12 +187,13 @@ class StageModel(nn.Module):
                 )
         self._reserve(max(it.lane for it in items), max(it.pos + it.n for it in items))
         graphs = self.graphs
-        rows = graphs.rows(items) if graphs is not None and not every else None
-        if graphs is not None and rows is not None:  # a decode step: a CUDA graph on a GPU
-            out = graphs.run(rows, items, x)
-            for it in items:
-                self.length[it.lane] = it.pos + 1
-            return out
+        if graphs is not None and not every and graphs.decode(items):  # a CUDA graph on a GPU
+            out = graphs.run(items, x)
+            if out is not None:
+                for it in items:
+                    self.length[it.lane] = it.pos + 1
+                return out
+            self.graphs = None  # its capture failed (logged): the eager steps from now on
         plan = _Plan(items, dev, self.dtype)
         if self.first:
             x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
@@ -366,12 +369,13 @@ class DecodeGraphs:
     as a CUDA graph, a step is one launch. A graph replays fixed kernels on fixed memory, so the
     step it captures has fixed shapes and addresses (`StaticStep`):
 
-    - **Rows, not items.** It runs R rows, the KV cache's lanes 0..R-1 (R: the lanes the step's
-      items reach, rounded up to a power of two, at most the cache's lanes), each row the item
-      on that lane: the scheduler hands out the lowest lanes first, so the items' lanes lie
-      below R. A row whose lane has no item here attends position 0 (its output unused) and
-      writes its key and value into the cache's scratch position (the last one, which no row
-      ever attends: `StageModel._reserve`), never over another sequence's.
+    - **Rows, not items.** It runs R rows of the KV cache, lanes lo..lo + R - 1, each row the
+      item on that lane: R a power of two, lo a multiple of R (buddy blocks), the smallest such
+      block that holds the step's lanes, within the cache's (the scheduler hands out the lowest
+      lanes first, and a pipeline's micro-batches take blocks of lanes, so the blocks are few).
+      A row whose lane has no item here attends position 0 (its output unused) and writes its
+      key and value into the cache's scratch position (the last one, which no row ever attends:
+      `StageModel._reserve`), never over another sequence's.
     - **Every cached position.** Each row attends the cache's T positions with an additive mask
       of its own length (0 up to its position, -inf after), the mask the eager step makes for
       its longest item's length.
@@ -379,9 +383,10 @@ class DecodeGraphs:
       write positions and mask are copied into the step's own tensors before each replay; its
       output rows are picked in the items' order after it.
 
-    A graph holds the cache's addresses: when the cache is grown or freed (`StageModel._reserve`,
-    `release`), every graph is dropped (`clear`) and the next decode step of a bucket captures
-    again.
+    A graph holds the cache's and the weights' addresses: when the cache grows or the weights
+    move (`StageModel._reserve`, `_apply`), every graph is dropped (`clear`) and the next decode
+    step of a block captures again. A capture that fails is logged and the stage's decode steps
+    stay eager from then on (`run` returns None): a server keeps serving.
 
     The step is device-neutral: the same tensor operations as the eager step (the family's
     blocks, SDPA), with fixed shapes. Only the capture is CUDA's; on the CPU
@@ -392,60 +397,87 @@ class DecodeGraphs:
 
     def __init__(self, model: StageModel) -> None:
         self.model = model
-        self._steps: dict[int, StaticStep] = {}
+        self._steps: dict[tuple[int, int], StaticStep] = {}
         self.captured = 0  # graphs captured so far (the log and the tests read it)
 
-    def buckets(self) -> list[int]:
-        """The buckets (rows) that have a step now."""
+    def blocks(self) -> list[tuple[int, int]]:
+        """The blocks of rows (lo, R) that have a step now."""
         return sorted(self._steps)
 
     def clear(self) -> None:
-        """Drop every step: the cache they captured was grown or freed."""
+        """Drop every step: the cache or the weights they captured moved."""
         self._steps.clear()
 
-    def rows(self, items: list[Item]) -> int | None:
-        """The rows a static step of `items` runs (a power of two, at most the cache's lanes);
-        None when `items` are not a decode step (a prefill, or new tokens after cached ones)."""
-        if any(it.n != 1 or it.pos == 0 for it in items):
-            return None
-        top = max(it.lane for it in items) + 1
-        return min(1 << (top - 1).bit_length(), self.model.kv[0].shape[0])
+    @staticmethod
+    def decode(items: list[Item]) -> bool:
+        """Whether `items` are a decode step (each one new token after cached ones)."""
+        return all(it.n == 1 and it.pos > 0 for it in items)
 
-    def run(self, rows: int, items: list[Item], x: torch.Tensor) -> torch.Tensor:
+    def block(self, items: list[Item]) -> tuple[int, int]:
+        """The rows (lo, R) of the static step of `items`: the smallest block of R lanes (a power
+        of two) at a multiple of R that holds their lanes, within the cache's lanes."""
+        lanes = self.model.kv[0].shape[0]
+        a = min(it.lane for it in items)
+        b = max(it.lane for it in items)
+        R = 1 << (b - a).bit_length()  # the smallest power of two above b - a
+        while a // R != b // R:  # the block at a multiple of R must hold both
+            R *= 2
+        lo = a // R * R
+        if lo + R > lanes:  # past the cache's lanes: the block of its last R lanes
+            R = min(R, lanes)
+            lo = lanes - R
+        return lo, R
+
+    def run(self, items: list[Item], x: torch.Tensor) -> torch.Tensor | None:
         """The decode step of `items` (token ids (B,) on stage 0, hidden states (B, C) after)
-        in the static step of `rows` rows -> hidden states (B, C), or logits (B, V) on the last
-        stage, in the items' order."""
-        step = self._steps.get(rows)
+        in its static step -> hidden states (B, C), or logits (B, V) on the last stage, in the
+        items' order; None when the step's capture failed (logged; nothing was computed that
+        the eager step would not write the same)."""
+        lo, R = self.block(items)
+        step = self._steps.get((lo, R))
         if step is None:
-            step = self._steps[rows] = StaticStep(self.model, rows)
-        lanes = step.load(items, x)
+            step = self._steps[lo, R] = StaticStep(self.model, lo, R)
+        rows = step.load(items, x)
         if self.model.device.type != "cuda":  # no graphs: the static step as it is
-            return step.forward().index_select(0, lanes)
+            return step.forward().index_select(0, rows)
         if step.graph is None:
             t0 = time.perf_counter()
-            step.capture()
+            try:
+                step.capture()
+            except RuntimeError as e:  # torch's CUDA errors, out of memory among them
+                log.warning(
+                    "stage %d: decode steps stay eager: capturing the step of lanes %d-%d as a "
+                    "CUDA graph failed: %s",
+                    self.model.stage,
+                    lo,
+                    lo + R - 1,
+                    e,
+                )
+                self.clear()
+                return None
             self.captured += 1
             log.debug(
-                "stage %d: the decode step of %d rows over %d positions captured in %.0f ms",
+                "stage %d: the decode step of lanes %d-%d over %d positions captured in %.0f ms",
                 self.model.stage,
-                rows,
+                lo,
+                lo + R - 1,
                 step.T,
                 (time.perf_counter() - t0) * 1e3,
             )
-        return step.replay().index_select(0, lanes)
+        return step.replay().index_select(0, rows)
 
 
 class StaticStep:
-    """One bucket's decode step over the cache's rows [0, R), its shapes and tensors fixed
+    """One block's decode step over the cache's rows [lo, lo + R), its shapes and tensors fixed
     (DecodeGraphs' doc); `forward` is what a CUDA graph captures."""
 
-    def __init__(self, model: StageModel, rows: int) -> None:
+    def __init__(self, model: StageModel, lo: int, rows: int) -> None:
         self.model = model
         dev, R = model.device, rows
-        self.R = R
+        self.lo, self.R = lo, R
         self.T = model.kv[0].shape[3] - 1  # the positions rows attend; index T is the scratch
         long = {"dtype": torch.long, "device": dev}
-        self.rows = torch.arange(R, **long)
+        self.lanes = torch.arange(lo, lo + R, **long)
         self.span = torch.arange(self.T, **long)
         self.pos = torch.zeros(R, **long)  # each row's new position (0: a row without an item)
         self.write = torch.full((R,), self.T, **long)  # where each row's key and value go
@@ -463,30 +495,32 @@ class StaticStep:
         """The step's inputs into this step's tensors, in place; returns the items' rows (B,)."""
         dev = self.model.device
         # one tensor made for both (each torch.tensor call costs microseconds a step)
-        lanes, pos = torch.tensor([[it.lane for it in items], [it.pos for it in items]], device=dev)
-        self.pos.zero_().index_copy_(0, lanes, pos)
-        self.write.fill_(self.T).index_copy_(0, lanes, pos)
-        self.x.index_copy_(0, lanes, x.to(dev, self.x.dtype))
+        rows, pos = torch.tensor(
+            [[it.lane - self.lo for it in items], [it.pos for it in items]], device=dev
+        )
+        self.pos.zero_().index_copy_(0, rows, pos)
+        self.write.fill_(self.T).index_copy_(0, rows, pos)
+        self.x.index_copy_(0, rows, x.to(dev, self.x.dtype))
         # each row attends its cached positions up to its own (a row without one: position 0)
         beyond = (self.span > self.pos.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, T)
         self.mask.zero_().masked_fill_(beyond, -torch.inf)
-        return lanes
+        return rows
 
     def forward(self) -> torch.Tensor:
         """The stage's layers over the R rows, as the eager decode step computes them: hidden
         states (R, C), or logits (R, V) on the last stage."""
         m, b = self.model, self.model.blocks
-        R, T = self.R, self.T
+        lo, R, T = self.lo, self.R, self.T
         h = b.embed(self.x, self.pos) if m.first else self.x
         rot = b.positions(self.pos)
         for j in range(b.n_layers):
             q, kv = b.qkv(j, h, rot)  # (R, n_head, D), (R, 2, n_kv_head, D)
             cache = m.kv[j]  # (lanes, 2, n_kv_head, T + 1, D)
-            cache[self.rows, :, :, self.write] = kv  # rows without an item: the scratch position
+            cache[self.lanes, :, :, self.write] = kv  # rows without an item: the scratch position
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2),  # (R, n_head, 1, D)
-                cache[:R, 0, :, :T],
-                cache[:R, 1, :, :T],
+                cache[lo : lo + R, 0, :, :T],
+                cache[lo : lo + R, 1, :, :T],
                 attn_mask=self.mask,
                 scale=m.scales[j],
                 enable_gqa=m.gqa,
@@ -496,18 +530,19 @@ class StaticStep:
 
     def capture(self) -> None:
         """`forward` captured as a CUDA graph (torch.cuda.graph, as vLLM captures its decode
-        batches), after one run outside it on a side stream (cuBLAS workspaces, cuDNN plans:
-        what must not be made during a capture). That run computes what the first replay does:
-        the same keys and values into the same places."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the API server's threads may use CUDA meanwhile (they do not capture)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self.forward()
+        batches) on the model's device, after one run outside it on a side stream (cuBLAS
+        workspaces, cuDNN plans: what must not be made during a capture). That run computes what
+        the first replay does: the same keys and values into the same places."""
+        dev = self.model.device
+        with torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self.forward()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.forward()
         self.graph = graph, out
 
     def replay(self) -> torch.Tensor:
