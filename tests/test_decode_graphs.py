@@ -1,4 +1,4 @@
-"""The pipeline engine's decode steps as static steps, one per bucket of cache rows
+"""The pipeline engine's decode steps as static steps, one per block of cache rows
 (distlm.inference.engine.pipeline_stage's `DecodeGraphs`: CUDA graphs on a GPU, tests/test_gpu.py),
 run here on the CPU without a capture: the same logits as the eager step at every step of a
 schedule in which sequences start, decode beside each other, end and leave gaps, and the cache
@@ -47,7 +47,7 @@ def test_static_decode_steps_compute_what_the_eager_steps_do(pipeline_folders, c
 
 def same_steps(eager: Chain, static: Chain, *, tol: float) -> None:
     """A schedule of micro-batches through both chains: at every step the same logits (to
-    `tol`) and the same greedy tokens; the static steps' buckets as the cache's lanes make them
+    `tol`) and the same greedy tokens; the static steps' blocks of rows as the cache's lanes make them
     (tests/test_gpu.py runs it on a GPU, where they are CUDA graphs)."""
     stages = len(static.models)
     g = torch.Generator().manual_seed(0)

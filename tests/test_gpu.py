@@ -218,7 +218,7 @@ def test_checkpoint_copies_are_pinned_and_queued_on_the_stream():
 
 @pytest.mark.parametrize("case", ["gpt2", "llama-kv1-tied"])
 def test_decode_steps_replay_as_cuda_graphs_with_the_eager_steps_logits(pipeline_folders, case):
-    """On a GPU the engine's decode steps are CUDA graphs, one per bucket of cache rows
+    """On a GPU the engine's decode steps are CUDA graphs, one per block of cache rows
     (distlm.inference.engine.pipeline_stage's `DecodeGraphs`): through tests/test_decode_graphs.py's
     schedule (lanes that come and go, a live lane outside the step, the cache grown and freed)
     the same logits as the eager steps on the same GPU, and the graphs were captured."""

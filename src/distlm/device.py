@@ -116,7 +116,7 @@ class DeviceBackend:
     # (distlm.train.checkpoint): on a GPU, where the copy is fast and the write slow; on the CPU
     # the copy costs what the write saves, so it writes in the loop. Given only by tests.
     background_checkpoints: bool = None  # pyright: ignore[reportAssignmentType]
-    # Whether the pipeline engine's decode steps run as static steps, one per bucket of cache
+    # Whether the pipeline engine's decode steps run as static steps, one per block of cache
     # rows, captured as CUDA graphs (distlm.inference.engine.pipeline_stage's `DecodeGraphs`): on
     # a GPU, where a decode step is bound by launching its kernels; on the CPU each kernel's own
     # time dominates and the eager step, sized to its items, does less. Given only by tests,

@@ -361,7 +361,7 @@ class _Decode:
 
 
 class DecodeGraphs:
-    """Decode steps as CUDA graphs, one per bucket of cache rows, as vLLM captures its decode
+    """Decode steps as CUDA graphs, one per block of cache rows, as vLLM captures its decode
     batches.
 
     A decode step (every item of a micro-batch one new token after cached ones) is a few hundred
