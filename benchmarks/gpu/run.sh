@@ -117,6 +117,15 @@ trap summary EXIT
 # this machine), which the tests, serve and infer read
 trained() { [ -f "$wf/results/train/final/model.safetensors" ]; }
 
+# needs_run NAME: step NAME reads the workflow's finished run; without one it is written down as
+# not run (and this returns 1)
+needs_run() {
+  trained || {
+    not_run "$1" "no finished workflow run: it reads the workflow's (name the workflow step first)"
+    return 1
+  }
+}
+
 # -- the whole workflow on config/gpu.yaml, then what it wrote, in one file --------------------
 run_workflow() {
   if [ -n "$(ls -A "$wf/.snakemake/locks" 2>/dev/null)" ]; then
@@ -159,10 +168,7 @@ run_train-smollm2() {
 
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
 run_serve() {
-  trained || {
-    not_run serve "no trained folder: it serves the workflow's (name the workflow step first)"
-    return
-  }
+  needs_run serve || return
   step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
     --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
     --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
@@ -171,10 +177,7 @@ run_serve() {
 
 # -- batch inference: the pipeline against batched `generate`, on the trained folder -----------
 run_infer() {
-  trained || {
-    not_run infer "no trained folder: it runs on the workflow's (name the workflow step first)"
-    return
-  }
+  needs_run infer || return
   step infer 90 $py benchmarks/inference/bench.py --device cuda \
     --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
     --max-new-tokens 64 --repeats 2 --batch-only --note "benchmarks/gpu/run.sh" \
@@ -187,10 +190,7 @@ run_uccl() {
     not_run uccl "no uccl wheel in $wheels"
     return
   }
-  trained || {
-    not_run uccl "no finished workflow run to broadcast in (name the workflow step first)"
-    return
-  }
+  needs_run uccl || return
   local gpus
   gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
   [ "$gpus" -ge 2 ] || {

@@ -41,6 +41,11 @@ class Item:
     pos: int  # position of the first new token; 0 starts the lane afresh (prefill)
     n: int
 
+    @property
+    def decode(self) -> bool:
+        """One new token after cached ones: what the decode steps batch (eager or as a graph)."""
+        return self.n == 1 and self.pos > 0
+
 
 class StageModel(nn.Module):
     """One pipeline stage: its family's blocks (embeddings on stage 0, decoder layers
@@ -299,7 +304,7 @@ class _Plan:
         self.others: list[tuple[int, Item]] = []
         off = 0
         for it in items:
-            if it.n == 1 and it.pos > 0:
+            if it.decode:
                 decode.append((off, it))
                 lanes.append(it.lane)
                 positions.append(it.pos)
@@ -411,7 +416,7 @@ class DecodeGraphs:
     @staticmethod
     def decode(items: list[Item]) -> bool:
         """Whether `items` are a decode step (each one new token after cached ones)."""
-        return all(it.n == 1 and it.pos > 0 for it in items)
+        return all(it.decode for it in items)
 
     def block(self, items: list[Item]) -> tuple[int, int]:
         """The rows (lo, R) of the static step of `items`: the smallest block of R lanes (a power
