@@ -252,45 +252,53 @@ class DeviceMix(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def gpt2_blocks(kernels: str):
-    from transformers import GPT2Config
+def tiny_model(family: str, *, n_kv_head: int | None = None, device="cpu"):
+    """distlm's model of a tiny seeded init of `family` (2 blocks of 16), and transformers' model
+    of the same weights (its reference)."""
+    from distlm.model import family_of, init_config, init_model
+    from distlm.settings import init_settings
 
-    from distlm.family import family_of
+    extra = {"n_kv_head": n_kv_head} if n_kv_head else {}
+    init = init_settings(
+        architecture=family, n_layer=2, n_head=2, n_embd=16, n_positions=32, dropout=0.0, **extra
+    )
+    config = init_config(init, 64, 0)
+    hf = init_model(config, seed=0)
+    with torch.no_grad():  # transformers' init leaves biases at 0 and norms at 1: draw them too
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    fam = family_of(config)
+    args = fam.args(config.to_dict(), family)
+    model = fam.build(args, device=device)
+    model.load_hf({k: v.to(device) for k, v in hf.named_parameters()}, family)
+    return model, hf
 
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32, vocab_size=50)
-    blocks = family_of(config).stage_blocks(config, 0, 2, first=True, last=True, kernels=kernels)
-    for p in blocks.parameters():  # transformers' init leaves biases at 0: draw them too
-        torch.nn.init.normal_(p, std=0.2)
-    return blocks
 
-
-@pytest.mark.parametrize("kernels", ["cpu", "standard"])
-def test_gpt2_gelu_of_each_kernel_set_is_transformers(kernels):
+def test_gpt2s_gelu_is_transformers_to_float_rounding():
+    """GPT-2's gelu_new (NewGELUActivation, eight operations) is torch's tanh GELU in distlm's
+    blocks (one standard kernel): the same function to float rounding."""
     from transformers.activations import NewGELUActivation
 
-    blocks = gpt2_blocks(kernels)
+    model, _ = tiny_model("gpt2")
     x = torch.linspace(-6, 6, 4001, dtype=torch.float64)
-    want = NewGELUActivation()(x)
-    got = blocks.act(x.float().clone())
-    assert (got.double() - want).abs().max() < 2e-6
-    if kernels == "standard":
-        assert blocks.act.__name__ == "gelu_tanh"  # one standard kernel, not the in-place form
+    got = model.blocks[0].mlp.act(x.float())
+    assert (got.double() - NewGELUActivation()(x)).abs().max() < 2e-6
 
 
-@pytest.mark.parametrize("kernels", ["cpu", "standard"])
-def test_engine_blocks_make_no_tensor_on_another_device(kernels):
-    """A stage's forward with weights and inputs on `meta`: no operation meets a CPU tensor."""
-    from distlm.family.gpt2.blocks import gelu_new_
-
-    blocks = gpt2_blocks(kernels).to("meta")
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_the_model_makes_no_tensor_on_another_device(family):
+    """distlm's model with weights and inputs on `meta`, as training runs it and as a pipeline
+    stage does (embed, positions, qkv, finish, head): no operation meets a CPU tensor."""
+    model, _ = tiny_model(family)
+    model = model.to("meta")
     ids = torch.arange(5, device="meta")
     with DeviceMix() as mix:
-        x = blocks.embed(ids, ids)
-        q, _kv = blocks.qkv(0, x, None)
-        x = blocks.finish(0, x, q.reshape(5, -1))
-        blocks.head(x)
-        gelu_new_(torch.ones(4, device="meta"))  # the CPU form on another device too
+        model.hidden(ids[None])  # (1, 5): training's and evaluation's forward
+        x = model.embed(ids, ids)  # (5, C): a pipeline stage's packed tokens
+        rot = model.positions(ids, x.dtype)
+        q, _kv = model.blocks[0].qkv(x, rot)
+        x = model.blocks[0].finish(x, q.reshape(5, -1))
+        model.head(x)
     assert mix.mixed == []
 
 
@@ -306,32 +314,22 @@ def test_device_mix_finds_a_cpu_constant():
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_gpu_loss_equals_transformers_and_the_cpu_kernels(family):
     """The "standard" kernel set's loss (NextTokenLoss, what a GPU compiles) and the CPU's fused
-    head (CausalLMLoss) against transformers' own: the same loss and gradients to float
-    rounding, on both of the families' model classes."""
-    from distlm.family import family_of
-    from distlm.settings import init_settings
-    from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss
+    head (CausalLMLoss) over distlm's model, against transformers' loss on the same weights: the
+    same loss and gradients to float rounding."""
+    from distlm.train.kernels import CausalLMLoss, NextTokenLoss
 
-    init = init_settings(
-        architecture=family, n_layer=2, n_head=2, n_embd=16, n_positions=32, dropout=0.0
-    )
-    fam = family_of(family)
-    model = fam.build(fam.init_config(init, 64, 0), seed=0)
+    model, hf = tiny_model(family)
     ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
-    losses, grads = {}, {}
-    for name, module in [
-        ("reference", ReferenceLoss(model)),
-        ("standard", NextTokenLoss(model)),
-        ("cpu", CausalLMLoss(model)),
-    ]:
+    want = hf(input_ids=ids, labels=ids).loss
+    want.backward()
+    for name, module in [("standard", NextTokenLoss(model)), ("cpu", CausalLMLoss(model))]:
         model.zero_grad()
         loss = module(ids)
         loss.backward()
-        losses[name] = loss.item()
-        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
-    for name in ("standard", "cpu"):
-        assert abs(losses[name] - losses["reference"]) < 1e-5, (name, losses)
-        assert torch.allclose(grads[name], grads["reference"], atol=1e-6), name
+        assert abs(loss.item() - want.item()) < 1e-5, name
+        grads = model.tensor_map().to_hf({n: p.grad for n, p in model.named_parameters()})
+        for k, p in hf.named_parameters():
+            assert torch.allclose(grads[k], p.grad, atol=1e-6), (name, k)
 
 
 def _sdpa_calls(module: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
@@ -365,78 +363,20 @@ def _sdpa_calls(module: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("family,n_kv_head", [("gpt2", None), ("llama", 1), ("qwen3", None)])
 def test_compiled_training_attends_whole_blocks_without_a_mask(family, n_kv_head):
-    """Under torch.compile, transformers' SDPA path builds a (B, 1, T, T) mask (torch < 2.14),
-    which keeps CUDA off its flash kernel; the training loss modules attend as WHOLE_BLOCKS:
-    SDPA's is_causal and no mask (grouped heads with enable_gqa), with transformers' loss and
-    gradients to float rounding, and the config that is saved unchanged."""
-    from distlm.family import family_of
-    from distlm.settings import init_settings
-    from distlm.train.kernels import NextTokenLoss, ReferenceLoss, attend_whole_blocks
+    """Under torch.compile the training loss attends with SDPA's is_causal and no mask (which
+    CUDA runs with its flash kernel; transformers' own SDPA path built a (B, 1, T, T) mask under
+    compile), grouped heads with enable_gqa, to transformers' loss and gradients."""
+    from distlm.train.kernels import NextTokenLoss
 
-    extra = {"n_kv_head": n_kv_head} if n_kv_head else {}
-    init = init_settings(
-        architecture=family, n_layer=2, n_head=2, n_embd=16, n_positions=32, dropout=0.0, **extra
-    )
-    fam = family_of(family)
-    model = fam.build(fam.init_config(init, 64, 0), seed=0)
+    model, hf = tiny_model(family, n_kv_head=n_kv_head)
     ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
-
-    _, calls = _sdpa_calls(NextTokenLoss(model), ids)  # transformers' own choice: a mask
-    assert calls and all(c["mask"] and not c["is_causal"] for c in calls), calls
-
-    want = ReferenceLoss(model)(ids)
+    want = hf(input_ids=ids, labels=ids).loss
     want.backward()
-    want_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    saved = model.config.to_json_string()
-    attend_whole_blocks(model)
-    assert model.config.to_json_string() == saved
     loss, calls = _sdpa_calls(NextTokenLoss(model), ids)
     assert len(calls) == 2 and all(c["is_causal"] and not c["mask"] for c in calls), calls
     assert all(c["enable_gqa"] == (n_kv_head is not None) for c in calls), calls
     loss.backward()
     assert abs(loss.item() - want.item()) < 1e-5
-    for got, ref in zip((p.grad for p in model.parameters()), want_grads, strict=True):
-        assert got is not None and torch.allclose(got, ref, atol=1e-6)
-
-
-def test_whole_block_attention_refuses_what_is_not_a_whole_block():
-    """A padding mask, queries after a KV cache or a sliding window are more than SDPA's
-    is_causal: refused, naming what the call had, never attended without it."""
-    from distlm.family import family_of
-    from distlm.settings import init_settings
-    from distlm.train.kernels import attend_whole_blocks
-
-    init = init_settings(architecture="llama", n_layer=1, n_head=2, n_embd=16, n_positions=32)
-    fam = family_of("llama")
-    model = fam.build(fam.init_config(init, 64, 0), seed=0)
-    attend_whole_blocks(model)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    model(input_ids=ids, use_cache=False)  # a whole block
-    padded = torch.ones_like(ids)
-    padded[0, :3] = 0
-    with pytest.raises(DistlmError, match="a padding mask"):
-        model(input_ids=ids, attention_mask=padded, use_cache=False)
-    cache = model(input_ids=ids, use_cache=True).past_key_values
-    with pytest.raises(DistlmError, match="queries after a KV cache"):
-        model(input_ids=ids[:, :2], cache=cache, use_cache=True)
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    windowed = Qwen2Config(
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        hidden_size=16,
-        intermediate_size=32,
-        vocab_size=64,
-        max_position_embeddings=32,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=0,
-    )
-    windowed._attn_implementation = "sdpa"
-    qwen2 = Qwen2ForCausalLM(windowed)
-    attend_whole_blocks(qwen2)
-    with pytest.raises(DistlmError, match="a sliding window"):
-        qwen2(input_ids=ids, use_cache=False)
+    grads = model.tensor_map().to_hf({n: p.grad for n, p in model.named_parameters()})
+    for k, p in hf.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-6), k

@@ -33,7 +33,7 @@ from distlm.evaluate import (
 )
 from distlm.io import read_json, sha256_file, write_json
 from distlm.model import (
-    build_model,
+    init_model,
     load_safetensors,
     read_meta,
     save_safetensors,
@@ -86,7 +86,7 @@ def tiny(tmp_path_factory) -> dict:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    model = build_model(config, seed=0)
+    model = init_model(config, seed=0)
     (root / "tok").mkdir()
     write_model_dir(
         root / "model",
@@ -119,8 +119,12 @@ def eval_cfg(context, stride, **over) -> EvalConfig:
     )
 
 
-def reference(model, tokens: np.ndarray, context: int, stride: int) -> tuple[float, int]:
-    """(mean loss, tokens scored): the HF guide's loop, one window at a time, full forward."""
+def reference(folder: Path, tokens: np.ndarray, context: int, stride: int) -> tuple[float, int]:
+    """(mean loss, tokens scored): the HF guide's loop over transformers' model of the folder,
+    one window at a time, full forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids_all = torch.as_tensor(tokens, dtype=torch.long)
     nll, n, prev_end = 0.0, 0, 0
     for begin in range(0, len(ids_all), stride):
@@ -249,14 +253,13 @@ def test_precision():
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_distributed_equals_reference(tiny, runs, world, case):
-    model, _ = load_model(tiny["model"], torch.device("cpu"))
     res = runs[world][case]
     context = CASES[case][0] or N_POSITIONS
     stride = CASES[case][1] or context
     assert (res["context"], res["stride"], res["world_size"]) == (context, stride, world)
     for split in ("validation", "test"):
         tokens = tiny["streams"][split]
-        ref_loss, ref_n = reference(model, tokens, context, stride)
+        ref_loss, ref_n = reference(tiny["model"], tokens, context, stride)
         got = res["splits"][split]
         assert got["tokens_scored"] == ref_n
         assert rel(got["mean_loss"], ref_loss) < 1e-5, (split, got["mean_loss"], ref_loss)

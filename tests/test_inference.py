@@ -45,8 +45,8 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
 
     from distlm.data import load_embedded, train_tokenizer
     from distlm.model import (
-        build_model,
         init_config,
+        init_model,
         state_dict_for_save,
         write_model_dir,
         write_pipeline_dir,
@@ -63,7 +63,7 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
         len(tok),
         tok.eos_token_id,
     )
-    model = build_model(cfg, seed=0)
+    model = init_model(cfg, seed=0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -96,13 +96,11 @@ def tiny_models(tmp_path_factory) -> dict[int, Path]:
 @pytest.fixture(scope="session")
 def hf_reference(tiny_models):
     """Greedy token ids from single-process GPT2LMHeadModel.generate, per prompt."""
-    from transformers import AutoTokenizer
-
-    from distlm.model import load_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = tiny_models[1].parent / "model"  # the model folder the pipeline folders were cut from
     tok = AutoTokenizer.from_pretrained(folder)
-    model = load_model_dir(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cache = {}
 
     def ref(prompt: str, max_new: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The training benchmark's nanoGPT-style reference (benchmarks/train/nanogpt.py) computes what
 distlm's training computes: on the same GPT-2 weights and tokens, its loss and gradients equal
-`GPT2LMHeadModel`'s to float rounding. A baseline that trained another function would be a straw
-man."""
+the training stage's loss module's (distlm's GPT-2, standard kernels) to float rounding. A
+baseline that trained another function would be a straw man."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from harness.synthetic import make_inputs
 
 from distlm.data import TokenBlocks
 from distlm.model import load_model_dir
-from distlm.train.kernels import ReferenceLoss
+from distlm.train.kernels import NextTokenLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "train"))
 from nanogpt import GPT
@@ -24,14 +24,17 @@ def test_the_reference_loop_trains_the_same_function(tmp_path):
     ref = load_model_dir(inputs["model"]).train()
     ours = GPT.from_gpt2_folder(inputs["model"]).train()
     x = torch.from_numpy(TokenBlocks(inputs["tokens"], "train")[[0, 1, 2]])
-    want = ReferenceLoss(ref)(x)
+    want = NextTokenLoss(ref)(x)
     want.backward()
     got = ours(x)
     got.backward()
     assert abs(got.item() - want.item()) < 1e-5
-    grads = {n.removeprefix("transformer."): p.grad for n, p in ref.named_parameters()}
+    # both in transformers' names: nanoGPT's are transformers' one level up, its linear layers'
+    # weights the transposes of transformers' Conv1D ones
+    grads = ref.tensor_map().to_hf({n: p.grad for n, p in ref.named_parameters()})
     for name, p in ours.named_parameters():
-        g = grads[name]
+        hf = "lm_head.weight" if name == "lm_head.weight" else f"transformer.{name}"
+        g = grads[hf if hf in grads else "transformer.wte.weight"]
         if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             g = g.t()  # Conv1D's weight is the transpose of a linear layer's
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=name)

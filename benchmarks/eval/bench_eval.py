@@ -4,9 +4,11 @@
     python benchmarks/eval/bench_eval.py --device cuda --n-layer 12 --n-head 12 --n-embd 768 \
         --n-positions 1024 --vocab 50257 --context 1024 --stride 512 --tokens 100000 --precision bf16
 
-Both score the same random-init GPT-2-architecture model on the same token stream (one process):
-  guide   one window per forward, `model(input_ids, labels=...)` (full logits), as in the guide
-  distlm  `score_windows`: `--batch-size` windows per forward, LM head only on scored positions
+Both score the same random-init GPT-2-architecture weights on the same token stream (one process):
+  guide   transformers' GPT2LMHeadModel, one window per forward, `model(input_ids, labels=...)`
+          (full logits), as in the guide
+  distlm  `score_windows` on distlm's GPT-2 (what the eval stage runs): `--batch-size` windows per
+          forward, LM head only on scored positions
 Writes JSON (default benchmarks/eval/results-<device>.json) with seconds, tokens/s, the speed-up,
 and the relative difference of the two mean losses (same method, so it should be ~1e-6 in fp32).
 """
@@ -28,8 +30,9 @@ import torch
 from distlm.device import DeviceBackend, resolve_precision
 from distlm.dist import Topology
 from distlm.evaluate import evaluate_stream, sliding_windows
+from distlm.family import family_of
 from distlm.io import write_json
-from distlm.model import build_model
+from distlm.model import init_model
 
 T = TypeVar("T")
 
@@ -94,7 +97,11 @@ def main() -> None:
         eos_token_id=0,
     )
     # transformers wraps PreTrainedModel.to in a decorator whose stub loses `self`
-    model = build_model(config, seed=0).to(device).eval()  # pyright: ignore[reportArgumentType]
+    model = init_model(config, seed=0).to(device).eval()  # pyright: ignore[reportArgumentType]
+    fam = family_of(config)
+    args = fam.args(config.to_dict(), "bench_eval")
+    ours = fam.build(args, device=device).eval()  # distlm's model of the same weights
+    ours.load_hf(dict(model.named_parameters()), "bench_eval")
     ids = torch.as_tensor(np.random.default_rng(0).integers(0, a.vocab, a.tokens), dtype=torch.long)
     topo = Topology(rank=0, world_size=1, local_rank=0, backend="gloo", device_backend=hw)
     sync = hw.synchronize
@@ -116,7 +123,7 @@ def main() -> None:
     )
     t_ours, res = timed(
         lambda: evaluate_stream(
-            model,
+            ours,
             ids,
             context=a.context,
             stride=a.stride,

@@ -98,7 +98,7 @@ def seeded_model(folder: Path, args, **arch) -> Path:
     what `arch` (more model.init keys: architecture llama, n_kv_head, ...) says, built and written
     by the model stage's own functions."""
     from distlm.data import load_embedded, train_tokenizer
-    from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+    from distlm.model import init_config, init_model, state_dict_for_save, write_model_dir
     from distlm.settings import init_settings
 
     tokdir = folder / "tokenizer"
@@ -117,7 +117,7 @@ def seeded_model(folder: Path, args, **arch) -> Path:
         len(tok),
         tok.eos_token_id,
     )
-    sd = state_dict_for_save(build_model(cfg, seed=0))
+    sd = state_dict_for_save(init_model(cfg, seed=0))
     write_model_dir(
         folder / "model",
         state_dict=sd,
@@ -171,12 +171,11 @@ def greedy_kwargs(n: int, tok) -> dict:
 def hf_runner(model_dir: Path, texts: list[str], n: int, device: str = "cpu"):
     """A callable timing GPT2LMHeadModel.generate (KV cache) over the prompts, one at a time."""
     import torch
-    from transformers import AutoTokenizer
-
-    from distlm.model import load_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model_dir(model_dir, device=device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType] (its decorated .to)
     ids = [
         torch.tensor([tok(t, add_special_tokens=False)["input_ids"]], device=device) for t in texts
     ]
@@ -206,13 +205,12 @@ def hf_batched_runner(model_dir: Path, texts: list[str], n: int, device: str = "
     """A callable timing GPT2LMHeadModel.generate over all prompts in one batch: left padding
     (with the EOS token, GPT-2 has no pad token) and the attention mask that hides it."""
     import torch
-    from transformers import AutoTokenizer
-
-    from distlm.model import load_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     tok.pad_token = tok.eos_token
-    model = load_model_dir(model_dir, device=device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType] (its decorated .to)
     batch = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
     kw = greedy_kwargs(n, tok)
 
@@ -390,7 +388,7 @@ def main() -> None:
         return
     import torch
 
-    from distlm.model import load_config_json
+    from distlm.model import read_args
 
     work = Path(tempfile.mkdtemp(prefix="distlm-bench-"))
     try:
@@ -469,7 +467,7 @@ def main() -> None:
             greedy[label] = f"{same}/{len(ref)}"
             if label.startswith("s") and same != len(ref):
                 disagree.append(label)
-        cfg = load_config_json(model)
+        cfg = read_args(model)
         ratios = {}
         if timed:
             ratios["s1_vs_hf_generate"] = (
@@ -509,9 +507,9 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "model": {
                 "folder": str(args.model or "seeded init"),
-                "n_layer": cfg.n_layer,
-                "n_embd": cfg.n_embd,
-                "n_head": cfg.n_head,
+                "n_layer": cfg.n_layers,
+                "n_embd": cfg.dim,
+                "n_head": cfg.n_heads,
                 "vocab_size": cfg.vocab_size,
             },
             "prompts": len(texts),

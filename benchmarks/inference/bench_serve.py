@@ -128,9 +128,8 @@ def baseline_app(model_dir: Path):
     from fastapi import FastAPI
 
     from distlm.data import load_tokenizer
-    from distlm.model import load_model_dir
 
-    model = load_model_dir(model_dir).eval()
+    model = hf_model(model_dir)
     tok = load_tokenizer(model_dir)
     app = FastAPI()
 
@@ -147,6 +146,15 @@ def baseline_app(model_dir: Path):
         }
 
     return app
+
+
+def hf_model(model_dir: Path, device: str = "cpu"):
+    """transformers' model of the folder (the baseline's, and `generate`'s greedy reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.to(device).eval()  # pyright: ignore[reportArgumentType] (its decorated .to)
 
 
 def generate(model, tok, prompt: str, max_tokens: int) -> tuple[int, list[int]]:
@@ -171,9 +179,8 @@ def generate_texts(
 ) -> dict[str, str]:
     """`generate`'s greedy text of each prompt, as the baseline server answers it, on `device`."""
     from distlm.data import load_tokenizer
-    from distlm.model import load_model_dir
 
-    model = load_model_dir(model_dir, device=device).eval()
+    model = hf_model(model_dir, device)
     tok = load_tokenizer(model_dir)
     return {
         p: tok.decode(generate(model, tok, p, max_tokens)[1], skip_special_tokens=True)

@@ -19,8 +19,8 @@ the reverse order, so slow drift in other load falls on all three):
   TensorBoard, progress bar, log lines, validation, checkpoints, the profiler window. Step times
   are the stage's own `metrics.csv` `step_time_s` (the time between the ends of two steps, so
   validation and checkpoints count in the step after them).
-- bare: a minimal DDP loop (forward, backward, fused AdamW step, zero_grad; no clipping, no
-  schedule, no logging) over the same blocks held in memory.
+- bare: a minimal DDP loop over the stage's own model and loss (forward, backward, fused AdamW
+  step, zero_grad; no clipping, no schedule, no logging) over the same blocks held in memory.
 - hf: `transformers.Trainer` with AdamW (fused), the cosine schedule to min_lr with the same
   warmup, clipping, weight decay and betas, and the stage's validation and checkpoint cadence, as
   a Trainer user who wants the run's loss curve and a resumable run sets it (`eval_steps` =
@@ -175,9 +175,9 @@ def peak_flops(name: str, precision: str) -> float | None:
     return None
 
 
-def flops_per_token(n_params: int, n_layer: int, n_head: int, n_embd: int, T: int) -> float:
+def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, T: int) -> float:
     """6N + 12 L H Q T per token, forward and backward (see FLOPS_FORMULA for N)."""
-    return 6 * n_params + 12 * n_layer * n_head * (n_embd // n_head) * T
+    return 6 * n_params + 12 * n_layer * n_head * head_dim * T
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -210,13 +210,15 @@ def summarize(step_s: list[float], tokens_per_step: int) -> dict:
 
 
 def bare_worker(a, cfg: TrainConfig) -> None:
-    """A minimal DDP loop: forward, backward, fused AdamW, zero_grad, on in-memory blocks."""
+    """A minimal DDP loop over the stage's model and loss (distlm's model, the standard loss):
+    forward, backward, fused AdamW, zero_grad, on in-memory blocks."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distlm.data import TokenBlocks
     from distlm.dist import distributed
     from distlm.model import load_model_dir
+    from distlm.train.kernels import NextTokenLoss
 
     t, rt = cfg.train, cfg.runtime
     with distributed(backend=rt.backend, device=rt.device, timeout_s=600) as topo:
@@ -225,8 +227,7 @@ def bare_worker(a, cfg: TrainConfig) -> None:
         data = torch.from_numpy(blocks[list(range(len(blocks)))])
         blocks.close()
         model = load_model_dir(a.model, device=dev, dtype=torch.float32).train()
-        model.loss_type = "ForCausalLM"
-        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        ddp = DDP(NextTokenLoss(model), device_ids=[dev.index] if dev.type == "cuda" else None)
         opt = torch.optim.AdamW(
             model.parameters(),
             lr=t.lr,
@@ -241,7 +242,7 @@ def bare_worker(a, cfg: TrainConfig) -> None:
         for _ in range(a.steps):
             x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
             with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
-                loss = ddp(input_ids=x, labels=x).loss
+                loss = ddp(x)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -472,33 +473,35 @@ def _write_worker_result(a, *, step_s: list[float], tokens_per_step: int) -> Non
 
 
 def model_dims(model_dir: Path) -> dict:
-    """Sizes of the benchmarked model, counted on the meta device (no weights read)."""
+    """Sizes of the benchmarked model: distlm's model of the folder, counted on the meta device
+    (no weights read)."""
     import torch
 
-    from distlm.model import build_model, load_config_json
+    from distlm.model import family_of, read_args
 
-    c = load_config_json(model_dir)
+    args = read_args(model_dir)
     with torch.device("meta"):
-        model = build_model(c)
+        model = family_of(args).model(args)
     n = sum(p.numel() for p in model.parameters())  # a tied weight once
-    wpe = getattr(getattr(model, "transformer", None), "wpe", None)  # GPT-2's learned positions
+    wpe = getattr(model.embedding, "wpe", None)  # GPT-2's learned positions
     no_pos = n - (wpe.weight.numel() if wpe is not None else 0)
     # an untied input embedding is a lookup, no matmul (a tied one is the LM head's weight)
-    lookup = 0 if c.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+    lookup = 0 if args.tied else model.embedding_weight().numel()
     dims = {
-        "architecture": c.model_type,
+        "architecture": args.model_type,
         "parameters": n,
         "parameters_no_pos": no_pos,
         "parameters_flops": no_pos - lookup,  # N of 6N + 12 L H Q T
-        "n_layer": c.num_hidden_layers,
-        "n_head": c.num_attention_heads,
-        "n_embd": c.hidden_size,
-        "vocab": c.vocab_size,
+        "n_layer": args.n_layers,
+        "n_head": args.n_heads,
+        "head_dim": args.head_dim,
+        "n_embd": args.dim,
+        "vocab": args.vocab_size,
     }
-    if c.model_type != "gpt2":
-        dims["n_kv_head"] = c.num_key_value_heads
-        dims["intermediate_size"] = c.intermediate_size
-        dims["tie_embeddings"] = c.tie_word_embeddings
+    if args.model_type != "gpt2":
+        dims["n_kv_head"] = args.n_kv_heads
+        dims["intermediate_size"] = args.mlp_dim
+        dims["tie_embeddings"] = args.tied
     return dims
 
 
@@ -844,7 +847,7 @@ def drive(a, work: Path) -> None:
     }
     m = result["model"]
     block = tokens_per_step // (t.micro_batch_size * t.grad_accum_steps * a.nproc)
-    fpt = flops_per_token(m["parameters_flops"], m["n_layer"], m["n_head"], m["n_embd"], block)
+    fpt = flops_per_token(m["parameters_flops"], m["n_layer"], m["n_head"], m["head_dim"], block)
     peak = max(p["flops_per_s"] for p in peaks)
     achieved = {
         k: {

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from distlm import DistlmError
 from distlm.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
-from distlm.family import family_of
+from distlm.family.transformer import Transformer
 from distlm.io import sha256_file
 from distlm.log import get_logger, progress
 from distlm.settings import EvalSettings
@@ -114,7 +114,7 @@ def _batch(tokens: torch.Tensor, windows: list[Window]):
 
 @torch.no_grad()
 def score_windows(
-    model,
+    model: Transformer,
     tokens: torch.Tensor,
     windows: list[Window],
     *,
@@ -136,15 +136,14 @@ def score_windows(
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    family = family_of(model.config)
     starts = range(0, len(windows), batch_size)
     for i in progress(starts, enabled=show_progress, desc=desc, unit="batch"):
         ids, scored, labels = _batch(tokens, windows[i : i + batch_size])
         ids, scored, labels = ids.to(device), scored.to(device), labels.to(device)
         with amp:
-            # the family's decoder, then its logits hook (distlm.family), on the scored positions
-            hidden = family.decoder(model)(input_ids=ids, use_cache=False).last_hidden_state
-            logits = family.logits(model.lm_head, hidden[scored])  # (B, T, C) -> (n_scored, V)
+            # distlm's model of the family (distlm.family): its logits on the scored positions
+            hidden = model.hidden(ids)  # (B, T, C)
+            logits = model.logits(hidden[scored])  # (n_scored, V)
         nll = F.cross_entropy(logits.float(), labels[scored], reduction="none")  # (n_scored,)
         total += nll.double().sum()
         count += nll.numel()
@@ -152,7 +151,7 @@ def score_windows(
 
 
 def evaluate_stream(
-    model,
+    model: Transformer,
     tokens: np.ndarray | torch.Tensor,
     *,
     context: int,
@@ -164,7 +163,7 @@ def evaluate_stream(
 ) -> SplitEval:
     """Sliding-window perplexity of one token stream, this rank's share of windows, reduced."""
     tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    vocab = model.config.vocab_size
+    vocab = model.args.vocab_size
     if len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
         bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
         raise DistlmError(f"{where}: token id {bad} is outside the model's vocabulary of {vocab}")
@@ -217,8 +216,9 @@ def digest_tokens(tokens: np.ndarray | torch.Tensor) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()
 
 
-def load_model(model_dir: str | Path, device: torch.device):
-    """The model folder in float32 (digest and tensor shapes verified) and its metadata."""
+def load_model(model_dir: str | Path, device: torch.device) -> tuple[Transformer, ModelMeta]:
+    """distlm's model of the folder in float32 (digest and tensor shapes verified) and its
+    metadata."""
     from distlm.model import load_model_dir, verify_model_folder
 
     model_dir = Path(model_dir)
@@ -261,7 +261,7 @@ def evaluate_model(
     model, meta = load_model(model_dir, topo.device)
     data_meta = read_data_meta(tokens_path)
     check_data_matches(meta, data_meta, model_dir, tokens_path)
-    n_positions = family_of(model.config).n_positions(model.config)
+    n_positions = model.args.context
     context, stride = resolve_window(ecfg, n_positions, where=str(model_dir))
     amp = topo.device_backend.autocast_dtype  # eval.precision on this device (distlm.device)
     log.info(

@@ -116,12 +116,9 @@ def write_hf_folder(case: str, out: Path, tokdir: Path) -> Path:
 def build_family_models(root: Path, case: str) -> dict:
     """The case's transformers folder, distlm model folder and pipeline folders of 1, 2 and 3
     stages (built once per root)."""
-    from distlm.model import (
-        load_model_dir,
-        state_dict_for_save,
-        write_model_dir,
-        write_pipeline_dir,
-    )
+    from transformers import AutoModelForCausalLM
+
+    from distlm.model import state_dict_for_save, write_model_dir, write_pipeline_dir
 
     base = root / case
     done: dict = {"hf": base / "hf", "model": base / "model", **{s: base / f"s{s}" for s in STAGES}}
@@ -129,7 +126,7 @@ def build_family_models(root: Path, case: str) -> dict:
         return done
     tokdir = tokenizer_dir(root)
     write_hf_folder(case, done["hf"], tokdir)
-    model = load_model_dir(done["hf"], verify=False)
+    model = AutoModelForCausalLM.from_pretrained(done["hf"], dtype=torch.float32)
     write_model_dir(
         done["model"],
         state_dict=state_dict_for_save(model),

@@ -13,7 +13,7 @@ import numpy as np
 from distlm.data import write_tokens
 from distlm.documents import TokenMeta
 from distlm.io import digest
-from distlm.model import build_model, init_config, state_dict_for_save, write_model_dir
+from distlm.model import init_config, init_model, state_dict_for_save, write_model_dir
 from distlm.settings import init_settings
 from distlm.stages import STAGES
 
@@ -82,7 +82,7 @@ def make_inputs(
         **arch,
     )
     config = init_config(init, vocab, 0)
-    model = build_model(config, seed=seed)
+    model = init_model(config, seed=seed)
     write_model_dir(
         root / "model",
         state_dict=state_dict_for_save(model),

@@ -1,19 +1,24 @@
 """What a model family is, without torch: its name, transformers' classes, its `model.init`
-settings as a typed model, and its checkpoint's tensor names (the pipeline cut).
+settings as a typed model, its config mapping (config.json -> `ModelArgs`, what distlm's model is
+built from) and its checkpoint's tensor names (the pipeline cut).
 
 The registry (`distlm.family.REGISTRY`) holds one `FamilySpec` a family; each family's folder
-(`distlm/family/<name>/`) holds its spec (`__init__.py`, read by the settings while the workflow
-builds the DAG) and, with torch, its model (`model.py`: build, init, the `logits` hook, its
-training pieces) and its pipeline stage's math (`blocks.py`).
+(`distlm/family/<name>/`) holds its spec and config mapping (`__init__.py`, read by the settings
+while the workflow builds the DAG) and, with torch, its blocks (`blocks.py`: the model's math)
+and its model (`model.py`: the blocks put together, and the map between its tensor names and
+transformers').
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import Field
 
+from distlm import DistlmError
 from distlm.section import Real, Section
 
 
@@ -109,14 +114,110 @@ class TensorNames:
         return name.startswith(self.final)
 
 
+# ----------------------------------------------------------------------------- model args
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """What distlm's model of a family is built from: config.json's architecture, read by the
+    family's config mapping (`FamilySpec.args`) with transformers' defaults for absent keys. The
+    keys every family has; a family's subclass adds its own."""
+
+    model_type: str  # config.json's model_type: the family
+    vocab_size: int  # V
+    dim: int  # C, the residual stream's width
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (fewer than n_heads: grouped-query attention)
+    head_dim: int  # D
+    context: int  # positions the model was built for
+    mlp_dim: int  # the MLP's inner width
+    norm_eps: float
+    act: str  # the MLP's activation (transformers' ACT2FN name)
+    tied: bool  # the LM head is the input embedding
+    attn_dropout: float = 0.0  # dropout of the attention probabilities, in training
+
+    @property
+    def gqa(self) -> bool:
+        """Grouped-query attention: each key/value head serves n_heads / n_kv_heads queries."""
+        return self.n_kv_heads != self.n_heads
+
+    def signature(self) -> dict[str, Any]:
+        """What must agree between a checkpoint and the model it claims to be (a model folder's
+        arch_digest), in config.json's names: the family's."""
+        raise NotImplementedError(self.model_type)
+
+    def parameters(self) -> int:
+        """How many parameters the model has (a tied head counted once)."""
+        raise NotImplementedError(self.model_type)
+
+
+class ConfigDoc:
+    """config.json as a family's config mapping reads it: each key of the type it must have, or
+    transformers' default when absent; a wrong one is an error naming the file and the key."""
+
+    def __init__(self, doc: Mapping[str, Any], where: str) -> None:
+        if not isinstance(doc, Mapping):
+            raise DistlmError(f"{where}: not a model config (a JSON object)")
+        self.doc, self.where = doc, where
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        """The first of `keys` the config holds (not null), else `default`."""
+        for k in keys:
+            if self.doc.get(k) is not None:
+                return self.doc[k]
+        return default
+
+    def bad(self, key: str, want: str) -> DistlmError:
+        return DistlmError(f"{self.where}: {key} is {self.doc.get(key)!r}; expected {want}")
+
+    def integer(self, *keys: str, default: int | None = None, least: int = 1) -> int:
+        v = self.get(*keys, default=default)
+        key = next((k for k in keys if self.doc.get(k) is not None), keys[0])
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise self.bad(key, f"an integer of at least {least}")
+        return v
+
+    def number(self, *keys: str, default: float | None = None, least: float = 0.0) -> float:
+        v = self.get(*keys, default=default)
+        key = next((k for k in keys if self.doc.get(k) is not None), keys[0])
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise self.bad(key, "a number")
+        if v < least:
+            raise self.bad(key, f"a number of at least {least}")
+        return float(v)
+
+    def flag(self, key: str, default: bool) -> bool:
+        v = self.get(key, default=default)
+        if not isinstance(v, bool):
+            raise self.bad(key, "true or false")
+        return v
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        v = self.get(key, default=default)
+        if v not in choices:
+            raise DistlmError(
+                f"{self.where}: {key} {v!r} is not supported by distlm's model; supported: "
+                f"{', '.join(choices)}"
+            )
+        return v
+
+
+# the MLP activations distlm's blocks compute (transformers' ACT2FN names): GPT-2's gelu_new is the
+# tanh approximation, as gelu_pytorch_tanh (the same function to float rounding)
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu", "swish")
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """One model family, registered once (distlm.family.REGISTRY)."""
 
     name: str  # config.json's model_type, and model.init.architecture
     architecture: str  # config.json's `architectures`: the transformers class that loads it
-    config_name: str  # the transformers config class
+    config_name: str  # the transformers config class (the model stage writes config.json with it)
     init: type[InitSettings]  # its model.init settings
     tensors: TensorNames
     model: str  # where its model (torch) is: "distlm.family.<folder>.model:<name>"
     description: str  # one line, for model.init.architecture's help
+    # the config mapping: config.json (a mapping; the file's name for errors) -> its ModelArgs
+    args: Callable[[Mapping[str, Any], str], ModelArgs] = field(repr=False)

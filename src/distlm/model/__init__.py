@@ -2,36 +2,38 @@
 serialize, and split into pipeline-stage shards.
 
 A *model folder* (written by the model stage and by training's final checkpoint) holds:
-    model.safetensors        the state dict (tied lm_head.weight omitted, as Hugging Face does)
+    model.safetensors        the state dict in transformers' names (tied lm_head.weight omitted,
+                             as Hugging Face does)
     config.json              the transformers config (its model_type names the family)
     tokenizer files          the tokenizer the token blocks were made with
     distlm.json              provenance (a `ModelMeta` document): source, config digest, and the
                              sha256 of model.safetensors that `verify_model_folder` checks
     generation_config.json   what `save_pretrained` writes beside config.json (bos/eos token ids)
-It is what the family's model class (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...) writes with
-`save_pretrained` (config.json names `architectures`, the
-tokenizer files carry their special tokens), so `AutoModelForCausalLM.from_pretrained(folder)`,
-`transformers serve` and vLLM load it as it is.
+It is what the family's transformers class (`GPT2LMHeadModel`, `LlamaForCausalLM`, ...) writes
+with `save_pretrained` (config.json names `architectures`, the tokenizer files carry their
+special tokens), so `AutoModelForCausalLM.from_pretrained(folder)`, `transformers serve` and vLLM
+load it as it is; distlm's stages load it into distlm's own model of the family
+(`load_model_dir`, `read_args`: distlm.family), never into transformers'.
 
 A *pipeline folder* (rule shard, `write_pipeline_dir`) is a model folder cut for S pipeline
 stages: config.json, the tokenizer, distlm.json (the source folder and its sha256) and
     shards/manifest.json     S pipeline stages: layer ranges, tensor names, bytes, sha256 per shard
     shards/stage-XX.safetensors
 
-The package, by part (what each model family knows is `distlm.family`): `layout` (file names, formats), `build` (config, init, hub or local source),
+The package, by part (what each model family knows is `distlm.family`): `layout` (file names, formats), `build` (the model stage's side: config, seeded init, hub or local source, through transformers),
 `folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
 `stage` (the model stage: `serialize`). Import from `distlm.model`.
 """
 
 from distlm.family import SUPPORTED, family_of
 from distlm.family.model import Family
-from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
+from distlm.family.transformer import Transformer, check_tensors
+from distlm.model.build import init_config, init_model, load_source, state_dict_for_save
 from distlm.model.folder import (
-    arch_signature,
-    check_state_dict,
-    load_config_json,
     load_model_dir,
     load_safetensors,
+    read_args,
+    read_config,
     read_meta,
     save_config,
     save_safetensors,
@@ -39,6 +41,7 @@ from distlm.model.folder import (
     write_model_dir,
 )
 from distlm.model.layout import (
+    CONFIG,
     DTYPES,
     MANIFEST,
     META,
@@ -59,6 +62,7 @@ from distlm.model.shards import (
 from distlm.model.stage import serialize
 
 __all__ = [
+    "CONFIG",
     "DTYPES",
     "MANIFEST",
     "META",
@@ -70,18 +74,19 @@ __all__ = [
     "WEIGHTS",
     "Family",
     "StagePlan",
-    "arch_signature",
-    "build_model",
-    "check_state_dict",
+    "Transformer",
+    "check_tensors",
     "family_of",
     "init_config",
-    "load_config_json",
+    "init_model",
     "load_model_dir",
     "load_safetensors",
     "load_shards",
     "load_source",
     "load_stage_shard",
     "plan_stages",
+    "read_args",
+    "read_config",
     "read_manifest",
     "read_meta",
     "save_config",

@@ -1,6 +1,8 @@
-"""Where a model comes from: the config of a seeded random init (`model.init`, of the family its
-`architecture` names), the model built from a config, a hub id or local Hugging Face folder
-(`model.source`) of a supported family, and its state dict to save."""
+"""Where a model comes from (the model stage's side, which writes transformers' format with
+transformers itself): the config of a seeded random init (`model.init`, of the family its
+`architecture` names) and its seeded transformers model, a hub id or local Hugging Face folder
+(`model.source`) of a supported family, and its state dict to save. Every other stage runs
+distlm's own model of the family (distlm.family), loaded from the folder this stage writes."""
 
 from __future__ import annotations
 
@@ -19,10 +21,9 @@ def init_config(init: InitSettings, vocab_size: int, eos_token_id: int | None):
     return family.init_config(init, vocab_size, eos_token_id)
 
 
-def build_model(config, *, seed: int | None = None):
-    """The model of `config`'s family with SDPA attention; seeded random init when `seed` is
-    given."""
-    return family_of(config).build(config, seed=seed)
+def init_model(config, *, seed: int):
+    """transformers' model of `config`'s family, seeded: the random init of model.source init."""
+    return family_of(config).init_model(config, seed=seed)
 
 
 def load_source(mcfg: ModelSourceSettings):
@@ -47,7 +48,7 @@ def load_source(mcfg: ModelSourceSettings):
         ) from None
     family = family_of(config, where=f"model.name {name!r}")
     try:
-        model = family.model_class.from_pretrained(
+        model = family.hf_model_class.from_pretrained(
             name,
             revision=revision,
             local_files_only=local,
@@ -62,9 +63,11 @@ def load_source(mcfg: ModelSourceSettings):
 
 
 def state_dict_for_save(model) -> dict[str, torch.Tensor]:
-    """The model's state dict without tied duplicates, contiguous, on the CPU."""
+    """A transformers model's state dict without a tied head (as transformers saves it),
+    contiguous, on the CPU."""
     sd = model.state_dict()
-    for dup, src in family_of(model.config).tied(model.config).items():
-        if dup in sd and src in sd:
-            del sd[dup]
+    if model.config.tie_word_embeddings:
+        t = family_of(model.config).tensors
+        if t.head in sd and t.embedding in sd:
+            del sd[t.head]
     return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}

@@ -1,5 +1,6 @@
 """Model folders: safetensors weights, config.json, tokenizer files and distlm.json (a `ModelMeta`
-document), written atomically and loaded with their sha256, format and tensor shapes checked.
+document), written atomically and loaded into distlm's model of the family with their sha256,
+format and tensor shapes checked.
 
 `verify_model_folder` is the one check of a folder's weights against its distlm.json: every stage
 that reads a model folder goes through it (load_model_dir, the broadcast stage, the shard stage)."""
@@ -14,14 +15,11 @@ import torch
 
 from distlm import DistlmError
 from distlm.documents import ModelMeta, read_document, write_document
-from distlm.family import family_of
+from distlm.family import ModelArgs, family_of, model_args
+from distlm.family.transformer import Transformer
 from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
 from distlm.log import get_logger
-from distlm.model.build import build_model
-from distlm.model.layout import (
-    META,
-    WEIGHTS,
-)
+from distlm.model.layout import CONFIG, GENERATION_CONFIG, META, WEIGHTS
 
 log = get_logger(__name__)
 
@@ -49,63 +47,45 @@ def save_safetensors(
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
-def load_config_json(folder: str | Path):
-    """The transformers config of a model or pipeline folder, of its family's config class; a
-    model_type distlm does not support is refused naming the supported ones."""
+def read_config(folder: str | Path) -> dict:
+    """config.json of a model or pipeline folder, as the mapping it holds."""
     from distlm.io import read_json
 
-    p = Path(folder) / "config.json"
+    p = Path(folder) / CONFIG
     if not p.is_file():
         raise DistlmError(f"model config not found: {p}")
     doc = read_json(p, what="model config")
-    family = family_of(doc.get("model_type") if isinstance(doc, dict) else None, where=str(p))
-    try:
-        return family.config_class.from_json_file(str(p))
-    except Exception as e:
-        raise DistlmError(f"{p}: not a readable {family.model_type} config ({e})") from None
+    if not isinstance(doc, dict):
+        raise DistlmError(f"{p}: not a model config (a JSON object)")
+    return doc
 
 
-def check_state_dict(
-    sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str
-) -> None:
-    """Names, shapes and dtypes of `sd` must match `expected`; the error names the tensor."""
-    missing = sorted(set(expected) - set(sd))
-    extra = sorted(set(sd) - set(expected))
-    if missing:
-        raise DistlmError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)")
-    if extra:
-        raise DistlmError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected)")
-    for k, v in expected.items():
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise DistlmError(
-                f"{where}: tensor {k!r} has shape {tuple(sd[k].shape)}, config expects {tuple(v.shape)}"
-            )
+def read_args(folder: str | Path) -> ModelArgs:
+    """What distlm's model of a folder is built from: its config.json through its family's
+    config mapping (no transformers); a model_type distlm does not support, or a key its model
+    cannot run, is refused naming the file."""
+    return model_args(read_config(folder), str(Path(folder) / CONFIG))
 
 
 def load_model_dir(
-    folder: str | Path, *, device: str | torch.device = "cpu", dtype=None, verify: bool = True
-):
-    """Load a model folder into its family's model (eval mode); checks digest and tensor shapes.
-    `verify=False` skips the digest (a folder not written by distlm: a Hugging Face folder)."""
+    folder: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+) -> Transformer:
+    """distlm's model of a model folder (eval mode), its weights checked against distlm.json's
+    sha256 and, tensor by tensor, against the config's shapes. `verify=False` skips the sha256
+    (a folder not written by distlm: a Hugging Face folder)."""
     folder = Path(folder)
-    config = load_config_json(folder)
+    args = read_args(folder)
     weights = folder / WEIGHTS
     if verify:
         verify_model_folder(folder)
-    sd = load_safetensors(weights)
-    with torch.device("meta"):
-        model = build_model(config)
-    tied = family_of(config).tied(config)
-    expected = {k: v for k, v in model.state_dict().items() if k not in tied}
-    check_state_dict(sd, expected, str(weights))
-    model = build_model(config)
-    model.load_state_dict(sd, strict=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    if dtype is not None:
-        model = model.to(dtype)
-    # transformers' decorated PreTrainedModel.to loses `self` in its stub
-    return model.to(device).eval()  # pyright: ignore[reportArgumentType]
+    tensors = load_safetensors(weights)
+    model = family_of(args).build(args, device=device, dtype=dtype)
+    model.load_hf(tensors, str(weights))
+    return model.eval()
 
 
 def read_meta(folder: str | Path) -> ModelMeta:
@@ -142,36 +122,48 @@ def write_model_dir(
     out_dir: str | Path,
     *,
     state_dict: dict[str, torch.Tensor],
-    config,
+    config=None,
+    config_from: str | Path | None = None,
     tokenizer_dir: str | Path,
     meta: dict,
     extra_files: dict[str, Path] | None = None,
 ) -> ModelMeta:
     """Write a complete model folder (atomically: all or nothing) and return its metadata.
-    `meta`: the writer's part of it (created_by, source, config and data digests, dtype and,
-    from training, the training record); the weights' hash and shape figures are added here."""
+    `state_dict`: transformers-named tensors. Its config.json is `config`'s (a transformers
+    config: the model stage, which saves it as the family's `save_pretrained` does) or a copy of
+    `config_from`'s (a model folder of the same architecture and dtype: training's final folder
+    is its base's, so no rank needs transformers). `meta`: the writer's part of the metadata
+    (created_by, source, config and data digests, dtype and, from training, the training
+    record); the weights' hash and shape figures are added here."""
     out_dir = Path(out_dir)
     tokenizer_dir = Path(tokenizer_dir)
+    if (config is None) == (config_from is None):
+        raise ValueError("write_model_dir: give config or config_from")
     if not tokenizer_dir.is_dir():
         raise DistlmError(f"tokenizer folder not found: {tokenizer_dir}")
     size = nbytes(state_dict) + sum(
         tree_bytes(Path(p)) for p in (tokenizer_dir, *(extra_files or {}).values())
     )
-    family = family_of(config)
     with atomic_dir(out_dir, size=size) as tmp:
         save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
-        save_config(config, tmp, dtype=next(iter(state_dict.values())).dtype)
+        if config_from is not None:
+            for name in (CONFIG, GENERATION_CONFIG):
+                if (Path(config_from) / name).is_file():
+                    shutil.copy2(Path(config_from) / name, tmp / name)
+        else:
+            save_config(config, tmp, dtype=next(iter(state_dict.values())).dtype)
         copy_files(tokenizer_dir, tmp)
         for name, src in (extra_files or {}).items():
             shutil.copy2(src, tmp / name)
+        args = read_args(tmp)
         full_meta = ModelMeta(
             **meta,
             model_sha256=sha256_file(tmp / WEIGHTS),
-            n_layer=family.n_layer(config),
-            n_positions=family.n_positions(config),
-            vocab_size=config.vocab_size,
+            n_layer=args.n_layers,
+            n_positions=args.context,
+            vocab_size=args.vocab_size,
             parameters=sum(t.numel() for t in state_dict.values()),
-            arch_digest=digest(arch_signature(config)),
+            arch_digest=digest(args.signature()),
         )
         write_document(tmp / META, full_meta)
     log.info(
@@ -204,8 +196,3 @@ def copy_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
     for f in src.iterdir():
         if f.is_file() and f.name not in skip:
             shutil.copy2(f, dst / f.name)
-
-
-def arch_signature(config) -> dict:
-    """What must agree between a checkpoint and the model it claims to be (the family's)."""
-    return family_of(config).signature(config)

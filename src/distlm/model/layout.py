@@ -8,6 +8,8 @@ import torch
 from distlm.documents import ModelMeta, PipelineMeta, ShardManifest
 
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 META = "distlm.json"
 SHARDS = "shards"
 MANIFEST = "manifest.json"

@@ -23,8 +23,8 @@ from distlm.io import atomic_dir, sha256_file
 from distlm.log import get_logger
 from distlm.model.folder import (
     copy_files,
-    load_config_json,
     load_safetensors,
+    read_args,
     save_safetensors,
     tensor_nbytes,
     verify_model_folder,
@@ -156,11 +156,11 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     meta = verify_model_folder(model_dir)
     weights = model_dir / WEIGHTS
-    config = load_config_json(model_dir)
+    args = read_args(model_dir)
     state_dict = load_safetensors(weights)
-    family = family_of(config)
-    tied = family.tied(config)
-    plans = plan_stages(state_dict, family.n_layer(config), stages, family=family, tied=tied)
+    family = family_of(args)
+    tied = family.tied(args)
+    plans = plan_stages(state_dict, args.n_layers, stages, family=family, tied=tied)
     with atomic_dir(out_dir, size=sum(p.nbytes for p in plans)) as tmp:
         copy_files(model_dir, tmp, skip=(WEIGHTS,))  # config, tokenizer; shards carry weights
         (tmp / SHARDS).mkdir()
@@ -182,7 +182,7 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
             )
         manifest = ShardManifest(
             stages=stages,
-            n_layer=family.n_layer(config),
+            n_layer=args.n_layers,
             model_sha256=meta.model_sha256,
             tied=tied,
             shards=shards,

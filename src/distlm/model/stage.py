@@ -7,8 +7,8 @@ from pathlib import Path
 
 from distlm import DistlmError
 from distlm.documents import ModelMeta
-from distlm.family import family_of
-from distlm.model.build import build_model, init_config, load_source, state_dict_for_save
+from distlm.family import model_args
+from distlm.model.build import init_config, init_model, load_source, state_dict_for_save
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META
 from distlm.settings.stage import ModelConfig
@@ -31,7 +31,7 @@ def serialize(
         verify_model_folder(mcfg.name)
     if mcfg.source == "init":
         config = init_config(mcfg.init, vocab, data_meta.eos_token_id)
-        model = build_model(config, seed=mcfg.init.seed)
+        model = init_model(config, seed=mcfg.init.seed)
         source = {"kind": "init", "seed": mcfg.init.seed}
     else:
         model = load_source(mcfg)
@@ -42,7 +42,7 @@ def serialize(
                 f"model.name {mcfg.name!r} has vocab_size {config.vocab_size} but the tokenizer in "
                 f"{tokenizer_dir} has {vocab} tokens"
             )
-    n_positions = family_of(config).n_positions(config)
+    n_positions = model_args(config.to_dict(), f"model.name {mcfg.name or 'init'}").context
     if data_meta.block_size > n_positions:
         raise DistlmError(
             f"data.block_size: {data_meta.block_size} ({tokens_path}) is beyond model "

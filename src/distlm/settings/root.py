@@ -8,11 +8,13 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from distlm import DistlmError
+from distlm.family import model_args
 from distlm.settings.base import ConfigError, Section
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
 from distlm.settings.inference import InferenceSettings, ServeSettings
-from distlm.settings.model import SUPPORTED_MODEL_TYPES, ModelSettings
+from distlm.settings.model import ModelSettings
 from distlm.settings.report import ReportSettings
 from distlm.settings.runtime import RuntimeSettings
 from distlm.settings.sweep import SweepSettings, _no_default
@@ -156,26 +158,21 @@ def init_problems(m: ModelSettings) -> list[str]:
 
 
 def known_architecture(m: ModelSettings) -> tuple[int, int] | None:
-    """(n_layer, n_positions) when known without the network: init config or a local folder."""
+    """(n_layer, n_positions) when known without the network: init config or a local folder's
+    config.json, read by its family's config mapping (distlm.family: a model_type distlm does
+    not support, or a key its model cannot run, is refused naming the file)."""
     if m.source == "init":
         return m.init.n_layer, m.init.n_positions
     if m.source == "local" and m.name:
         p = Path(m.name) / "config.json"
         if p.is_file():
             try:
-                c = json.loads(p.read_text())
-                model_type = c.get("model_type")
-            except (ValueError, TypeError, AttributeError, json.JSONDecodeError):
+                doc = json.loads(p.read_text())
+            except (ValueError, OSError):
                 raise ConfigError(f"model.name: {p} is not a readable model config") from None
-            if model_type not in SUPPORTED_MODEL_TYPES:
-                raise ConfigError(
-                    f"model.name: {p} has model_type {model_type!r}; distlm supports "
-                    f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-                )
             try:
-                return int(c.get("n_layer", c.get("num_hidden_layers"))), int(
-                    c.get("n_positions", c.get("max_position_embeddings"))
-                )
-            except (ValueError, TypeError, json.JSONDecodeError):
-                raise ConfigError(f"model.name: {p} is not a readable model config") from None
+                args = model_args(doc, str(p))
+            except DistlmError as e:
+                raise ConfigError(f"model.name: {e}") from None
+            return args.n_layers, args.context
     return None

@@ -5,8 +5,10 @@ belong to a run identity, whose run folder they live in (distlm.train.identity).
 A checkpoint is a folder `step-XXXXXXXX/` under its run folder, written under a hidden temporary
 name and renamed when complete (a killed job never leaves one that looks finished):
 
-    model.safetensors   the weights (tied lm_head.weight omitted), in the training dtype
-    optimizer.pt        optimizer.state_dict() (tensors, numbers, lists: read with weights_only)
+    model.safetensors   the weights in transformers' names (tied lm_head.weight omitted), in the
+                        training dtype
+    optimizer.pt        AdamW's state in transformers' names (distlm.train.optim's
+                        `named_optimizer_state`: tensors, numbers, lists; read with weights_only)
     rng.pt              every rank's RNG states, gathered to rank 0 (read with weights_only)
     state.json          a `CheckpointState` document: step, data position, scheduler and
                         gradient-scaler state, metric history, and the run identity (model,
@@ -64,10 +66,11 @@ from distlm.io import (
 )
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
-from distlm.train.optim import weights_of
+from distlm.train.optim import named_optimizer_state
 
 if TYPE_CHECKING:
     from distlm.dist import Topology
+    from distlm.family.transformer import Transformer
     from distlm.train.sampler import BatchPlan, StepSampler
 
 log = get_logger(__name__)
@@ -198,9 +201,18 @@ class CheckpointWriter:
             self._buffers.clear()
 
 
-def saved_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
-    """(the weights, the optimizer state): what a checkpoint copies off the device."""
-    return weights_of(model), optimizer.state_dict()
+def saved_tensors(model: Transformer, optimizer: torch.optim.Optimizer) -> tuple:
+    """(the weights, the optimizer state), in transformers' names: what a checkpoint copies off
+    the device (views of the model's and the optimizer's tensors)."""
+    return model.hf_tensors(), named_optimizer_state(model, optimizer)
+
+
+def host_copy(tree):
+    """`tree` with each tensor copied to host memory, a tensor of its own (a view's copy holds
+    the view alone: torch.save writes a tensor's whole storage)."""
+    return CheckpointWriter._walk(
+        tree, (), lambda _, t: t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
+    )
 
 
 def save(
@@ -209,7 +221,7 @@ def save(
     *,
     topo: Topology,
     identity: RunIdentity,
-    model: torch.nn.Module,
+    model: Transformer,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
@@ -249,8 +261,7 @@ def save(
         if writer.background:  # copies, which the training loop cannot change under the write
             (weights, optimizer_state), ready = writer.stage(saved_tensors(model, optimizer))
         else:
-            weights, optimizer_state = saved_tensors(model, optimizer)
-            weights = {k: v.detach().cpu() for k, v in weights.items()}
+            weights, optimizer_state = host_copy(saved_tensors(model, optimizer))
         path = writer.submit(
             _timed_write,
             run_dir,

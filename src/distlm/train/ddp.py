@@ -1,23 +1,18 @@
-"""The model as DDP trains it: the loss module (the device's kernels, or transformers' own),
-compiled where the config asks, wrapped in DistributedDataParallel without an initial sync (the
-transfer module did it)."""
+"""The model as DDP trains it: the loss module (the device's kernels), compiled where the config
+asks, wrapped in DistributedDataParallel without an initial sync (the transfer module did it)."""
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlm.device import DeviceBackend
-from distlm.family import family_of
+from distlm.family.transformer import Transformer
 from distlm.log import get_logger
 from distlm.settings import TrainSettings
-from distlm.train.kernels import CausalLMLoss, NextTokenLoss, ReferenceLoss, attend_whole_blocks
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from distlm.train.kernels import CausalLMLoss, NextTokenLoss
 
 log = get_logger(__name__)
 
@@ -33,32 +28,27 @@ def no_buffer_sync() -> dict:
     )
 
 
-def loss_module(model: PreTrainedModel, tcfg: TrainSettings, hw: DeviceBackend) -> torch.nn.Module:
+def loss_module(model: Transformer, tcfg: TrainSettings, hw: DeviceBackend) -> torch.nn.Module:
     """input_ids -> mean next-token loss, with the kernels that apply: the device backend's set
-    (distlm.device) for the model's family (distlm.family), or transformers' own
-    (`fast_kernels: false`). The modules swapped hold no weights; the model saved is the same."""
-    if not tcfg.fast_kernels:
-        return ReferenceLoss(model)
-    family = family_of(model.config)
-    attend_whole_blocks(model)  # SDPA's is_causal, no mask: compiled too (flash on CUDA)
-    swapped = family.prepare_training(model, hw.kernels)  # the family's own kernels (GPT-2's GELU)
-    if hw.kernels == "cpu" and family.linear_logits:
+    (distlm.device), or the standard ones everywhere (`fast_kernels: false`). Both hold the
+    model as their only child: the model saved is the same."""
+    if tcfg.fast_kernels and hw.kernels == "cpu" and model.linear_logits:
         module: torch.nn.Module = CausalLMLoss(model)
         head = "the LM head fused with the cross-entropy in cache-sized chunks"
     else:
         module = NextTokenLoss(model)
         head = "the LM head and the cross-entropy as standard operations"
     log.info(
-        "train.fast_kernels (%s kernels): causal SDPA without a mask; %s%s",
+        "loss (%s kernels%s): causal SDPA over whole blocks; %s",
         hw.kernels,
+        "" if tcfg.fast_kernels else ", train.fast_kernels false",
         head,
-        f"; {swapped}" if swapped else "",
     )
     return module
 
 
 def wrap_model(
-    model: PreTrainedModel, tcfg: TrainSettings, hw: DeviceBackend
+    model: Transformer, tcfg: TrainSettings, hw: DeviceBackend
 ) -> tuple[torch.nn.Module, DDP]:
     """(the loss module, eager and without DDP hooks: what validation runs; the same module,
     compiled where the config asks, in DDP: what the training step runs).

@@ -1,54 +1,45 @@
-"""Training's loss modules: the LM head fused with its loss (the CPU's), the same in standard
-operations (a GPU's), and transformers' own (the reference).
+"""Training's loss modules over distlm's model (distlm.family.transformer): the next-token loss in
+standard operations (`NextTokenLoss`: what a GPU runs, compiled), and the LM head fused with its
+loss (`CausalLMLoss`: the CPU's, where it pays).
 
-Which applies is the device's kernel set (distlm.device) and the family's logits (distlm.family):
-the chunked linear cross-entropy on the CPU for a family whose logits are the plain LM head of its
-hidden states (`Family.linear_logits`); `NextTokenLoss` elsewhere, standard operations that
+Which applies is the device's kernel set (distlm.device) and the model's logits: the chunked
+linear cross-entropy on the CPU for a model whose logits are the plain LM head of its hidden
+states (`Transformer.linear_logits`); `NextTokenLoss` elsewhere, standard operations that
 torch.compile fuses (the chunked head, eager inside a compiled graph, made the compiled H100
-step 1.7x slower). A family's own training kernels (GPT-2's one-kernel tanh GELU) are its
-`prepare_training`. On every device and family, the fast kernels attend over whole blocks
-(`attend_whole_blocks`): SDPA's `is_causal` without a mask, which transformers builds under
-torch.compile and which keeps CUDA off its flash kernel.
+step 1.7x slower). `train.fast_kernels: false` takes `NextTokenLoss` on every device.
 
-Same function as transformers' `model(input_ids, labels=input_ids).loss` (the mean
-cross-entropy of every next token), computed with less memory traffic. Measured on the embedded
-default (2 ranks x 1 thread, 8 x 128 tokens per rank), the two together take about a fifth off the
-step (see benchmarks/train and docs/performance.md, "Training"):
+Both are transformers' `model(input_ids, labels=input_ids).loss` (the mean cross-entropy of
+every next token; tests/test_family_model.py checks them against it), and both attend with
+SDPA's `is_causal` over whole blocks (the model's own attention: flash or cuDNN on CUDA).
 
 - `linear_cross_entropy`: the LM head's logits (tokens x vocab; 16 MB a rank for the embedded
   default, 3.3 GB for GPT-2 at 16 x 1024) are never materialised whole. Chunks of rows go through
   logits -> softmax -> gradient while they sit in cache, and the gradients of the hidden states
-  and of the head's weight are made in the forward pass (backward only scales them). transformers
-  writes the logits, their log-softmax and a zero-filled gradient of the same size, and reads
-  each back.
-
-Results agree with transformers' path to float rounding (tests/test_train.py), not bit for bit;
-`train.fast_kernels: false` trains through transformers' own modules.
+  and of the head's weight are made in the forward pass (backward only scales them). Measured on
+  the embedded default (2 ranks x 1 thread, 8 x 128 tokens per rank), it takes about a fifth off
+  the step (docs/performance.md, "Training").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 
-from distlm import DistlmError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from distlm.family.transformer import Transformer
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
 def _chunk_rows(vocab: int, width: int) -> int:
-    # Chunks of about 2 MiB of logits (the kernel set "cpu" is where this kernel runs), in cache from the matmul through the gradient: 128 rows
-    # of a 4,096 vocabulary were fastest on a 2-core Xeon (64 rows 1.18x slower, 256 1.10x). But
-    # every chunk reads and writes the head's whole weight gradient (V x C) once: where that is
-    # beyond the caches, fewer chunks win. GPT-2's 50,257 x 768 head (154 MB), one thread:
-    # 64 rows 2.20 s, 256 rows 1.66 s, one chunk of 1,023 rows 1.59 s (16 rows, the 2 MiB rule,
-    # about 4.9 s).
+    # Chunks of about 2 MiB of logits (the kernel set "cpu" is where this kernel runs), in cache
+    # from the matmul through the gradient: 128 rows of a 4,096 vocabulary were fastest on a
+    # 2-core Xeon (64 rows 1.18x slower, 256 1.10x). But every chunk reads and writes the head's
+    # whole weight gradient (V x C) once: where that is beyond the caches, fewer chunks win.
+    # GPT-2's 50,257 x 768 head (154 MB), one thread: 64 rows 2.20 s, 256 rows 1.66 s, one chunk
+    # of 1,023 rows 1.59 s (16 rows, the 2 MiB rule, about 4.9 s).
     rows = (2 << 20) // (4 * vocab)
     if 4 * vocab * width > (8 << 20):
         rows = max(rows, 256)
@@ -127,103 +118,36 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(h2, weight, targets.reshape(-1), rows)
 
 
-# -- attention over whole blocks -----------------------------------------------------------------
-# transformers' SDPA path builds no mask in eager mode (SDPA's `is_causal`), but under
-# torch.compile (torch < 2.14) it materialises a (batch, 1, T, T) boolean mask: it cannot read the
-# position ids while tracing to rule out packed sequences, and dynamo turned its export check into
-# a constant (its masking_utils). With a mask, SDPA on CUDA cannot take its flash kernel, and the
-# Llama family's grouped heads are repeated instead of attended with `enable_gqa`. A training
-# step's inputs are whole causal blocks: no padding, no cache, positions 0..T-1 that the model
-# makes itself (the loss modules pass token ids alone). There the mask is exactly SDPA's
-# `is_causal`, so this attention implementation builds none, compiled too, and refuses the calls
-# whose mask would be more (a padding mask, a sliding window, queries after a cache).
-WHOLE_BLOCKS = "distlm_whole_blocks"
-
-
-def _whole_block_mask(**kw) -> None:
-    """transformers' mask hook for WHOLE_BLOCKS: no mask, or an error naming what the call asked
-    for beyond a causal block."""
-    asked = {
-        "a padding mask": kw.get("attention_mask") is not None,
-        "a sliding window": kw.get("local_size") is not None,
-        "queries after a KV cache": kw.get("q_length") != kw.get("kv_length")
-        or kw.get("q_offset", 0) != 0,
-    }
-    beyond = [what for what, yes in asked.items() if yes]
-    if beyond:
-        raise DistlmError(
-            f"{WHOLE_BLOCKS} attention (train.fast_kernels) takes whole causal blocks; this call "
-            f"has {', '.join(beyond)} (train.fast_kernels: false trains through transformers' "
-            "own attention)"
-        )
-
-
-def attend_whole_blocks(model: PreTrainedModel) -> None:
-    """Have `model` (a transformers model on the SDPA path) attend as WHOLE_BLOCKS: transformers'
-    own SDPA call with `is_causal` and no mask, eager and compiled alike. The weights and the
-    config saved are unchanged (the attention implementation is not part of config.json)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(WHOLE_BLOCKS, sdpa_attention_forward)
-    AttentionMaskInterface.register(WHOLE_BLOCKS, _whole_block_mask)
-    model.set_attn_implementation(WHOLE_BLOCKS)
-
-
-class CausalLMLoss(torch.nn.Module):
-    """A causal LM's next-token loss through `linear_cross_entropy` (wrap this in DDP): its
-    family's decoder (distlm.family: `Family.decoder`) then its bias-free `lm_head`, for a
-    family whose logits are that head's product (`Family.linear_logits`).
-
-    Holds the model as its only child, so DDP sees the same parameters in the same order.
-    """
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        super().__init__()
-        from distlm.family import family_of
-
-        self.model = model
-        self.family = family_of(model.config)
-        assert self.family.linear_logits, self.family.model_type
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        decoder = self.family.decoder(self.model)
-        h = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-        # position t predicts token t + 1: the last position has nothing to predict
-        return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
-
-
 class NextTokenLoss(torch.nn.Module):
-    """The next-token loss in standard operations (the "standard" kernel set, for GPUs): the
-    family's decoder and logits hook (distlm.family) on every position but the last, the
-    cross-entropy in float32 (as nanoGPT and torchtitan take it). Under torch.compile the head's
-    product, the upcast and the loss are one graph, which inductor fuses; eager, it is
-    transformers' arithmetic without the shifted copies of its loss."""
+    """The next-token loss in standard operations (the "standard" kernel set: a GPU's): the
+    model's final hidden states and logits on every position but the last, the cross-entropy in
+    float32 (as nanoGPT and torchtitan take it). Under torch.compile the whole step is one graph:
+    inductor fuses the head's upcast and the loss.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    Holds the model as its only child, so DDP sees the same parameters in the same order."""
+
+    def __init__(self, model: Transformer) -> None:
         super().__init__()
-        from distlm.family import family_of
-
         self.model = model
-        self.family = family_of(model.config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        decoder = self.family.decoder(self.model)
-        h = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-        # (B, T - 1, V): position t predicts t + 1
-        logits = self.family.logits(self.model.lm_head, h[:, :-1])
+        h = self.model.hidden(input_ids)  # (B, T, C)
+        logits = self.model.logits(h[:, :-1])  # (B, T - 1, V): position t predicts t + 1
         return torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), input_ids[:, 1:].flatten()
         )
 
 
-class ReferenceLoss(torch.nn.Module):
-    """transformers' own loss path (`train.fast_kernels: false`), with CausalLMLoss's signature."""
+class CausalLMLoss(NextTokenLoss):
+    """The next-token loss through `linear_cross_entropy` (the CPU's kernel set): the model's
+    final hidden states, then its bias-free LM head fused with the loss, for a model whose logits
+    are that head's product (`Transformer.linear_logits`)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model)
+        assert model.linear_logits, type(model).__name__
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        h = self.model.hidden(input_ids)
+        # position t predicts token t + 1: the last position has nothing to predict
+        return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])

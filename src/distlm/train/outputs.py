@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
-
-import torch
 
 from distlm.documents import ModelMeta, TokenMeta
+from distlm.family.transformer import Transformer
 from distlm.log import get_logger
 from distlm.model import DTYPES, write_model_dir
 from distlm.settings.stage import TrainConfig
 from distlm.train.metrics import Metrics
-from distlm.train.optim import weights_of
 from distlm.train.paths import TrainPaths
 
 log = get_logger(__name__)
@@ -36,8 +33,7 @@ def write_final(
     paths: TrainPaths,
     cfg: TrainConfig,
     *,
-    model: torch.nn.Module,
-    model_config: Any,
+    model: Transformer,
     base_meta: ModelMeta,
     data_meta: TokenMeta,
     metrics: Metrics,
@@ -47,12 +43,13 @@ def write_final(
     wall_s: float,
 ) -> ModelMeta:
     """Rank 0 writes the final model folder, in the layout of the serialized base model
-    (atomically: every file fsynced, then the folder renamed into place). `run`: the run's
-    shape (steps, tokens, world size, batch, block size, precision, device, backend)."""
+    (atomically: every file fsynced, then the folder renamed into place): its weights in
+    transformers' names, its config.json the base's. `run`: the run's shape (steps, tokens,
+    world size, batch, block size, precision, device, backend)."""
     dtype_name = base_meta.dtype
     sd = {
         k: v.detach().to("cpu", DTYPES[dtype_name]).contiguous()
-        for k, v in weights_of(model).items()
+        for k, v in model.hf_tensors().items()
     }
     last = metrics.train_rows[-1] if metrics.train_rows else {}
     lastval = metrics.val_rows[-1] if metrics.val_rows else {}
@@ -70,7 +67,7 @@ def write_final(
     return write_model_dir(
         paths.final,
         state_dict=sd,
-        config=model_config,
+        config_from=paths.model,
         tokenizer_dir=paths.tokenizer,
         meta={
             "created_by": "train",

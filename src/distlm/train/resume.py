@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 from distlm.dist import Topology
 from distlm.documents import RunIdentity
+from distlm.family.transformer import Transformer
 from distlm.io import remove_leftovers
 from distlm.log import get_logger
-from distlm.model import check_state_dict
 from distlm.settings import TrainSettings
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import identity as identity_mod
-from distlm.train.optim import weights_of
+from distlm.train.optim import load_named_optimizer_state
 from distlm.train.paths import TrainPaths
 
 log = get_logger(__name__)
@@ -40,7 +40,7 @@ def load_checkpoint(
     *,
     identity: RunIdentity,
     topo: Topology,
-    model: torch.nn.Module,
+    model: Transformer,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
@@ -53,13 +53,13 @@ def load_checkpoint(
     identity_mod.check_identity(ck, state.identity, identity)
     rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
     if topo.is_main:
-        with torch.no_grad():
-            saved = ckpt_mod.load_weights(ck)
-            current = weights_of(model)
-            check_state_dict(saved, current, str(ck.path / "model.safetensors"))
-            for k, v in current.items():
-                v.copy_(saved[k])
-    optimizer.load_state_dict(ckpt_mod.load_optimizer_state(ck, topo.device))
+        model.load_hf(ckpt_mod.load_weights(ck), str(ck.path / "model.safetensors"))
+    load_named_optimizer_state(
+        model,
+        optimizer,
+        ckpt_mod.load_optimizer_state(ck, topo.device),
+        str(ck.path / "optimizer.pt"),
+    )
     scheduler.load_state_dict(state.scheduler)
     if state.scaler:
         scaler.load_state_dict(state.scaler)
@@ -117,7 +117,7 @@ def resume_or_start(
     *,
     identity: RunIdentity,
     topo: Topology,
-    model: torch.nn.Module,
+    model: Transformer,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,

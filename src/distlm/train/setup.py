@@ -9,7 +9,6 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,14 +19,10 @@ from distlm.dist import Topology
 from distlm.documents import ModelMeta, TokenMeta
 from distlm.lease import Lease
 from distlm.log import get_logger
-from distlm.model import build_model, family_of, load_config_json, load_model_dir, read_meta
+from distlm.model import Transformer, family_of, load_model_dir, read_args, read_meta
 from distlm.settings.stage import TrainConfig
-from distlm.train.optim import weights_of
 from distlm.train.paths import TrainPaths
 from distlm.train.sampler import BatchPlan, StepLoader, StepSampler, plan_batch
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel
 
 # The trainer's logger: the `attempt:` line keeps the name that tests and runbooks grep for.
 log = get_logger("distlm.train.trainer")
@@ -115,33 +110,27 @@ def open_data(cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> TrainData:
     return data
 
 
-def load_model(
-    paths: TrainPaths, topo: Topology, data: TrainData
-) -> tuple[PreTrainedModel, PretrainedConfig, ModelMeta]:
-    """(the model in float32 in train mode, its config, the base folder's metadata). Rank 0 reads
-    the weights (verified); the others build a template that `sync_weights` fills."""
-    config = load_config_json(paths.model)
+def load_model(paths: TrainPaths, topo: Topology, data: TrainData) -> tuple[Transformer, ModelMeta]:
+    """(distlm's model of the base folder's family in float32 in train mode, the base folder's
+    metadata). Rank 0 reads the weights (verified); the others' are allocated for `sync_weights`
+    to fill."""
+    args = read_args(paths.model)
     base = read_meta(paths.model)
-    n_positions = family_of(config).n_positions(config)
-    if data.block_size > n_positions:
+    if data.block_size > args.context:
         raise DistlmError(
             f"{paths.tokens}: block size {data.block_size} is beyond the context of model "
-            f"{paths.model} ({n_positions} positions)"
+            f"{paths.model} ({args.context} positions)"
         )
-    if data.meta.vocab_size > config.vocab_size:
+    if data.meta.vocab_size > args.vocab_size:
         raise DistlmError(
             f"{paths.tokens}: vocab size {data.meta.vocab_size} exceeds model "
-            f"{paths.model}'s {config.vocab_size}"
+            f"{paths.model}'s {args.vocab_size}"
         )
     if topo.is_main:
         model = load_model_dir(paths.model, device=topo.device, dtype=torch.float32)
     else:
-        model = build_model(config).to(  # pyright: ignore[reportCallIssue]
-            device=topo.device, dtype=torch.float32
-        )  # transformers' decorated PreTrainedModel.to loses `self` in its stub
-    model.train()
-    model.loss_type = "ForCausalLM"  # the shifted cross-entropy, named (silences a warning)
-    return model, config, base
+        model = family_of(args).build(args, device=topo.device, dtype=torch.float32)
+    return model.train(), base
 
 
 def sync_weights(model: torch.nn.Module, cfg: TrainConfig, topo: Topology) -> None:
@@ -151,7 +140,7 @@ def sync_weights(model: torch.nn.Module, cfg: TrainConfig, topo: Topology) -> No
     from distlm.transfer import broadcast_state_dict
 
     b = cfg.transfer
-    tensors = weights_of(model)
+    tensors = dict(model.named_parameters())
     t0 = time.perf_counter()
     with torch.no_grad():
         result = broadcast_state_dict(tensors, src=0, settings=b)

@@ -103,7 +103,7 @@ class Trainer:
                 self._opened.callback(self.lease.release)
             self.data = setup.open_data(cfg, paths, topo)
             self._opened.callback(self.data.close)
-            self.model, self.model_config, self.base_meta = setup.load_model(paths, topo, self.data)
+            self.model, self.base_meta = setup.load_model(paths, topo, self.data)
             self.precision = self.hw.precision
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
             # test faults: None (nothing in the step loop) unless the test harness asks for one
@@ -352,7 +352,6 @@ class Trainer:
                 self.paths,
                 self.cfg,
                 model=self.model,
-                model_config=self.model_config,
                 base_meta=self.base_meta,
                 data_meta=self.data.meta,
                 metrics=self.metrics,

@@ -1,13 +1,23 @@
 """GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, a GELU MLP, tied embeddings. Its spec
-(no torch); the model is `model.py`, a pipeline stage's math `blocks.py`."""
+and config mapping (no torch); its blocks are `blocks.py`, its model and tensor names `model.py`."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from distlm.family.spec import ONLY_WHEN_SET, FamilySpec, InitSettings, TensorNames
+from distlm.family.spec import (
+    ACTIVATIONS,
+    ONLY_WHEN_SET,
+    ConfigDoc,
+    FamilySpec,
+    InitSettings,
+    ModelArgs,
+    TensorNames,
+)
 
 
 class GPT2Init(InitSettings):
@@ -17,6 +27,65 @@ class GPT2Init(InitSettings):
         default="gpt2", description="gpt2 (GPT2LMHeadModel).", **ONLY_WHEN_SET
     )
     DUMPS_ARCHITECTURE: ClassVar[bool] = False  # the default family: a config need not name it
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPT2Args(ModelArgs):
+    """GPT-2's architecture: ModelArgs and its dropouts and attention scales."""
+
+    resid_dropout: float = 0.0  # after each block's attention and MLP (resid_pdrop)
+    embd_dropout: float = 0.0  # after the embeddings (embd_pdrop)
+    scale_attn_weights: bool = True  # scores scaled by 1 / sqrt(head_dim)
+    scale_by_layer: bool = False  # and by 1 / (layer + 1) (scale_attn_by_inverse_layer_idx)
+
+    def attn_scale(self, layer: int) -> float:
+        """SDPA's scale of decoder layer `layer` (GPT2Attention.scaling)."""
+        s = self.head_dim**-0.5 if self.scale_attn_weights else 1.0
+        return s / (layer + 1) if self.scale_by_layer else s
+
+    def signature(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self.vocab_size,
+            "n_positions": self.context,
+            "n_embd": self.dim,
+            "n_layer": self.n_layers,
+            "n_head": self.n_heads,
+        }
+
+    def parameters(self) -> int:
+        C, M = self.dim, self.mlp_dim
+        block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * M + M) + (M * C + C)
+        head = 0 if self.tied else self.vocab_size * C
+        return (self.vocab_size + self.context) * C + self.n_layers * block + 2 * C + head
+
+
+def gpt2_args(doc: Mapping[str, Any], where: str) -> GPT2Args:
+    """config.json of GPT-2 -> GPT2Args (GPT2Config's defaults for absent keys)."""
+    c = ConfigDoc(doc, where)
+    dim, heads = c.integer("n_embd", default=768), c.integer("n_head", default=12)
+    if dim % heads:
+        raise c.bad("n_embd", f"a multiple of n_head ({heads})")
+    if c.flag("add_cross_attention", False):
+        raise c.bad("add_cross_attention", "false (distlm's GPT-2 is a decoder alone)")
+    return GPT2Args(
+        model_type="gpt2",
+        vocab_size=c.integer("vocab_size", default=50257),
+        dim=dim,
+        n_layers=c.integer("n_layer", default=12),
+        n_heads=heads,
+        n_kv_heads=heads,
+        head_dim=dim // heads,
+        context=c.integer("n_positions", default=1024),
+        mlp_dim=c.integer("n_inner", default=4 * dim),
+        norm_eps=c.number("layer_norm_epsilon", default=1e-5),
+        act=c.choice("activation_function", "gelu_new", ACTIVATIONS),
+        tied=c.flag("tie_word_embeddings", True),
+        attn_dropout=c.number("attn_pdrop", default=0.1),
+        resid_dropout=c.number("resid_pdrop", default=0.1),
+        embd_dropout=c.number("embd_pdrop", default=0.1),
+        scale_attn_weights=c.flag("scale_attn_weights", True),
+        scale_by_layer=c.flag("scale_attn_by_inverse_layer_idx", False),
+    )
 
 
 GPT2 = FamilySpec(
@@ -32,4 +101,5 @@ GPT2 = FamilySpec(
     ),
     model="distlm.family.gpt2.model:FAMILY",
     description="GPT2LMHeadModel",
+    args=gpt2_args,
 )

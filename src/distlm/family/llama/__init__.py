@@ -1,16 +1,27 @@
 """The Llama family: Llama (`LlamaForCausalLM`: SmolLM2, TinyLlama, Llama 3.2) and Qwen2
 (`Qwen2ForCausalLM`: Llama with biases on the query, key and value projections; Qwen2.5). Rotary
 positions (with `rope_scaling` such as Llama 3.2's `llama3`), RMSNorm, a gated SiLU MLP,
-grouped-query attention, tied or untied embeddings. Their specs (no torch); the model is
-`model.py`, a pipeline stage's math `blocks.py`."""
+grouped-query attention, tied or untied embeddings. Their specs and config mapping (no torch);
+their blocks are `blocks.py`, their model and tensor names `model.py`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import Field
 
-from distlm.family.spec import ONLY_WHEN_SET, FamilySpec, InitSettings, TensorNames
+from distlm import DistlmError
+from distlm.family.spec import (
+    ACTIVATIONS,
+    ONLY_WHEN_SET,
+    ConfigDoc,
+    FamilySpec,
+    InitSettings,
+    ModelArgs,
+    TensorNames,
+)
 from distlm.section import Real, Section
 
 # model.init's defaults of the keys the Llama family has and GPT-2 lacks (config/README.md)
@@ -104,6 +115,223 @@ class Qwen2Init(LlamaInit):
     )
 
 
+# ----------------------------------------------------------------------------- config mapping
+
+# rotary scalings distlm's blocks compute (transformers' ROPE_INIT_FUNCTIONS of the same names)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope types whose frequencies depend on the sequence's length (transformers' dynamic_rope_update):
+# sequences of different lengths share a micro-batch, so one set of frequencies cannot serve them
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeArgs:
+    """Rotary positions as config.json's `rope_parameters` (or the older `rope_theta` and
+    `rope_scaling`) set them: the inverse frequencies' base and scaling (distlm.family.llama.
+    blocks: `inverse_frequencies`)."""
+
+    kind: str = "default"  # rope_type: default, linear, llama3, yarn
+    theta: float = ROPE_THETA  # rope_theta
+    factor: float = 1.0  # linear, llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_context: int = 0  # original_max_position_embeddings (llama3, yarn)
+    attention_factor: float | None = None  # yarn: cos and sin scaled by it (None: from factor)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaArgs(ModelArgs):
+    """The Llama family's architecture: ModelArgs, rotary positions, which projections have
+    biases, and Qwen3's query/key norm."""
+
+    rope: RopeArgs
+    qkv_bias: bool = False  # q, k and v projections (Qwen2's always; attention_bias elsewhere)
+    o_bias: bool = False  # the output projection (attention_bias)
+    mlp_bias: bool = False  # gate, up and down projections (mlp_bias)
+    qk_norm: bool = False  # RMSNorm of each head's queries and keys before rotary (Qwen3)
+
+    def signature(self) -> dict[str, Any]:
+        sig = {
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.context,
+            "hidden_size": self.dim,
+            "intermediate_size": self.mlp_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "tie_word_embeddings": self.tied,
+        }
+        if self.qk_norm:  # Qwen3's head width is a key of its own
+            sig["head_dim"] = self.head_dim
+        return sig
+
+    def parameters(self) -> int:
+        C, M, D = self.dim, self.mlp_dim, self.head_dim
+        qkv = (self.n_heads + 2 * self.n_kv_heads) * D
+        attn = C * qkv + qkv * self.qkv_bias + self.n_heads * D * C + C * self.o_bias
+        mlp = 3 * C * M + (2 * M + C) * self.mlp_bias
+        block = attn + mlp + 2 * C + 2 * D * self.qk_norm
+        head = 0 if self.tied else self.vocab_size * C
+        return self.vocab_size * C + self.n_layers * block + C + head
+
+
+def rope_args(c: ConfigDoc, context: int) -> RopeArgs:
+    """config.json's rotary settings, as transformers standardises them: `rope_scaling` (older
+    configs) over `rope_parameters`; rope_theta inside them, else beside them, else 10000."""
+    raw = c.get("rope_scaling", "rope_parameters", default={})
+    key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
+    if not isinstance(raw, Mapping) or any(isinstance(v, Mapping) for v in raw.values()):
+        raise c.bad(key, "one set of rotary parameters for every layer")
+    r = ConfigDoc(raw, f"{c.where} {key}")
+    kind = r.get("rope_type", "type", default="default")
+    if kind in _LENGTH_DEPENDENT_ROPE:
+        raise DistlmError(
+            f"{c.where}: {key}.rope_type {kind!r}: its frequencies depend on the sequence's "
+            "length, which the sequences of a micro-batch do not share; supported: "
+            f"{', '.join(ROPE_TYPES)}"
+        )
+    kind = r.choice("rope_type" if "rope_type" in raw else "type", "default", ROPE_TYPES)
+    partial = r.get("partial_rotary_factor", default=c.get("partial_rotary_factor", default=1.0))
+    if partial != 1:
+        raise DistlmError(
+            f"{c.where}: partial_rotary_factor {partial!r}: distlm rotates the whole head"
+        )
+    theta = r.number("rope_theta", default=c.number("rope_theta", default=ROPE_THETA), least=1e-9)
+    if kind == "default":
+        return RopeArgs(theta=theta)
+    original = c.get("original_max_position_embeddings") or r.integer(
+        "original_max_position_embeddings", default=context
+    )
+    if kind == "llama3":
+        return RopeArgs(
+            kind=kind,
+            theta=theta,
+            factor=r.number("factor", least=1e-9),
+            low_freq_factor=r.number("low_freq_factor", least=1e-9),
+            high_freq_factor=r.number("high_freq_factor", least=1e-9),
+            original_context=original,
+        )
+    if kind == "linear":
+        return RopeArgs(kind=kind, theta=theta, factor=r.number("factor", least=1e-9))
+    optional = {k: r.number(k) if r.get(k) is not None else None for k in ("attention_factor",)}
+    return RopeArgs(  # yarn
+        kind=kind,
+        theta=theta,
+        factor=r.number("factor", default=context / original, least=1e-9),
+        original_context=original,
+        attention_factor=optional["attention_factor"],
+        mscale=r.number("mscale") if r.get("mscale") is not None else None,
+        mscale_all_dim=r.number("mscale_all_dim") if r.get("mscale_all_dim") is not None else None,
+        beta_fast=r.number("beta_fast", default=32.0),
+        beta_slow=r.number("beta_slow", default=1.0),
+        truncate=r.flag("truncate", True),
+    )
+
+
+def check_full_attention(c: ConfigDoc, n_layers: int) -> None:
+    """Refuse sliding-window layers (Qwen's `layer_types`, or `use_sliding_window` from
+    max_window_layers on): distlm's blocks attend over every position."""
+    types = c.get("layer_types")
+    if types is None:
+        window = c.flag("use_sliding_window", False) and c.get("sliding_window", default=4096)
+        first = c.integer("max_window_layers", default=28, least=0)
+        types = ["sliding" if window and i >= first else "full_attention" for i in range(n_layers)]
+    sliding = [i for i, t in enumerate(types) if t != "full_attention"]
+    if sliding:
+        raise DistlmError(
+            f"{c.where}: layer_types: layers {sliding} use sliding-window attention, which "
+            "distlm's model does not run; set use_sliding_window to false"
+        )
+
+
+def llama_args(
+    doc: Mapping[str, Any],
+    where: str,
+    *,
+    model_type: str = "llama",
+    defaults: Mapping[str, Any] | None = None,
+    qkv_bias: bool | None = None,
+    qk_norm: bool = False,
+) -> LlamaArgs:
+    """config.json of the Llama family -> LlamaArgs, with the family's config class's defaults
+    for absent keys (`defaults`: Qwen's, where they differ from LlamaConfig's). `qkv_bias`: the
+    architecture's (Qwen2: always), else attention_bias."""
+    c = ConfigDoc(doc, where)
+    d = {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "head_dim": None,
+        **(defaults or {}),
+    }
+    dim, heads = (
+        c.integer("hidden_size", default=d["hidden_size"]),
+        c.integer("num_attention_heads", default=d["num_attention_heads"]),
+    )
+    head_dim = c.integer("head_dim", default=d["head_dim"] or dim // heads)
+    if c.get("head_dim", default=d["head_dim"]) is None and dim % heads:
+        raise c.bad("hidden_size", f"a multiple of num_attention_heads ({heads})")
+    kv = c.integer("num_key_value_heads", default=heads)
+    if heads % kv:
+        raise c.bad("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+    if head_dim % 2:
+        raise c.bad("head_dim", "an even head width (rotary positions rotate pairs)")
+    n_layers = c.integer("num_hidden_layers", default=d["num_hidden_layers"])
+    context = c.integer("max_position_embeddings", default=d["max_position_embeddings"])
+    if model_type != "llama":
+        check_full_attention(c, n_layers)
+    attention_bias = c.flag("attention_bias", False)
+    cls = Qwen3Args if qk_norm else LlamaArgs
+    return cls(
+        model_type=model_type,
+        vocab_size=c.integer("vocab_size", default=d["vocab_size"]),
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        head_dim=head_dim,
+        context=context,
+        mlp_dim=c.integer("intermediate_size", default=d["intermediate_size"]),
+        norm_eps=c.number("rms_norm_eps", default=1e-6),
+        act=c.choice("hidden_act", "silu", ACTIVATIONS),
+        tied=c.flag("tie_word_embeddings", d["tie_word_embeddings"]),
+        attn_dropout=c.number("attention_dropout", default=0.0),
+        rope=rope_args(c, context),
+        qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+        o_bias=attention_bias,
+        mlp_bias=c.flag("mlp_bias", False),
+        qk_norm=qk_norm,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3Args(LlamaArgs):
+    """Qwen3's: the Llama family's with query/key norm (its signature names head_dim)."""
+
+
+# Qwen2Config's and Qwen3Config's defaults where LlamaConfig's differ
+QWEN_DEFAULTS = {
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "max_position_embeddings": 32768,
+}
+
+
+def qwen2_args(doc: Mapping[str, Any], where: str) -> LlamaArgs:
+    """config.json of Qwen2 -> LlamaArgs: q, k and v always have biases."""
+    return llama_args(doc, where, model_type="qwen2", defaults=QWEN_DEFAULTS, qkv_bias=True)
+
+
 TENSORS = TensorNames(
     layers="model.layers.",
     embeddings=("model.embed_tokens.",),
@@ -118,6 +346,7 @@ LLAMA = FamilySpec(
     tensors=TENSORS,
     model="distlm.family.llama.model:LLAMA_FAMILY",
     description="LlamaForCausalLM: SmolLM2, TinyLlama, Llama 3.2",
+    args=llama_args,
 )
 QWEN2 = FamilySpec(
     name="qwen2",
@@ -127,4 +356,5 @@ QWEN2 = FamilySpec(
     tensors=TENSORS,
     model="distlm.family.llama.model:QWEN2_FAMILY",
     description="Qwen2ForCausalLM: Llama with query/key/value biases (Qwen2.5)",
+    args=qwen2_args,
 )

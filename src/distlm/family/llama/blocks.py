@@ -1,166 +1,164 @@
-"""The Llama family's per-token math for a pipeline stage (`LlamaForCausalLM`, and Qwen2, which is
-Llama with a bias on q, k and v; Qwen3 builds on it in its own folder): RMSNorm, rotary positions,
-grouped-query attention, a gated SiLU MLP, a head tied to the embeddings or not.
+"""The Llama family's blocks (`LlamaForCausalLM`'s math, and Qwen2's, which is Llama with a bias
+on q, k and v; Qwen3 adds its query/key norm): RMSNorm, rotary positions (with Llama 3.2's
+`llama3` scaling, linear or yarn), grouped-query attention, a gated MLP (SiLU), a head tied to
+the embeddings or not. q|k|v and gate|up are each one projection (transformers holds them
+apart: distlm.family.llama.model's tensor map joins and splits them).
 
-The weights are transformers' own decoder layers (`LlamaDecoderLayer`, `Qwen2DecoderLayer`), so
-the checkpoint's names, shapes and biases hold as they are; their math runs here through the
-functional operations their forward calls. Rotary positions come from the family's own rotary
-module (`LlamaRotaryEmbedding`, which applies `rope_parameters` such as Llama 3.2's `llama3`
-scaling), evaluated at each new token's own position: sequences at different positions share a
-micro-batch exactly.
-"""
+Rotary positions are evaluated at each token's own position, so sequences at different
+positions share a micro-batch exactly (the pipeline engine's), and in float32, cast to the
+hidden states' dtype, as transformers' rotary module computes them."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from distlm import DistlmError
-from distlm.family.blocks import StageBlocks
-
-# rope types whose frequencies depend on the sequence's length (transformers' dynamic_rope_update):
-# sequences of different lengths share a micro-batch, so one set of frequencies cannot serve them
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+from distlm.family.llama import LlamaArgs, RopeArgs
+from distlm.family.transformer import Block, RMSNorm, activation
 
 
-class LlamaBlocks(StageBlocks):
-    """embed_tokens (first), decoder layers [start, end), norm + lm_head (last) of a Llama config;
-    a family built on it names its own modules (`modules`)."""
+def inverse_frequencies(rope: RopeArgs, head_dim: int, device=None) -> tuple[torch.Tensor, float]:
+    """(the rotary inverse frequencies (head_dim / 2,) in float32, the factor cos and sin are
+    scaled by) of a rope type, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+    dim = head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind == "default":
+        return inv_freq, 1.0
+    if rope.kind == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.kind == "llama3":
+        old = rope.original_context
+        low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    return _yarn(rope, dim, device)
 
-    def __init__(
-        self, config, start: int, end: int, *, first: bool, last: bool, kernels: str = "standard"
-    ) -> None:
-        # kernels: the device's set (distlm.device); the Llama family's math has no CPU-only form
-        super().__init__(start=start, end=end, first=first, last=last)
-        check_rope(config)
-        layer_cls, rotary_cls, norm_cls = self.modules(config)
-        config._attn_implementation = "sdpa"
-        C = config.hidden_size
-        if first:
-            self.embed_tokens = nn.Embedding(config.vocab_size, C)
-        self.layers = nn.ModuleList(layer_cls(config, layer_idx=i) for i in range(start, end))
-        self._layers: list[Any] = list(self.layers)  # the same modules, indexed without a call
-        if last:
-            self.norm = norm_cls(C, eps=config.rms_norm_eps)
-            self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        # the rotary module holds no weights (its inv_freq buffer is not persistent): every stage
-        # has one, built from the config as transformers builds it
-        self.rotary_emb = rotary_cls(config)
-        self.n_head = config.num_attention_heads
-        self.n_kv_head = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or C // self.n_head
-        self.context = config.max_position_embeddings
-        self.scales = [self.head_dim**-0.5] * self.n_layers  # LlamaAttention.scaling
 
-    def local_name(self, name: str) -> str:
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers.") :].split(".", 1)
-            return f"layers.{int(layer) - self.start}.{rest}"
-        if name.startswith("model."):
-            return name[len("model.") :]
-        return name
+def _yarn(rope: RopeArgs, dim: int, device) -> tuple[torch.Tensor, float]:
+    factor, base = rope.factor, rope.theta
 
-    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids)  # (N, C); positions enter through rotary
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    def positions(self, pos: torch.Tensor) -> Any:
-        """cos, sin (N, 1, D) of each new token's position, in the weights' dtype."""
-        w = self._layers[0].self_attn.q_proj.weight
-        probe = torch.empty(0, dtype=w.dtype, device=w.device)  # what the rotary module reads
-        cos, sin = self.rotary_emb(probe, pos.unsqueeze(0))  # (1, N, D) each
-        return cos.transpose(0, 1), sin.transpose(0, 1)  # (N, 1, D): broadcast over heads
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
 
-    def qkv(self, j: int, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self._layers[j]
-        attn = layer.self_attn
-        nh, nkv, D = self.n_head, self.n_kv_head, self.head_dim
-        h = rms_norm(layer.input_layernorm, x)
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(-1, nh, D)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(-1, nkv, D)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(-1, nkv, D)
-        q, k = self.qk_norm(attn, q, k)
-        cos, sin = rot
-        k = k * cos + rotate_half(k) * sin
-        return q * cos + rotate_half(q) * sin, torch.stack((k, v), dim=1)
-
-    def qk_norm(self, attn: Any, q: torch.Tensor, k: torch.Tensor):
-        """Queries (N, n_head, D) and keys (N, n_kv_head, D) before the rotary positions: as they
-        are (a family that norms them, Qwen3, says how)."""
-        return q, k
-
-    def finish(self, j: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        layer = self._layers[j]
-        o = layer.self_attn.o_proj
-        # x + o_proj(attn), act(gate) * up and x + down_proj(...) written into the fresh tensors
-        # (addition and multiplication commute: the same bits, no allocation each)
-        x = F.linear(attn, o.weight, o.bias).add_(x)
-        mlp = layer.mlp
-        h = rms_norm(layer.post_attention_layernorm, x)
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        return F.linear(mlp.act_fn(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias).add_(x)
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.logits(self.lm_head, rms_norm(self.norm, x))
-
-    def modules(self, config) -> tuple:
-        """transformers' (decoder layer, rotary embedding, RMSNorm) classes of this family."""
-        from transformers.models.llama.modeling_llama import (
-            LlamaDecoderLayer,
-            LlamaRMSNorm,
-            LlamaRotaryEmbedding,
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_context / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
         )
 
-        return LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaRMSNorm
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp.to(device=device)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
-class Qwen2Blocks(LlamaBlocks):
-    """Qwen2's stage: Llama's math with a bias on q, k and v (its decoder layer holds them)."""
+class Rotary(nn.Module):
+    """Rotary positions: cos and sin of each position's angles. Its inverse frequencies are a
+    float32 buffer that follows the model's device but never its dtype (made again whenever
+    the module moves, as from the meta device), and that no state dict holds."""
 
-    def modules(self, config) -> tuple:
-        check_full_attention(config)
-        from transformers.models.qwen2.modeling_qwen2 import (
-            Qwen2DecoderLayer,
-            Qwen2RMSNorm,
-            Qwen2RotaryEmbedding,
-        )
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.rope, self.head_dim = args.rope, args.head_dim
+        inv_freq, self.scaling = inverse_frequencies(args.rope, args.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-        return Qwen2DecoderLayer, Qwen2RotaryEmbedding, Qwen2RMSNorm
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        inv_freq, _ = inverse_frequencies(self.rope, self.head_dim, self.inv_freq.device)
+        self.inv_freq = inv_freq  # float32, wherever the module now is
+        return out
 
-
-def check_rope(config) -> None:
-    """Refuse rotary positions the pipeline cannot run exactly."""
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    if rope.get("rope_type") in _LENGTH_DEPENDENT_ROPE:
-        raise DistlmError(
-            f"config.json rope_parameters.rope_type {rope['rope_type']!r}: its frequencies depend "
-            "on the sequence's length, which the sequences of a micro-batch do not share; "
-            f"supported: default, linear, llama3, yarn ({config.model_type})"
-        )
-
-
-def check_full_attention(config) -> None:
-    """Refuse sliding-window layers (Qwen's `layer_types`): the pipeline attends over all."""
-    sliding = [
-        i for i, t in enumerate(getattr(config, "layer_types", None) or []) if t != "full_attention"
-    ]
-    if sliding:
-        raise DistlmError(
-            f"config.json layer_types: layers {sliding} use sliding-window attention, which "
-            "the pipeline does not run; set use_sliding_window to false"
-        )
-
-
-def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm's computation: normalised in float32, scaled in the input's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (*pos.shape, 1, D) of positions `pos`, in `dtype`: broadcast over heads."""
+        freqs = pos[..., None].float() * self.inv_freq  # (..., D / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (..., D)
+        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (..., heads, D) at the positions `rot` was made for."""
+    cos, sin = rot
+    return x * cos + rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        D = args.head_dim
+        self.split = (args.n_heads * D, args.n_kv_heads * D, args.n_kv_heads * D)
+        self.qkv = nn.Linear(args.dim, sum(self.split), bias=args.qkv_bias)  # q | k | v
+        self.o = nn.Linear(args.n_heads * D, args.dim, bias=args.o_bias)
+        if args.qk_norm:  # Qwen3: each head's queries and keys RMS-normed over the head width
+            self.q_norm = RMSNorm(D, args.norm_eps)
+            self.k_norm = RMSNorm(D, args.norm_eps)
+
+
+class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate | up one projection."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(args.dim, 2 * args.mlp_dim, bias=args.mlp_bias)
+        self.down = nn.Linear(args.mlp_dim, args.dim, bias=args.mlp_bias)
+        self.act = activation(args.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class LlamaBlock(Block):
+    """attn_norm, attention, mlp_norm, MLP (LlamaDecoderLayer; Qwen2's and Qwen3's)."""
+
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__(args)
+        self.qk_norm = args.qk_norm
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)  # input_layernorm
+        self.attn = LlamaAttention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)  # post_attention_layernorm
+        self.mlp = LlamaMLP(args)
+
+    def project(self, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, ...]:
+        D = self.head_dim
+        q, k, v = self.attn.qkv(self.attn_norm(x)).split(self.attn.split, dim=-1)
+        q = q.unflatten(-1, (self.n_heads, D))  # (..., nh, D)
+        k = k.unflatten(-1, (self.n_kv_heads, D))  # (..., nkv, D)
+        if self.qk_norm:
+            q, k = self.attn.q_norm(q), self.attn.k_norm(k)
+        return rotate(q, rot), rotate(k, rot), v.unflatten(-1, (self.n_kv_heads, D))
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.o(attn)
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,15 +1,16 @@
 """Qwen3 (`Qwen3ForCausalLM`: Qwen3-0.6B and up): the Llama family's decoder with RMSNorm on each
 head's queries and keys before the rotary positions, and a head width (`head_dim`) of its own,
-not `hidden_size / num_attention_heads`. Its spec (no torch); the model is `model.py`, a pipeline
-stage's math `blocks.py`."""
+not `hidden_size / num_attention_heads`. Its spec and config mapping (no torch); its blocks are
+`blocks.py`, its model and tensor names `model.py`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import Field
 
-from distlm.family.llama import TENSORS, LlamaInit
+from distlm.family.llama import QWEN_DEFAULTS, TENSORS, LlamaArgs, LlamaInit, llama_args
 from distlm.family.spec import ONLY_WHEN_SET, FamilySpec
 
 
@@ -40,6 +41,14 @@ class Qwen3Init(LlamaInit):
         return f"model.init.head_dim: {self.head_dim}"
 
 
+def qwen3_args(doc: Mapping[str, Any], where: str) -> LlamaArgs:
+    """config.json of Qwen3 -> its LlamaArgs: query/key norm, Qwen3Config's head width of 128 when
+    the config names none, biases as attention_bias says."""
+    return llama_args(
+        doc, where, model_type="qwen3", defaults={**QWEN_DEFAULTS, "head_dim": 128}, qk_norm=True
+    )
+
+
 QWEN3 = FamilySpec(
     name="qwen3",
     architecture="Qwen3ForCausalLM",
@@ -48,4 +57,5 @@ QWEN3 = FamilySpec(
     tensors=TENSORS,
     model="distlm.family.qwen3.model:FAMILY",
     description="Qwen3ForCausalLM: query/key RMSNorm, its own head width (Qwen3-0.6B)",
+    args=qwen3_args,
 )

@@ -1,8 +1,9 @@
-"""Qwen3's model: the Llama family's with a head width of its own and query/key RMSNorm."""
+"""Qwen3's model: the Llama family's (its blocks norm each head's queries and keys, as its args
+say), with a seeded init's config of its own (head_dim)."""
 
 from __future__ import annotations
 
-from distlm.family.llama.model import LlamaFamily
+from distlm.family.llama.model import LlamaFamily, LlamaModel
 from distlm.family.qwen3 import QWEN3
 
 
@@ -14,13 +15,5 @@ class Qwen3Family(LlamaFamily):
             **kwargs, head_dim=head_dim, attention_bias=False, use_sliding_window=False
         )
 
-    def signature(self, config) -> dict:
-        return {**super().signature(config), "head_dim": config.head_dim}
 
-    def blocks_class(self):
-        from distlm.family.qwen3.blocks import Qwen3Blocks
-
-        return Qwen3Blocks
-
-
-FAMILY = Qwen3Family(QWEN3)
+FAMILY = Qwen3Family(QWEN3, LlamaModel)

@@ -1,8 +1,10 @@
-"""One pipeline stage: its model family's blocks (`distlm.family`), a KV cache per lane.
+"""One pipeline stage: a range of blocks of distlm's model of its family (`distlm.family`: the
+model training and evaluation run), a KV cache per lane.
 
 A stage runs a *micro-batch*: several sequences (each in its own lane) packed along the token axis,
 (N, C) with N = sum of the items' new tokens. The per-token work (norms, QKV and output
-projections, rotary positions, MLP) is the family's (`StageBlocks`) and runs on the packed tensor.
+projections, rotary positions, MLP) is the blocks' own (`Block.qkv`, `Block.finish`) and runs on
+the packed tensor; attention is this module's.
 The KV cache is one tensor per layer, (lanes, 2, n_kv_head, T + 1, head_dim), grown as lanes and
 lengths need (grouped-query attention caches fewer heads than it queries; position T is a
 scratch one). Attention is the SDPA call Hugging Face's models make: a prefill attends over its
@@ -26,8 +28,9 @@ from torch import nn
 from distlm import DistlmError
 from distlm.device import DeviceBackend
 from distlm.documents import ShardEntry
+from distlm.family import ModelArgs, family_of
 from distlm.log import get_logger
-from distlm.model import check_state_dict, load_config_json, load_stage_shard, read_manifest
+from distlm.model import load_stage_shard, read_args, read_manifest
 
 log = get_logger(__name__)
 
@@ -48,36 +51,41 @@ class Item:
 
 
 class StageModel(nn.Module):
-    """One pipeline stage: its family's blocks (embeddings on stage 0, decoder layers
-    [start, end), final norm + LM head on the last stage) and a KV cache per lane."""
+    """One pipeline stage: distlm's model of its family for the stage's blocks (embeddings on
+    stage 0, blocks [start, end), final norm + LM head on the last stage) and a KV cache per
+    lane."""
 
     def __init__(
         self,
-        config,
+        args: ModelArgs,
         entry: ShardEntry,
         *,
-        kernels: str = "standard",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
         decode_graphs: bool = False,
     ) -> None:
         super().__init__()
-        from distlm.family import family_of
-
-        self.config = config
+        self.args = args
         self.stage = entry.stage
         self.start, self.end = entry.layers
         self.first = entry.has_embeddings
         self.last = entry.has_head
-        family = family_of(config)
-        self.blocks = family.stage_blocks(
-            config, self.start, self.end, first=self.first, last=self.last, kernels=kernels
+        self.blocks = family_of(args).build(
+            args,
+            start=self.start,
+            end=self.end,
+            first=self.first,
+            last=self.last,
+            device=device,
+            dtype=dtype,
         )
-        self.hidden_size = family.n_embd(config)  # C
-        b = self.blocks
-        self.n_head, self.n_kv_head, self.head_dim = b.n_head, b.n_kv_head, b.head_dim
-        self.gqa = b.n_kv_head != b.n_head  # SDPA shares each cached head among n_head/n_kv_head
-        self.width = b.n_head * b.head_dim  # attention output per token
-        self.context = b.context
-        self.scales = b.scales  # SDPA scale per local layer
+        self._blocks = self.blocks.blocks  # the block modules, indexed without a call
+        self.hidden_size = args.dim  # C
+        self.n_head, self.n_kv_head, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.gqa = args.gqa  # SDPA shares each cached head among n_head/n_kv_head
+        self.width = args.n_heads * args.head_dim  # attention output per token
+        self.context = args.context
+        self.scales = [b.scale for b in self._blocks]  # SDPA scale per local layer
         # per local layer: keys and values of every lane, (lanes, 2, n_kv_head, T + 1, head_dim)
         # (keys then values: a step writes both in one operation; position T is a scratch one,
         # never attended: DecodeGraphs' rows without an item write there), grown by _reserve;
@@ -105,11 +113,8 @@ class StageModel(nn.Module):
     # ------------------------------------------------------------------ weights
 
     def load_shard(self, tensors: dict[str, torch.Tensor], where: str) -> None:
-        sd = {self.blocks.local_name(k): v for k, v in tensors.items()}
-        check_state_dict(sd, self.blocks.state_dict(), where)
-        dtype = next(iter(sd.values())).dtype
-        self.to(dtype)
-        self.blocks.load_state_dict(sd, strict=True)
+        """The stage's shard (transformers' names, the manifest's tensors) into its blocks."""
+        self.blocks.load_hf(tensors, where)
         self.eval()
 
     @property
@@ -160,7 +165,7 @@ class StageModel(nn.Module):
                 f"stage {self.stage}: position {end} is beyond the context of {new_T} tokens"
             )
         shape = (new_lanes, 2, self.n_kv_head, new_T + 1, self.head_dim)  # + the scratch position
-        for j in range(self.blocks.n_layers):
+        for j in range(len(self._blocks)):
             grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if j < len(self.kv):
                 grown[:lanes, :, :, :T] = self.kv[j][:, :, :, :T]
@@ -204,10 +209,10 @@ class StageModel(nn.Module):
             x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
         else:
             x = x.to(dev, self.dtype)  # (N, C)
-        rot = blocks.positions(plan.positions)  # per micro-batch (rotary cos/sin), or None
-        for j in range(blocks.n_layers):
-            q, kv = blocks.qkv(j, x, rot)  # (N, n_head, D), (N, 2, n_kv_head, D)
-            x = blocks.finish(j, x, self._attend(j, plan, q, kv))
+        rot = blocks.positions(plan.positions, self.dtype)  # per micro-batch (rotary), or None
+        for j, block in enumerate(self._blocks):
+            q, kv = block.qkv(x, rot)  # (N, n_head, D), (N, 2, n_kv_head, D)
+            x = block.finish(x, self._attend(j, plan, q, kv))
         for it in items:
             self.length[it.lane] = it.pos + it.n
         if not self.last:
@@ -517,9 +522,9 @@ class StaticStep:
         m, b = self.model, self.model.blocks
         lo, R, T = self.lo, self.R, self.T
         h = b.embed(self.x, self.pos) if m.first else self.x
-        rot = b.positions(self.pos)
-        for j in range(b.n_layers):
-            q, kv = b.qkv(j, h, rot)  # (R, n_head, D), (R, 2, n_kv_head, D)
+        rot = b.positions(self.pos, m.dtype)
+        for j, block in enumerate(m._blocks):
+            q, kv = block.qkv(h, rot)  # (R, n_head, D), (R, 2, n_kv_head, D)
             cache = m.kv[j]  # (lanes, 2, n_kv_head, T + 1, D)
             cache[self.lanes, :, :, self.write] = kv  # rows without an item: the scratch position
             o = F.scaled_dot_product_attention(
@@ -530,7 +535,7 @@ class StaticStep:
                 scale=m.scales[j],
                 enable_gqa=m.gqa,
             )
-            h = b.finish(j, h, o.reshape(R, m.width))
+            h = block.finish(h, o.reshape(R, m.width))
         return b.head(h) if m.last else h
 
     def capture(self) -> None:
@@ -576,10 +581,15 @@ def load_stage(
             "inference, serve.stages for serve)"
         )
     entry, tensors = load_stage_shard(folder, stage)  # sha256 checked first: fail before building
-    config = load_config_json(folder)
-    model = StageModel(config, entry, kernels=hw.kernels, decode_graphs=hw.decode_graphs)
+    args = read_args(folder)
+    model = StageModel(
+        args,
+        entry,
+        device=device,
+        dtype=next(iter(tensors.values())).dtype,  # the shard's
+        decode_graphs=hw.decode_graphs,
+    )
     model.load_shard(tensors, f"{folder}/shards/{entry.file}")
-    model.to(device)
     log.info(
         "stage %d on %s: layers %d-%d%s%s, %.1f MB%s",
         stage,
