@@ -25,18 +25,34 @@ SINGLE = ROOT / "tests" / "configs" / "tiny-single.yaml"  # layered after TINY: 
 SLURM_CONFIG = ROOT / "tests" / "harness" / "slurm-config.yaml"
 
 
+# Snakemake's options that take several values read a target after them as one more value
+# (`--configfile A B results/x` reads results/x as a config file): the user's command line here
+# puts the targets first, and config files go in `configfiles`, never in `args`.
+
+
 def snakemake_cmd(
     workdir: Path,
     *args: str,
     configfiles: tuple[Path, ...] = (TINY,),
     profile: str | Path = ROOT / "profiles" / "local",
 ) -> list[str]:
-    """The user's command line: `snakemake --directory WORKDIR --configfile ... --profile ...`."""
+    """The user's command line: `snakemake TARGETS... OPTIONS... --directory WORKDIR
+    --configfile ... --profile ...`: `args` (targets, then options) first, so that no target
+    follows an option that takes several values."""
+    if any(a in ("--configfile", "--configfiles") for a in args):
+        raise ValueError("snakemake_cmd: give config files as configfiles=, not in args")
+    many = None  # --config's values are KEY=VALUE: one without "=" is a target it swallows
+    for a in args:
+        if a.startswith("-"):
+            many = a if a in ("--config", "-C") else None
+        elif many is not None and "=" not in a:
+            raise ValueError(f"snakemake_cmd: {a!r} after {many} is read as a config value")
     conf = ["--configfile", *map(str, configfiles)] if configfiles else []
     return [
         sys.executable,
         "-m",
         "snakemake",
+        *args,
         "-s",
         str(ROOT / "Snakefile"),
         "--directory",
@@ -44,7 +60,6 @@ def snakemake_cmd(
         *conf,
         "--profile",
         str(profile),
-        *args,
     ]
 
 
@@ -52,16 +67,18 @@ def run_snakemake(
     workdir: Path,
     *args: str,
     configfile: Path | None = TINY,
+    configfiles: tuple[Path, ...] | None = None,
     profile: str | Path = ROOT / "profiles" / "local",
     check: bool = True,
     timeout: float = 1200,
     env: dict[str, str | None] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the workflow with `workdir` as its working directory (results/ and logs/ land there);
+    `args`: targets first, then options; `configfiles` (default: `configfile` alone) in order;
     `env` changes this process's environment for it (a None value removes the variable)."""
-    cmd = snakemake_cmd(
-        workdir, *args, configfiles=(configfile,) if configfile else (), profile=profile
-    )
+    if configfiles is None:
+        configfiles = (configfile,) if configfile else ()
+    cmd = snakemake_cmd(workdir, *args, configfiles=configfiles, profile=profile)
     started = time.time()
     proc = subprocess.run(
         cmd,
@@ -225,13 +242,7 @@ def slurm_built(tmp_path_factory) -> Path:
 
     def build(wd: Path) -> None:
         run_snakemake(
-            wd,
-            "results/model/base",
-            "results/data/tokens.h5",
-            "--configfile",
-            str(TINY),
-            str(SLURM_CONFIG),
-            configfile=None,
+            wd, "results/model/base", "results/data/tokens.h5", configfiles=(TINY, SLURM_CONFIG)
         )
 
     return _once_per_run(tmp_path_factory, "slurm-built", build)

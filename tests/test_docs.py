@@ -288,6 +288,14 @@ def _snakemake_errors(args: tuple[str, ...], cmd: Command) -> list[str]:
     errors += [
         f"--configfile {c}: no such file" for c in parsed.configfiles if not (ROOT / c).is_file()
     ]
+    # --configfile takes every value up to the next option: a target there is read as a config
+    # file (tests/test_gpu.py's helper once put its targets so); targets go first
+    errors += [
+        f"--configfile {c}: not a config file (a target after --configfile is read as one; put "
+        "targets first)"
+        for c in parsed.configfiles
+        if not c.endswith((".yaml", ".yml", ".json"))
+    ]
     errors += [f"--forcerun {r}: no such rule" for r in parsed.forced if r not in rules()]
     errors += [
         f"target {t}: no such rule" for t in parsed.targets if "/" not in t and t not in rules()
@@ -358,6 +366,10 @@ def test_every_quoted_command_resolves(tmp_path):
         ("snakemake --profile profiles/local --forcerun serialise_model", "no such rule"),
         ("snakemake --profile profiles/lokal", "does not exist"),
         ("snakemake --profile profiles/local --configfile config/nope.yaml", "no such file"),
+        (
+            "snakemake --profile profiles/local --configfile config/gpu.yaml results/train/final",
+            "not a config file (a target after --configfile",
+        ),
         ("python benchmarks/train/bench.py --repeats 2", "is not a file"),
         ("python -m distlm.nope --write", "not importable"),
         ("bash tests/runs.sh", "is not a file"),

@@ -37,7 +37,7 @@ def families_run(tmp_path_factory):
     # workflow; DDP of each family's parameters: tests/test_family.py), each run's pipeline in 2
     # stages (tiny-families.yaml)
     configs = (TINY, SINGLE, FAMILIES)
-    proc = run_snakemake(wd, "--configfile", *map(str, configs), configfile=None)
+    proc = run_snakemake(wd, configfiles=tuple(configs))
     return wd, proc
 
 

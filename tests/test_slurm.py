@@ -205,13 +205,7 @@ def test_serve_front_under_srun_answers_503_when_a_stage_is_killed(cluster, tiny
 def slurm_run(cluster, profile, tmp_path_factory):
     wd = tmp_path_factory.mktemp("slurm-workflow")
     proc = run_snakemake(
-        wd,
-        "--configfile",
-        str(TINY),
-        str(SLURM_CONFIG),
-        configfile=None,
-        profile=profile,
-        env=cluster.env_changes(),
+        wd, configfiles=(TINY, SLURM_CONFIG), profile=profile, env=cluster.env_changes()
     )
     return wd, proc.stdout + proc.stderr
 
@@ -295,9 +289,9 @@ def test_same_results_as_the_local_profile(slurm_run, workflow_run):
 def test_forcerun_resubmits_only_the_stage_and_its_dependents(cluster, profile, slurm_run):
     wd, _ = slurm_run
     env = cluster.env_changes()
-    args = ["--configfile", str(TINY), str(SLURM_CONFIG)]
+    configs = (TINY, SLURM_CONFIG)
     planned = run_snakemake(
-        wd, *args, "--forcerun", "inference", "--dry-run", configfile=None, profile=profile, env=env
+        wd, "--forcerun", "inference", "--dry-run", configfiles=configs, profile=profile, env=env
     ).stdout
     planned_rules = set(re.findall(r"^rule (\w+):", planned, re.MULTILINE)) - {"all"}
     assert planned_rules == {"inference", "report"}, planned_rules
@@ -310,7 +304,7 @@ def test_forcerun_resubmits_only_the_stage_and_its_dependents(cluster, profile, 
         and "benchmarks" not in p.parts
     }
     proc = run_snakemake(
-        wd, *args, "--forcerun", "inference", configfile=None, profile=profile, env=env
+        wd, "--forcerun", "inference", configfiles=configs, profile=profile, env=env
     )
     subs = submissions(proc.stdout + proc.stderr)
     assert set(subs) == planned_rules and all(len(v) == 1 for v in subs.values()), subs
@@ -353,13 +347,9 @@ def test_a_sweeps_training_runs_are_in_the_queue_together(cluster, profile, tmp_
     wd = tmp_path / "wd"
     proc = run_snakemake(
         wd,
-        "--configfile",
-        str(TINY),
-        str(SLURM_CONFIG),
-        str(sweep),
         "--until",
         "train",
-        configfile=None,
+        configfiles=(TINY, SLURM_CONFIG, sweep),
         profile=profile,
         env=cluster.env_changes(),
     )

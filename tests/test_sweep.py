@@ -166,7 +166,7 @@ def _job_stats(out: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def sweep_run(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     wd = tmp_path_factory.mktemp("sweep")
-    proc = run_snakemake(wd, "--configfile", *map(str, SWEPT), configfile=None)
+    proc = run_snakemake(wd, configfiles=tuple(SWEPT))
     return wd, _job_stats(proc.stdout + proc.stderr)
 
 

@@ -122,6 +122,9 @@ class DeviceBackend:
     # time dominates and the eager step, sized to its items, does less. Given only by tests,
     # which run the static steps on the CPU (without a capture) to check their numerics.
     decode_graphs: bool = None  # pyright: ignore[reportAssignmentType]
+    # Whether those static steps are captured and replayed as CUDA graphs: on a GPU. Given only
+    # by tests, which ask for a capture on the CPU to check what a failed one does.
+    capture_graphs: bool = None  # pyright: ignore[reportAssignmentType]
 
     def __post_init__(self) -> None:
         if self.kernels is None:
@@ -130,6 +133,8 @@ class DeviceBackend:
             object.__setattr__(self, "background_checkpoints", self.device.type == "cuda")
         if self.decode_graphs is None:
             object.__setattr__(self, "decode_graphs", self.device.type == "cuda")
+        if self.capture_graphs is None:
+            object.__setattr__(self, "capture_graphs", self.device.type == "cuda")
 
     @classmethod
     def for_rank(

@@ -55,12 +55,12 @@ class Family:
         dtype: torch.dtype = torch.float32,
     ) -> Transformer:
         """distlm's model of `args` (blocks [start, end) with the embeddings when `first` and the
-        head when `last`) on `device`, its parameters allocated but not set: load them
-        (`Transformer.load_hf`) or receive them. Built on the meta device first, so nothing is
-        initialised that is then overwritten (torchtitan builds its models so)."""
-        with torch.device("meta"):
+        head when `last`) on `device` (`meta` for its shapes alone), its parameters allocated but
+        not set: load them (`Transformer.load_hf`) or receive them. Nothing is initialised that
+        would then be overwritten."""
+        with torch.device(device):
             model = self.model(args, start=start, end=end, first=first, last=last)
-        return model.to(dtype).to_empty(device=device)
+        return model if dtype == torch.float32 else model.to(dtype)
 
     def tied(self, args: ModelArgs) -> dict[str, str]:
         """{"lm_head.weight": the embedding} when the head is the input embedding, else {}:

@@ -108,6 +108,29 @@ def activation(name: str):
     return ACTIVATIONS[name]
 
 
+# distlm's models are loaded, never initialised: their weights are allocated where they run and
+# left unset (no random init to overwrite: GPT-2 small's costs a CPU second; nn.Embedding's,
+# even on the meta device, imports torch's compiler, 1.5 CPU-s a process)
+
+
+class Linear(nn.Linear):
+    """nn.Linear, its weight and bias allocated but not set."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Module):
+    """A lookup table (nn.Embedding's weight and math), its weight allocated but not set."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as the Llama family computes it: normalised in float32, scaled in the input's
     dtype (transformers' LlamaRMSNorm; torch.compile fuses it into one kernel)."""
@@ -154,7 +177,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(start, end)})
         if last:
             self.norm = self.make_norm()
-            self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+            self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         self._tie()
 
     def _tie(self) -> None:

@@ -108,7 +108,6 @@ def _eager(fn: Callable[P, R]) -> Callable[P, R]:
     return cast("Callable[P, R]", torch.compiler.disable(fn))
 
 
-@_eager  # under train.compile the body is compiled and this runs eagerly
 def linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, rows: int | None = None
 ) -> torch.Tensor:
@@ -141,13 +140,16 @@ class NextTokenLoss(torch.nn.Module):
 class CausalLMLoss(NextTokenLoss):
     """The next-token loss through `linear_cross_entropy` (the CPU's kernel set): the model's
     final hidden states, then its bias-free LM head fused with the loss, for a model whose logits
-    are that head's product (`Transformer.linear_logits`)."""
+    are that head's product (`Transformer.linear_logits`). `compiled`: the module runs under
+    torch.compile, which then runs the fused head eagerly (torch.compiler.disable: only then, as
+    it imports torch's compiler, 1.5 CPU-s a process)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, *, compiled: bool = False) -> None:
         super().__init__(model)
         assert model.linear_logits, type(model).__name__
+        self.head_loss = _eager(linear_cross_entropy) if compiled else linear_cross_entropy
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.model.hidden(input_ids)
         # position t predicts token t + 1: the last position has nothing to predict
-        return linear_cross_entropy(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
+        return self.head_loss(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])

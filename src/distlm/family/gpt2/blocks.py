@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from distlm.family.gpt2 import GPT2Args
-from distlm.family.transformer import Block, activation
+from distlm.family.transformer import Block, Embedding, Linear, activation
 
 
 class GPT2Embedding(nn.Module):
@@ -19,8 +19,8 @@ class GPT2Embedding(nn.Module):
 
     def __init__(self, args: GPT2Args) -> None:
         super().__init__()
-        self.wte = nn.Embedding(args.vocab_size, args.dim)
-        self.wpe = nn.Embedding(args.context, args.dim)
+        self.wte = Embedding(args.vocab_size, args.dim)
+        self.wpe = Embedding(args.context, args.dim)
         self.drop = nn.Dropout(args.embd_dropout)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -30,15 +30,15 @@ class GPT2Embedding(nn.Module):
 class GPT2Attention(nn.Module):
     def __init__(self, args: GPT2Args) -> None:
         super().__init__()
-        self.qkv = nn.Linear(args.dim, 3 * args.dim)  # c_attn: q | k | v
-        self.proj = nn.Linear(args.dim, args.dim)  # c_proj
+        self.qkv = Linear(args.dim, 3 * args.dim)  # c_attn: q | k | v
+        self.proj = Linear(args.dim, args.dim)  # c_proj
 
 
 class GPT2MLP(nn.Module):
     def __init__(self, args: GPT2Args) -> None:
         super().__init__()
-        self.fc = nn.Linear(args.dim, args.mlp_dim)  # c_fc
-        self.proj = nn.Linear(args.mlp_dim, args.dim)  # c_proj
+        self.fc = Linear(args.dim, args.mlp_dim)  # c_fc
+        self.proj = Linear(args.mlp_dim, args.dim)  # c_proj
         self.act = activation(args.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

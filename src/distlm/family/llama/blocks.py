@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from distlm.family.llama import LlamaArgs, RopeArgs
-from distlm.family.transformer import Block, RMSNorm, activation
+from distlm.family.transformer import Block, Linear, RMSNorm, activation
 
 
 def inverse_frequencies(rope: RopeArgs, head_dim: int, device=None) -> tuple[torch.Tensor, float]:
@@ -118,8 +118,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         D = args.head_dim
         self.split = (args.n_heads * D, args.n_kv_heads * D, args.n_kv_heads * D)
-        self.qkv = nn.Linear(args.dim, sum(self.split), bias=args.qkv_bias)  # q | k | v
-        self.o = nn.Linear(args.n_heads * D, args.dim, bias=args.o_bias)
+        self.qkv = Linear(args.dim, sum(self.split), bias=args.qkv_bias)  # q | k | v
+        self.o = Linear(args.n_heads * D, args.dim, bias=args.o_bias)
         if args.qk_norm:  # Qwen3: each head's queries and keys RMS-normed over the head width
             self.q_norm = RMSNorm(D, args.norm_eps)
             self.k_norm = RMSNorm(D, args.norm_eps)
@@ -130,8 +130,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(args.dim, 2 * args.mlp_dim, bias=args.mlp_bias)
-        self.down = nn.Linear(args.mlp_dim, args.dim, bias=args.mlp_bias)
+        self.gate_up = Linear(args.dim, 2 * args.mlp_dim, bias=args.mlp_bias)
+        self.down = Linear(args.mlp_dim, args.dim, bias=args.mlp_bias)
         self.act = activation(args.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

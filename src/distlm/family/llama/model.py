@@ -12,20 +12,16 @@ from torch import nn
 from distlm.family.llama import LLAMA, QWEN2, RMS_NORM_EPS, ROPE_THETA, LlamaArgs
 from distlm.family.llama.blocks import LlamaBlock, Rotary
 from distlm.family.model import Family
-from distlm.family.transformer import RMSNorm, Rule, Transformer
+from distlm.family.transformer import Embedding, RMSNorm, Rule, Transformer
 
 _L = "model.layers.{i}."
 
 
-class LlamaEmbedding(nn.Module):
+class LlamaEmbedding(Embedding):
     """embed_tokens: token ids -> hidden states (positions enter through rotary)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(args.vocab_size, args.dim))
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self.weight)
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return super().forward(ids)
 
 
 class LlamaModel(Transformer):
@@ -37,7 +33,7 @@ class LlamaModel(Transformer):
         self.rotary = Rotary(args)  # every stage has one: it holds no weights
 
     def make_embedding(self) -> nn.Module:
-        return LlamaEmbedding(self.args)
+        return LlamaEmbedding(self.args.vocab_size, self.args.dim)
 
     def make_block(self, layer: int) -> LlamaBlock:
         return LlamaBlock(self.args, layer)

@@ -63,6 +63,7 @@ class StageModel(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         decode_graphs: bool = False,
+        capture_graphs: bool = False,
     ) -> None:
         super().__init__()
         self.args = args
@@ -94,7 +95,7 @@ class StageModel(nn.Module):
         self.length: dict[int, int] = {}
         self._cache_bytes = 0
         # decode steps as CUDA graphs (the device backend's `decode_graphs`: a GPU's), or None
-        self.graphs = DecodeGraphs(self) if decode_graphs else None
+        self.graphs = DecodeGraphs(self, capture=capture_graphs) if decode_graphs else None
         self._note_placement()
 
     def _note_placement(self) -> None:
@@ -405,8 +406,9 @@ class DecodeGraphs:
     (`DeviceBackend.decode_graphs`: on a GPU).
     """
 
-    def __init__(self, model: StageModel) -> None:
+    def __init__(self, model: StageModel, *, capture: bool) -> None:
         self.model = model
+        self.capture = capture  # as CUDA graphs (the device backend's `capture_graphs`)
         self._steps: dict[tuple[int, int], StaticStep] = {}
         self.captured = 0  # graphs captured so far (the log and the tests read it)
 
@@ -448,7 +450,7 @@ class DecodeGraphs:
         if step is None:
             step = self._steps[lo, R] = StaticStep(self.model, lo, R)
         rows = step.load(items, x)
-        if self.model.device.type != "cuda":  # no graphs: the static step as it is
+        if not self.capture:  # no graphs: the static step as it is
             return step.forward().index_select(0, rows)
         if step.graph is None:
             t0 = time.perf_counter()
@@ -588,6 +590,7 @@ def load_stage(
         device=device,
         dtype=next(iter(tensors.values())).dtype,  # the shard's
         decode_graphs=hw.decode_graphs,
+        capture_graphs=hw.capture_graphs,
     )
     model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     log.info(
@@ -599,6 +602,6 @@ def load_stage(
         ", embeddings" if model.first else "",
         ", head" if model.last else "",
         sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
-        "; decode steps replayed as CUDA graphs" if model.graphs and device.type == "cuda" else "",
+        "; decode steps replayed as CUDA graphs" if model.graphs and hw.capture_graphs else "",
     )
     return model
