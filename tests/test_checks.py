@@ -171,3 +171,44 @@ def test_the_constraints_are_what_ci_installs_and_satisfy_pyproject():
     install = "-c constraints.txt torch=="
     assert install in (ROOT / ".ci" / "run").read_text()
     assert install in (ROOT / "README.md").read_text()
+
+
+def test_the_gpu_check_plans_every_figure_in_one_call_of_nine_minutes(tmp_path):
+    """benchmarks/gpu/run.sh's default call, dry (every step written down, none run: the same
+    script, helpers and commands a GPU machine runs): the steps in order, correctness first;
+    each with a limit, sharing a budget of at most 9 minutes; every figure asked for; what it
+    cannot run written down with why; no target after an option that takes several values."""
+    import json
+
+    from test_docs import snakemake_args
+
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "GPU_WORK": str(tmp_path / "work")}
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu/run.sh", str(tmp_path / "wheels")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    steps = {s["step"]: s for s in summary["steps"]}
+    planned = [s["step"] for s in summary["steps"] if s.get("why") == "dry run"]
+    figures = ["workflow", "tests", "train", "serve", "infer", "train-smollm2"]
+    assert planned == ["install", *figures]
+    assert steps["uccl"]["why"].startswith("no uccl wheel")
+    assert steps["extra"]["why"].startswith("not asked for")
+    budget = int(re.search(r"BUDGET_S:-(\d+)", (ROOT / "benchmarks/gpu/run.sh").read_text())[1])
+    assert budget <= 9 * 60 and all(steps[s]["limit"] <= budget for s in planned)
+    serve = steps["serve"]["command"]
+    assert (
+        serve[serve.index("--repeats") + 1] == "2"
+        and float(serve[serve.index("--seconds") + 1]) >= 10
+    )
+    for s in summary["steps"]:
+        argv = s["command"]
+        if "snakemake" in argv:
+            parsed = snakemake_args(tuple(argv[argv.index("snakemake") + 1 :]))
+            assert all(c.endswith((".yaml", ".yml", ".json")) for c in parsed.configfiles), argv

@@ -1095,6 +1095,39 @@ def test_background_checkpoints_write_what_the_loop_writes(inputs, tmp_path, mon
     assert len(stalls) == 3 and all(s >= 0 for s in stalls)
 
 
+def test_a_save_that_waits_for_the_previous_write_says_so(inputs, tmp_path, monkeypatch, caplog):
+    """Background checkpoints whose writes take longer than the steps between saves: each save
+    that waited for the previous write says so in the log with the seconds waited, and the
+    training record holds each write's own seconds apart from the loop's stalls."""
+    import dataclasses
+    import logging
+    import time
+
+    from distlm.device import DeviceBackend
+
+    in_loop, write = DeviceBackend.for_rank, ck.write
+
+    def background(cls, *args, **kw):
+        return dataclasses.replace(in_loop(*args, **kw), background_checkpoints=True)
+
+    def slow_write(*args, **kw):
+        time.sleep(0.5)  # a disk slower than the steps
+        return write(*args, **kw)
+
+    monkeypatch.setattr(DeviceBackend, "for_rank", classmethod(background))
+    monkeypatch.setattr(ck, "write", slow_write)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        run_training(train_cfg(), paths(inputs, tmp_path))
+    waits = [r.getMessage() for r in caplog.records if "previous one's write" in r.getMessage()]
+    assert waits and all("train.ckpt_every" in w for w in waits), waits
+    waited = [float(w.split("waited ")[1].split(" s")[0]) for w in waits]
+    assert all(0.1 < x < 1.0 for x in waited), waits
+    training = read_meta(tmp_path / "final").training
+    assert len(training["checkpoint_write_s"]) == len(training["checkpoint_stall_s"]) == 3
+    assert all(w >= 0.5 for w in training["checkpoint_write_s"])
+    assert training["startup_cpu_s"] > 0
+
+
 def test_staged_copies_are_kept_from_save_to_save_and_wait_for_the_last_write():
     """A background write reads host copies (`CheckpointWriter.stage`) in buffers the writer
     keeps: the next save copies into the same buffers, and only once the write in flight is done

@@ -1,50 +1,63 @@
 #!/usr/bin/env bash
 # One command that checks a GPU machine: installs distlm from a folder of wheels, runs the whole
-# workflow on config/gpu.yaml, the `gpu` tests, and the training and serving benchmarks on CUDA,
-# and writes what it measured under $OUT.
+# workflow on config/gpu.yaml, the `gpu` tests, and the training, serving and batch-inference
+# benchmarks on CUDA, and writes what it measured under $OUT. One call of at most 9 minutes:
 #
 #   bash benchmarks/gpu/wheels.sh .whl          # on a machine with PyPI: the wheels (docs/performance.md, "GPU")
-#   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl [STEP...]
+#   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl             # every step, ~9 min on an H100
+#   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl extra       # optional second call, below
 #
-# STEPs name the steps to run after the install, in the order given (default: all of them, in
-# the order below). A session lent a machine here has 15 minutes of device time, the machine's start
-# included, and one call runs at most 10 minutes; the figures still missing go first:
-#   OUT=... bash benchmarks/gpu/run.sh .whl workflow train infer tests                # ~9 min
-#   OUT=... BUDGET_S=200 bash benchmarks/gpu/run.sh .whl workflow train-smollm2 serve  # ~3 min
-# the second at once after the first, on the same warm machine: the work folder (GPU_WORK,
-# /tmp/distlm-gpu) stays, so its workflow step finds the run finished and reruns nothing (what the
-# user's second `snakemake` does), and serve and infer use its trained folder.
+# STEPs name the steps to run after the install, in the order given (default: every step of
+# one call, in the order below: correctness first, then the figures still missing). A session
+# lent a machine has 15 minutes of device time, the machine's start included, and one call runs
+# at most 10 minutes. Each step has a time limit, and together they keep to a budget (BUDGET_S,
+# 530 s); a step that fails or runs out of time is written down and the next one still runs;
+# summary.json lists every step with its exit code and seconds, or why it did not run (the
+# budget spent, not asked for, nothing to run it on).
+#
+# The limits come from the H100 run of 2026-11-27 at 794d75f (../shared/notes/gpu-h100-
+# 2026-11-27.md), plus a margin; where that run measured nothing, from what the step runs:
+#   step            measured   limit   what it runs
+#   install         12 s       60 s    the wheels and distlm (always first)
+#   workflow        138 s      190 s   snakemake --profile profiles/local --configfile config/gpu.yaml
+#                                      (rule all: 120 steps of GPT-2 small's shape, the evaluations,
+#                                      batch inference, the report)
+#   tests           113 s      200 s   pytest -m gpu on the workflow's run (DISTLM_TESTS_GPU_WORKFLOW);
+#                                      113 s with the killed-training test failing at once: its two
+#                                      jobs (compiled from the run's cache) ~50 s more
+#   train           174 s      150 s   benchmarks/train/bench_train.py --preset gpt2: the stage
+#                                      (measured 84 s for 60 steps: 29 s compile, ~10 s start-up)
+#                                      beside the nanoGPT-style loop (25 s compile), 200 steps each
+#                                      (~45 ms a step), and one matmul peak; 174 s was 60 steps, two
+#                                      matmul peaks and two start-ups of transformers' modeling code
+#   serve           97 s       150 s   benchmarks/inference/bench_serve.py: distlm serve beside
+#                                      `transformers serve --continuous-batching`, 16 and 64 clients,
+#                                      2 repeats of 10 s a level (97 s was 1, 16, 64 clients, 1 x 6 s)
+#   infer           -          80 s    benchmarks/inference/bench.py --batch-only: the one-stage
+#                                      pipeline, 32 prompts in flight, beside batched `generate`
+#   train-smollm2   -          130 s   bench_train.py --preset smollm2 --only distlm: the stage on
+#                                      SmolLM2-135M's shape (30 blocks: ~2.5x GPT-2's compile), 100 steps
+#   uccl            -          90 s    the broadcast stage over UCCL, with a uccl wheel and two GPUs
+#   extra           -          -       optional second call (not in the default): the training
+#                                      comparison with HF Trainer and hf-compile, serving at 1, 16
+#                                      and 64 clients with 3 repeats, batch inference with the
+#                                      one-at-a-time rows
 #
 # For a machine with Python 3.12 and a CUDA build of torch already installed and no network (the
 # GPU machines lent here: torch 2.11 with CUDA 13): every other package comes from the wheel folder
-# (`pip install --no-index --no-deps`), distlm itself as an editable install. Each step has a time
-# limit, and together they keep to a budget (BUDGET_S, 530 s): a step that fails or runs out of
-# time is written down and the next one still runs. torch.compile's caches are what a user gets:
-# the stages keep theirs with the run, and each benchmark job starts from empty ones, so the
-# one-time costs are a first run's.
-#   install     the wheels and distlm (always first)
-#   workflow    snakemake --profile profiles/local --configfile config/gpu.yaml (rule all)
-#   tests       pytest -m gpu, reading the workflow's run (DISTLM_TESTS_GPU_WORKFLOW)
-#   train       benchmarks/train/bench_train.py --preset gpt2 --device cuda: the stage, compiled,
-#               beside the nanoGPT-style compiled loop (GPT-2 small's real shape, bf16); steady-
-#               state MFU of both, one-time costs (compile, first validation, checkpoint stalls:
-#               three saves, at steps 20, 40 and 60)
-#   train-smollm2  the same for the stage alone on SmolLM2-135M's shape (--preset smollm2): the
-#               Llama family's MFU, its compile and checkpoint stalls
-#   serve       benchmarks/inference/bench_serve.py --device cuda: distlm serve beside
-#               `transformers serve --continuous-batching --device cuda`, on the trained folder
-#   infer       benchmarks/inference/bench.py --device cuda: batch inference, the one-stage
-#               pipeline with 32 prompts in flight beside transformers' batched `generate` on the
-#               GPU, on the trained folder (--batch-only: those two rows timed); greedy ids
-#               compared with `generate`'s, one prompt at a time, untimed
-#   uccl        the broadcast stage with transfer.transport: uccl, when a uccl wheel is in the
-#               folder and the machine has two GPUs (UCCL moves GPU memory between two of them)
+# (`pip install --no-index --no-deps`), distlm itself as an editable install. The work folder
+# (GPU_WORK, /tmp/distlm-gpu) stays from call to call on one machine: a second call's workflow
+# step finds the run finished and reruns nothing (what the user's second `snakemake` does), and
+# the steps that read its trained folder (tests, serve, infer) use it. torch.compile's caches are
+# what a user gets: the stages keep theirs with the run, and each benchmark job starts from empty
+# ones, so the one-time costs are a first run's.
+#
 # Files under $OUT (default benchmarks/gpu/out): summary.json (each step: command, exit code,
-# seconds; the machine and the versions), run.log (everything printed), workflow-gpu.json (the
-# workflow's reports: broadcast, evaluation, training record and its one-time costs, inference
-# timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json,
-# train-results-gpu-smollm2.json, serve-results-gpu.json, infer-results-gpu.json,
-# broadcast-uccl.json (9 with every step: the device tool brings 8 a call, so use two calls).
+# seconds, or why it did not run; the machine and the versions), run.log (everything printed),
+# workflow-gpu.json (the workflow's reports: broadcast, evaluation, training record and its
+# one-time costs, inference timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json,
+# serve-results-gpu.json, infer-results-gpu.json, train-results-gpu-smollm2.json (8 files: what the
+# device tool brings back from one call; broadcast-uccl.json and extra-*.json come from a second).
 # The figures are committed as benchmarks/train/results-gpu.json, results-gpu-smollm2.json,
 # benchmarks/inference/serve-results-gpu.json and results-gpu.json (the infer step's); then
 # `python benchmarks/summary.py` renders them into the README's table.
@@ -52,8 +65,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER [STEP...] (bash benchmarks/gpu/wheels.sh makes one)}
 shift
-all_steps=(workflow tests train train-smollm2 serve infer uccl)
-chosen=("${@:-${all_steps[@]}}")
+one_call=(workflow tests train serve infer train-smollm2 uccl)
+all_steps=("${one_call[@]}" extra)
+chosen=("${@:-${one_call[@]}}")
 for name in "${chosen[@]}"; do
   [[ " ${all_steps[*]} " == *" $name "* ]] || {
     echo "benchmarks/gpu/run.sh: no step $name (steps: ${all_steps[*]})" >&2
@@ -75,27 +89,34 @@ budget=${BUDGET_S:-530}  # the whole run's: the steps share it, the summary come
 steps=()
 
 # step NAME SECONDS COMMAND...: run it under a time limit (its own, or what is left of the
-# budget); its exit code and seconds go to summary.json (124: out of time).
+# budget); its exit code, seconds and limit go to summary.json (124: out of time). With DRY_RUN=1
+# (tests/test_checks.py, on a machine without a GPU) every step is written down, not run.
+dry=${DRY_RUN:-0}
 step() {
   local name=$1 limit=$2
   shift 2
   local left=$((started + budget - $(date +%s)))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -le 10 ]; then
-    echo "=== $name: not run: the ${budget} s budget is spent"
-    steps+=("{\"step\": \"$name\", \"exit\": null, \"seconds\": 0, \"why\": \"budget spent\"}")
+    not_run "$name" "the ${budget} s budget is spent"
     return 124
   fi
   echo "=== $name (at most ${limit} s): $*"
-  local t0 rc
+  local t0 rc=0
   t0=$(date +%s)
-  timeout --kill-after=20 "$limit" "$@"
-  rc=$?
+  if [ "$dry" = 1 ]; then
+    echo "(dry run)"
+  else
+    timeout --kill-after=20 "$limit" "$@"
+    rc=$?
+  fi
   local dt=$(($(date +%s) - t0))
   echo "=== $name: exit $rc after ${dt} s"
   steps+=("$($py -c 'import json, sys; print(json.dumps({"step": sys.argv[1],
-    "exit": int(sys.argv[2]), "seconds": int(sys.argv[3]), "command": sys.argv[4:]}))' \
-    "$name" "$rc" "$dt" "$@")")
+    "exit": None if sys.argv[5] == "1" else int(sys.argv[2]), "seconds": int(sys.argv[3]),
+    "limit": int(sys.argv[4]), "command": sys.argv[6:]}
+    | ({"why": "dry run"} if sys.argv[5] == "1" else {})))' \
+    "$name" "$rc" "$dt" "$limit" "$dry" "$@")")
   return $rc
 }
 
@@ -112,10 +133,13 @@ summary() {
   $py benchmarks/gpu/collect.py summary "$out/summary.json" "[$items]" "$(($(date +%s) - started))"
 }
 trap summary EXIT
+for name in "${all_steps[@]}"; do  # the steps not asked for, written down as such
+  [[ " ${chosen[*]} " == *" $name "* ]] || not_run "$name" "not asked for (steps: ${chosen[*]})"
+done
 
 # trained: whether the workflow's run has its trained folder (this call's, or an earlier call's on
 # this machine), which the tests, serve and infer read
-trained() { [ -f "$wf/results/train/final/model.safetensors" ]; }
+trained() { [ "$dry" = 1 ] || [ -f "$wf/results/train/final/model.safetensors" ]; }
 
 # needs_run NAME: step NAME reads the workflow's finished run; without one it is written down as
 # not run (and this returns 1)
@@ -132,9 +156,9 @@ run_workflow() {
     # an earlier call's run ended by its time limit: Snakemake's lock is stale
     $py -m snakemake --profile profiles/local --configfile config/gpu.yaml --directory "$wf" --unlock
   fi
-  step workflow 210 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
+  step workflow 190 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
     --directory "$wf"
-  $py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
+  [ "$dry" = 1 ] || $py benchmarks/gpu/collect.py workflow "$wf" "$out/workflow-gpu.json"
 }
 
 # -- the gpu tests, on the workflow's run ------------------------------------------------------
@@ -142,43 +166,46 @@ run_tests() {
   if trained; then
     export DISTLM_TESTS_GPU_WORKFLOW="$wf"  # the tests read this run (without it, they make one)
   fi
-  step tests 240 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
+  step tests 200 bash -c 'set -o pipefail; "$0" -m pytest -m gpu -p no:cacheprovider -q \
     --basetemp "$1" 2>&1 | tee "$2"' "$py" "$work/pytest-tmp" "$out/pytest-gpu.txt"
   # torch.compile's first step: the workflow's (an empty cache) against the processes of the
   # kill test (the same graphs, from the cache it left: the second is the resumed one)
   echo "=== compile: the first step of each training process (cold, then from the cache)"
   grep -h "the first of this process" "$wf/logs/train/rank0.log" \
+    "$work"/pytest-tmp/test_a_killed_training_resume*cuda*/work/logs/train/rank0.log \
     "$work"/pytest-tmp/test_a_killed_training_resume*/work/logs/train/rank0.log 2>/dev/null || true
 }
 
 # -- training: the stage beside the nanoGPT-style loop, GPT-2 small's real shape ---------------
+# 200 steps, saves at 100 and 200: ~4.5 s apart, wider than a write of GPT-2 small with AdamW
+# (the 2026-11-27 run's saves 20 steps apart waited for the previous write: 3.99 and 3.35 s)
 run_train() {
-  step train 170 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
-    --device cuda --precision bf16 --steps 60 --skip 20 --only distlm nanogpt \
-    --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
+  step train 150 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
+    --device cuda --precision bf16 --steps 200 --skip 20 --only distlm nanogpt \
+    --set train.ckpt_every=100 --note "benchmarks/gpu/run.sh" --out "$out/train-results-gpu.json"
 }
 
 # -- training: the stage alone on SmolLM2-135M's shape (the Llama family) -----------------------
 run_train-smollm2() {
-  step train-smollm2 200 $py benchmarks/train/bench_train.py \
-    --preset smollm2 --nproc 1 --device cuda --precision bf16 --steps 60 --skip 20 --only distlm \
-    --set train.ckpt_every=20 --note "benchmarks/gpu/run.sh" \
+  step train-smollm2 130 $py benchmarks/train/bench_train.py \
+    --preset smollm2 --nproc 1 --device cuda --precision bf16 --steps 100 --skip 20 --only distlm \
+    --set train.ckpt_every=50 --note "benchmarks/gpu/run.sh" \
     --out "$out/train-results-gpu-smollm2.json"
 }
 
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
 run_serve() {
   needs_run serve || return
-  step serve 110 $py benchmarks/inference/bench_serve.py --device cuda \
-    --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
-    --repeats 1 --seconds 6 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
+  step serve 150 $py benchmarks/inference/bench_serve.py --device cuda \
+    --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 16,64 \
+    --repeats 2 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
     --out "$out/serve-results-gpu.json"
 }
 
 # -- batch inference: the pipeline against batched `generate`, on the trained folder -----------
 run_infer() {
   needs_run infer || return
-  step infer 90 $py benchmarks/inference/bench.py --device cuda \
+  step infer 80 $py benchmarks/inference/bench.py --device cuda \
     --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
     --max-new-tokens 64 --repeats 2 --batch-only --note "benchmarks/gpu/run.sh" \
     --out "$out/infer-results-gpu.json"
@@ -197,17 +224,31 @@ run_uccl() {
     not_run uccl "$gpus GPU(s): UCCL moves GPU memory between two"
     return
   }
-  step uccl 90 $py -m snakemake --profile profiles/local --configfile config/gpu.yaml \
-    --directory "$wf" --forcerun broadcast results/broadcast/report.json \
+  # the target first: after --forcerun (or --configfile) it would be read as one more value
+  step uccl 90 $py -m snakemake results/broadcast/report.json --profile profiles/local \
+    --configfile config/gpu.yaml --directory "$wf" --forcerun broadcast \
     --config 'transfer={"transport": "uccl"}' 'broadcast={"receivers": 1}' &&
     cp "$wf/results/broadcast/report.json" "$out/broadcast-uccl.json"
 }
 
+# -- the optional second call: the longer comparisons ------------------------------------------
+run_extra() {
+  step extra-train 300 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
+    --device cuda --precision bf16 --steps 200 --skip 20 --only distlm nanogpt hf hf-compile \
+    --set train.ckpt_every=100 --note "benchmarks/gpu/run.sh extra" \
+    --out "$out/extra-train-results-gpu.json"
+  needs_run extra-serve || return
+  step extra-serve 240 $py benchmarks/inference/bench_serve.py --device cuda \
+    --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \
+    --repeats 3 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh extra" \
+    --out "$out/extra-serve-results-gpu.json"
+}
+
 # -- install: the wheels (distlm's dependencies the image lacks) and distlm, offline -----------
-step install 120 bash -c "
+step install 60 bash -c "
   $py -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \"$wheels\"/*.whl &&
   $py -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e ." || exit 1
-nvidia-smi || true
+[ "$dry" = 1 ] || nvidia-smi || true
 for name in "${chosen[@]}"; do
   "run_$name"
 done

@@ -629,17 +629,32 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
         "tokens_per_step": tr["global_batch"] * tr["block_size"],
         "threads_per_rank": threads,
         "stage_wall_s": tr["wall_s"],
-        # the one-time costs, apart from the steady state: the first step (torch.compile's
-        # first graph), the first validation, and the loop's stall at each checkpoint
+        # the one-time costs, apart from the steady state: a rank's start-up (CPU seconds to its
+        # first step), the first step (torch.compile's first graph), the first validation, the
+        # loop's stall at each checkpoint and, apart from it, each checkpoint's own write (in
+        # the background on a GPU: a stall holds it only when saves come faster than writes,
+        # which the stage's log says with the seconds waited)
         "one_time": {
+            "startup_cpu_s": tr.get("startup_cpu_s"),
             "first_step_s": float(rows[0]["step_time_s"]),
             "first_validation_s": float(vals[0]["seconds"])
             if vals and vals[0].get("seconds")
             else None,
             "checkpoint_stall_s": tr.get("checkpoint_stall_s"),
+            "checkpoint_write_s": tr.get("checkpoint_write_s"),
+            "checkpoint_waits": _logged_waits(work / f"distlm-{n}-rank0.log"),
         },
         "profile": profile,
     }
+
+
+def _logged_waits(log: Path) -> list[str]:
+    """The saves that waited for the previous write, as the stage's log says."""
+    return [
+        line.split("] ", 1)[-1]
+        for line in log.read_text(errors="replace").splitlines()
+        if "waited" in line and "previous one's write" in line
+    ]
 
 
 def _logged_threads(log: Path) -> int | None:

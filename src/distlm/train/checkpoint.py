@@ -115,6 +115,7 @@ class CheckpointWriter:
         self._pending: Future | None = None
         self._pinned = pinned
         self._buffers: dict[tuple, torch.Tensor] = {}  # host copies by place in the tree
+        self.write_s: list[float] = []  # each write's own seconds, in the order written
 
     @property
     def background(self) -> bool:
@@ -185,6 +186,12 @@ class CheckpointWriter:
         if ready is not None:
             ready.synchronize()
         return write(*args, **kwargs)
+
+    def settle(self) -> float:
+        """Wait for the last write to be on disk (its error is raised); the seconds waited."""
+        t0 = time.perf_counter()
+        self.wait()
+        return time.perf_counter() - t0
 
     def wait(self) -> Path | None:
         """The last background write's path once it is on disk (None if there was none)."""
@@ -257,6 +264,15 @@ def save(
             step=step,
         )
         writer = writer or CheckpointWriter(background=False)
+        waited = writer.settle()  # the previous write, before its buffers are used again
+        if waited > 0.01:
+            log.warning(
+                "step %d: the checkpoint waited %.2f s for the previous one's write to finish "
+                "(saves come faster than the disk takes them; a larger train.ckpt_every spares "
+                "the loop the wait)",
+                step,
+                waited,
+            )
         ready = None
         if writer.background:  # copies, which the training loop cannot change under the write
             (weights, optimizer_state), ready = writer.stage(saved_tensors(model, optimizer))
@@ -264,6 +280,7 @@ def save(
             weights, optimizer_state = host_copy(saved_tensors(model, optimizer))
         path = writer.submit(
             _timed_write,
+            writer,
             run_dir,
             ready=ready,
             weights=weights,
@@ -283,10 +300,11 @@ def save(
     return path
 
 
-def _timed_write(ckpt_dir: str | Path, **kw) -> Path:
+def _timed_write(writer: CheckpointWriter, ckpt_dir: str | Path, **kw) -> Path:
     t0 = time.perf_counter()
     path = write(ckpt_dir, **kw)
-    log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - t0)
+    writer.write_s.append(round(time.perf_counter() - t0, 4))
+    log.info("checkpoint %s written in %.2f s", path, writer.write_s[-1])
     return path
 
 

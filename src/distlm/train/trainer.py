@@ -167,6 +167,8 @@ class Trainer:
         self.stop_requested: str | None = None  # agreed by every rank at the last step end
         self.stop_signals: list[str] = []  # the STOP_SIGNALS behind stop_requested
         self.checkpoint_stalls: list[float] = []  # seconds the loop spent in each save
+        # the process's CPU seconds (all threads) from its launch to its first step: start-up
+        self.startup_cpu_s: float | None = None
         self._next_batch: dict[int, list[torch.Tensor]] = {}  # step -> its batch, read ahead
 
     # ------------------------------------------------------------------ steps
@@ -345,8 +347,11 @@ class Trainer:
                 "precision": self.precision,
                 "device": self.device.type,
                 "backend": self.topo.backend,
-                # the one-time costs (the first step holds torch.compile) and each save's stall
+                # the one-time costs (the first step holds torch.compile): each save's stall of
+                # the loop, and each checkpoint write's own seconds (in the background on a GPU)
                 "checkpoint_stall_s": self.checkpoint_stalls,
+                "checkpoint_write_s": list(self.writer.write_s),
+                "startup_cpu_s": self.startup_cpu_s,
             }
             meta = outputs.write_final(
                 self.paths,
@@ -462,18 +467,22 @@ class Trainer:
         """One optimizer step with its bookkeeping (profiler, metrics, progress bar, log line)."""
         t = self.tcfg
         first = self._last_step_end is None
+        if first:
+            self.startup_cpu_s = round(time.process_time(), 2)
         row = self.train_step()
         if first and self.topo.is_main:
             # the host buffers of background checkpoints, allocated while training goes on
             self.writer.reserve(ckpt_mod.saved_tensors(self.model, self.optimizer))
         if first:  # the one-time costs: torch.compile's first graph, the first allocations
             log.info(
-                "step %d took %.2f s, the first of this process%s; later steps are the steady state",
+                "step %d took %.2f s, the first of this process%s, after a start-up of %.2f "
+                "CPU-s; later steps are the steady state",
                 self.step,
                 row["step_time_s"],
                 f" (torch.compile included: {self.hw.compile_cache_use()})"
                 if self.hw.compile
                 else "",
+                self.startup_cpu_s,
             )
         if profiler is not None:
             profiler.step()
