@@ -346,8 +346,8 @@ def test_prefill_joining_decodes_matches_generate(tiny_models, hf_reference, pre
         assert g == hf_reference(p, len(g)), p
 
 
-def _scheduler(folder, *, lanes, eos=None):
-    model = load_stage(folder, 0, world=1)
+def _scheduler(folder, *, lanes, eos=None, hw=None):
+    model = load_stage(folder, 0, world=1, hw=hw)
     return Scheduler(
         model,
         None,
@@ -424,6 +424,43 @@ def test_scheduler_launches_decodes_first_by_lane(tiny_models, hf_reference):
         [it.seq for it in items if it.pos > 0] != sorted(it.seq for it in items if it.pos > 0)
         for items in launched
     )
+
+
+def test_with_decode_graphs_a_micro_batch_is_decodes_or_prefills(tiny_models, hf_reference):
+    """Where the stage replays its decode steps as graphs (a GPU; here its static steps on the
+    CPU), a micro-batch is all decodes or all prefills: prefills wait for each other up to
+    PREFILL_EVERY decode micro-batches, then go together; every sequence still picks
+    generate's tokens, and the lanes are reused as before."""
+    from distlm.device import DeviceBackend
+    from distlm.inference.engine.scheduler import PREFILL_EVERY
+
+    tok = hf_reference.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS * 3]
+    lengths = [3, 12, 5, 9, 6] * 3
+    static = DeviceBackend(torch.device("cpu"), decode_graphs=True)
+    sched = _scheduler(tiny_models[1], lanes=4, hw=static)
+    assert sched.separate
+    picks: list[tuple[int, str]] = []  # (prefills ready, what the micro-batch held)
+    pick = sched._pick
+
+    def watched():
+        ready = sum(not q.tokens for q in sched.ready)
+        batch = pick()
+        picks.append((ready, "decode" if all(q.tokens for q in batch) else "prefill"))
+        assert all(bool(q.tokens) == (picks[-1][1] == "decode") for q in batch)  # never mixed
+        return batch
+
+    sched._pick = watched
+    seqs = _run(sched, ids, [SamplingParams(n) for n in lengths])
+    for p, n, s in zip(PROMPTS * 3, lengths, seqs):
+        assert s.tokens == hf_reference(p, n)
+    kinds = [k for _, k in picks]
+    assert "decode" in kinds and kinds.count("prefill") < len(ids)  # prefills went together
+    waited = 0  # decode micro-batches in a row while a prefill was ready
+    for ready, kind in picks:
+        waited = waited + 1 if kind == "decode" and ready else 0
+        assert waited <= PREFILL_EVERY
+    assert sched.model.graphs is not None and sched.model.graphs.blocks()
 
 
 # ----------------------------------------------------------------------------- MPI

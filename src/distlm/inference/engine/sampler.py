@@ -33,8 +33,19 @@ class Sampler:
     def release(self, lane: int) -> None:
         self.lanes.pop(lane, None)
 
+    def needs_logits(self, lane: int) -> bool:
+        """Whether the lane's pick reads its row of logits (sampling, log-probabilities), not
+        the row's argmax alone (greedy)."""
+        entry = self.lanes.get(lane)
+        return entry is None or not entry[0].greedy or entry[0].logprobs is not None
+
     def pick(
-        self, seq: int, lane: int, logits: torch.Tensor, prompt=None, argmax: int | None = None
+        self,
+        seq: int,
+        lane: int,
+        logits: torch.Tensor | None,
+        prompt=None,
+        argmax: int | None = None,
     ) -> Pick:
         """A token for one sequence; an error in it (SamplingError, a bug) fails that one only.
 
@@ -46,9 +57,11 @@ class Sampler:
             if params.greedy and argmax is not None:
                 token = argmax
             else:
+                assert logits is not None, "a pick that samples gets its row (needs_logits)"
                 token = pick_token(logits, params, gen)
             if params.logprobs is None:
                 return Pick(seq, token, prompt=prompt)
+            assert logits is not None, "a pick with log-probabilities gets its row"
             lp, top = top_logprobs(logits, token, params.logprobs)
             return Pick(seq, token, lp, tuple(top), prompt=prompt)
         except Exception as e:
@@ -63,40 +76,53 @@ def _every(slots: tuple[Slot, ...]) -> frozenset[int]:
 
 
 def row_argmax(logits: torch.Tensor) -> list[int | None]:
-    """Each row's argmax (B, V) -> B picks, for the whole micro-batch at once (what pick_token
-    chooses for a greedy sequence); None for a row with no finite logit (pick_token then fails
-    that sequence alone). max's indices are argmax's (the first of equal maxima) from a faster
-    CPU kernel, and its values say in the same pass whether every row has a finite logit (a row's
-    max is NaN when it holds a NaN, and not finite when it holds +inf or only -inf); only then
-    are the rows looked at one by one."""
+    """Each row's argmax (B, V) -> B picks, for the whole micro-batch at once, on the logits'
+    device with one read to the host (what pick_token chooses for a greedy sequence); None for a
+    row with no finite logit (pick_token then fails that sequence alone). max's indices are
+    argmax's (the first of equal maxima), and its values say in the same pass whether every row
+    has a finite logit (a row's max is NaN when it holds a NaN, and not finite when it holds
+    +inf or only -inf); only then are the rows looked at one by one."""
     top = logits.max(dim=1)
-    if bool(torch.isfinite(top.values).all()):
-        return top.indices.tolist()
+    best, ok = torch.stack((top.indices, torch.isfinite(top.values).long())).tolist()
+    if all(ok):
+        return best
     finite = torch.isfinite(logits).any(dim=1).tolist()
-    return [b if ok else None for b, ok in zip(top.indices.tolist(), finite)]
+    return [b if f else None for b, f in zip(best, finite)]
 
 
 def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) -> list[Pick]:
-    """The last stage's forward pass and picks: one pass scores the prompts that ask for it."""
+    """The last stage's forward pass and picks: one pass scores the prompts that ask for it.
+    Greedy rows are picked on the logits' device (their argmax, B numbers to the host); only the
+    rows a pick reads (sampling, log-probabilities, a row without a finite logit) come to the
+    host, where the generators live."""
     out = model([sl.item for sl in slots], x, every=_every(slots))
     logits, rest = out if isinstance(out, tuple) else (out, {})
-    logits = logits.float().cpu()  # (B, V); the generators live on the CPU
-    best = row_argmax(logits)
-    picks = []
-    for i, sl in enumerate(slots):
-        if sl.item.pos == 0:
-            if sl.params is None:  # stage 0 sends them with every prefill (scheduler._slots)
-                raise PipelineError(f"sequence {sl.item.seq}: a prefill without its parameters")
+    best = row_argmax(logits)  # (B, V) -> B
+    for sl in slots:  # a prefill's sampling state first: whether its row is needed says it
+        if sl.item.pos == 0 and sl.params is not None:
             sampler.start(sl.item.lane, sl.params)
             for f in sl.forks:
                 sampler.start(f.lane, f.params)
+    need = [
+        i
+        for i, sl in enumerate(slots)
+        if best[i] is None
+        or sampler.needs_logits(sl.item.lane)
+        or any(sampler.needs_logits(f.lane) for f in sl.forks)
+    ]
+    rows = dict(zip(need, logits[need].float().cpu())) if need else {}  # the picks' rows
+    picks = []
+    for i, sl in enumerate(slots):
+        if sl.item.pos == 0 and sl.params is None:  # stage 0 sends them with every prefill
+            raise PipelineError(f"sequence {sl.item.seq}: a prefill without its parameters")
         prompt = None
         if sl.prompt is not None and sl.params is not None:
             prompt = prompt_logprobs(
                 rest[i].cpu(), list(sl.prompt[1:]), sl.params.prompt_logprobs or 0
             )
-        picks.append(sampler.pick(sl.item.seq, sl.item.lane, logits[i], prompt, best[i]))
-        picks.extend(sampler.pick(f.seq, f.lane, logits[i], prompt, best[i]) for f in sl.forks)
+        row = rows.get(i)
+        picks.append(sampler.pick(sl.item.seq, sl.item.lane, row, prompt, best[i]))
+        picks.extend(sampler.pick(f.seq, f.lane, row, prompt, best[i]) for f in sl.forks)
     return picks
 
 

@@ -1,0 +1,214 @@
+"""Where a serving step's host time goes at N clients: the API server's and stage 0's CPU time
+per token and per decode step, and what it is spent on, sampled with py-spy.
+
+    python benchmarks/inference/profile_serve.py --model results/train/final --clients 64
+    python benchmarks/inference/profile_serve.py --clients 64 --src ../before/src   # another checkout
+
+It starts `distlm serve` as bench_serve.py does (the rule's command: the API server and a
+one-stage MPI pipeline with --lanes lanes, OMP_NUM_THREADS 1 a process), sends N clients'
+non-streamed greedy completions back to back, and once they run steady it samples both
+processes for --seconds with `py-spy record --format raw` (idle frames left out) while it reads
+their CPU time and the tokens /metrics counts. Each sample's stack is put in the first bucket
+its frames match (BUCKETS: the model's forward pass, sampling, the scheduler, the engine
+channel's messages, ZeroMQ; the server's HTTP, JSON, its request handling, detokenization,
+metrics, asyncio), so the JSON gives each process's CPU seconds per token and per decode step
+(tokens / lanes busy), and each bucket's share.
+
+On a GPU a 91M model's decode step at 64 lanes is a CUDA graph of a few milliseconds, so the
+host's share is what bounds serving (docs/performance.md, "Serving"); on the CPU the forward
+pass is the CPU's own work, so the figure to read is the host time outside it, which is the
+same Python and the same messages on either device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (bucket, a substring of a frame "function (file)" that puts a sample there), first match wins,
+# looked for from the innermost frame out
+BUCKETS = {
+    "engine": [
+        ("forward pass", "pipeline_stage.py"),
+        ("forward pass", "family/"),
+        ("sampling", "sampling.py"),
+        ("sampling", "engine/sampler.py"),
+        ("messages", "messages.py"),
+        ("messages", "msgpack"),
+        ("zmq", "zmq/"),
+        ("scheduler", "scheduler.py"),
+        ("engine loop", "engine/serve.py"),
+        ("ring (MPI)", "engine/ring.py"),
+    ],
+    "server": [
+        ("detokenize", "tokenization"),
+        ("detokenize", "tokenizers"),
+        ("messages", "messages.py"),
+        ("messages", "msgpack"),
+        ("metrics", "prometheus_client"),
+        ("answer", "server/render.py"),
+        ("answer", "server/shapes.py"),
+        ("request", "server/requests.py"),
+        ("request", "server/prepare.py"),
+        ("request", "pydantic"),
+        ("engine channel", "server/client.py"),
+        ("zmq", "zmq/"),
+        ("JSON", "json/"),
+        ("HTTP", "uvicorn"),
+        ("HTTP", "h11"),
+        ("HTTP", "starlette"),
+        ("HTTP", "fastapi"),
+        ("routes", "server/app.py"),
+        ("routes", "server/stream.py"),
+        ("asyncio", "asyncio/"),
+    ],
+}
+
+
+def engine_pid(server_pid: int) -> int:
+    """The pid of stage 0 (the MPI job's `--engine` rank) under the API server."""
+    import psutil
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for p in psutil.Process(server_pid).children(recursive=True):
+            try:
+                argv = p.cmdline()
+                if "--engine" in argv and Path(argv[0]).name.startswith("python"):
+                    return p.pid  # not the launcher's (mpiexec's) own, which names it too
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.5)
+    raise SystemExit("no stage 0 (`--engine`) process under the API server")
+
+
+def cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def sample(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen:
+    cmd = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds))]
+    cmd += ["--rate", str(rate), "--format", "raw", "--output", str(out), "--nonblocking"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def buckets(raw: Path, rules: list[tuple[str, str]]) -> dict[str, int]:
+    """Samples per bucket of py-spy's raw output (collapsed stacks: "frame;frame;... count")."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")[::-1]  # innermost first
+        name = next(
+            (b for f in frames for b, pat in rules if pat in f),
+            "other",
+        )
+        counts[name] += int(n)
+    return dict(counts.most_common())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    p.add_argument("--model", type=Path, help="model folder (default: bench.py's seeded model)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--lanes", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seconds", type=float, default=20, help="the sampled window")
+    p.add_argument("--warmup", type=float, default=8, help="load before the window")
+    p.add_argument("--rate", type=int, default=200, help="py-spy samples a second")
+    p.add_argument("--src", type=Path, default=ROOT / "src", help="the distlm to run")
+    p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile-serve.json"))
+    p.add_argument("--note", default="")
+    a = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench import prompts, seeded_model
+    from bench_serve import distlm_command, level, stop, wait_up
+
+    work = Path(tempfile.mkdtemp(prefix="distlm-profile-serve-"))
+    args = argparse.Namespace(device="cpu", lanes=a.lanes, max_tokens=a.max_tokens)
+    model = a.model or seeded_model(work, argparse.Namespace(arch="gpt2", layers=6, embd=384, heads=6))
+    port = 18000 + os.getpid() % 1000
+    cmd = distlm_command(work, model, 1, port, args, [a.clients])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(a.src.resolve())}
+    log = work / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_up(proc, port, log)
+        engine = engine_pid(proc.pid)
+        texts = prompts(str(ROOT / "config" / "prompts.txt"), a.clients)
+        load = threading.Thread(
+            target=level,
+            args=(port, texts, a.clients, 1, a.max_tokens, a.warmup + a.seconds + 4),
+            daemon=True,
+        )
+        load.start()
+        time.sleep(a.warmup)
+        pids = {"server": proc.pid, "engine": engine}
+        cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
+        tok0, t0 = metric(port, "distlm_generation_tokens_total"), time.perf_counter()
+        spies = {k: sample(pid, a.seconds, a.rate, work / f"{k}.txt") for k, pid in pids.items()}
+        lanes = []
+        while time.perf_counter() - t0 < a.seconds:
+            lanes.append(metric(port, "distlm_lanes_busy"))
+            time.sleep(1)
+        tokens = metric(port, "distlm_generation_tokens_total") - tok0
+        wall = time.perf_counter() - t0
+        cpu = {k: cpu_s(pid) - cpu0[k] for k, pid in pids.items()}
+        for k, s in spies.items():
+            if s.wait(timeout=a.seconds + 60) != 0:
+                raise SystemExit(f"py-spy on the {k} (pid {pids[k]}) failed")
+        load.join()
+    finally:
+        stop(proc)
+    busy = sum(lanes) / max(1, len(lanes))
+    steps = tokens / max(busy, 1.0)
+    result: dict = {
+        "what": f"host time of distlm serve at {a.clients} clients, {a.lanes} lanes, one stage",
+        "command": " ".join(["python", "benchmarks/inference/profile_serve.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "src": str(a.src),
+        "cpus": os.cpu_count(),
+        "window_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+        "lanes_busy_mean": round(busy, 1),
+        "decode_steps_per_s": round(steps / wall, 1),
+        "processes": {},
+        "note": a.note,
+    }
+    for k in pids:
+        share = buckets(work / f"{k}.txt", BUCKETS[k])
+        total = sum(share.values()) or 1
+        result["processes"][k] = {
+            "cpu_s": round(cpu[k], 2),
+            "cpu_us_per_token": round(1e6 * cpu[k] / max(tokens, 1), 1),
+            "cpu_ms_per_decode_step": round(1e3 * cpu[k] / max(steps, 1), 2),
+            "share": {b: round(n / total, 3) for b, n in share.items()},
+        }
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
