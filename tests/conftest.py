@@ -149,12 +149,24 @@ def _once_per_run(tmp_path_factory, name: str, build) -> Path:
     return wd
 
 
+def processes_of(workdir: Path) -> Path:
+    """Where the processes of the tiny workflow's run wrote what they loaded (workflow_run)."""
+    return workdir.parent / f"{workdir.name}-processes"
+
+
 @pytest.fixture(scope="session")
 def workflow_run(tmp_path_factory) -> Path:
     """The whole tiny workflow, run once per test session (or once for tests/run.sh's sessions:
     _once_per_run); returns its working directory. Tests read it; a test that runs jobs or edits
-    files works on a copy (copy_workflow)."""
-    return _once_per_run(tmp_path_factory, "workflow", run_snakemake)
+    files works on a copy (copy_workflow). Each of its Python processes writes what it loaded
+    into `processes_of(workdir)` (tests/harness/process_hooks)."""
+    from harness.processes import process_env
+
+    def build(wd: Path) -> None:
+        shutil.rmtree(processes_of(wd), ignore_errors=True)  # a failed build's records
+        run_snakemake(wd, env=dict(process_env(processes_of(wd))))
+
+    return _once_per_run(tmp_path_factory, "workflow", build)
 
 
 @pytest.fixture(scope="session")

@@ -133,6 +133,7 @@ def start_server(
     nofile: int | None = None,
     wait: bool = True,
     runtime: dict | None = None,
+    env: dict[str, str] | None = None,
     **over,
 ) -> Server:
     port = free_port()
@@ -161,7 +162,7 @@ def start_server(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN},
+            env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN},
         )
     if nofile:  # before it listens (it loads the tokenizer first); the job inherits it
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (nofile, nofile))
