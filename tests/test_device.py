@@ -162,25 +162,32 @@ def test_a_null_count_follows_the_machine():
     assert stage_ranks(settings(broadcast={"receivers": 0}), "broadcast").per_node == 1
 
 
+def machine(gpus: int, gpu_gib: float = 80, host_gib: float = 64):
+    """A machine of `gpus` GPUs of `gpu_gib` each and `host_gib` of memory."""
+    from distlm.machine import Machine
+
+    return Machine(gpus, int(gpu_gib * 2**30) if gpus else None, int(host_gib * 2**30))
+
+
 def test_a_config_the_machine_cannot_run_names_the_key():
     gpu = settings(runtime={"device": "cuda", "backend": "nccl"})  # 2 ranks, 2 receivers
-    assert machine_problems(gpu, 0) == [
+    assert machine_problems(gpu, machine(0)) == [
         (
             "runtime.device: cuda, but this machine has no GPU that CUDA can see; set "
             "runtime.device: cpu (or auto), or run on a GPU machine"
         )
     ]
-    problems = machine_problems(gpu, 1)
+    problems = machine_problems(gpu, machine(1))
     assert [p.split(":")[0] for p in problems] == [
         "broadcast.receivers",
         "train.nproc_per_node",
         "eval.nproc_per_node",
     ]  # inference.stages: the pipeline's stages share GPUs (they talk over MPI)
     assert "needs 3 ranks on one node" in problems[0] and "has 1 GPU(s)" in problems[0]
-    assert machine_problems(gpu, 4) == []
-    assert machine_problems(settings(), 0) == []  # the CPU default
+    assert machine_problems(gpu, machine(4)) == []
+    assert machine_problems(settings(), machine(0)) == []  # the CPU default
     auto = settings(runtime={"device": "auto"}, train={"nproc_per_node": None})
-    assert machine_problems(auto, 0) == [
+    assert machine_problems(auto, machine(0)) == [
         (
             "train.nproc_per_node: null means one rank per GPU, and this machine has none that "
             "CUDA can see; set train.nproc_per_node, or runtime.device: cpu"
@@ -188,11 +195,36 @@ def test_a_config_the_machine_cannot_run_names_the_key():
     ]
 
 
+def test_a_model_whose_state_does_not_fit_under_ddp_is_refused_naming_fsdp():
+    """config/llama-1b-fsdp.yaml's model: 16 bytes a parameter (~14.8 GiB) on every rank under
+    ddp does not fit 12 GiB GPUs; sharded over 4 ranks it does, so the refusal names
+    train.parallel: fsdp; under fsdp over 4 it runs; on 1 nothing fits: the refusal says more
+    ranks."""
+    from distlm.config import load_settings
+
+    s = load_settings("config/llama-1b-fsdp.yaml")
+    assert s.train.parallel == "fsdp"
+    ddp = settings(**{**_overlay(s), "train": {**_overlay(s)["train"], "parallel": "ddp"}})
+    [problem] = machine_problems(ddp, machine(4, gpu_gib=12))
+    assert problem.startswith("train.parallel: ddp: 0.99 B parameters need 16 bytes each")
+    assert "set train.parallel: fsdp, which shards it over the 4 ranks (3.7 GiB" in problem
+    assert machine_problems(s, machine(4, gpu_gib=12)) == []
+    one = settings(**{**_overlay(s), "train": {**_overlay(s)["train"], "nproc_per_node": 1}})
+    [problem] = machine_problems(one, machine(1, gpu_gib=12))
+    assert "more ranks (train.nproc_per_node, train.nodes)" in problem
+    assert machine_problems(ddp, machine(4, gpu_gib=80)) == []  # an 80 GB GPU holds it whole
+
+
+def _overlay(s) -> dict:
+    """A config file's settings as an overlay (for `settings`)."""
+    return {k: v for k, v in s.model_dump().items() if k != "sweep"}
+
+
 def test_the_gpu_config_fits_one_gpu():
     from distlm.config import load_settings
 
     s = load_settings("config/gpu.yaml")
-    assert machine_problems(s, 1) == []
+    assert machine_problems(s, machine(1)) == []
     assert {st: stage_ranks(s, st).per_node for st in ("broadcast", "train", "eval")} == {
         "broadcast": GPU,
         "train": GPU,
@@ -293,7 +325,7 @@ def test_the_model_makes_no_tensor_on_another_device(family):
     model = model.to("meta")
     ids = torch.arange(5, device="meta")
     with DeviceMix() as mix:
-        model.hidden(ids[None])  # (1, 5): training's and evaluation's forward
+        model(ids[None])  # (1, 5): training's and evaluation's forward
         x = model.embed(ids, ids)  # (5, C): a pipeline stage's packed tokens
         rot = model.positions(ids, x.dtype)
         q, _kv = model.blocks[0].qkv(x, rot)

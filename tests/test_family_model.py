@@ -313,7 +313,7 @@ def test_a_pipeline_stage_is_a_range_of_the_same_blocks():
     """Blocks [1, 2) of a model hold that block under its own index (the same tensor names as
     the whole model's), and running the stages one after another gives the whole model's
     hidden states."""
-    hf, whole = models("llama-gqa-untied")
+    _hf, whole = models("llama-gqa-untied")
     args = whole.args
     fam = family_of(args)
     first = fam.build(args, start=0, end=1, first=True, last=False)

@@ -276,6 +276,18 @@ class DeviceBackend:
         left as it is. True when the setting was made."""
         return keep_freed_memory(what) if self.kernels == "cpu" else False
 
+    def memory(self) -> tuple[int, str]:
+        """(bytes this rank has for itself, what they are, for an error): its GPU's, or on the
+        CPU its share of the host's memory among the node's ranks."""
+        if self.is_gpu:
+            return torch.cuda.get_device_properties(self.device).total_memory, (
+                f"its GPU ({torch.cuda.get_device_name(self.device)})"
+            )
+        from distlm.machine import host_memory
+
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        return host_memory() // ranks, f"its share of the host's memory ({ranks} ranks)"
+
     @property
     def pin_host(self) -> bool:
         """Whether host buffers bound for the device are pinned (page-locked: copied without a

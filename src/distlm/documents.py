@@ -16,7 +16,13 @@ import os
 from pathlib import Path
 from typing import ClassVar, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from distlm import DistlmError
 from distlm.io import digest, write_json
@@ -251,10 +257,20 @@ class IdentityData(_Part):
 
 
 class IdentityTopology(_Part):
-    world_size: int
-    micro_batch: int
-    grad_accum: int
+    """How a step's global batch is cut. Under DDP the whole cut (a checkpoint resumes on the same
+    ranks); under FSDP the global batch alone, with `parallel` (its sharded checkpoints reshard:
+    a run resumes on any number of ranks, with the same data order). A key left unset is not
+    dumped, so a DDP identity digests as it did before FSDP."""
+
+    world_size: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
     global_batch: int
+    parallel: str | None = None  # "fsdp"; None: DDP
+
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class IdentityOptim(_Part):

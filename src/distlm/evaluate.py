@@ -142,7 +142,7 @@ def score_windows(
         ids, scored, labels = ids.to(device), scored.to(device), labels.to(device)
         with amp:
             # distlm's model of the family (distlm.family): its logits on the scored positions
-            hidden = model.hidden(ids)  # (B, T, C)
+            hidden = model(ids, head=False)  # (B, T, C)
             logits = model.logits(hidden[scored])  # (n_scored, V)
         nll = F.cross_entropy(logits.float(), labels[scored], reduction="none")  # (n_scored,)
         total += nll.double().sum()

@@ -6,6 +6,7 @@ key to change. Under SLURM the node that runs Snakemake usually has no GPU; ther
 the ranks' own (`distlm.device`), where they run.
 
     visible_gpus()   # 0 on a machine without the NVIDIA driver; CUDA_VISIBLE_DEVICES honoured
+    this_machine()   # Machine(gpus, gpu_memory, host_memory): what a config's ranks would get
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")  # one folder per GPU, written by the driver
@@ -50,3 +52,37 @@ def visible_count(physical: int, env: Mapping[str, str]) -> int:
 def visible_gpus(env: Mapping[str, str] | None = None) -> int:
     """The GPUs a process started here with `env` (default: this one's) would see."""
     return visible_count(physical_gpus(), os.environ if env is None else env)
+
+
+def gpu_memory() -> int | None:
+    """Bytes of memory of this node's smallest GPU (nvidia-smi's), None without the driver."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    q = [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(q, capture_output=True, text=True, timeout=20, check=False).stdout
+        mib = [int(line.strip()) for line in out.splitlines() if line.strip().isdigit()]
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return min(mib) << 20 if mib else None
+
+
+def host_memory() -> int:
+    """Bytes of this node's memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a rank started here would get: GPUs CUDA sees, each GPU's memory (None when unknown),
+    and the host's memory (the CPU ranks share it)."""
+
+    gpus: int
+    gpu_memory: int | None
+    host_memory: int
+
+
+def this_machine(env: Mapping[str, str] | None = None) -> Machine:
+    gpus = visible_gpus(env)
+    return Machine(gpus, gpu_memory() if gpus else None, host_memory())

@@ -19,7 +19,7 @@ if ROOT is not None:
 
 from distlm.config import ConfigError
 from distlm.launch.torchrun import stage_args
-from distlm.machine import visible_gpus
+from distlm.machine import this_machine
 from distlm.settings.ranks import machine_problems, stage_ranks
 from distlm.settings.stage import STAGE_CONFIGS, stage_params
 from distlm.settings.validate import validate
@@ -50,14 +50,15 @@ config.update(_validated)
 # a config the machine cannot run is refused before the first job, naming the key to change. It
 # is an onstart handler: after the DAG is planned, and never in a dry run, which plans any config
 # on any machine. Under SLURM the ranks check their own node (distlm.device).
-GPUS = visible_gpus()
+MACHINE = this_machine()
+GPUS = MACHINE.gpus
 
 
 onstart:
     if workflow.is_main_process and workflow.local_exec:
         # a sweep's runs share most of the problems: each once
         problems = dict.fromkeys(
-            p for s in PLAN.every_settings for p in machine_problems(s, GPUS)
+            p for s in PLAN.every_settings for p in machine_problems(s, MACHINE)
         )
         if problems:
             raise WorkflowError(

@@ -82,8 +82,11 @@ class Family:
         return getattr(transformers, self.spec.architecture)
 
     def init_config(self, init: InitSettings, vocab_size: int, eos_token_id: int | None):
-        """The transformers config of a seeded random init (`model.init`) for this vocabulary."""
-        raise NotImplementedError(self.model_type)
+        """The transformers config of a seeded random init (`model.init`) for this vocabulary:
+        the family's config.json keys of it (`FamilySpec.init_doc`), in its config class."""
+        doc = dict(self.spec.init_doc(init, vocab_size, eos_token_id))
+        doc.pop("model_type")
+        return self.config_class(**doc)
 
     def init_model(self, config, *, seed: int):
         """transformers' model of `config`, seeded: the model stage's random init (the same

@@ -221,3 +221,5 @@ class FamilySpec:
     description: str  # one line, for model.init.architecture's help
     # the config mapping: config.json (a mapping; the file's name for errors) -> its ModelArgs
     args: Callable[[Mapping[str, Any], str], ModelArgs] = field(repr=False)
+    # a seeded init's config.json keys: (model.init, vocabulary size, eos token id) -> a mapping
+    init_doc: Callable[[InitSettings, int, int | None], dict[str, Any]] = field(repr=False)

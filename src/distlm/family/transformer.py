@@ -5,7 +5,7 @@ a pipeline stage runs a range of its blocks.
     model = family.build(args, device="cuda")          # the whole decoder (weights to load)
     model.load_hf(tensors, where)                      # transformers' names and layouts
     logits = model(ids)                                # (B, T) -> (B, T, V)
-    h = model.hidden(ids)                              # the final norm's output (B, T, C)
+    h = model(ids, head=False)                         # the final norm's output (B, T, C)
     stage = family.build(args, start=4, end=8, first=False, last=True)   # a pipeline stage
 
 A block's math comes in two halves around attention (`Block.project`, `Block.finish`), so that
@@ -59,6 +59,9 @@ class Block(nn.Module):
         self.gqa = args.gqa
         self.scale = args.head_dim**-0.5
         self.attn_dropout = args.attn_dropout
+        # activation checkpointing (train.activation_checkpointing): keep the block's input
+        # alone and compute its activations again in the backward pass
+        self.checkpointing = False
 
     def project(self, x: torch.Tensor, rot: Any) -> tuple[torch.Tensor, ...]:
         """Queries (..., n_heads, D), keys and values (..., n_kv_heads, D) of hidden states
@@ -79,7 +82,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rot: Any) -> torch.Tensor:
         """The block over whole causal blocks x (B, T, C): SDPA with `is_causal` and no mask,
         which takes the flash (or cuDNN) kernel on CUDA; grouped heads are attended as they are
-        (`enable_gqa`), not repeated."""
+        (`enable_gqa`), not repeated. With `checkpointing`, in training, its activations are
+        computed again in the backward pass (torch.utils.checkpoint) instead of kept."""
+        if self.checkpointing and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._attend_whole, x, rot, use_reentrant=False)
+        return self._attend_whole(x, rot)
+
+    def _attend_whole(self, x: torch.Tensor, rot: Any) -> torch.Tensor:
         q, k, v = self.project(x, rot)  # (B, T, nh, D), (B, T, nkv, D) x 2
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # (B, nh, T, D)
@@ -235,19 +246,23 @@ class Transformer(nn.Module):
         raise NotImplementedError
 
     # -- running it ----------------------------------------------------------------------------
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) at positions 0..T-1 -> the final norm's output (B, T, C) (a whole
-        model: first and last)."""
+    def checkpoint_blocks(self, on: bool) -> None:
+        """Activation checkpointing per block (train.activation_checkpointing): each block keeps
+        its input alone and computes its activations again in the backward pass."""
+        for block in self.blocks:
+            block.checkpointing = on
+
+    def forward(self, ids: torch.Tensor, *, head: bool = True) -> torch.Tensor:
+        """Token ids (B, T) at positions 0..T-1 -> logits (B, T, V), or with `head` False the
+        final norm's output (B, T, C) (a whole model: first and last). Training and evaluation
+        call the model (not its parts), so that FSDP's hooks gather what it holds sharded."""
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.embed(ids, pos)  # (B, T, C)
         rot = self.positions(pos, x.dtype)
         for block in self.layers.values():
             x = block(x, rot)
-        return self.norm(x)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V)."""
-        return self.logits(self.hidden(ids))
+        h = self.norm(x)
+        return self.logits(h) if head else h
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's end: the final norm, then the logits (..., C) -> (..., V)."""

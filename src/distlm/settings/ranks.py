@@ -17,10 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distlm.settings.root import Settings
+from distlm.machine import Machine
+from distlm.settings.root import Settings, known_model_args
 
 GPU = "gpu"  # torchrun's --nproc-per-node=gpu: one rank per GPU CUDA sees on the node
 TORCH_STAGES = ("broadcast", "train", "eval")
+# A training rank's model state a parameter: float32 weights, their gradients and AdamW's two
+# moments (the training precision's copies under autocast, and the activations, come on top)
+STATE_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,63 @@ def stage_ranks(s: Settings, stage: str) -> StageRanks:
     return StageRanks(stage, key, per_node, on_gpu)
 
 
-def machine_problems(s: Settings, gpus: int) -> list[str]:
-    """What a machine with `gpus` GPUs cannot run of `s` when every rank runs on it (the local
-    profile): each names the key to change."""
+def state_problem(
+    parameters: int, parallel: str, world: int, budget: int, where: str
+) -> str | None:
+    """Why a training run of `parameters` cannot keep its model state (STATE_BYTES a parameter)
+    on ranks of `budget` bytes each (`where` names them), naming the key to change; None if it
+    can. Under ddp every rank holds the whole state; under fsdp each rank a 1/`world` shard."""
+    whole = STATE_BYTES * parameters
+    need = whole if parallel == "ddp" else -(-whole // world)
+    if need <= budget:
+        return None
+    gib = lambda n: f"{n / 2**30:.1f} GiB"
+    head = (
+        f"train.parallel: {parallel}: {parameters / 1e9:.2f} B parameters need {STATE_BYTES} bytes "
+        f"each a rank for training (float32 weights, gradients and AdamW's two moments)"
+    )
+    if parallel == "ddp":
+        sharded = -(-whole // world)
+        if sharded <= budget:
+            return (
+                f"{head}: {gib(whole)} on every rank, and {where} has {gib(budget)}; set "
+                f"train.parallel: fsdp, which shards it over the {world} ranks ({gib(sharded)} "
+                "a rank)"
+            )
+        return (
+            f"{head}: {gib(whole)} a rank, and {where} has {gib(budget)}; even train.parallel: "
+            f"fsdp over {world} ranks needs {gib(sharded)} a rank: more ranks "
+            "(train.nproc_per_node, train.nodes)"
+        )
+    return (
+        f"{head}, {gib(need)} a rank sharded over {world} ranks, and {where} has {gib(budget)}: "
+        "more ranks (train.nproc_per_node, train.nodes)"
+    )
+
+
+def memory_problems(s: Settings, machine: Machine) -> list[str]:
+    """What training cannot hold on this machine when every rank runs here, when the model is
+    known before any job (a seeded init, a local folder): each names the key to change."""
+    args = known_model_args(s)
+    r = stage_ranks(s, "train")
+    if args is None:
+        return []
+    per_node = machine.gpus if r.per_node == GPU else r.per_node
+    world = max(1, per_node) * s.train.nodes
+    if r.on_gpu and machine.gpus:
+        if machine.gpu_memory is None:
+            return []
+        budget, where = machine.gpu_memory, "each of this machine's GPUs"
+    else:
+        budget, where = machine.host_memory // max(1, per_node), "each CPU rank's share of memory"
+    problem = state_problem(args.parameters(), s.train.parallel, world, budget, where)
+    return [problem] if problem else []
+
+
+def machine_problems(s: Settings, machine: Machine) -> list[str]:
+    """What `machine` cannot run of `s` when every rank runs on it (the local profile): each
+    names the key to change."""
+    gpus = machine.gpus
     if s.runtime.device == "cuda" and gpus == 0:
         return [
             (
@@ -84,4 +142,5 @@ def machine_problems(s: Settings, gpus: int) -> list[str]:
             )
         ]
     # The pipeline's stages are not here: they talk over MPI, so more stages than GPUs share them.
-    return [p for st in TORCH_STAGES if (p := stage_ranks(s, st).fits(gpus))]
+    counts = [p for st in TORCH_STAGES if (p := stage_ranks(s, st).fits(gpus))]
+    return counts or memory_problems(s, machine)

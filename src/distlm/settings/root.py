@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from distlm import DistlmError
-from distlm.family import model_args
+from distlm.family import ModelArgs, model_args, spec_of
 from distlm.settings.base import ConfigError, Section
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
@@ -155,6 +155,24 @@ def consistency_problems(s: Settings) -> list[str]:
 def init_problems(m: ModelSettings) -> list[str]:
     """What model.init's keys make impossible together: its family's checks (distlm.family)."""
     return m.init.problems()
+
+
+def known_model_args(s: Settings) -> ModelArgs | None:
+    """What distlm's model of the config is built from, when known without the network: a
+    seeded init's (of the vocabulary the tokenizer is asked for: the largest it can have), or a
+    local folder's config.json; None for a hub model (its ranks check what it is)."""
+    m = s.model
+    if m.source == "init":
+        spec = spec_of(m.init.architecture, where="model.init.architecture")
+        doc = spec.init_doc(m.init, s.data.tokenizer.vocab_size, None)
+        return model_args(doc, "model.init")
+    if m.source == "local" and m.name and (Path(m.name) / "config.json").is_file():
+        p = Path(m.name) / "config.json"
+        try:
+            return model_args(json.loads(p.read_text()), str(p))
+        except (ValueError, OSError, DistlmError):
+            return None  # known_architecture names what is wrong with it
+    return None
 
 
 def known_architecture(m: ModelSettings) -> tuple[int, int] | None:

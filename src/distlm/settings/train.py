@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from distlm.family.spec import ONLY_WHEN_SET
 from distlm.settings.base import Real, Section
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Parallel = Literal["ddp", "fsdp"]
 
 
 class DdpSettings(Section):
@@ -65,11 +67,30 @@ class TrainSettings(Section):
         description="auto = bf16 (else fp16) autocast on GPUs, fp32 on CPU; or fp32, bf16, fp16.",
     )
     compile: bool = Field(default=False, description="torch.compile the model before DDP wraps it.")
+    parallel: Parallel = Field(
+        default="ddp",
+        **ONLY_WHEN_SET,
+        description=(
+            "How the ranks hold the model: ddp, a whole copy each (weights, gradients, AdamW "
+            "state), gradients all-reduced; fsdp (FSDP2), each rank a shard of them, per block, "
+            "checkpoints sharded (torch.distributed.checkpoint: a run resumes on any number of "
+            "ranks). docs/parallelism.md."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        **ONLY_WHEN_SET,
+        description=(
+            "Recompute each block's activations in the backward pass instead of keeping them "
+            "(less memory, about a third more compute)."
+        ),
+    )
     fast_kernels: bool = Field(
         default=True,
         description=(
-            "The LM head fused with the cross-entropy (in chunks) and the tanh GELU as one "
-            "kernel (distlm.train.kernels); false trains through transformers' own modules."
+            "The device's training kernels: on the CPU the LM head fused with the "
+            "cross-entropy in chunks (distlm.train.kernels); false: the standard head and loss "
+            "on every device."
         ),
     )
     ckpt_every: int = Field(
@@ -119,6 +140,21 @@ class TrainSettings(Section):
         ),
     )
     ddp: DdpSettings = Field(default=DdpSettings(), description="DistributedDataParallel options.")
+    # keys newer than the configs that never set them: dumped only when they differ from their
+    # defaults, so that the train stage's params (and every digest made of them) of a config
+    # without them are what they were (an upgrade reruns nothing)
+    DUMPED_WHEN_SET: ClassVar[dict[str, object]] = {
+        "parallel": "ddp",
+        "activation_checkpointing": False,
+    }
+
+    def _dumped(self, out: dict) -> dict:
+        return {
+            k: v
+            for k, v in out.items()
+            if k not in self.DUMPED_WHEN_SET or v != self.DUMPED_WHEN_SET[k]
+        }
+
     profile: ProfileSettings = Field(
         default=ProfileSettings(), description="torch.profiler over a window of steps."
     )

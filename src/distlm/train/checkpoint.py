@@ -15,6 +15,13 @@ name and renamed when complete (a killed job never leaves one that looks finishe
                         data, topology, optimisation settings)
     checkpoint.json     written last: a `CheckpointIndex` document, the sha256 of every file above
 
+A sharded run's checkpoint (`train.parallel: fsdp`, `save(..., sharded=True)`) holds `shards/`
+in place of model.safetensors and optimizer.pt: what `torch.distributed.checkpoint` writes of
+the model's and AdamW's state (distlm's parameter names), each rank its own shards into the
+same folder (a shared filesystem across nodes), which loads into any number of ranks
+(resharded). Rank 0 writes the rest and checkpoint.json, with the sha256 of every file, the
+shards' included, and renames the folder into place once every rank has written.
+
 Every file is fsynced before the folder is renamed into place, and the new checkpoint is verified
 (read back against checkpoint.json) before older ones are pruned: only verified checkpoints count
 toward keep_last, so a kill or a bad write never leaves fewer good checkpoints than before.
@@ -38,6 +45,7 @@ surfaces there.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,7 +85,9 @@ log = get_logger(__name__)
 
 FORMAT = CheckpointIndex.tag()
 _NAME = re.compile(r"^step-(\d{8})$")
-FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")  # a whole checkpoint's
+SHARDS = "shards"  # a sharded checkpoint's torch.distributed.checkpoint folder
+SHARDED_FILES = ("rng.pt", "state.json")  # and its files beside it
 
 
 class CheckpointMismatch(DistlmError):
@@ -237,19 +247,21 @@ def save(
     history: dict,
     keep_last: int,
     writer: CheckpointWriter | None = None,
+    sharded: bool = False,
 ) -> Path | None:
     """The one save path; all ranks call. Every rank's RNG state is gathered to rank 0, which
     writes step `step`'s checkpoint into `run_dir` (rank 0's run folder) and keeps the last
     `keep_last`, with `writer` (None: here and now); returns its path on rank 0 once written
-    here, None elsewhere and for a background write. All ranks wait for rank 0's part."""
+    here, None elsewhere and for a background write. All ranks wait for rank 0's part.
+    `sharded` (FSDP): every rank writes its shards of the model and AdamW's state
+    (`_save_sharded`)."""
     rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.device)
     gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(rng, gathered, dst=0)
-    path = None
+    state = None
     if gathered is not None:  # rank 0
         if run_dir is None:
             raise DistlmError("rank 0 saves a checkpoint before it opened its run folder")
-        t0 = time.perf_counter()
         state = CheckpointState(
             identity=identity,
             data={
@@ -263,6 +275,20 @@ def save(
             distlm_version=__version__,
             step=step,
         )
+    if sharded:
+        return _save_sharded(
+            run_dir,
+            step,
+            topo=topo,
+            model=model,
+            optimizer=optimizer,
+            rng=gathered,
+            state=state,
+            keep_last=keep_last,
+        )
+    path = None
+    if gathered is not None and state is not None:  # rank 0
+        t0 = time.perf_counter()
         writer = writer or CheckpointWriter(background=False)
         waited = writer.settle()  # the previous write, before its buffers are used again
         if waited > 0.01:
@@ -300,6 +326,87 @@ def save(
     return path
 
 
+def _save_sharded(
+    run_dir: Path | None,
+    step: int,
+    *,
+    topo: Topology,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rng: list | None,
+    state: CheckpointState | None,
+    keep_last: int,
+) -> Path | None:
+    """A sharded checkpoint (FSDP): rank 0 opens the checkpoint's temporary folder, every rank
+    writes its shards of the model and AdamW's state into it (torch.distributed.checkpoint),
+    then rank 0 the rest and checkpoint.json, renames the folder into place, reads it back and
+    keeps the last `keep_last`. A kill before the rename leaves a leftover the next start
+    removes, never a checkpoint that looks finished."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tree = {"model": model_sd, "optim": optim_sd}
+    path = None
+    with contextlib.ExitStack() as stack:
+        box: list[str | None] = [None]
+        if topo.is_main:
+            assert run_dir is not None and state is not None and rng is not None
+            path = run_dir / checkpoint_name(step)
+            size = nbytes(tree) + nbytes(rng)  # every rank's shards: the whole state
+            box[0] = str(stack.enter_context(atomic_dir(path, size=size)))
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(str(box[0]))
+        dcp.save(tree, checkpoint_id=tmp / SHARDS)  # every rank its own shards
+        topo.barrier()  # every shard written
+        if topo.is_main:
+            assert state is not None
+            torch.save(rng, tmp / "rng.pt")
+            write_document(tmp / "state.json", state)
+            write_index(tmp, step)
+    if path is not None:  # rank 0: renamed into place
+        verify(Checkpoint(path, step))  # read back before anything older goes
+        prune(path.parent, keep_last)
+        log.info("checkpoint %s written in %.2f s (sharded)", path, time.perf_counter() - t0)
+    topo.barrier()
+    return path
+
+
+def load_sharded(
+    ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """A sharded checkpoint into this rank's shards of the model and AdamW's state, whatever
+    the number of ranks that wrote it (torch.distributed.checkpoint reshards); all ranks call."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tree = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(tree, checkpoint_id=ckpt.path / SHARDS)
+    except Exception as e:
+        raise DistlmError(
+            f"{ckpt.path / SHARDS}: the sharded checkpoint does not load into this model "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    set_state_dict(model, optimizer, model_state_dict=tree["model"], optim_state_dict=tree["optim"])
+
+
+def is_sharded(ckpt: Checkpoint) -> bool:
+    """Whether a checkpoint holds shards (an FSDP run's), not whole files."""
+    return (ckpt.path / SHARDS).is_dir()
+
+
+def write_index(tmp: Path, step: int) -> None:
+    """checkpoint.json, written last into a checkpoint's temporary folder: the sha256 of every
+    file in it (a whole checkpoint's four, or a sharded one's shards and two), which a read
+    checks before the folder counts as a checkpoint."""
+    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+    index = CheckpointIndex(step=step, sha256={f: sha256_file(tmp / f) for f in files})
+    write_document(tmp / "checkpoint.json", index)
+
+
 def _timed_write(writer: CheckpointWriter, ckpt_dir: str | Path, **kw) -> Path:
     t0 = time.perf_counter()
     path = write(ckpt_dir, **kw)
@@ -331,8 +438,7 @@ def write(
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
         write_document(tmp / "state.json", state)
-        index = CheckpointIndex(step=step, sha256={f: sha256_file(tmp / f) for f in FILES})
-        write_document(tmp / "checkpoint.json", index)
+        write_index(tmp, step)
     verify(Checkpoint(final, step))  # read back before anything older goes
     prune(ckpt_dir, keep_last)
     return final
@@ -401,7 +507,9 @@ _VERIFIED: set[tuple] = set()
 def _fingerprint(ckpt: Checkpoint) -> tuple | None:
     try:
         st = (ckpt.path / "checkpoint.json").stat()
-        sizes = tuple((ckpt.path / f).stat().st_size for f in FILES)
+        sizes = tuple(
+            (str(f), f.stat().st_size) for f in sorted(ckpt.path.rglob("*")) if f.is_file()
+        )
     except OSError:
         return None
     return (str(ckpt.path.resolve()), st.st_ino, st.st_mtime_ns, sizes)
@@ -424,7 +532,9 @@ def _verify(ckpt: Checkpoint) -> None:
             f"{ckpt.path / 'checkpoint.json'}: step {index.step}, expected {ckpt.step} "
             "(the folder's name)"
         )
-    for f in FILES:
+    sharded = any(f.startswith(SHARDS + "/") for f in index.sha256)
+    files = sorted({*(SHARDED_FILES if sharded else FILES), *index.sha256})
+    for f in files:
         p = ckpt.path / f
         if not p.is_file():
             raise DistlmError(f"{p}: missing from checkpoint")
@@ -464,9 +574,21 @@ def load_optimizer_state(ckpt: Checkpoint, device: torch.device) -> dict:
     return torch.load(ckpt.path / "optimizer.pt", map_location=device, weights_only=True)
 
 
-def load_rng_state(ckpt: Checkpoint, rank: int, world_size: int) -> dict:
+def load_rng_state(ckpt: Checkpoint, rank: int, world_size: int) -> dict | None:
+    """This rank's RNG states as the checkpoint holds them; None for a sharded checkpoint made
+    by another number of ranks (resharded: the data order is the same, each rank's RNG is
+    seeded afresh)."""
     states = torch.load(ckpt.path / "rng.pt", weights_only=True)
     if len(states) != world_size:
+        if is_sharded(ckpt):
+            log.warning(
+                "%s: made by %d ranks, resumed by %d: the same data order, each rank's random "
+                "generators seeded afresh (dropout masks differ from an uninterrupted run's)",
+                ckpt.path,
+                len(states),
+                world_size,
+            )
+            return None
         raise CheckpointMismatch(
             f"{ckpt.path}: made with world size {len(states)}, this run has {world_size}"
         )

@@ -86,7 +86,9 @@ def run_identity(
             micro_batch=plan.micro_batch,
             grad_accum=plan.grad_accum,
             global_batch=plan.global_batch,
-        ),
+        )
+        if t.parallel == "ddp"
+        else IdentityTopology(global_batch=plan.global_batch, parallel=t.parallel),
         optim=IdentityOptim(
             lr=t.lr,
             min_lr=t.min_lr,
@@ -218,8 +220,12 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def identity_diff(saved: RunIdentity, current: RunIdentity) -> list[str]:
     """Keys whose values differ, as 'key: checkpoint X, this run Y' lines."""
-    a, b = _flatten(saved.fields()), _flatten(current.fields())  # one schema: the same keys
-    return [f"{k}: checkpoint {a[k]!r}, this run {b[k]!r}" for k in sorted(a) if a[k] != b[k]]
+    a, b = _flatten(saved.fields()), _flatten(current.fields())  # a key unset is None
+    return [
+        f"{k}: checkpoint {a.get(k)!r}, this run {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
 
 
 def hard_diffs(saved: RunIdentity, current: RunIdentity) -> list[str]:

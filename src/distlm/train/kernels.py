@@ -130,8 +130,7 @@ class NextTokenLoss(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.hidden(input_ids)  # (B, T, C)
-        logits = self.model.logits(h[:, :-1])  # (B, T - 1, V): position t predicts t + 1
+        logits = self.model(input_ids)[:, :-1]  # (B, T - 1, V): position t predicts t + 1
         return torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), input_ids[:, 1:].flatten()
         )
@@ -150,6 +149,6 @@ class CausalLMLoss(NextTokenLoss):
         self.head_loss = _eager(linear_cross_entropy) if compiled else linear_cross_entropy
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.hidden(input_ids)
+        h = self.model(input_ids, head=False)
         # position t predicts token t + 1: the last position has nothing to predict
         return self.head_loss(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])

@@ -30,9 +30,13 @@ def lr_at(step: int, tcfg: TrainSettings) -> float:
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:
-    """The L2 norm of all of the model's gradients together (clip_grad_norm_'s), as a tensor."""
+    """The L2 norm of all of the model's gradients together (clip_grad_norm_'s), as a tensor:
+    of every rank's shards together, for a sharded model's (FSDP: a DTensor norm, made whole as
+    torchtitan's clipping does)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads, foreach=True)
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    full = getattr(norm, "full_tensor", None)  # a DTensor's: the norm over every rank's shards
+    return full() if full is not None else norm
 
 
 def clip_gradients(model: torch.nn.Module, clip: float, norm: torch.Tensor) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
+
 from distlm.documents import ModelMeta, TokenMeta
-from distlm.family.transformer import Transformer
 from distlm.log import get_logger
 from distlm.model import DTYPES, write_model_dir
 from distlm.settings.stage import TrainConfig
@@ -33,7 +34,7 @@ def write_final(
     paths: TrainPaths,
     cfg: TrainConfig,
     *,
-    model: Transformer,
+    tensors: dict[str, torch.Tensor],
     base_meta: ModelMeta,
     data_meta: TokenMeta,
     metrics: Metrics,
@@ -43,14 +44,11 @@ def write_final(
     wall_s: float,
 ) -> ModelMeta:
     """Rank 0 writes the final model folder, in the layout of the serialized base model
-    (atomically: every file fsynced, then the folder renamed into place): its weights in
-    transformers' names, its config.json the base's. `run`: the run's shape (steps, tokens,
-    world size, batch, block size, precision, device, backend)."""
+    (atomically: every file fsynced, then the folder renamed into place): `tensors`, the whole
+    model in transformers' names, and config.json the base's. `run`: the run's shape (steps,
+    tokens, world size, batch, block size, precision, device, backend)."""
     dtype_name = base_meta.dtype
-    sd = {
-        k: v.detach().to("cpu", DTYPES[dtype_name]).contiguous()
-        for k, v in model.hf_tensors().items()
-    }
+    sd = {k: v.detach().to("cpu", DTYPES[dtype_name]).contiguous() for k, v in tensors.items()}
     last = metrics.train_rows[-1] if metrics.train_rows else {}
     lastval = metrics.val_rows[-1] if metrics.val_rows else {}
     training = {

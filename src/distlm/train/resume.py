@@ -32,7 +32,7 @@ class Resumed:
     step: int
     history: dict  # the metrics rows so far
     path: str
-    rng_state: Any  # this rank's RNG states, set after the weights are synced
+    rng_state: Any  # this rank's RNG states, set after the weights are synced (None: reseed)
 
 
 def load_checkpoint(
@@ -45,21 +45,31 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
     max_steps: int,
+    sharded: bool = False,
 ) -> Resumed:
     """All ranks: check the checkpoint's identity, load the optimiser, schedule and scaler; rank 0
-    loads the weights (the others get them from rank 0 next)."""
+    loads the weights (the others get them from rank 0 next). `sharded` (FSDP): every rank loads
+    its shards of the weights and AdamW's state."""
     ck = ckpt_mod.Checkpoint(Path(choice[0]), choice[1])
     state = ckpt_mod.read_state(ck)
     identity_mod.check_identity(ck, state.identity, identity)
+    if ckpt_mod.is_sharded(ck) != sharded:  # the identities differ (train.parallel): a guard
+        raise ckpt_mod.CheckpointMismatch(
+            f"{ck.path}: a {'sharded' if ckpt_mod.is_sharded(ck) else 'whole'} checkpoint, and "
+            f"this run is {'sharded' if sharded else 'not'} (train.parallel)"
+        )
     rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
-    if topo.is_main:
-        model.load_hf(ckpt_mod.load_weights(ck), str(ck.path / "model.safetensors"))
-    load_named_optimizer_state(
-        model,
-        optimizer,
-        ckpt_mod.load_optimizer_state(ck, topo.device),
-        str(ck.path / "optimizer.pt"),
-    )
+    if sharded:
+        ckpt_mod.load_sharded(ck, model, optimizer)
+    else:
+        if topo.is_main:
+            model.load_hf(ckpt_mod.load_weights(ck), str(ck.path / "model.safetensors"))
+        load_named_optimizer_state(
+            model,
+            optimizer,
+            ckpt_mod.load_optimizer_state(ck, topo.device),
+            str(ck.path / "optimizer.pt"),
+        )
     scheduler.load_state_dict(state.scheduler)
     if state.scaler:
         scaler.load_state_dict(state.scaler)
@@ -121,6 +131,7 @@ def resume_or_start(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler,
+    sharded: bool = False,
 ) -> tuple[Path | None, Resumed | None]:
     """All ranks: rank 0 opens this identity's run folder and picks the checkpoint, every rank
     loads it. Returns (the run folder on rank 0, None elsewhere; what was resumed, or None).
@@ -142,5 +153,6 @@ def resume_or_start(
         scheduler=scheduler,
         scaler=scaler,
         max_steps=tcfg.max_steps,
+        sharded=sharded,
     )
     return run_dir, resumed

@@ -20,6 +20,8 @@ from distlm.documents import ModelMeta, TokenMeta
 from distlm.lease import Lease
 from distlm.log import get_logger
 from distlm.model import Transformer, family_of, load_model_dir, read_args, read_meta
+from distlm.settings import TrainSettings
+from distlm.settings.ranks import state_problem
 from distlm.settings.stage import TrainConfig
 from distlm.train.paths import TrainPaths
 from distlm.train.sampler import BatchPlan, StepLoader, StepSampler, plan_batch
@@ -110,7 +112,9 @@ def open_data(cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> TrainData:
     return data
 
 
-def load_model(paths: TrainPaths, topo: Topology, data: TrainData) -> tuple[Transformer, ModelMeta]:
+def load_model(
+    paths: TrainPaths, topo: Topology, data: TrainData, tcfg: TrainSettings
+) -> tuple[Transformer, ModelMeta]:
     """(distlm's model of the base folder's family in float32 in train mode, the base folder's
     metadata). Rank 0 reads the weights (verified); the others' are allocated for `sync_weights`
     to fill."""
@@ -126,6 +130,12 @@ def load_model(paths: TrainPaths, topo: Topology, data: TrainData) -> tuple[Tran
             f"{paths.tokens}: vocab size {data.meta.vocab_size} exceeds model "
             f"{paths.model}'s {args.vocab_size}"
         )
+    # a node that cannot hold the run's model state stops here, naming the key: under SLURM the
+    # workflow's machine had no GPU to ask (distlm.settings.ranks checks it there when it can)
+    budget, where = topo.device_backend.memory()
+    problem = state_problem(args.parameters(), tcfg.parallel, topo.world_size, budget, where)
+    if problem:
+        raise DistlmError(f"rank {topo.rank}: {problem}")
     if topo.is_main:
         model = load_model_dir(paths.model, device=topo.device, dtype=torch.float32)
     else:

@@ -40,7 +40,6 @@ from distlm.train import checkpoint as ckpt_mod
 from distlm.train import faults as faults_mod
 from distlm.train import identity as identity_mod
 from distlm.train import outputs, resume, setup
-from distlm.train.ddp import wrap_model
 from distlm.train.metrics import Metrics, perplexity
 from distlm.train.optim import (
     clip_gradients,
@@ -50,6 +49,7 @@ from distlm.train.optim import (
     make_optimizer,
     step_unless_nonfinite,
 )
+from distlm.train.parallel import replicas_for, state_bytes, state_line
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
 from distlm.train.stopping import (
@@ -103,7 +103,12 @@ class Trainer:
                 self._opened.callback(self.lease.release)
             self.data = setup.open_data(cfg, paths, topo)
             self._opened.callback(self.data.close)
-            self.model, self.base_meta = setup.load_model(paths, topo, self.data)
+            self.model, self.base_meta = setup.load_model(paths, topo, self.data, t)
+            self.model.checkpoint_blocks(t.activation_checkpointing)
+            # how the ranks hold the model (train.parallel, distlm.train.parallel): FSDP shards
+            # it here, once every rank has rank 0's weights, before the optimizer is made
+            self.replicas = replicas_for(t, self.hw)
+            self.replicas.prepare(self.model, lambda: setup.sync_weights(self.model, cfg, topo))
             self.precision = self.hw.precision
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
             # test faults: None (nothing in the step loop) unless the test harness asks for one
@@ -132,18 +137,22 @@ class Trainer:
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
                 scaler=self.scaler,
+                sharded=self.replicas.sharded,
             )
             self.step = resumed.step if resumed else 0  # optimizer steps completed
             self.resumed_from = resumed.path if resumed else None
-            setup.sync_weights(self.model, cfg, topo)
-            if resumed is not None:
+            if self.replicas.sync_after_resume:
+                setup.sync_weights(self.model, cfg, topo)
+            if resumed is not None and resumed.rng_state is not None:
                 self.hw.set_rng_state(resumed.rng_state)
             else:
-                # Different dropout masks per rank, reproducible from the config seed.
-                torch.manual_seed(cfg.runtime.seed + 1000 * topo.rank)
+                # Different dropout masks per rank, reproducible from the config seed (and, on a
+                # sharded run resumed on other ranks, from the step it resumes at).
+                torch.manual_seed(cfg.runtime.seed + 1000 * topo.rank + 7919 * self.step)
             self.hw.keep_compile_cache(paths.compile_cache)  # before the first graph compiles
-            # fwd: input_ids -> mean next-token loss, eager, for validation (no DDP hooks)
-            self.fwd, self.ddp = wrap_model(self.model, t, self.hw)
+            # fwd: input_ids -> mean next-token loss, eager, for validation (no DDP hooks);
+            # step_module: what the training step runs (compiled where asked, in DDP for ddp)
+            self.fwd, self.step_module = self.replicas.wrap(self.model, t)
             self.metrics = Metrics(
                 enabled=topo.is_main,
                 metrics_csv=paths.metrics_csv,
@@ -167,6 +176,8 @@ class Trainer:
         self.stop_requested: str | None = None  # agreed by every rank at the last step end
         self.stop_signals: list[str] = []  # the STOP_SIGNALS behind stop_requested
         self.checkpoint_stalls: list[float] = []  # seconds the loop spent in each save
+        # this rank's bytes of weights, gradients and optimizer state after its first step
+        self.state_bytes: dict[str, int] = {}
         # the process's CPU seconds (all threads) from its launch to its first step: start-up
         self.startup_cpu_s: float | None = None
         self._next_batch: dict[int, list[torch.Tensor]] = {}  # step -> its batch, read ahead
@@ -185,11 +196,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         accum = len(micro)
         for i, x in enumerate(micro):
-            # No gradient all-reduce on accumulation micro-steps: only the last one syncs.
-            sync = self.ddp.no_sync() if i < accum - 1 else contextlib.nullcontext()
+            # No gradient reduction on accumulation micro-steps: only the last one syncs.
+            sync = self.replicas.no_sync() if i < accum - 1 else contextlib.nullcontext()
             with sync:
                 with phase("distlm.forward"), self.hw.autocast():
-                    loss = self.ddp(x) / accum
+                    loss = self.step_module(x) / accum
                 if self.faults is not None:
                     loss = self.faults.loss(step + 1, loss)  # a test's nan_at_step
                 with phase("distlm.backward"):  # with DDP's gradient all-reduce
@@ -318,6 +329,7 @@ class Trainer:
             history=self.metrics.history(),
             keep_last=self.tcfg.keep_last,
             writer=self.writer,
+            sharded=self.replicas.sharded,
         )
         if self.topo.is_main:
             outputs.metrics_io(self.metrics.flush)
@@ -332,8 +344,10 @@ class Trainer:
         self.topo.barrier()
 
     def write_final(self, wall_s: float, *, steps_run: int | None = None) -> ModelMeta | None:
-        """Rank 0 writes the final model folder (distlm.train.outputs); all ranks wait for it."""
+        """Rank 0 writes the final model folder (distlm.train.outputs) of the whole model (FSDP's
+        shards gathered to it first: every rank takes part); all ranks wait for it."""
         meta = None
+        tensors = self.replicas.full_hf_tensors(self.model)
         if self.topo.is_main:
             p = self.data.plan
             run = {
@@ -347,6 +361,8 @@ class Trainer:
                 "precision": self.precision,
                 "device": self.device.type,
                 "backend": self.topo.backend,
+                "parallel": self.replicas.name,
+                "rank0_state_bytes": self.state_bytes,
                 # the one-time costs (the first step holds torch.compile): each save's stall of
                 # the loop, and each checkpoint write's own seconds (in the background on a GPU)
                 "checkpoint_stall_s": self.checkpoint_stalls,
@@ -356,7 +372,7 @@ class Trainer:
             meta = outputs.write_final(
                 self.paths,
                 self.cfg,
-                model=self.model,
+                tensors=tensors,
                 base_meta=self.base_meta,
                 data_meta=self.data.meta,
                 metrics=self.metrics,
@@ -470,9 +486,17 @@ class Trainer:
         if first:
             self.startup_cpu_s = round(time.process_time(), 2)
         row = self.train_step()
-        if first and self.topo.is_main:
+        if first and self.topo.is_main and not self.replicas.sharded:
             # the host buffers of background checkpoints, allocated while training goes on
             self.writer.reserve(ckpt_mod.saved_tensors(self.model, self.optimizer))
+        if first:
+            self.state_bytes = state_bytes(self.model, self.optimizer)
+            log.info(
+                "rank %d holds (train.parallel %s): %s",
+                self.topo.rank,
+                self.replicas.name,
+                state_line(self.model, self.optimizer),
+            )
         if first:  # the one-time costs: torch.compile's first graph, the first allocations
             log.info(
                 "step %d took %.2f s, the first of this process%s, after a start-up of %.2f "
@@ -528,7 +552,9 @@ class Trainer:
         one of them waits for the GIL to free the last collective's tensors (a deadlock: a
         finished training's rank hung at exit)."""
         self._opened.close()
-        self.__dict__.pop("ddp", None)
+        if "replicas" in self.__dict__:
+            self.replicas.close()
+        self.__dict__.pop("step_module", None)
 
 
 def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:

@@ -88,6 +88,24 @@ def gpt2_args(doc: Mapping[str, Any], where: str) -> GPT2Args:
     )
 
 
+def gpt2_init_doc(init: InitSettings, vocab_size: int, eos_token_id: int | None) -> dict:
+    """config.json's keys of a seeded init (`model.init`) for this vocabulary (GPT2Config's)."""
+    return {
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": init.n_positions,
+        "n_embd": init.n_embd,
+        "n_layer": init.n_layer,
+        "n_head": init.n_head,
+        "resid_pdrop": init.dropout,
+        "embd_pdrop": init.dropout,
+        "attn_pdrop": init.dropout,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "tie_word_embeddings": init.tie_embeddings is not False,  # null = tied
+    }
+
+
 GPT2 = FamilySpec(
     name="gpt2",
     architecture="GPT2LMHeadModel",
@@ -102,4 +120,5 @@ GPT2 = FamilySpec(
     model="distlm.family.gpt2.model:FAMILY",
     description="GPT2LMHeadModel",
     args=gpt2_args,
+    init_doc=gpt2_init_doc,
 )

@@ -60,21 +60,4 @@ class GPT2Model(Transformer):
         return [h for name, _ in self.named_parameters() for h in tmap.hf_names(name)]
 
 
-class GPT2Family(Family):
-    def init_config(self, init, vocab_size, eos_token_id):
-        return self.config_class(
-            vocab_size=vocab_size,
-            n_positions=init.n_positions,
-            n_embd=init.n_embd,
-            n_layer=init.n_layer,
-            n_head=init.n_head,
-            resid_pdrop=init.dropout,
-            embd_pdrop=init.dropout,
-            attn_pdrop=init.dropout,
-            bos_token_id=eos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=init.tie_embeddings is not False,  # null = tied
-        )
-
-
-FAMILY = GPT2Family(GPT2, GPT2Model)
+FAMILY = Family(GPT2, GPT2Model)

@@ -332,6 +332,35 @@ def qwen2_args(doc: Mapping[str, Any], where: str) -> LlamaArgs:
     return llama_args(doc, where, model_type="qwen2", defaults=QWEN_DEFAULTS, qkv_bias=True)
 
 
+def llama_init_doc(init: LlamaInit, vocab_size: int, eos_token_id: int | None) -> dict:
+    """config.json's keys of a seeded init (`model.init`) for this vocabulary."""
+    rope: dict = {
+        "rope_type": "default",
+        "rope_theta": init.rope_theta if init.rope_theta is not None else ROPE_THETA,
+    }
+    if init.rope_scaling is not None:
+        rope.update(init.rope_scaling.model_dump())
+    doc = {
+        "model_type": init.architecture,
+        "vocab_size": vocab_size,
+        "hidden_size": init.n_embd,
+        "intermediate_size": init.intermediate_size or 4 * init.n_embd,
+        "num_hidden_layers": init.n_layer,
+        "num_attention_heads": init.n_head,
+        "num_key_value_heads": init.n_kv_head or init.n_head,
+        "max_position_embeddings": init.n_positions,
+        "rms_norm_eps": init.rms_norm_eps if init.rms_norm_eps is not None else RMS_NORM_EPS,
+        "rope_parameters": rope,
+        "tie_word_embeddings": init.tie_embeddings if init.tie_embeddings is not None else True,
+        "attention_dropout": init.dropout,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+    if init.architecture != "llama":  # Qwen's: every layer attends over every position
+        doc["use_sliding_window"] = False
+    return doc
+
+
 TENSORS = TensorNames(
     layers="model.layers.",
     embeddings=("model.embed_tokens.",),
@@ -347,6 +376,7 @@ LLAMA = FamilySpec(
     model="distlm.family.llama.model:LLAMA_FAMILY",
     description="LlamaForCausalLM: SmolLM2, TinyLlama, Llama 3.2",
     args=llama_args,
+    init_doc=llama_init_doc,  # pyright: ignore[reportArgumentType] (its init settings')
 )
 QWEN2 = FamilySpec(
     name="qwen2",
@@ -357,4 +387,5 @@ QWEN2 = FamilySpec(
     model="distlm.family.llama.model:QWEN2_FAMILY",
     description="Qwen2ForCausalLM: Llama with query/key/value biases (Qwen2.5)",
     args=qwen2_args,
+    init_doc=llama_init_doc,  # pyright: ignore[reportArgumentType] (its init settings')
 )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distlm.family.llama import LLAMA, QWEN2, RMS_NORM_EPS, ROPE_THETA, LlamaArgs
+from distlm.family.llama import LLAMA, QWEN2, LlamaArgs
 from distlm.family.llama.blocks import LlamaBlock, Rotary
 from distlm.family.model import Family
 from distlm.family.transformer import Embedding, RMSNorm, Rule, Transformer
@@ -102,40 +102,5 @@ class LlamaModel(Transformer):
         return [n for n in order if n in have]
 
 
-class LlamaFamily(Family):
-    def config_kwargs(self, init, vocab_size, eos_token_id) -> dict:
-        """The config of a seeded init as keyword arguments (Qwen3 adds its own)."""
-        rope: dict = {
-            "rope_type": "default",
-            "rope_theta": init.rope_theta if init.rope_theta is not None else ROPE_THETA,
-        }
-        if init.rope_scaling is not None:
-            rope.update(init.rope_scaling.model_dump())
-        return {
-            "vocab_size": vocab_size,
-            "hidden_size": init.n_embd,
-            "intermediate_size": init.intermediate_size or 4 * init.n_embd,
-            "num_hidden_layers": init.n_layer,
-            "num_attention_heads": init.n_head,
-            "num_key_value_heads": init.n_kv_head or init.n_head,
-            "max_position_embeddings": init.n_positions,
-            "rms_norm_eps": init.rms_norm_eps if init.rms_norm_eps is not None else RMS_NORM_EPS,
-            "rope_parameters": rope,
-            "tie_word_embeddings": init.tie_embeddings if init.tie_embeddings is not None else True,
-            "attention_dropout": init.dropout,
-            "bos_token_id": eos_token_id,
-            "eos_token_id": eos_token_id,
-        }
-
-    def init_config(self, init, vocab_size, eos_token_id):
-        return self.config_class(**self.config_kwargs(init, vocab_size, eos_token_id))
-
-
-class Qwen2Family(LlamaFamily):
-    def init_config(self, init, vocab_size, eos_token_id):
-        kwargs = self.config_kwargs(init, vocab_size, eos_token_id)
-        return self.config_class(**kwargs, use_sliding_window=False)
-
-
-LLAMA_FAMILY = LlamaFamily(LLAMA, LlamaModel)
-QWEN2_FAMILY = Qwen2Family(QWEN2, LlamaModel)
+LLAMA_FAMILY = Family(LLAMA, LlamaModel)
+QWEN2_FAMILY = Family(QWEN2, LlamaModel)

@@ -10,7 +10,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from distlm.family.llama import QWEN_DEFAULTS, TENSORS, LlamaArgs, LlamaInit, llama_args
+from distlm.family.llama import (
+    QWEN_DEFAULTS,
+    TENSORS,
+    LlamaArgs,
+    LlamaInit,
+    llama_args,
+    llama_init_doc,
+)
 from distlm.family.spec import ONLY_WHEN_SET, FamilySpec
 
 
@@ -49,6 +56,16 @@ def qwen3_args(doc: Mapping[str, Any], where: str) -> LlamaArgs:
     )
 
 
+def qwen3_init_doc(init: Qwen3Init, vocab_size: int, eos_token_id: int | None) -> dict:
+    """config.json's keys of a seeded init: the Llama family's, Qwen3's head width, no biases."""
+    head_dim = init.head_dim or init.n_embd // init.n_head
+    return {
+        **llama_init_doc(init, vocab_size, eos_token_id),
+        "head_dim": head_dim,
+        "attention_bias": False,
+    }
+
+
 QWEN3 = FamilySpec(
     name="qwen3",
     architecture="Qwen3ForCausalLM",
@@ -58,4 +75,5 @@ QWEN3 = FamilySpec(
     model="distlm.family.qwen3.model:FAMILY",
     description="Qwen3ForCausalLM: query/key RMSNorm, its own head width (Qwen3-0.6B)",
     args=qwen3_args,
+    init_doc=qwen3_init_doc,  # pyright: ignore[reportArgumentType] (its init settings')
 )
