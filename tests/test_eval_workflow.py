@@ -58,10 +58,11 @@ def test_eval_outputs(workflow_run, evals):
 
 def test_workflow_result_equals_single_process_reference(workflow_run, evals):
     """The 2-rank torchrun result of the trained checkpoint against the direct forward + CE loop."""
-    model, _ = load_model(workflow_run / "results/train/final", torch.device("cpu"))
+    final = workflow_run / "results/train/final"
+    load_model(final, torch.device("cpu"))  # the eval stage's loader takes it (sha256 checked)
     tokens = TokenBlocks(workflow_run / "results/data/tokens.h5", "validation").tokens()
     res = evals["trained"]
-    ref_loss, ref_n = reference(model, tokens, res["context"], res["stride"])
+    ref_loss, ref_n = reference(final, tokens, res["context"], res["stride"])
     got = res["splits"]["validation"]
     assert got["tokens_scored"] == ref_n
     assert abs(got["mean_loss"] - ref_loss) / ref_loss < 1e-5

@@ -147,13 +147,17 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="distlm-profile-serve-"))
     args = argparse.Namespace(device="cpu", lanes=a.lanes, max_tokens=a.max_tokens)
-    model = a.model or seeded_model(work, argparse.Namespace(arch="gpt2", layers=6, embd=384, heads=6))
+    model = a.model or seeded_model(
+        work, argparse.Namespace(arch="gpt2", layers=6, embd=384, heads=6)
+    )
     port = 18000 + os.getpid() % 1000
     cmd = distlm_command(work, model, 1, port, args, [a.clients])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(a.src.resolve())}
     log = work / "serve.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     try:
         wait_up(proc, port, log)
         engine = engine_pid(proc.pid)

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "harness"))
-from processes import entry_point, process_env, process_records  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+from harness.processes import entry_point, process_env, process_records
 
 TINY = ROOT / "tests" / "configs" / "tiny.yaml"
 HEAVY = ("transformers", "torch._dynamo", "torch.distributed.tensor", "scipy")

@@ -342,8 +342,8 @@ def _save_sharded(
     then rank 0 the rest and checkpoint.json, renames the folder into place, reads it back and
     keeps the last `keep_last`. A kill before the rename leaves a leftover the next start
     removes, never a checkpoint that looks finished."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as save_shards
 
     t0 = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -358,7 +358,7 @@ def _save_sharded(
             box[0] = str(stack.enter_context(atomic_dir(path, size=size)))
         dist.broadcast_object_list(box, src=0)
         tmp = Path(str(box[0]))
-        dcp.save(tree, checkpoint_id=tmp / SHARDS)  # every rank its own shards
+        save_shards(tree, checkpoint_id=tmp / SHARDS)  # every rank its own shards
         topo.barrier()  # every shard written
         if topo.is_main:
             assert state is not None
@@ -378,13 +378,13 @@ def load_sharded(
 ) -> None:
     """A sharded checkpoint into this rank's shards of the model and AdamW's state, whatever
     the number of ranks that wrote it (torch.distributed.checkpoint reshards); all ranks call."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as load_shards
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tree = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(tree, checkpoint_id=ckpt.path / SHARDS)
+        load_shards(tree, checkpoint_id=ckpt.path / SHARDS)
     except Exception as e:
         raise DistlmError(
             f"{ckpt.path / SHARDS}: the sharded checkpoint does not load into this model "

@@ -151,16 +151,15 @@ class ShardedReplicas(Replicas):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         sync()
-        policy = None
+        policy = MixedPrecisionPolicy()  # the parameters' own dtype (float32)
         if self.hw.is_gpu and self.hw.autocast_dtype is not None:
             # the training precision's parameters in each block's compute, float32 reductions
             policy = MixedPrecisionPolicy(
                 param_dtype=self.hw.autocast_dtype, reduce_dtype=torch.float32
             )
-        kw = {"mp_policy": policy} if policy is not None else {}
         for block in model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         self._model = model
 
     @property
@@ -179,13 +178,15 @@ class ShardedReplicas(Replicas):
     def no_sync(self) -> Iterator[None]:
         """An accumulation micro-step: gradients kept unreduced (only the last micro-step's are
         reduce-scattered)."""
+        from torch.distributed.fsdp import FSDPModule
+
         model = self._model
-        assert model is not None
-        model.set_requires_gradient_sync(False)  # pyright: ignore[reportAttributeAccessIssue]
+        assert isinstance(model, FSDPModule)  # fully_shard made it one (prepare)
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # pyright: ignore[reportAttributeAccessIssue]
+            model.set_requires_gradient_sync(True)
 
     def full_hf_tensors(self, model: Transformer) -> dict[str, torch.Tensor]:
         """The whole model in transformers' names on rank 0's host, gathered from the shards
@@ -198,7 +199,8 @@ class ShardedReplicas(Replicas):
         if not full:
             return {}
         names = {n for n, _ in model.named_parameters()}  # a tied head once
-        return model.tensor_map().to_hf({k: v for k, v in full.items() if k in names})
+        whole = {k: v for k, v in full.items() if k in names and isinstance(v, torch.Tensor)}
+        return model.tensor_map().to_hf(whole)
 
     def close(self) -> None:
         self._model = None
