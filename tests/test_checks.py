@@ -196,7 +196,7 @@ def test_the_gpu_check_plans_every_figure_in_one_call_of_nine_minutes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     steps = {s["step"]: s for s in summary["steps"]}
     planned = [s["step"] for s in summary["steps"] if s.get("why") == "dry run"]
-    figures = ["workflow", "tests", "train", "serve", "infer", "train-smollm2"]
+    figures = ["workflow", "tests", "train", "serve", "infer", "train-smollm2", "train-fsdp"]
     assert planned == ["install", *figures]
     assert steps["uccl"]["why"].startswith("no uccl wheel")
     assert steps["extra"]["why"].startswith("not asked for")

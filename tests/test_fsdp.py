@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY
-from harness.faults import fault_env
+from harness.faults import background_checkpoints_env, fault_env
 
 from distlm.config import deep_merge, validate_config
 from distlm.documents import write_document
@@ -147,6 +147,45 @@ def test_killed_on_4_ranks_a_sharded_run_resumes_on_2(runs, workflow_run, tmp_pa
     meta = read_meta(out / "final").training
     assert meta["world_size"] == 2 and meta["resumed_from"].endswith("step-00000010")
     assert meta["steps"] == STEPS
+
+
+def test_background_sharded_checkpoints_hold_what_the_loop_saved(runs, workflow_run, tmp_path):
+    """The GPU's checkpoint policy on CPU ranks: each rank copies its shards to host memory in
+    the loop and torch.distributed.checkpoint writes them in a thread, rank 0 then the rest in
+    its own; the loop goes on meanwhile. Every checkpoint holds its own step's shards, byte for
+    byte those written in the loop, and the run ends as it does with writes in the loop."""
+    out = tmp_path / "background"
+    proc = torchrun(
+        train_cfg(parallel="fsdp"),
+        workflow_run,
+        out,
+        2,
+        env=background_checkpoints_env(dict(os.environ)),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "written in the background" in (out / "logs" / "rank0-2.log").read_text()
+    assert trained(out) == trained(runs["fsdp", 2])
+    ((here, _),) = ident.list_runs(out / "checkpoints")
+    ((there, _),) = ident.list_runs(runs["fsdp", 2] / "checkpoints")
+    mine, theirs = ck.list_checkpoints(here), ck.list_checkpoints(there)
+    assert [c.step for c in mine] == [c.step for c in theirs] == [15, 20]  # keep_last 2
+    for a, b in zip(mine, theirs, strict=True):
+        ck.verify(a)
+        shards = {k: v for k, v in _index(a).items() if k.endswith(".distcp")}
+        assert len(shards) == 2 and shards == {
+            k: v for k, v in _index(b).items() if k.endswith(".distcp")
+        }
+    meta = read_meta(out / "final").training
+    assert len(meta["checkpoint_write_s"]) == len(meta["checkpoint_stall_s"]) == 4
+    fa, fb = (load_model_dir(d / "final").state_dict() for d in (out, runs["fsdp", 2]))
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def _index(c: ck.Checkpoint) -> dict[str, str]:
+    """A checkpoint's files and their sha256, as its checkpoint.json holds them."""
+    from distlm.documents import CheckpointIndex, read_document
+
+    return read_document(c.path / "checkpoint.json", CheckpointIndex).sha256
 
 
 def test_a_sharded_checkpoint_that_does_not_verify_is_passed_over(runs, tmp_path):

@@ -162,9 +162,23 @@ def _user(work: Path, soak_cfg: Path, events: Path, *args: str) -> None:
 @pytest.mark.slow
 @pytest.mark.with_requeue
 @pytest.mark.timeout(1500)
-def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
+@pytest.mark.parametrize(
+    ("parallel", "plan"),
+    [
+        ("ddp", None),  # KILLS random triggers
+        # fsdp (every rank writes its shards of each checkpoint): a shorter plan of its own, each
+        # kind of kill in it: inside a checkpoint's write (its index written, every shard on
+        # disk, the folder not renamed), at start-up, between writes, inside the final write
+        ("fsdp", [("ckpt", 1), ("start", 4.0), ("ckpt", 2), ("after", 1.0), ("final", None)]),
+    ],
+    ids=["ddp", "fsdp"],
+)
+def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run, parallel, plan):
+    """Kills of the user's command (`plan`'s, or KILLS at random), then the run that finishes,
+    under train.parallel `parallel`."""
+    kills = KILLS if plan is None else len(plan)
     soak_cfg = tmp_path / "soak.yaml"
-    soak_cfg.write_text(yaml.safe_dump(SOAK))
+    soak_cfg.write_text(yaml.safe_dump({"train": {**SOAK["train"], "parallel": parallel}}))
     # The stages before training come from the tiny workflow (the soak edits train.* only, so
     # its data and base model are the same): the soak is about the train job and Snakemake
     # around it. Its training starts afresh in both folders.
@@ -176,14 +190,16 @@ def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
 
     rng = random.Random(20)
     events = tmp_path / "soak-events"
-    kills: list[str] = []
     newest = 0
     final_killed = False
-    for _attempt in range(3 * KILLS):
+    done: list[str] = []
+    for _attempt in range(3 * kills):
         left = MAX_STEPS - newest  # checkpoint writes this attempt will make
-        if len(kills) >= KILLS:
+        if len(done) >= kills:
             trigger = ("none", None)  # the rerun that finishes
-        elif len(kills) == KILLS - 1 and not final_killed:
+        elif plan is not None:
+            trigger = plan[len(done)]
+        elif len(done) == kills - 1 and not final_killed:
             trigger = ("final", None)  # trains to the end from wherever it is, dies writing
         elif left <= 1:  # the last step (or none: finished work), then the final write
             trigger = ("final", None) if not final_killed else ("start", rng.uniform(0.5, 6.0))
@@ -195,15 +211,15 @@ def test_kill_anywhere_soak_through_snakemake(tmp_path, workflow_run):
         job = Attempt(work, soak_cfg, events)
         if not _run_until(job, trigger):
             break
-        kills.append(f"{trigger[0]}@{newest}")
+        done.append(f"{trigger[0]}@{newest}")
         final_killed |= trigger[0] == "final"
         assert job.survivors() == [], "a process of the killed command outlived it"
         newest = _newest_good(work, newest)
         _user(work, soak_cfg, events, "--unlock")
-    print(f"soak: {len(kills)} kills (kind@newest good step before it): {', '.join(kills)}")
-    assert len(kills) == KILLS and final_killed
-    assert sum(k.startswith("ckpt") for k in kills) >= 2
-    assert sum(k.startswith("start") for k in kills) >= 1
+    print(f"soak: {len(done)} kills (kind@newest good step before it): {', '.join(done)}")
+    assert len(done) == kills and final_killed
+    assert sum(k.startswith("ckpt") for k in done) >= 2
+    assert sum(k.startswith("start") for k in done) >= 1
 
     a, b = ref / "results" / "train", work / "results" / "train"
     wa = load_model_dir(a / "final").state_dict()

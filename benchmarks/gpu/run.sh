@@ -37,11 +37,15 @@
 #                                      pipeline, 32 prompts in flight, beside batched `generate`
 #   train-smollm2   -          130 s   bench_train.py --preset smollm2 --only distlm: the stage on
 #                                      SmolLM2-135M's shape (30 blocks: ~2.5x GPT-2's compile), 100 steps
+#   train-fsdp      -          150 s   bench_train.py --preset gpt2 --parallel fsdp: the stage under
+#                                      train.parallel fsdp beside ddp, GPT-2 small's shape, 100 steps
+#                                      each: MFU, rank 0's state and peak memory under each
 #   uccl            -          90 s    the broadcast stage over UCCL, with a uccl wheel and two GPUs
 #   extra           -          -       optional second call (not in the default): the training
 #                                      comparison with HF Trainer and hf-compile, serving at 1, 16
-#                                      and 64 clients with 3 repeats, batch inference with the
-#                                      one-at-a-time rows
+#                                      and 64 clients with 3 repeats, config/llama-1b-fsdp.yaml's
+#                                      training on the GPU (~1.0 B parameters under fsdp), and the
+#                                      train-fsdp step when the first call's budget did not reach it
 #
 # For a machine with Python 3.12 and a CUDA build of torch already installed and no network (the
 # GPU machines lent here: torch 2.11 with CUDA 13): every other package comes from the wheel folder
@@ -56,16 +60,18 @@
 # seconds, or why it did not run; the machine and the versions), run.log (everything printed),
 # workflow-gpu.json (the workflow's reports: broadcast, evaluation, training record and its
 # one-time costs, inference timing, per-rule wall time), pytest-gpu.txt, train-results-gpu.json,
-# serve-results-gpu.json, infer-results-gpu.json, train-results-gpu-smollm2.json (8 files: what the
-# device tool brings back from one call; broadcast-uccl.json and extra-*.json come from a second).
+# serve-results-gpu.json, infer-results-gpu.json, train-results-gpu-smollm2.json,
+# train-results-gpu-fsdp.json (9 files: what the device tool brings back from one call;
+# broadcast-uccl.json and extra-*.json come from a second).
 # The figures are committed as benchmarks/train/results-gpu.json, results-gpu-smollm2.json,
+# results-gpu-fsdp.json,
 # benchmarks/inference/serve-results-gpu.json and results-gpu.json (the infer step's); then
 # `python benchmarks/summary.py` renders them into the README's table.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER [STEP...] (bash benchmarks/gpu/wheels.sh makes one)}
 shift
-one_call=(workflow tests train serve infer train-smollm2 uccl)
+one_call=(workflow tests train serve infer train-smollm2 train-fsdp uccl)
 all_steps=("${one_call[@]}" extra)
 chosen=("${@:-${one_call[@]}}")
 for name in "${chosen[@]}"; do
@@ -193,6 +199,14 @@ run_train-smollm2() {
     --out "$out/train-results-gpu-smollm2.json"
 }
 
+# -- training: the stage under fsdp beside ddp, GPT-2 small's shape ---------------------------
+run_train-fsdp() {
+  step train-fsdp 150 $py benchmarks/train/bench_train.py --preset gpt2 --nproc 1 \
+    --device cuda --precision bf16 --steps 100 --skip 20 --parallel fsdp --only distlm \
+    --set train.ckpt_every=50 --note "benchmarks/gpu/run.sh" \
+    --out "$out/train-results-gpu-fsdp.json"
+}
+
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
 run_serve() {
   needs_run serve || return
@@ -237,6 +251,14 @@ run_extra() {
     --device cuda --precision bf16 --steps 200 --skip 20 --only distlm nanogpt hf hf-compile \
     --set train.ckpt_every=100 --note "benchmarks/gpu/run.sh extra" \
     --out "$out/extra-train-results-gpu.json"
+  [ -f "$out/train-results-gpu-fsdp.json" ] || run_train-fsdp
+  # config/llama-1b-fsdp.yaml as a user runs it, in a folder of its own: ~1.0 B parameters from a
+  # seeded init, fsdp over the node's GPUs (one here), through the trained folder
+  local big="$work/llama-1b-fsdp"
+  mkdir -p "$big"
+  step extra-llama-1b-fsdp 300 $py -m snakemake results/train/final --profile profiles/local \
+    --configfile config/llama-1b-fsdp.yaml --directory "$big" &&
+    cp "$big/results/train/final/distlm.json" "$out/extra-llama-1b-fsdp-distlm.json"
   needs_run extra-serve || return
   step extra-serve 240 $py benchmarks/inference/bench_serve.py --device cuda \
     --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 1,16,64 \

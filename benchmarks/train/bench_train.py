@@ -8,6 +8,8 @@
         --out benchmarks/train/results-gpu.json
     python benchmarks/train/bench_train.py --preset smollm2 --nproc 1 --device cuda \\
         --precision bf16 --only distlm --out benchmarks/train/results-gpu-smollm2.json
+    python benchmarks/train/bench_train.py --nproc 2 --parallel fsdp --only distlm \\
+        --out benchmarks/train/results-cpu-fsdp.json           # the stage under fsdp beside ddp
 
 One run starts three torchrun jobs on the same model weights, token blocks, world size, micro
 batch, precision and optimizer settings, one after the other (`--repeats 2` runs them again in
@@ -27,6 +29,9 @@ the reverse order, so slow drift in other load falls on all three):
   eval_every on the stage's validation blocks, `save_steps` = ckpt_every with the optimizer,
   `save_total_limit` = keep_last); its defaults otherwise. Its step times are taken the stage's
   way: between the ends of two steps, so an evaluation or a save counts in the step after it.
+- distlm-fsdp (`--parallel fsdp`, beside distlm): the stage under `train.parallel: fsdp`, every
+  other setting the same; the JSON's `parallel` holds rank 0's state bytes, its peak memory and
+  tokens/s under each, and fsdp's ratios to ddp (MFU for both, as for every job).
 
 For each, the first `--skip` steps are left out; the JSON reports the median, p90 and mean of
 tokens/s (the p90 of step time turned into tokens/s), and distlm's ratios to the other two.
@@ -521,8 +526,9 @@ def make_synthetic_inputs(root: Path, p: dict) -> dict[str, Path]:
     )
 
 
-def resolved_config(a, work: Path) -> tuple[TrainConfig, Path]:
-    """The train stage's resolved config: the config file with the benchmark's settings."""
+def resolved_config(a, work: Path, parallel: str = "ddp") -> tuple[TrainConfig, Path]:
+    """The train stage's resolved config: the config file with the benchmark's settings (and
+    `train.parallel`: the distlm-fsdp job's fsdp)."""
     from distlm.config import load_config
     from distlm.settings.stage import write_stage_config
     from distlm.stages import stage_config
@@ -549,8 +555,10 @@ def resolved_config(a, work: Path) -> tuple[TrainConfig, Path]:
         for k in parents:
             node = node.setdefault(k, {})
         node[last] = json.loads(value)
+    if parallel != "ddp":
+        over["train"]["parallel"] = parallel
     cfg = load_config(a.config, over)
-    path = work / "train.json"
+    path = work / ("train.json" if parallel == "ddp" else f"train-{parallel}.json")
     write_stage_config("train", stage_config(cfg, "train"), path)  # the train stage's keys
     return read_document(path, TrainConfig), path
 
@@ -568,7 +576,7 @@ def torchrun(a, args: list[str], env: dict, log: Path) -> None:
 
 
 # What one run can train: the stage, and the loops users would pick instead (the module doc).
-RUNNERS = ("distlm", "bare", "hf", "hf-compile", "nanogpt")
+RUNNERS = ("distlm", "bare", "hf", "hf-compile", "nanogpt", "distlm-fsdp")
 DEFAULT_RUNS_CPU = ["distlm", "bare", "hf"]
 DEFAULT_RUNS_GPU = ["distlm", "nanogpt", "hf", "hf-compile"]
 
@@ -582,10 +590,10 @@ def first_run(env) -> dict:
     }
 
 
-def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
+def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int, name: str = "distlm") -> dict:
     from distlm.train import TrainPaths
 
-    out = work / f"distlm-{n}"
+    out = work / f"{name}-{n}"
     shutil.rmtree(out, ignore_errors=True)  # a run from scratch (a kept --workdir would resume)
     # what Snakemake gives the rule; torch.compile's caches are the stage's own, in its run
     # folder (none set in the environment): empty, as in a user's first run
@@ -598,17 +606,17 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
         args=[
             *("--config", str(cfg_path), "--tokens", str(inputs["tokens"])),
             *("--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"])),
-            *("--out", str(out), "--rank-log", str(work / f"distlm-{n}-rank{{rank}}.log")),
+            *("--out", str(out), "--rank-log", str(work / f"{name}-{n}-rank{{rank}}.log")),
         ],
     )
-    torchrun(a, args, env, work / f"distlm-{n}.log")
+    torchrun(a, args, env, work / f"{name}-{n}.log")
     paths = TrainPaths(
         tokens=inputs["tokens"], model=inputs["model"], tokenizer=inputs["tokenizer"], out=out
     )
     with paths.metrics_csv.open() as f:
         rows = list(csv.DictReader(f))
     final = json.loads((paths.final / "distlm.json").read_text())
-    threads = _logged_threads(work / f"distlm-{n}-rank0.log")
+    threads = _logged_threads(work / f"{name}-{n}-rank0.log")
     tr = final["training"]
     with paths.val_csv.open() as f:
         vals = list(csv.DictReader(f))
@@ -642,8 +650,12 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int) -> dict:
             else None,
             "checkpoint_stall_s": tr.get("checkpoint_stall_s"),
             "checkpoint_write_s": tr.get("checkpoint_write_s"),
-            "checkpoint_waits": _logged_waits(work / f"distlm-{n}-rank0.log"),
+            "checkpoint_waits": _logged_waits(work / f"{name}-{n}-rank0.log"),
         },
+        # how the ranks held the model (train.parallel) and what rank 0 held and peaked at
+        "parallel": tr.get("parallel"),
+        "rank0_state_bytes": tr.get("rank0_state_bytes"),
+        "rank0_peak_memory_bytes": tr.get("rank0_peak_memory_bytes"),
         "profile": profile,
     }
 
@@ -723,6 +735,13 @@ def main() -> None:
         help="config override for all three, e.g. train.profile.enabled=false (repeatable)",
     )
     ap.add_argument("--only", nargs="+", choices=list(RUNNERS), default=None)
+    ap.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="fsdp: the stage under train.parallel fsdp beside it under ddp (distlm-fsdp and "
+        "distlm), MFU and peak memory of each, on the same shape",
+    )
     ap.add_argument("--out", default=str(Path(__file__).with_name("results-cpu.json")))
     ap.add_argument("--workdir", default=None, help="keep the runs' outputs and logs here")
     ap.add_argument("--note", default="", help="what else ran on the machine (goes in the JSON)")
@@ -792,6 +811,8 @@ def drive(a, work: Path) -> None:
     a.precision_resolved = resolve_precision(t.precision, device, key="train.precision")
 
     names = a.only or (DEFAULT_RUNS_GPU if a.device == "cuda" else DEFAULT_RUNS_CPU)
+    if a.parallel == "fsdp" and "distlm-fsdp" not in names:
+        names = ["distlm", "distlm-fsdp", *[x for x in names if x != "distlm"]]
     if "nanogpt" in names and model_dims(inputs["model"])["architecture"] != "gpt2":
         sys.exit("--only nanogpt: the nanoGPT-style reference is GPT-2's (the gpt2 presets)")
     step_s: dict[str, list[float]] = {k: [] for k in names}
@@ -803,6 +824,9 @@ def drive(a, work: Path) -> None:
             t0 = time.perf_counter()
             if name == "distlm":
                 r = run_distlm(a, cfg_path, inputs, work, n)
+            elif name == "distlm-fsdp":
+                _, fsdp_path = resolved_config(a, work, "fsdp")
+                r = run_distlm(a, fsdp_path, inputs, work, n, name="distlm-fsdp")
             else:
                 r = run_baseline(a, name, cfg_path, inputs, work, n)
             steps = r.pop("step_s")
@@ -891,6 +915,25 @@ def drive(a, work: Path) -> None:
         },
         "achieved": achieved,
     }
+    if "distlm" in info and "distlm-fsdp" in info:  # --parallel fsdp: the two side by side
+        held = {
+            k: {
+                "rank0_state_bytes": sum(info[k]["rank0_state_bytes"].values()),
+                "rank0_peak_memory_bytes": info[k]["rank0_peak_memory_bytes"],
+                "tokens_per_s_median": summary[k]["tokens_per_s"]["median"],
+            }
+            for k in ("distlm", "distlm-fsdp")
+        }
+        result["parallel"] = {
+            "what": "the stage under train.parallel ddp (distlm) and fsdp (distlm-fsdp), the same "
+            "shape and batch: rank 0's weights, gradients and AdamW state (its local shards), "
+            "its peak memory (the GPU's allocations; on the CPU the process's peak resident "
+            "size), the steady state's tokens/s",
+            **held,
+            "fsdp_over_ddp": {
+                k: _ratio(held["distlm-fsdp"][k], held["distlm"][k]) for k in held["distlm"]
+            },
+        }
     threads = {v.get("threads_per_rank") for v in info.values()}
     if threads != {peaks[0]["threads_per_rank"]}:
         result["flops"]["matmul_peak"]["warning"] = (

@@ -276,6 +276,15 @@ class DeviceBackend:
         left as it is. True when the setting was made."""
         return keep_freed_memory(what) if self.kernels == "cpu" else False
 
+    def peak_memory(self) -> int:
+        """The most memory this rank has held so far: its GPU's allocations (torch's count), or
+        on the CPU the process's peak resident size."""
+        if self.is_gpu:
+            return torch.cuda.max_memory_allocated(self.device)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
     def memory(self) -> tuple[int, str]:
         """(bytes this rank has for itself, what they are, for an error): its GPU's, or on the
         CPU its share of the host's memory among the node's ranks."""

@@ -4,7 +4,8 @@ In process, a test sets `distlm.train.faults.REQUESTED` (`inject`). For a stage 
 user starts it (torchrun, Snakemake), `fault_env` writes the spec as JSON, names it in
 DISTLM_TEST_FAULTS and puts tests/harness/fault_hooks on PYTHONPATH: that folder's
 `sitecustomize` reads the spec in every training rank (RANK set) before the trainer starts.
-`paced_env` sets a floor on each training step's time the same way (DISTLM_TEST_STEP_S).
+`paced_env` sets a floor on each training step's time the same way (DISTLM_TEST_STEP_S), and
+`background_checkpoints_env` has the ranks write checkpoints as on a GPU.
 `slow_reader_env` puts tests/harness/slow_reader on PYTHONPATH: MPI rank 1's proxy stops reading
 while the rank logs its first error (see that folder's `sitecustomize`).
 """
@@ -52,6 +53,12 @@ def paced_env(env: dict[str, str], step_s: float) -> dict[str, str]:
     """`env` for a command whose training steps take at least `step_s` seconds each (the ranks
     sleep out the rest of a faster step; fault_hooks/sitecustomize.py)."""
     return {**_on_path(env, HOOKS), STEP_ENV: str(step_s)}
+
+
+def background_checkpoints_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a command whose training ranks write checkpoints as on a GPU: copied to host
+    memory in the loop, written in a thread (fault_hooks/sitecustomize.py)."""
+    return {**_on_path(env, HOOKS), "DISTLM_TEST_BACKGROUND_CHECKPOINTS": "1"}
 
 
 def slow_reader_env() -> dict[str, str]:

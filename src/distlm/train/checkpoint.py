@@ -40,7 +40,10 @@ a pageable copy or the write.
 The write is the same atomic one; a kill before it finishes leaves no checkpoint folder (only a
 leftover the next start removes), so the run resumes from the one before, never from a partial
 one. The next save, a stop and the end of the run wait for it, and its error (a full disk)
-surfaces there.
+surfaces there. A sharded checkpoint follows the same policy on every rank: each copies its
+shards to host memory in the loop and torch.distributed.checkpoint's `async_save` writes them
+in a thread (its collectives on a gloo group of their own); rank 0's background write waits for
+every rank's shards, then writes the rest and renames the folder into place.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ class CheckpointWriter:
         self._pending: Future | None = None
         self._pinned = pinned
         self._buffers: dict[tuple, torch.Tensor] = {}  # host copies by place in the tree
+        self._shards: tuple[Any, Any] | None = None  # save_shards' (process group, DCP stager)
         self.write_s: list[float] = []  # each write's own seconds, in the order written
 
     @property
@@ -182,6 +186,31 @@ class CheckpointWriter:
             return type(tree)(cls._walk(v, (*where, i), fn) for i, v in enumerate(tree))
         return tree
 
+    def save_shards(self, tree, where: Path) -> Future:
+        """Every rank: its shards of `tree` (DTensors' local parts) copied to host memory here
+        (pinned where `pinned`, into buffers DCP's stager keeps from save to save), then written
+        into `where` by torch.distributed.checkpoint's `async_save` in a thread of its own,
+        whose future ends once every rank's shards and the metadata are on disk. Its collectives
+        go through a gloo group of their own, made at the first call (all ranks call in step):
+        NCCL's cannot run in a thread beside the training's, as torchtitan's async checkpoint
+        does it. Waited on where this writer writes here and now (not `background`)."""
+        from torch.distributed.checkpoint.state_dict_saver import async_save
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.wait()  # the previous save's shards: their host buffers are the stager's again
+        if self._shards is None:
+            options = StagingOptions(
+                use_pinned_memory=self._pinned,
+                use_shared_memory=False,
+                use_async_staging=False,  # copied here: the loop changes the originals next
+                use_non_blocking_copy=False,
+            )
+            self._shards = (dist.new_group(backend="gloo"), DefaultStager(options))
+        group, stager = self._shards
+        written = async_save(tree, checkpoint_id=where, process_group=group, async_stager=stager)
+        assert isinstance(written, Future)  # staged here (not use_async_staging)
+        return written
+
     def submit(self, write, *args, ready: torch.cuda.Event | None = None, **kwargs) -> Path | None:
         """Write after the previous write (and, in the background, after `ready`: the staged
         copies); the path when written here, None when in the background (`wait` gives it)."""
@@ -216,6 +245,8 @@ class CheckpointWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._buffers.clear()
+            if self._shards is not None:
+                self._shards[1].close()
 
 
 def saved_tensors(model: Transformer, optimizer: torch.optim.Optimizer) -> tuple:
@@ -255,6 +286,7 @@ def save(
     here, None elsewhere and for a background write. All ranks wait for rank 0's part.
     `sharded` (FSDP): every rank writes its shards of the model and AdamW's state
     (`_save_sharded`)."""
+    writer = writer or CheckpointWriter(background=False)
     rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.device)
     gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(rng, gathered, dst=0)
@@ -285,20 +317,12 @@ def save(
             rng=gathered,
             state=state,
             keep_last=keep_last,
+            writer=writer,
         )
     path = None
     if gathered is not None and state is not None:  # rank 0
         t0 = time.perf_counter()
-        writer = writer or CheckpointWriter(background=False)
-        waited = writer.settle()  # the previous write, before its buffers are used again
-        if waited > 0.01:
-            log.warning(
-                "step %d: the checkpoint waited %.2f s for the previous one's write to finish "
-                "(saves come faster than the disk takes them; a larger train.ckpt_every spares "
-                "the loop the wait)",
-                step,
-                waited,
-            )
+        _settle(writer, step)  # the previous write, before its buffers are used again
         ready = None
         if writer.background:  # copies, which the training loop cannot change under the write
             (weights, optimizer_state), ready = writer.stage(saved_tensors(model, optimizer))
@@ -326,6 +350,19 @@ def save(
     return path
 
 
+def _settle(writer: CheckpointWriter, step: int) -> None:
+    """Wait for the previous checkpoint's write; a wait the loop notices is logged."""
+    waited = writer.settle()
+    if waited > 0.01:
+        log.warning(
+            "step %d: the checkpoint waited %.2f s for the previous one's write to finish "
+            "(saves come faster than the disk takes them; a larger train.ckpt_every spares "
+            "the loop the wait)",
+            step,
+            waited,
+        )
+
+
 def _save_sharded(
     run_dir: Path | None,
     step: int,
@@ -336,40 +373,78 @@ def _save_sharded(
     rng: list | None,
     state: CheckpointState | None,
     keep_last: int,
+    writer: CheckpointWriter,
 ) -> Path | None:
     """A sharded checkpoint (FSDP): rank 0 opens the checkpoint's temporary folder, every rank
-    writes its shards of the model and AdamW's state into it (torch.distributed.checkpoint),
-    then rank 0 the rest and checkpoint.json, renames the folder into place, reads it back and
-    keeps the last `keep_last`. A kill before the rename leaves a leftover the next start
+    copies its shards of the model and AdamW's state to host memory and writes them into it
+    (`CheckpointWriter.save_shards`); once every rank's are on disk, rank 0 writes the rest and
+    checkpoint.json, renames the folder into place, reads it back and keeps the last
+    `keep_last` (`_finish_sharded`). With a background writer the loop goes on after the copies;
+    otherwise all of it happens here. A kill before the rename leaves a leftover the next start
     removes, never a checkpoint that looks finished."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import save as save_shards
 
     t0 = time.perf_counter()
+    _settle(writer, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     tree = {"model": model_sd, "optim": optim_sd}
+    opened = contextlib.ExitStack()  # rank 0's temporary folder, renamed by _finish_sharded
+    box: list[str | None] = [None]
+    if topo.is_main:
+        assert run_dir is not None
+        size = nbytes(tree) + nbytes(rng)  # every rank's shards: the whole state
+        box[0] = str(opened.enter_context(atomic_dir(run_dir / checkpoint_name(step), size=size)))
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(str(box[0]))
+    try:
+        shards = writer.save_shards(tree, tmp / SHARDS)
+    except BaseException as e:
+        opened.__exit__(type(e), e, e.__traceback__)  # the temporary folder goes
+        raise
+    staged = time.perf_counter()
     path = None
-    with contextlib.ExitStack() as stack:
-        box: list[str | None] = [None]
-        if topo.is_main:
-            assert run_dir is not None and state is not None and rng is not None
-            path = run_dir / checkpoint_name(step)
-            size = nbytes(tree) + nbytes(rng)  # every rank's shards: the whole state
-            box[0] = str(stack.enter_context(atomic_dir(path, size=size)))
-        dist.broadcast_object_list(box, src=0)
-        tmp = Path(str(box[0]))
-        save_shards(tree, checkpoint_id=tmp / SHARDS)  # every rank its own shards
-        topo.barrier()  # every shard written
-        if topo.is_main:
-            assert state is not None
-            torch.save(rng, tmp / "rng.pt")
-            write_document(tmp / "state.json", state)
-            write_index(tmp, step)
-    if path is not None:  # rank 0: renamed into place
-        verify(Checkpoint(path, step))  # read back before anything older goes
-        prune(path.parent, keep_last)
-        log.info("checkpoint %s written in %.2f s (sharded)", path, time.perf_counter() - t0)
+    if not topo.is_main:
+        writer.submit(shards.result)  # this rank's shards on disk
+    else:
+        assert state is not None and rng is not None
+        done = (shards, opened, tmp, step, rng, state, keep_last, staged)
+        path = writer.submit(_finish_sharded, writer, *done)
+        if path is None:
+            log.info(
+                "checkpoint of step %d: shards copied to host memory in %.2f s, written in "
+                "the background",
+                step,
+                staged - t0,
+            )
     topo.barrier()
+    return path
+
+
+def _finish_sharded(
+    writer: CheckpointWriter,
+    shards: Future,
+    opened: contextlib.ExitStack,
+    tmp: Path,
+    step: int,
+    rng: list,
+    state: CheckpointState,
+    keep_last: int,
+    started: float,
+) -> Path:
+    """Rank 0, once every rank's shards are on disk (`shards`, DCP's future: its metadata is
+    written after every rank's data): the RNG states, state.json and checkpoint.json into the
+    temporary folder, which `opened` renames into place; then read back before anything older
+    goes."""
+    with opened:
+        shards.result()
+        torch.save(rng, tmp / "rng.pt")
+        write_document(tmp / "state.json", state)
+        write_index(tmp, step)
+    path = tmp.parent / checkpoint_name(step)
+    verify(Checkpoint(path, step))
+    prune(path.parent, keep_last)
+    writer.write_s.append(round(time.perf_counter() - started, 4))  # from the shards' staging
+    log.info("checkpoint %s written in %.2f s (sharded)", path, writer.write_s[-1])
     return path
 
 

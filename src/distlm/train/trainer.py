@@ -363,6 +363,7 @@ class Trainer:
                 "backend": self.topo.backend,
                 "parallel": self.replicas.name,
                 "rank0_state_bytes": self.state_bytes,
+                "rank0_peak_memory_bytes": self.hw.peak_memory(),
                 # the one-time costs (the first step holds torch.compile): each save's stall of
                 # the loop, and each checkpoint write's own seconds (in the background on a GPU)
                 "checkpoint_stall_s": self.checkpoint_stalls,

@@ -6,7 +6,9 @@ put it there); it acts only in a training rank (RANK set):
   a TypeError naming it), it sets distlm.train.faults.REQUESTED from it;
 - when DISTLM_TEST_STEP_S is set, every training step takes at least that many seconds (the rank
   sleeps out the rest), so a test that trains across SLURM time limits knows how many steps an
-  allocation holds whatever the machine's speed, and its idle ranks leave the CPU to other work.
+  allocation holds whatever the machine's speed, and its idle ranks leave the CPU to other work;
+- when DISTLM_TEST_BACKGROUND_CHECKPOINTS is set, the rank writes its checkpoints as on a GPU
+  (DeviceBackend's `background_checkpoints`): copies to host memory, written in a thread.
 
 Nothing else changes: the steps compute what they compute without it."""
 
@@ -35,3 +37,15 @@ if STEP_S and "RANK" in os.environ:
         return row
 
     trainer.Trainer.train_step = _paced_step
+
+if os.environ.get("DISTLM_TEST_BACKGROUND_CHECKPOINTS") and "RANK" in os.environ:
+    import dataclasses
+
+    from distlm.device import DeviceBackend
+
+    _for_rank = DeviceBackend.for_rank
+
+    def _background(cls, *args, **kw):
+        return dataclasses.replace(_for_rank(*args, **kw), background_checkpoints=True)
+
+    DeviceBackend.for_rank = classmethod(_background)
