@@ -245,3 +245,34 @@ def test_stage_params_keep_the_config_key_order_and_values():
     assert validate(yaml.safe_load(TINY.read_text()))[1] == settings.model_copy(
         update={"train": validate(yaml.safe_load(TINY.read_text()))[1].train}
     )  # equality is the values', whatever the key order
+
+
+@pytest.mark.parametrize(
+    ("key", "other"),
+    [
+        ("train.parallel", "fsdp"),
+        ("train.activation_checkpointing", True),
+        ("inference.cuda_graphs", False),
+    ],
+)
+def test_a_key_newer_than_the_configs_dumps_only_when_it_differs_from_its_default(key, other):
+    """A key marked ONLY_WHEN_SET (distlm.section): a config without it, or with it at its
+    default, dumps the stage's params it dumped before the key existed (an upgrade reruns
+    nothing); another value is in them (an edit reruns the stages that read it)."""
+    from distlm.settings.stage import stage_params
+    from distlm.settings.validate import validate
+    from distlm.stages import STAGES
+
+    section, name = key.split(".")
+    stage = next(s for s in STAGES if STAGES[s].covers(key))
+    raw = yaml.safe_load(TINY.read_text())
+    before = stage_params(validate(copy.deepcopy(raw))[1], stage)
+    assert name not in before[section]
+    default = Settings.model_fields[section].annotation.model_fields[name].default  # type: ignore[union-attr]
+    for value, dumped in ((default, False), (other, True)):
+        edited = copy.deepcopy(raw)
+        edited.setdefault(section, {})[name] = value
+        params = stage_params(validate(edited)[1], stage)
+        assert (name in params[section]) is dumped
+        if not dumped:
+            assert params == before

@@ -30,9 +30,11 @@
 #                                      beside the nanoGPT-style loop (25 s compile), 200 steps each
 #                                      (~45 ms a step), and one matmul peak; 174 s was 60 steps, two
 #                                      matmul peaks and two start-ups of transformers' modeling code
-#   serve           97 s       150 s   benchmarks/inference/bench_serve.py: distlm serve beside
+#   serve           97 s       170 s   benchmarks/inference/bench_serve.py: distlm serve, with decode
+#                                      graphs and without (inference.cuda_graphs false), beside
 #                                      `transformers serve --continuous-batching`, 16 and 64 clients,
-#                                      2 repeats of 10 s a level (97 s was 1, 16, 64 clients, 1 x 6 s)
+#                                      2 repeats of 10 s a level (97 s was 2 servers at 1, 16, 64
+#                                      clients, 1 x 6 s)
 #   infer           -          80 s    benchmarks/inference/bench.py --batch-only: the one-stage
 #                                      pipeline, 32 prompts in flight, beside batched `generate`
 #   train-smollm2   -          130 s   bench_train.py --preset smollm2 --only distlm: the stage on
@@ -210,8 +212,8 @@ run_train-fsdp() {
 # -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
 run_serve() {
   needs_run serve || return
-  step serve 150 $py benchmarks/inference/bench_serve.py --device cuda \
-    --model "$wf/results/train/final" --stages 1 --servers peer,distlm --clients 16,64 \
+  step serve 170 $py benchmarks/inference/bench_serve.py --device cuda \
+    --model "$wf/results/train/final" --stages 1 --servers peer,distlm,distlm-eager --clients 16,64 \
     --repeats 2 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
     --out "$out/serve-results-gpu.json"
 }

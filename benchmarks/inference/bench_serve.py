@@ -9,6 +9,8 @@ architecture, or with `--arch llama` the Llama-family shape of LLAMA below) and 
 order that rotates over --repeats:
   * distlm-sS: `distlm.entry.serve --launcher "mpiexec -n S"`, the rule's way: the API
     server (uvicorn) and the S-stage MPI pipeline with --lanes lanes, for each S of --stages;
+  * distlm-eager-sS (asked for as distlm-eager): the same with inference.cuda_graphs false, a
+    GPU's decode steps eager (the CPU's are either way): what the graphs buy, in one run;
   * peer: `transformers serve MODEL --continuous-batching --device D` (paged attention and
     continuous batching; it ships with transformers), on the model folder as distlm writes it;
   * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
@@ -349,7 +351,10 @@ def main() -> None:
                     ggufs[t] = gguf_file(model, t, work, args)
                 names += [f"{name}-{t}" for t in args.gguf.split(",")]
                 continue
-            names += [f"distlm-s{n}" for n in stage_counts] if name == "distlm" else [name]
+            if name in ("distlm", "distlm-eager"):  # distlm-eager: inference.cuda_graphs false
+                names += [f"{name}-s{n}" for n in stage_counts]
+            else:
+                names.append(name)
         runs: dict[str, list[list[dict]]] = {n: [] for n in names}
         texts = {}
         for rep in range(args.repeats):
@@ -382,8 +387,10 @@ def main() -> None:
                     cmd = transformers_serve_command(model, port=port, device=args.device)
                     env = transformers_serve_env(args.threads)
                 else:
-                    stages = int(name.removeprefix("distlm-s"))
-                    cmd = distlm_command(work, model, stages, port, args, levels)
+                    server, stages = name.rsplit("-s", 1)
+                    cmd = distlm_command(
+                        work, model, int(stages), port, args, levels, eager=server == "distlm-eager"
+                    )
                 rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels, env)
                 runs[name].append(rows)
                 print(
@@ -523,9 +530,11 @@ def llama_versions(args) -> dict:
     }
 
 
-def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels) -> list[str]:
+def distlm_command(
+    work: Path, model: Path, stages: int, port: int, args, levels, *, eager: bool = False
+) -> list[str]:
     """serve.py's command line for an S-stage pipeline folder of `model`, config as the rule
-    writes it."""
+    writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured)."""
     from bench import sharded
 
     from distlm.config import validate_config
@@ -535,7 +544,12 @@ def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels
     cfg = validate_config(
         {
             "runtime": {"device": args.device},
-            "inference": {"stages": stages, "lanes": args.lanes, "timeout_s": 300},
+            "inference": {
+                "stages": stages,
+                "lanes": args.lanes,
+                "timeout_s": 300,
+                **({"cuda_graphs": False} if eager else {}),
+            },
             "serve": {
                 "port": port,
                 "max_tokens": args.max_tokens,
@@ -543,7 +557,7 @@ def distlm_command(work: Path, model: Path, stages: int, port: int, args, levels
             },
         }
     )
-    cfg_path = work / f"serve-s{stages}.json"
+    cfg_path = work / f"serve-s{stages}{'-eager' if eager else ''}.json"
     write_stage_config("serve", stage_config(cfg, "serve"), cfg_path)
     return [
         sys.executable,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import platform
 import random
@@ -148,13 +149,15 @@ class DeviceBackend:
         precision_key: str = "precision",
         compile: bool = False,
         share_gpus: bool = False,
+        graphs: bool = True,
     ) -> DeviceBackend:
         """This rank's backend: local rank `local_rank` of the `local_ranks` on its node, each
         on a GPU of its own when the device is cuda (made the current device here).
 
         `share_gpus`: ranks that talk through host memory, not NCCL (the MPI pipeline's stages,
         each holding a slice of the model), take the node's GPUs in turn when there are more
-        ranks than GPUs; NCCL ranks (torch.distributed stages) need one GPU each."""
+        ranks than GPUs; NCCL ranks (torch.distributed stages) need one GPU each. `graphs`: false
+        keeps a GPU's decode steps eager (inference.cuda_graphs)."""
         kind = resolve_device(device)
         if kind == "cpu":
             dev = torch.device("cpu")
@@ -169,7 +172,8 @@ class DeviceBackend:
             )
             dev = torch.device("cuda", local_rank % gpus)
             torch.cuda.set_device(dev)
-        return cls(dev, resolve_precision(precision, dev, key=precision_key), compile)
+        hw = cls(dev, resolve_precision(precision, dev, key=precision_key), compile)
+        return hw if graphs else dataclasses.replace(hw, decode_graphs=False, capture_graphs=False)
 
     @classmethod
     def cpu(cls) -> DeviceBackend:

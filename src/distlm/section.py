@@ -5,7 +5,7 @@ init settings (`distlm.family`) are made of these.
 
 from __future__ import annotations
 
-from typing import Annotated, Self
+from typing import Annotated, Any, Self
 
 from pydantic import (
     BaseModel,
@@ -53,9 +53,30 @@ class Section(BaseModel):
         return self._dumped({**first, **{k: v for k, v in out.items() if k not in first}})
 
     def _dumped(self, out: dict) -> dict:
-        """The mapping this section dumps to; a section whose newer keys must leave the digests of
-        configs without them unchanged drops them here (the families' init settings)."""
-        return out
+        """The mapping this section dumps to: without its ONLY_WHEN_SET keys at their defaults.
+        (The families' init settings drop theirs by their own rule.)"""
+        fields = type(self).model_fields
+        return {
+            k: v
+            for k, v in out.items()
+            if not (
+                k in fields
+                and fields[k].json_schema_extra is _no_schema_default
+                and v == fields[k].default
+            )
+        }
+
+
+def _no_schema_default(schema: dict[str, Any]) -> None:
+    # no default in the generated schema: the workflow's config would hold a key that the
+    # section dumps as absent (tests/test_settings.py)
+    schema.pop("default", None)
+
+
+# A key newer than the configs that never set it: its section dumps it only when it differs from
+# its default, so the mapping of a config without it (a stage's params, every digest made of
+# them) is what it was before the key existed, and an upgrade reruns nothing.
+ONLY_WHEN_SET: dict[str, Any] = {"json_schema_extra": _no_schema_default}
 
 
 def _keep_int(value: object, handler: ValidatorFunctionWrapHandler) -> object:

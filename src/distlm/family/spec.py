@@ -19,16 +19,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from distlm import DistlmError
-from distlm.section import Real, Section
-
-
-def _dumped_only_when_set(schema: dict[str, Any]) -> None:
-    # no default in the generated schema: the workflow's config would hold a key that the init
-    # settings dump as absent (tests/test_settings.py)
-    schema.pop("default", None)
-
-
-ONLY_WHEN_SET: dict[str, Any] = {"json_schema_extra": _dumped_only_when_set}
+from distlm.section import ONLY_WHEN_SET, Real, Section
 
 
 class InitSettings(Section):

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
+from distlm.section import ONLY_WHEN_SET
 from distlm.settings.base import MaxNewTokens, Real, Section, Seed, Temperature, TopK, TopP
 
 
@@ -80,6 +81,15 @@ class EngineSettings(SamplingSettings):
         default=120,
         gt=0,
         description="Stage 0 waits this long for tokens, other stages twice this; then abort.",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        **ONLY_WHEN_SET,
+        description=(
+            "On a GPU, decode steps run as CUDA graphs (captured per block of cache rows); "
+            "false: every step eager (vLLM's --enforce-eager), to compare or to debug. The CPU "
+            "runs eagerly either way."
+        ),
     )
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from distlm.family.spec import ONLY_WHEN_SET
+from distlm.section import ONLY_WHEN_SET
 from distlm.settings.base import Real, Section
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -140,21 +140,6 @@ class TrainSettings(Section):
         ),
     )
     ddp: DdpSettings = Field(default=DdpSettings(), description="DistributedDataParallel options.")
-    # keys newer than the configs that never set them: dumped only when they differ from their
-    # defaults, so that the train stage's params (and every digest made of them) of a config
-    # without them are what they were (an upgrade reruns nothing)
-    DUMPED_WHEN_SET: ClassVar[dict[str, object]] = {
-        "parallel": "ddp",
-        "activation_checkpointing": False,
-    }
-
-    def _dumped(self, out: dict) -> dict:
-        return {
-            k: v
-            for k, v in out.items()
-            if k not in self.DUMPED_WHEN_SET or v != self.DUMPED_WHEN_SET[k]
-        }
-
     profile: ProfileSettings = Field(
         default=ProfileSettings(), description="torch.profiler over a window of steps."
     )

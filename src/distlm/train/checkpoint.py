@@ -194,8 +194,8 @@ class CheckpointWriter:
         go through a gloo group of their own, made at the first call (all ranks call in step):
         NCCL's cannot run in a thread beside the training's, as torchtitan's async checkpoint
         does it. Waited on where this writer writes here and now (not `background`)."""
-        from torch.distributed.checkpoint.state_dict_saver import async_save
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import async_save
 
         self.wait()  # the previous save's shards: their host buffers are the stager's again
         if self._shards is None:

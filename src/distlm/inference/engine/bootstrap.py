@@ -135,6 +135,7 @@ def mpi_pipeline(
             local_ranks=local_size,
             ranks_key="serve.stages" if serve else "inference.stages",
             share_gpus=True,  # stages talk over MPI: more stages than GPUs take them in turn
+            graphs=settings.cuda_graphs,
         )
         log.info("stage %d of %d: %s", topo.rank, topo.stages, hw.describe())
         model = load_stage(model_dir, topo.rank, world=topo.stages, hw=hw)
