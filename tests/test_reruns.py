@@ -126,6 +126,8 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
             "global_batch_size": 16,
             "resume": "never",
             "fast_kernels": False,
+            "parallel": "fsdp",
+            "activation_checkpointing": True,
         }.items()
     },
     "train.ddp.bucket_cap_mb": ({"train": {"ddp": {"bucket_cap_mb": 5}}}, TRAIN | REPORT),
@@ -151,6 +153,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "inference.lanes": ({"inference": {"lanes": 2}}, INFER | REPORT),
     "inference.prompt_overflow": ({"inference": {"prompt_overflow": "reject"}}, INFER | REPORT),
     "inference.timeout_s": ({"inference": {"timeout_s": 33}}, INFER | REPORT),
+    "inference.cuda_graphs": ({"inference": {"cuda_graphs": False}}, INFER | REPORT),
     "report.formats": ({"report": {"formats": ["png", "svg"]}}, REPORT),
 }
 for _k, _v in {

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 from conftest import snakemake_cmd
-from slurm_training import TARGET, long_training, prepared, profile_with, slurm_env
+from harness.faults import paced_env
+from slurm_training import (
+    STEP_S,
+    TARGET,
+    cluster_env,
+    long_training,
+    prepared,
+    profile_with,
+    slurm_env,
+)
 from test_slurm import sh, submissions
 
 from distlm.model import read_meta
@@ -29,16 +38,20 @@ from distlm.train import identity as ident
 
 pytestmark = pytest.mark.slurm
 # Paced at 10 steps/s at most (slurm_training.STEP_S): 60 s of training or more, so the first
-# attempt is still training when its limit's warning comes (~20 s in), and the killed Snakemake's
-# job when the second command's job starts; below ckpt_every (1000): every checkpoint before the
-# end is a stop's.
+# attempt is still training when its limit's warning comes (~20 s in); below ckpt_every (1000):
+# every checkpoint before the end is a stop's.
 STEPS = 600
 LONG = long_training(STEPS)
+# The killed Snakemake's job is held in training (DISTLM_TEST_HOLD) until the second command
+# has ended: it needs no more steps than a logged one and its end.
+HELD_STEPS = 100
 
 
-def _prepared(built: Path, tmp_path: Path) -> tuple[Path, tuple[Path, ...]]:
+def _prepared(
+    built: Path, tmp_path: Path, overlay_cfg: dict = LONG
+) -> tuple[Path, tuple[Path, ...]]:
     """A work dir whose data and base model exist (a copy of the session's), and its configs."""
-    return prepared(built, tmp_path / "work", LONG)
+    return prepared(built, tmp_path / "work", overlay_cfg)
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -125,18 +138,22 @@ def test_time_limit_and_scancel_checkpoint_and_the_rerun_resumes(
 
 @pytest.mark.timeout(900)
 def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, slurm_built, tmp_path):
-    wd, configs = _prepared(slurm_built, tmp_path)
-    env = slurm_env(cluster)
+    wd, configs = _prepared(slurm_built, tmp_path, long_training(HELD_STEPS))
+    # the first job's steps wait while `hold` exists: it is still training when the second
+    # command's job starts, however long that start takes on a loaded machine
+    hold = tmp_path / "hold"
+    hold.touch()
     cmd = snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile)
     first = subprocess.Popen(
         cmd,
-        env=env,
+        env=paced_env(cluster_env(cluster), STEP_S, hold=hold),
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    _wait_for(lambda: _training(wd, 2), "the first train job to train")
+    env = slurm_env(cluster)
+    _wait_for(lambda: hold.with_name("hold.reached").exists(), "the first job to train", 300)
     os.killpg(first.pid, signal.SIGKILL)  # a dropped ssh session: the SLURM job goes on
     out1, _ = first.communicate(timeout=30)
     (job_id,) = submissions(out1)["train"]
@@ -149,20 +166,22 @@ def test_a_killed_snakemake_never_gets_a_second_trainer(cluster, profile, slurm_
     assert f"SLURM job {job_id}" in logs and "another process is already running training" in logs
     after = _steps(_run_dir(wd))
     assert not set(before) - set(after) or max(after) > max(before)  # nothing lost
+    hold.unlink()  # the first job trains on to its end
 
     _wait_for(
         lambda: not sh(cluster, ["squeue", "-h", "-j", job_id]).stdout.strip(),
         f"job {job_id} to end",
         timeout=600,
     )
-    assert STEPS in _steps(_run_dir(wd))  # it finished its run
+    assert HELD_STEPS in _steps(_run_dir(wd))  # it finished its run
     subprocess.run([*cmd, "--unlock"], env=env, check=True, capture_output=True, timeout=120)
     final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
-    assert read_meta(wd / "results" / "train" / "final").training["steps"] == STEPS
+    assert read_meta(wd / "results" / "train" / "final").training["steps"] == HELD_STEPS
     # no step trained twice: only the first job trained (the final command, if the first job's
     # outputs were incomplete, wrote final/ from its finished checkpoint)
     log = (wd / "logs" / "train" / "rank0.log").read_text()
     assert (
-        log.count(f" step 50/{STEPS} loss") == 1 and log.count(f" step {STEPS}/{STEPS} loss") == 1
+        log.count(f" step 50/{HELD_STEPS} loss") == 1
+        and log.count(f" step {HELD_STEPS}/{HELD_STEPS} loss") == 1
     )

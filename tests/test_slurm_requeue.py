@@ -56,7 +56,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slurm_requeue]
 # leaves room for a slower one), and 2 x 1000 more than two (the bound's case, by construction).
 STEPS = 1000
 LONG = long_training(STEPS)
-FSDP_LONG = {**LONG, "train": {**LONG["train"], "parallel": "fsdp"}}
+# The preemption case under fsdp: its own uninterrupted reference, so half the steps (a paced
+# 50 s: the preemption comes at step 100 or soon after, ~10 s in).
+FSDP_STEPS = 500
+FSDP_LONG = {"train": {**long_training(FSDP_STEPS)["train"], "parallel": "fsdp"}}
 LIMITED = {"runtime": 2}
 MAX_REQUEUES = 8
 
@@ -274,9 +277,8 @@ def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(
     want = request.getfixturevalue(
         "fsdp_reference" if parallel == "fsdp" else "reference"
     ).weights()
-    wd, configs = _prepared(
-        slurm_built, tmp_path, "preempted", FSDP_LONG if parallel == "fsdp" else LONG
-    )
+    steps, overlay = (FSDP_STEPS, FSDP_LONG) if parallel == "fsdp" else (STEPS, LONG)
+    wd, configs = _prepared(slurm_built, tmp_path, "preempted", overlay)
     proc = subprocess.Popen(
         [*snakemake_cmd(wd, TARGET, configfiles=configs, profile=profile), "--slurm-requeue"],
         env=slurm_env(cluster),
@@ -309,11 +311,11 @@ def test_a_preempted_train_job_is_requeued_by_slurm_and_resumes(
     assert job_fields(cluster, job)["Restarts"] == "1"
     assert job_fields(cluster, urgent)["JobState"] == "COMPLETED"
     assert _attempts(wd) == [0, 1]
-    (stop,) = _stops(wd, "SIGTERM")
-    assert 0 < stop < STEPS
+    (stop,) = _stops(wd, "SIGTERM", steps)
+    assert 0 < stop < steps
     rank0 = log.read_text()
-    assert f"(step {stop} of {STEPS}" in rank0.split(f"stopping at step {stop} of")[1]
-    assert _metric_steps(wd) == list(range(1, STEPS + 1))
+    assert f"(step {stop} of {steps}" in rank0.split(f"stopping at step {stop} of")[1]
+    assert _metric_steps(wd) == list(range(1, steps + 1))
     assert _weights(wd) == want
     # SLURM requeued it, not the launcher (no time-limit warning was sent)
     assert "requeueing job" not in (wd / "logs" / "train" / "train.log").read_text()

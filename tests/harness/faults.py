@@ -49,10 +49,12 @@ def fault_env(spec_file: Path, env: dict[str, str] | None = None, **spec: int) -
     return {**_on_path(env, HOOKS), ENV: str(spec_file)}
 
 
-def paced_env(env: dict[str, str], step_s: float) -> dict[str, str]:
+def paced_env(env: dict[str, str], step_s: float, hold: Path | None = None) -> dict[str, str]:
     """`env` for a command whose training steps take at least `step_s` seconds each (the ranks
-    sleep out the rest of a faster step; fault_hooks/sitecustomize.py)."""
-    return {**_on_path(env, HOOKS), STEP_ENV: str(step_s)}
+    sleep out the rest of a faster step; fault_hooks/sitecustomize.py); with `hold`, no step ends
+    while that file exists (and a rank that waits on it creates `hold` + ".reached")."""
+    held = {"DISTLM_TEST_HOLD": str(hold)} if hold is not None else {}
+    return {**_on_path(env, HOOKS), STEP_ENV: str(step_s), **held}
 
 
 def background_checkpoints_env(env: dict[str, str]) -> dict[str, str]:

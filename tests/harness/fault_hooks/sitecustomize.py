@@ -7,6 +7,9 @@ put it there); it acts only in a training rank (RANK set):
 - when DISTLM_TEST_STEP_S is set, every training step takes at least that many seconds (the rank
   sleeps out the rest), so a test that trains across SLURM time limits knows how many steps an
   allocation holds whatever the machine's speed, and its idle ranks leave the CPU to other work;
+  when DISTLM_TEST_HOLD also names a file, a step does not end while that file exists, and the
+  rank creates that name + ".reached" (a test holds a job in training until it has done what
+  must happen meanwhile);
 - when DISTLM_TEST_BACKGROUND_CHECKPOINTS is set, the rank writes its checkpoints as on a GPU
   (DeviceBackend's `background_checkpoints`): copies to host memory, written in a thread.
 
@@ -29,11 +32,15 @@ if STEP_S and "RANK" in os.environ:
     from distlm.train import trainer
 
     _pace, _step = float(STEP_S), trainer.Trainer.train_step
+    _hold = os.environ.get("DISTLM_TEST_HOLD")
 
     def _paced_step(self):
         started = time.monotonic()
         row = _step(self)
         time.sleep(max(0.0, _pace - (time.monotonic() - started)))
+        while _hold and os.path.exists(_hold):
+            open(_hold + ".reached", "a").close()
+            time.sleep(_pace)
         return row
 
     trainer.Trainer.train_step = _paced_step
