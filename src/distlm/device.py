@@ -296,10 +296,10 @@ class DeviceBackend:
             return torch.cuda.get_device_properties(self.device).total_memory, (
                 f"its GPU ({torch.cuda.get_device_name(self.device)})"
             )
-        from distlm.machine import host_memory
+        from distlm.machine import host_share
 
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-        return host_memory() // ranks, f"its share of the host's memory ({ranks} ranks)"
+        return host_share(ranks), f"its share of the host's memory ({ranks} ranks)"
 
     @property
     def pin_host(self) -> bool:

@@ -73,6 +73,12 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def host_share(ranks: int, host: int | None = None) -> int:
+    """Bytes of the host's memory (`host`, default this node's) that each of `ranks` CPU ranks on
+    it has for itself."""
+    return (host_memory() if host is None else host) // max(1, ranks)
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a rank started here would get: GPUs CUDA sees, each GPU's memory (None when unknown),

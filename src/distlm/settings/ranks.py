@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distlm.machine import Machine
+from distlm.machine import Machine, host_share
 from distlm.settings.root import Settings, known_model_args
 
 GPU = "gpu"  # torchrun's --nproc-per-node=gpu: one rank per GPU CUDA sees on the node
@@ -125,7 +125,8 @@ def memory_problems(s: Settings, machine: Machine) -> list[str]:
             return []
         budget, where = machine.gpu_memory, "each of this machine's GPUs"
     else:
-        budget, where = machine.host_memory // max(1, per_node), "each CPU rank's share of memory"
+        budget = host_share(per_node, machine.host_memory)
+        where = "each CPU rank's share of memory"
     problem = state_problem(args.parameters(), s.train.parallel, world, budget, where)
     return [problem] if problem else []
 

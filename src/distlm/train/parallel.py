@@ -67,14 +67,14 @@ def loss_module(model: Transformer, tcfg: TrainSettings, hw: DeviceBackend) -> t
     return module
 
 
-def is_sharded(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     """A DTensor (an FSDP2 parameter, its gradient or its optimizer state)."""
     return type(t).__name__ == "DTensor"
 
 
 def local_bytes(t: torch.Tensor) -> int:
     """What this rank holds of a tensor: a DTensor's local shard, or the whole tensor."""
-    local = t.to_local() if is_sharded(t) else t  # pyright: ignore[reportAttributeAccessIssue]
+    local = t.to_local() if is_dtensor(t) else t  # pyright: ignore[reportAttributeAccessIssue]
     return local.numel() * local.element_size()
 
 
