@@ -401,3 +401,33 @@ def test_optimizer_state_in_transformers_names_round_trips_and_reads_the_release
         load_named_optimizer_state(
             ours, again, {**legacy, "param_groups": legacy["param_groups"][:1]}, "optimizer.pt"
         )
+
+
+@pytest.mark.parametrize("shape", ["gpt2", "qwen2-qkv-bias"])
+def test_loaded_optimizer_state_is_laid_out_as_its_parameter(shape):
+    """Each moment loaded from a checkpoint has its parameter's shape and strides, also where
+    the checkpoint holds it transposed (GPT-2's Conv1D names) and contiguous (what the pinned
+    staging copies of a save on a GPU write): CUDA's fused AdamW refuses a moment laid out unlike
+    its parameter, which a resumed training on the H100 of 2026-11-28 met at its first step."""
+    from distlm.train.kernels import NextTokenLoss
+    from distlm.train.optim import load_named_optimizer_state, named_optimizer_state, param_groups
+
+    _, ours = models(shape)
+    opt = torch.optim.AdamW(param_groups(ours, 0.1), lr=1e-3)
+    NextTokenLoss(ours.train())(ids()).backward()
+    opt.step()
+    named = named_optimizer_state(ours, opt)
+    staged = {
+        **named,
+        "state": {
+            n: {k: v.contiguous() if torch.is_tensor(v) else v for k, v in st.items()}
+            for n, st in named["state"].items()
+        },
+    }
+    again = torch.optim.AdamW(param_groups(ours, 0.1), lr=1e-3)
+    load_named_optimizer_state(ours, again, staged, "optimizer.pt")
+    for n, p in ours.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            m = again.state[p][k]
+            assert (m.shape, m.stride()) == (p.shape, p.stride()), (n, k)
+            assert torch.equal(m, opt.state[p][k]), (n, k)

@@ -163,7 +163,7 @@ def load_named_optimizer_state(
                 joined = {}
                 for k, v in per[0].items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        joined[k] = tmap.join(name, [s[k] for s in per])
+                        joined[k] = _laid_out_as(p, tmap.join(name, [s[k] for s in per]))
                     else:
                         joined[k] = v
                 state[index] = joined
@@ -171,6 +171,16 @@ def load_named_optimizer_state(
             index += 1
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _laid_out_as(param: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+    """`moment` (a state tensor joined from a checkpoint's: a transposed one is a view) with
+    `param`'s strides: CUDA's fused AdamW refuses a moment laid out unlike its parameter
+    ("must have same dtype, device, and layout"), and `Optimizer.load_state_dict` keeps a tensor's
+    strides when it needs no copy to the parameter's device."""
+    if moment.stride() == param.stride():
+        return moment
+    return torch.empty_like(param, dtype=moment.dtype, device=moment.device).copy_(moment)
 
 
 def _named_from_indexed(model: Transformer, saved: dict, where: str) -> dict:
