@@ -412,3 +412,103 @@ def test_compiled_training_attends_whole_blocks_without_a_mask(family, n_kv_head
     grads = model.tensor_map().to_hf({n: p.grad for n, p in model.named_parameters()})
     for k, p in hf.named_parameters():
         assert torch.allclose(grads[k], p.grad, atol=1e-6), k
+
+
+# The machine modules: distlm.device (a rank's device, with torch) and distlm.machine (what the
+# node has, and what runtime.device asks of it, without torch). A new device type is added there.
+MACHINE_MODULES = {"device.py", "machine.py"}
+DEVICE_TYPES = {"cpu", "cuda", "mps", "xpu", "hpu", "mtia"}
+BACKEND_MODULES = {"cuda", "mps", "xpu", "hpu", "mtia"}  # torch.<name>: one device's API
+
+
+def device_decisions(tree, ignore: frozenset[int] = frozenset()) -> list[tuple[int, str]]:
+    """(line, what) for each device decision in a module's syntax tree: a comparison with a
+    device type's name or with a `.type`, a use of one device's torch API (torch.cuda, ...,
+    torch.backends.cuda), or a non-host device type's name (a "cpu" places on the host, which
+    every machine has). Constants whose ids are in `ignore` (docstrings) are passed over."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                values = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                for v in values:
+                    if isinstance(v, ast.Constant) and v.value in DEVICE_TYPES:
+                        found.append((node.lineno, f"compares with {v.value!r}"))
+                    if isinstance(v, ast.Attribute) and v.attr == "type":
+                        found.append((node.lineno, "compares a .type"))
+        elif isinstance(node, ast.Attribute) and node.attr in BACKEND_MODULES:
+            base = node.value
+            if isinstance(base, ast.Name) and base.id == "torch":
+                found.append((node.lineno, f"torch.{node.attr}"))
+            if isinstance(base, ast.Attribute) and base.attr == "backends":
+                found.append((node.lineno, f"torch.backends.{node.attr}"))
+        elif (
+            isinstance(node, ast.Constant)
+            and node.value in DEVICE_TYPES - {"cpu"}
+            and id(node) not in ignore
+        ):
+            found.append((node.lineno, f"names {node.value!r}"))
+    return found
+
+
+def docstrings(tree) -> set[int]:
+    """The ids of a module's docstring constants (which may name a device: they decide nothing)."""
+    import ast
+
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                ids.add(id(body[0].value))
+    return ids
+
+
+def test_no_device_type_is_named_outside_the_machine_modules():
+    """Every device decision of the library and the workflow's scripts goes through
+    distlm.device / distlm.machine: no other module compares with a device type, asks a `.type`,
+    uses one device's torch API or names a device other than the host. The config's own values
+    (runtime.device's cpu | cuda | auto, a Literal in distlm.settings.runtime) are the exception:
+    the settings declare them, the machine modules decide what they mean."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "src/distlm").rglob("*.py"), *(root / "workflow/scripts").glob("*.py")]
+    found = []
+    for path in files:
+        if path.name in MACHINE_MODULES and path.parent.name == "distlm":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        ignore = docstrings(tree)
+        if path.as_posix().endswith("settings/runtime.py"):  # the config's declared values
+            ignore |= {
+                id(c)
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Subscript) and getattr(n.value, "id", "") == "Literal"
+                for c in ast.walk(n.slice)
+            }
+        for line, what in device_decisions(tree, frozenset(ignore)):
+            found.append(f"{path.relative_to(root)}:{line}: {what}")
+    assert not found, "\n".join(found)
+
+
+def test_the_device_decision_scan_finds_what_it_looks_for():
+    """The scan above on code that decides by device type (so that it cannot pass by seeing
+    nothing)."""
+    import ast
+
+    code = (
+        "def f(t, d, s):\n"
+        "    if t.device.type == 'cuda': pass\n"
+        "    if d in ('cpu', 'mps'): pass\n"
+        "    torch.cuda.synchronize()\n"
+        "    torch.backends.cuda.matmul\n"
+        "    x = torch.device('xpu')\n"
+        "    y = t.to('cpu')\n"
+    )
+    found = device_decisions(ast.parse(code))
+    lines = sorted({line for line, _ in found})
+    assert lines == [2, 3, 4, 5, 6], found

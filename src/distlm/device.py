@@ -97,6 +97,118 @@ def resolve_precision(requested: str, device: torch.device, *, key: str) -> str:
     return requested
 
 
+# -- the device questions of code that holds a torch.device rather than a backend (the
+# transfer's planes, evaluation's windows, the engine's static steps, a checkpoint's staging):
+# every comparison of a device's type is here, so a new device type is added here alone
+# (tests/test_device.py's test_no_device_type_is_named_outside_the_machine_modules)
+
+
+def is_gpu(device: torch.device) -> bool:
+    """Whether `device` is a GPU (CUDA's; the one accelerator distlm runs on)."""
+    return device.type == "cuda"
+
+
+def gpu_count() -> int:
+    """The GPUs torch sees in this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def host() -> torch.device:
+    """The host's memory and cores: where files are read and host buffers live."""
+    return torch.device("cpu")
+
+
+def gpu_index(device: torch.device) -> int:
+    """`device`'s GPU index (the current GPU's for a device without one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def group_device(backend: str) -> torch.device:
+    """The device a process group's collectives move tensors on: the current GPU for NCCL, the
+    host for gloo."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return host()
+
+
+def backend_problem(backend: str, device: torch.device) -> str | None:
+    """Why process-group backend `backend` cannot move tensors on `device` (None: it can): NCCL
+    moves GPU tensors, gloo host ones."""
+    if backend == "nccl" and not is_gpu(device):
+        return f"backend nccl moves CUDA tensors, and these are on {device}"
+    if backend == "gloo" and device.type != "cpu":
+        return f"backend gloo moves CPU tensors, and these are on {device} (use nccl)"
+    return None
+
+
+def gpu_problem(device: torch.device) -> str | None:
+    """Why a GPU-only library (UCCL's P2P engine) cannot take `device`'s tensors (None: it can)."""
+    if not torch.cuda.is_available():
+        return f"no GPU: torch {torch.__version__} sees no CUDA device"
+    if not is_gpu(device):
+        return f"the tensors are on {device}, not a CUDA device"
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a timing boundary); nothing on the CPU."""
+    if is_gpu(device):
+        torch.cuda.synchronize(device)
+
+
+def stream_synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`'s current stream (what a library outside torch reads
+    next); nothing on the CPU."""
+    if is_gpu(device):
+        torch.cuda.current_stream(device).synchronize()
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """`dtype`'s autocast on `device` (nothing for None: fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class CopiesDone:
+    """A point on the current GPU stream (after the copies queued so far): `synchronize` waits
+    for it from another thread, as a background checkpoint write waits for its staged copies."""
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+class StepGraph:
+    """A step (a function of tensors in place, returning a tensor) captured as a CUDA graph on
+    `device` (torch.cuda.graph, as vLLM captures its decode batches), after one run outside it
+    on a side stream (cuBLAS workspaces, cuDNN plans: what must not be made during a capture).
+    That run computes what the first replay does. `replay` gives the step's output, valid until
+    the next replay, which writes the same tensor."""
+
+    def __init__(self, device: torch.device, step) -> None:
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out: torch.Tensor = step()
+
+    def replay(self) -> torch.Tensor:
+        self._graph.replay()
+        return self._out
+
+
 def kernels_for(device: torch.device) -> Kernels:
     """The kernel set that pays on `device`: "cpu" (distlm's CPU-tuned kernels) on the CPU,
     "standard" (torch's own operations, compiled where asked) elsewhere."""
@@ -131,11 +243,11 @@ class DeviceBackend:
         if self.kernels is None:
             object.__setattr__(self, "kernels", kernels_for(self.device))
         if self.background_checkpoints is None:
-            object.__setattr__(self, "background_checkpoints", self.device.type == "cuda")
+            object.__setattr__(self, "background_checkpoints", is_gpu(self.device))
         if self.decode_graphs is None:
-            object.__setattr__(self, "decode_graphs", self.device.type == "cuda")
+            object.__setattr__(self, "decode_graphs", is_gpu(self.device))
         if self.capture_graphs is None:
-            object.__setattr__(self, "capture_graphs", self.device.type == "cuda")
+            object.__setattr__(self, "capture_graphs", is_gpu(self.device))
 
     @classmethod
     def for_rank(
@@ -162,7 +274,7 @@ class DeviceBackend:
         if kind == "cpu":
             dev = torch.device("cpu")
         else:
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            gpus = gpu_count()
             ranks = max(local_ranks, local_rank + 1)
             check_ranks_fit(
                 min(ranks, gpus) if share_gpus else ranks,
@@ -182,7 +294,12 @@ class DeviceBackend:
     # -- what the device decides -----------------------------------------------------------
     @property
     def is_gpu(self) -> bool:
-        return self.device.type == "cuda"
+        return is_gpu(self.device)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether this rank runs distlm's CPU-tuned kernels (`kernels_for`)."""
+        return self.kernels == "cpu"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -190,10 +307,7 @@ class DeviceBackend:
 
     def autocast(self):
         """The precision's autocast context (nothing for fp32)."""
-        dtype = self.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        return autocast(self.device, self.autocast_dtype)
 
     def keep_compile_cache(self, folder: Path) -> None:
         """Have torch.compile (inductor, Triton) keep its caches in `folder`, the stage's, not in
@@ -245,8 +359,7 @@ class DeviceBackend:
 
     def synchronize(self) -> None:
         """Wait for the device's queued work (a timing boundary); nothing on the CPU."""
-        if self.is_gpu:
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     def rng_state(self) -> dict[str, Any]:
         """The RNG states a resumed rank needs (torch's CPU one, Python's, the GPU's), as
@@ -278,7 +391,7 @@ class DeviceBackend:
         """A training rank's C heap: on the CPU, glibc keeps what the rank frees for its next
         step's tensors (`keep_freed_memory`, a CPU-tuned setting); a GPU rank's host memory is
         left as it is. True when the setting was made."""
-        return keep_freed_memory(what) if self.kernels == "cpu" else False
+        return keep_freed_memory(what) if self.cpu_kernels else False
 
     def peak_memory(self) -> int:
         """The most memory this rank has held so far: its GPU's allocations (torch's count), or
@@ -294,7 +407,7 @@ class DeviceBackend:
         CPU its share of the host's memory among the node's ranks."""
         if self.is_gpu:
             return torch.cuda.get_device_properties(self.device).total_memory, (
-                f"its GPU ({torch.cuda.get_device_name(self.device)})"
+                f"its GPU ({gpu_name(self.device)})"
             )
         from distlm.machine import host_share
 
@@ -310,7 +423,7 @@ class DeviceBackend:
     def describe(self) -> str:
         what = str(self.device)
         if self.is_gpu:
-            what += f" ({torch.cuda.get_device_name(self.device)})"
+            what += f" ({gpu_name(self.device)})"
         return (
             f"{what}, precision {self.precision}, kernels {self.kernels}, "
             f"compile {'on' if self.compile else 'off'}"
@@ -351,6 +464,20 @@ def share_threads(device: torch.device) -> int:
         cpus,
         os.environ.get("LOCAL_WORLD_SIZE", "1"),
     )
+    return threads
+
+
+def share_job_threads(local_ranks: int, *, reserve: int = 0) -> int:
+    """Give an MPI rank (the pipeline's) its share of its job's thread budget on this host; the
+    threads it gets. The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's
+    `threads`, a total for the job; mpiexec passes it on unchanged, and sets none of its own as
+    torchrun does, so it is the job's, not a ceiling a rank as in `share_threads`), else the
+    host's cores, less `reserve` for another process of the job on this host (serve: the API
+    server, a busy Python process beside stage 0); each rank on the host gets an equal part, at
+    least one thread."""
+    budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    threads = max(1, (budget - reserve) // local_ranks)
+    torch.set_num_threads(threads)
     return threads
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.device import DeviceBackend
+from distlm.device import DeviceBackend, is_gpu
 from distlm.lifeline import bind_to_launcher
 from distlm.log import get_logger
 
@@ -59,7 +59,7 @@ class Topology:
 
 
 def check_backend(backend: str, device: torch.device) -> None:
-    if backend == "nccl" and device.type != "cuda":
+    if backend == "nccl" and not is_gpu(device):
         raise DistlmError("config runtime.backend is 'nccl' but the device is the CPU; use gloo")
     if backend == "nccl" and not dist.is_nccl_available():
         raise DistlmError("config runtime.backend is 'nccl' but this torch build has no NCCL")

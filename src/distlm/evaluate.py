@@ -22,7 +22,6 @@ which is the same for a window whatever rank runs it, up to batch-shape effects 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlm import DistlmError
+from distlm.device import autocast
 from distlm.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
 from distlm.family.transformer import Transformer
 from distlm.io import sha256_file
@@ -131,11 +131,7 @@ def score_windows(
     """
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    amp = (
-        torch.autocast(device_type=device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
+    amp = autocast(device, autocast_dtype)
     starts = range(0, len(windows), batch_size)
     for i in progress(starts, enabled=show_progress, desc=desc, unit="batch"):
         ids, scored, labels = _batch(tokens, windows[i : i + batch_size])

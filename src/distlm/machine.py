@@ -68,6 +68,18 @@ def gpu_memory() -> int | None:
     return min(mib) << 20 if mib else None
 
 
+# What `runtime.device`'s values (distlm.settings' DeviceSettings) ask of the machine, for the
+# settings' checks (no torch there); distlm.device resolves them for a rank, with torch.
+def may_use_gpu(device: str) -> bool:
+    """Whether ranks of `runtime.device` `device` may run on GPUs (cuda, or auto on a GPU node)."""
+    return device != "cpu"
+
+
+def needs_gpu(device: str) -> bool:
+    """Whether `runtime.device` `device` refuses a node without a GPU (cuda)."""
+    return device == "cuda"
+
+
 def host_memory() -> int:
     """Bytes of this node's memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distlm.machine import Machine, host_share
+from distlm.machine import Machine, host_share, may_use_gpu, needs_gpu
 from distlm.settings.root import Settings, known_model_args
 
 GPU = "gpu"  # torchrun's --nproc-per-node=gpu: one rank per GPU CUDA sees on the node
@@ -63,7 +63,7 @@ class StageRanks:
 
 def stage_ranks(s: Settings, stage: str) -> StageRanks:
     """The ranks `stage` (broadcast, train or eval) starts per node under the settings `s`."""
-    on_gpu = s.runtime.device != "cpu"
+    on_gpu = may_use_gpu(s.runtime.device)
     if stage == "broadcast":
         key, n = "broadcast.receivers", s.broadcast.receivers
         n = None if n is None else 1 + n  # the sender and its receivers
@@ -135,7 +135,7 @@ def machine_problems(s: Settings, machine: Machine) -> list[str]:
     """What `machine` cannot run of `s` when every rank runs on it (the local profile): each
     names the key to change."""
     gpus = machine.gpus
-    if s.runtime.device == "cuda" and gpus == 0:
+    if needs_gpu(s.runtime.device) and gpus == 0:
         return [
             (
                 "runtime.device: cuda, but this machine has no GPU that CUDA can see; set "

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from distlm import DistlmError
 from distlm.family import ModelArgs, model_args, spec_of
+from distlm.machine import may_use_gpu
 from distlm.settings.base import ConfigError, Section
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
@@ -138,7 +139,7 @@ def consistency_problems(s: Settings) -> list[str]:
             )
     if ev.context is not None and ev.stride is not None and ev.stride > ev.context:
         problems.append(f"eval.stride: {ev.stride} is larger than eval.context {ev.context}")
-    if s.runtime.backend == "nccl" and s.runtime.device == "cpu":
+    if s.runtime.backend == "nccl" and not may_use_gpu(s.runtime.device):
         problems.append(
             "runtime.backend: nccl needs runtime.device cuda (or auto); use gloo on cpu"
         )

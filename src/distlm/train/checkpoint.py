@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError, __version__
+from distlm.device import CopiesDone, is_gpu
 from distlm.documents import (
     CheckpointIndex,
     CheckpointState,
@@ -161,9 +162,7 @@ class CheckpointWriter:
         copy = self._copy(tree, ())
         if not self._pinned:
             return copy, None
-        ready = torch.cuda.Event()
-        ready.record()  # after the copies, on the stream that queued them
-        return copy, ready
+        return copy, CopiesDone()  # after the copies, on the stream that queued them
 
     def _copy(self, tree, where: tuple):
         def copy(where: tuple, t: torch.Tensor) -> torch.Tensor:
@@ -211,7 +210,7 @@ class CheckpointWriter:
         assert isinstance(written, Future)  # staged here (not use_async_staging)
         return written
 
-    def submit(self, write, *args, ready: torch.cuda.Event | None = None, **kwargs) -> Path | None:
+    def submit(self, write, *args, ready: CopiesDone | None = None, **kwargs) -> Path | None:
         """Write after the previous write (and, in the background, after `ready`: the staged
         copies); the path when written here, None when in the background (`wait` gives it)."""
         self.wait()
@@ -221,7 +220,7 @@ class CheckpointWriter:
         return None
 
     @staticmethod
-    def _when_ready(ready: torch.cuda.Event | None, write, *args, **kwargs):
+    def _when_ready(ready: CopiesDone | None, write, *args, **kwargs):
         if ready is not None:
             ready.synchronize()
         return write(*args, **kwargs)
@@ -259,7 +258,7 @@ def host_copy(tree):
     """`tree` with each tensor copied to host memory, a tensor of its own (a view's copy holds
     the view alone: torch.save writes a tensor's whole storage)."""
     return CheckpointWriter._walk(
-        tree, (), lambda _, t: t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
+        tree, (), lambda _, t: t.detach().cpu() if is_gpu(t.device) else t.detach().clone()
     )
 
 

@@ -52,7 +52,7 @@ def loss_module(model: Transformer, tcfg: TrainSettings, hw: DeviceBackend) -> t
     """input_ids -> mean next-token loss, with the kernels that apply: the device backend's set
     (distlm.device), or the standard ones everywhere (`fast_kernels: false`). Both hold the
     model as their only child: the model saved is the same."""
-    if tcfg.fast_kernels and hw.kernels == "cpu" and model.linear_logits:
+    if tcfg.fast_kernels and hw.cpu_kernels and model.linear_logits:
         module: torch.nn.Module = CausalLMLoss(model, compiled=hw.compile)
         head = "the LM head fused with the cross-entropy in cache-sized chunks"
     else:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlm.device import synchronize
 from distlm.documents import TransferStats
 from distlm.settings import TransferSettings
 from distlm.transfer import handshake, stream
@@ -59,8 +60,7 @@ def broadcast_state_dict(
         s.start(plan)
         t1 = time.perf_counter()
         timing = stream.send(s, dest) if s.is_src else stream.relay(s, dest, staged)
-        if s.device.type == "cuda":
-            torch.cuda.synchronize(s.device)
+        synchronize(s.device)
         seconds = time.perf_counter() - t1
         stats = handshake.finish(s, _stats(s, seconds, t_meta, timing), t1)
     except TransferError as e:

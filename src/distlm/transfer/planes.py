@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Protocol, get_args
 
 import torch
 
+from distlm.device import backend_problem
 from distlm.settings import TransferSettings
 from distlm.transfer.errors import TransferError
 from distlm.transfer.link import Link
@@ -60,14 +61,9 @@ class TorchPlane:
 def check_transport(transport: str, device: torch.device, backend: str) -> None:
     """Raise TransferError saying why `transport` cannot run here; never substitutes another."""
     if transport == "torch":
-        if backend == "nccl" and device.type != "cuda":
-            raise TransferError(
-                f"transport torch with backend nccl needs CUDA tensors, these are on {device}"
-            )
-        if backend == "gloo" and device.type != "cpu":
-            raise TransferError(
-                f"transport torch with backend gloo moves CPU tensors; these are on {device} (use nccl)"
-            )
+        problem = backend_problem(backend, device)
+        if problem:
+            raise TransferError(f"transport torch: {problem}")
         return
     if transport == "uccl":
         check_uccl(device)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from distlm.device import group_device, host
 from distlm.settings import TransferSettings
 from distlm.transfer.checksum import Checksum
 from distlm.transfer.errors import TransferError
@@ -90,7 +91,7 @@ class TransferSession:
             raise TransferError(f"rank {rank} is the source but was given no tensors to send")
         where = _device_for(tensors, device, backend)
         check_transport(settings.transport, where, backend)
-        ctrl_device = where if backend == "nccl" else torch.device("cpu")
+        ctrl_device = where if backend == "nccl" else host()
         prefix = f"distlm/transfer/{next(_CALLS)}"
         watch = Watch(prefix, rank, chain, settings.timeout_s)
         link = Link(group, ctrl_device, settings.timeout_s, watch)
@@ -188,6 +189,4 @@ def _device_for(
             return devices.pop()
     if device is not None:
         return torch.device(device)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return group_device(backend)

@@ -24,6 +24,7 @@ from typing import ClassVar, NoReturn
 
 import torch
 
+from distlm.device import gpu_index, gpu_problem, stream_synchronize
 from distlm.log import get_logger
 from distlm.transfer.errors import TransferError
 
@@ -61,12 +62,9 @@ def uccl_problems(device: torch.device) -> list[str]:
             problems.append(
                 f"`from uccl import p2p` failed ({type(e).__name__}: {e}); pip install 'distlm[uccl]'"
             )
-    if not torch.cuda.is_available():
-        problems.append(
-            f"no GPU: torch {torch.__version__} sees no CUDA device (uccl.p2p.Endpoint needs one)"
-        )
-    elif device.type != "cuda":
-        problems.append(f"the tensors are on {device}; the uccl transport moves CUDA tensors")
+    gpu = gpu_problem(device)
+    if gpu:
+        problems.append(f"{gpu}: the uccl transport moves CUDA tensors (uccl.p2p.Endpoint)")
     transport = os.environ.get("UCCL_P2P_TRANSPORT", "ib")
     ib = Path("/sys/class/infiniband")
     has_nic = ib.is_dir() and any(ib.iterdir())
@@ -102,9 +100,8 @@ class UcclPlane:
         _, self.p2p = _import_p2p()
         self.link, self.store, self.prefix, self.rank = link, store, prefix, rank
         self.timeout_s = timeout_s
-        self.ep = self.p2p.Endpoint(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
+        self.device = device
+        self.ep = self.p2p.Endpoint(gpu_index(device))
         self.store.set(f"{prefix}/uccl/{rank}", self.ep.get_metadata())
         self.mrs: list[int] = []
         self.conn: dict[int, int] = {}
@@ -158,7 +155,7 @@ class UcclPlane:
         if view.numel() == 0:
             return None
         # The chunk must be in device memory before UCCL reads it (packing ran on the stream).
-        torch.cuda.current_stream().synchronize()
+        stream_synchronize(self.device)
         fn = self.ep.send_async if op == "send" else self.ep.recv_async
         ok, xfer_id = fn(self.conn[peer], self._mr(view), view.data_ptr(), view.numel())
         if not ok:

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from distlm import DistlmError
 from distlm.inference.engine.pipeline_stage import StageModel, load_stage
 from distlm.inference.engine.ring import PipelineError, PipelineTopology, Ring
@@ -79,20 +77,6 @@ def host_ranks(comm) -> tuple[int, int, bool]:
         node.Free()
 
 
-def set_threads(local_size: int, *, reserve: int = 0) -> int:
-    """Share the thread budget between the ranks on this host; the threads each rank gets.
-
-    The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's `threads`, a total for
-    the job), else the host's cores, less `reserve` for another process of the job on this host
-    (serve: the API server, a busy Python process beside stage 0); each rank on the host gets an
-    equal part, at least one thread.
-    """
-    budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    threads = max(1, (budget - reserve) // local_size)
-    torch.set_num_threads(threads)
-    return threads
-
-
 @contextlib.contextmanager
 def mpi_pipeline(
     settings: EngineSettings,
@@ -108,7 +92,7 @@ def mpi_pipeline(
     of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
     with 2, whose threads took turns on the cores with the API server's).
     """
-    from distlm.device import DeviceBackend
+    from distlm.device import DeviceBackend, share_job_threads
     from distlm.heap import freeze_startup_heap
     from distlm.lifeline import bind_to_launcher
     from distlm.mpi_init import MPILaunchError, init_mpi
@@ -127,7 +111,7 @@ def mpi_pipeline(
     topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
     try:
         local_rank, local_size, with_first = host_ranks(comm)
-        set_threads(local_size, reserve=1 if serve and with_first else 0)
+        share_job_threads(local_size, reserve=1 if serve and with_first else 0)
         stats = StageStats(stage=topo.rank)
         hw = DeviceBackend.for_rank(
             device,

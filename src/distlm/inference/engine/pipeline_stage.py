@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
-from distlm.device import DeviceBackend
+from distlm.device import DeviceBackend, StepGraph
 from distlm.documents import ShardEntry
 from distlm.family import ModelArgs, family_of
 from distlm.log import get_logger
@@ -500,8 +500,8 @@ class StaticStep:
             if model.first
             else torch.zeros(R, model.hidden_size, dtype=model.dtype, device=dev)
         )
-        # the CUDA graph of `forward` and the output it writes (`capture`)
-        self.graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        # `forward` as a CUDA graph (`capture`)
+        self.graph: StepGraph | None = None
 
     def load(self, items: list[Item], x: torch.Tensor) -> torch.Tensor:
         """The step's inputs into this step's tensors, in place; returns the items' rows (B,)."""
@@ -541,30 +541,17 @@ class StaticStep:
         return b.head(h) if m.last else h
 
     def capture(self) -> None:
-        """`forward` captured as a CUDA graph (torch.cuda.graph, as vLLM captures its decode
-        batches) on the model's device, after one run outside it on a side stream (cuBLAS
-        workspaces, cuDNN plans: what must not be made during a capture). That run computes what
-        the first replay does: the same keys and values into the same places."""
-        dev = self.model.device
-        with torch.cuda.device(dev):
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                self.forward()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.forward()
-        self.graph = graph, out
+        """`forward` captured as a CUDA graph on the model's device (distlm.device's
+        `StepGraph`, after one run outside it that writes what the first replay does: the same
+        keys and values into the same places)."""
+        self.graph = StepGraph(self.model.device, self.forward)
 
     def replay(self) -> torch.Tensor:
         """`forward`'s output, by replaying its graph (`capture` first): valid until the next
         replay, which writes the same tensor."""
         if self.graph is None:
             raise RuntimeError("StaticStep.replay before capture")
-        graph, out = self.graph
-        graph.replay()
-        return out
+        return self.graph.replay()
 
 
 def load_stage(
