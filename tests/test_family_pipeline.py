@@ -187,6 +187,7 @@ def test_server_token_id_prompts_echo_and_logprobs(family_models, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.with_slurm  # ~2.5 min: tests/run.sh runs it in the session that mostly waits on SLURM
 def test_transformers_serve_and_lm_eval_on_a_llama_folder(
     family_models, tmp_path, monkeypatch, hub_offline
 ):
