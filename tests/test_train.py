@@ -1063,6 +1063,53 @@ def test_a_step_with_a_non_finite_norm_leaves_weights_and_optimizer_alone(fused)
     assert int(skipped_state["step"]) == 3
 
 
+def test_train_state_saves_and_loads_what_a_whole_checkpoint_holds(inputs):
+    """TrainState (what checkpoint.save writes and a resume loads) is torch.distributed.checkpoint's
+    Stateful: its state_dict is a whole checkpoint's two tensor files (transformers' names), which
+    load_state_dict puts back into another run's model and AdamW, bit for bit; its state.json
+    gives the schedule and the scaler back."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from distlm.train.optim import make_optimizer
+    from distlm.train.parallel import Replicas
+    from distlm.train.state import TrainState
+
+    t = train_cfg().train
+    hw = DeviceBackend.cpu()
+    sampler = StepSampler(64, BatchPlan(4, 1, 1), 0, seed=0)
+
+    def state() -> TrainState:
+        model = load_model_dir(inputs["model"])
+        optimizer, scheduler = make_optimizer(model, t, torch.device("cpu"), "fp32")
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        return TrainState(model, optimizer, scheduler, scaler, sampler, Replicas(hw))
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return torch.equal(x, y)
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, list | tuple):
+            return len(x) == len(y) and all(map(same, x, y))
+        return x == y
+
+    a, b = state(), state()
+    assert isinstance(a, Stateful) and not a.sharded
+    for _ in range(3):
+        a.model(torch.randint(0, 256, (2, 8))).float().square().mean().backward()
+        a.optimizer.step()
+        a.scheduler.step()
+    saved = ck.host_copy(a.state_dict())
+    assert set(saved) == {"model", "optim"} and "transformer.wte.weight" in saved["model"]
+    b.load_state_dict(saved)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    assert same(b.state_dict()["optim"], saved["optim"])
+    doc = a.checkpoint_state(3, identity=run_identity(), history={})
+    assert doc.data["samples_consumed"] == 12 and doc.scaler == {}
+    b.load_checkpoint_state(doc)
+    assert b.scheduler.state_dict() == a.scheduler.state_dict()
+
+
 def test_background_checkpoints_write_what_the_loop_writes(inputs, tmp_path, monkeypatch):
     """The GPU's checkpoint policy run on the CPU (rank 0 copies the checkpoint to host memory,
     a thread writes it while training goes on): every checkpoint holds the weights of its own

@@ -13,6 +13,8 @@ Modules, by what a change touches:
     sampler.py     the batch plan and each rank's blocks per step (exact resume)
     kernels.py     the fused LM-head cross-entropy and GELU
     resume.py      which checkpoint a start resumes or extends, loading it
+    state.py       `TrainState`: the model, AdamW, schedule, scaler and data position a
+                   checkpoint saves and a resume loads (torch.distributed.checkpoint's Stateful)
     identity.py    the run identity (identity.json) and its run folders: open, list, extend,
                    keep the most recently used
     checkpoint.py  the checkpoints of a run folder: the one save path, verify, list, prune, load

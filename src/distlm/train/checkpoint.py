@@ -15,7 +15,7 @@ name and renamed when complete (a killed job never leaves one that looks finishe
                         data, topology, optimisation settings)
     checkpoint.json     written last: a `CheckpointIndex` document, the sha256 of every file above
 
-A sharded run's checkpoint (`train.parallel: fsdp`, `save(..., sharded=True)`) holds `shards/`
+A sharded run's checkpoint (`train.parallel: fsdp`: a sharded `TrainState`) holds `shards/`
 in place of model.safetensors and optimizer.pt: what `torch.distributed.checkpoint` writes of
 the model's and AdamW's state (distlm's parameter names), each rank its own shards into the
 same folder (a shared filesystem across nodes), which loads into any number of ranks
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distlm import DistlmError, __version__
+from distlm import DistlmError
 from distlm.device import CopiesDone, is_gpu
 from distlm.documents import (
     CheckpointIndex,
@@ -78,12 +78,10 @@ from distlm.io import (
 )
 from distlm.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
-from distlm.train.optim import named_optimizer_state
 
 if TYPE_CHECKING:
     from distlm.dist import Topology
-    from distlm.family.transformer import Transformer
-    from distlm.train.sampler import BatchPlan, StepSampler
+    from distlm.train.state import TrainState
 
 log = get_logger(__name__)
 
@@ -248,12 +246,6 @@ class CheckpointWriter:
                 self._shards[1].close()
 
 
-def saved_tensors(model: Transformer, optimizer: torch.optim.Optimizer) -> tuple:
-    """(the weights, the optimizer state), in transformers' names: what a checkpoint copies off
-    the device (views of the model's and the optimizer's tensors)."""
-    return model.hf_tensors(), named_optimizer_state(model, optimizer)
-
-
 def host_copy(tree):
     """`tree` with each tensor copied to host memory, a tensor of its own (a view's copy holds
     the view alone: torch.save writes a tensor's whole storage)."""
@@ -265,77 +257,58 @@ def host_copy(tree):
 def save(
     run_dir: Path | None,
     step: int,
+    state: TrainState,
     *,
     topo: Topology,
     identity: RunIdentity,
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    sampler: StepSampler,
-    plan: BatchPlan,
     history: dict,
     keep_last: int,
     writer: CheckpointWriter | None = None,
-    sharded: bool = False,
 ) -> Path | None:
     """The one save path; all ranks call. Every rank's RNG state is gathered to rank 0, which
-    writes step `step`'s checkpoint into `run_dir` (rank 0's run folder) and keeps the last
-    `keep_last`, with `writer` (None: here and now); returns its path on rank 0 once written
-    here, None elsewhere and for a background write. All ranks wait for rank 0's part.
-    `sharded` (FSDP): every rank writes its shards of the model and AdamW's state
+    writes step `step`'s checkpoint of `state` into `run_dir` (rank 0's run folder) and keeps
+    the last `keep_last`, with `writer` (None: here and now); returns its path on rank 0 once
+    written here, None elsewhere and for a background write. All ranks wait for rank 0's part.
+    A sharded `state` (FSDP): every rank writes its shards of the model and AdamW's state
     (`_save_sharded`)."""
     writer = writer or CheckpointWriter(background=False)
     rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.device)
     gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(rng, gathered, dst=0)
-    state = None
+    doc = None
     if gathered is not None:  # rank 0
         if run_dir is None:
             raise DistlmError("rank 0 saves a checkpoint before it opened its run folder")
-        state = CheckpointState(
-            identity=identity,
-            data={
-                "samples_consumed": step * plan.global_batch,
-                "epoch": sampler.epoch_of(step),
-                "sampler": sampler.state(),
-            },
-            scheduler=scheduler.state_dict(),
-            scaler=scaler.state_dict() if scaler.is_enabled() else {},
-            metrics=history,
-            distlm_version=__version__,
-            step=step,
-        )
-    if sharded:
+        doc = state.checkpoint_state(step, identity=identity, history=history)
+    if state.sharded:
         return _save_sharded(
             run_dir,
             step,
+            state,
             topo=topo,
-            model=model,
-            optimizer=optimizer,
             rng=gathered,
-            state=state,
+            doc=doc,
             keep_last=keep_last,
             writer=writer,
         )
     path = None
-    if gathered is not None and state is not None:  # rank 0
+    if gathered is not None and doc is not None:  # rank 0
         t0 = time.perf_counter()
         _settle(writer, step)  # the previous write, before its buffers are used again
         ready = None
         if writer.background:  # copies, which the training loop cannot change under the write
-            (weights, optimizer_state), ready = writer.stage(saved_tensors(model, optimizer))
+            tensors, ready = writer.stage(state.state_dict())
         else:
-            weights, optimizer_state = host_copy(saved_tensors(model, optimizer))
+            tensors = host_copy(state.state_dict())
         path = writer.submit(
             _timed_write,
             writer,
             run_dir,
             ready=ready,
-            weights=weights,
-            optimizer_state=optimizer_state,
+            weights=tensors["model"],
+            optimizer_state=tensors["optim"],
             rng_states=gathered,
-            state=state,
+            state=doc,
             keep_last=keep_last,
         )
         if path is None:
@@ -365,12 +338,11 @@ def _settle(writer: CheckpointWriter, step: int) -> None:
 def _save_sharded(
     run_dir: Path | None,
     step: int,
+    state: TrainState,
     *,
     topo: Topology,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
     rng: list | None,
-    state: CheckpointState | None,
+    doc: CheckpointState | None,
     keep_last: int,
     writer: CheckpointWriter,
 ) -> Path | None:
@@ -381,12 +353,9 @@ def _save_sharded(
     `keep_last` (`_finish_sharded`). With a background writer the loop goes on after the copies;
     otherwise all of it happens here. A kill before the rename leaves a leftover the next start
     removes, never a checkpoint that looks finished."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     t0 = time.perf_counter()
     _settle(writer, step)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    tree = {"model": model_sd, "optim": optim_sd}
+    tree = state.state_dict()  # this rank's shards: {"model": ..., "optim": ...}
     opened = contextlib.ExitStack()  # rank 0's temporary folder, renamed by _finish_sharded
     box: list[str | None] = [None]
     if topo.is_main:
@@ -405,8 +374,8 @@ def _save_sharded(
     if not topo.is_main:
         writer.submit(shards.result)  # this rank's shards on disk
     else:
-        assert state is not None and rng is not None
-        done = (shards, opened, tmp, step, rng, state, keep_last, staged)
+        assert doc is not None and rng is not None
+        done = (shards, opened, tmp, step, rng, doc, keep_last, staged)
         path = writer.submit(_finish_sharded, writer, *done)
         if path is None:
             log.info(
@@ -447,16 +416,23 @@ def _finish_sharded(
     return path
 
 
-def load_sharded(
-    ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """A sharded checkpoint into this rank's shards of the model and AdamW's state, whatever
-    the number of ranks that wrote it (torch.distributed.checkpoint reshards); all ranks call."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+def load_tensors(ckpt: Checkpoint, state: TrainState, topo: Topology) -> None:
+    """The checkpoint's weights and AdamW's state into `state` (`TrainState.load_state_dict`);
+    all ranks call. A whole checkpoint's weights load on rank 0 (the others get them from rank
+    0 next), its optimizer state on every rank; a sharded one's into this rank's shards,
+    whatever the number of ranks that wrote it (torch.distributed.checkpoint reshards)."""
+    if not state.sharded:
+        tree = {"model": load_weights(ckpt)} if topo.is_main else {}
+        tree["optim"] = load_optimizer_state(ckpt, topo.device)
+        files = {
+            "model": str(ckpt.path / "model.safetensors"),
+            "optim": str(ckpt.path / "optimizer.pt"),
+        }
+        state.load_state_dict(tree, where=files)
+        return
     from torch.distributed.checkpoint.state_dict_loader import load as load_shards
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    tree = {"model": model_sd, "optim": optim_sd}
+    tree = state.state_dict()  # this rank's shards, which DCP loads in place
     try:
         load_shards(tree, checkpoint_id=ckpt.path / SHARDS)
     except Exception as e:
@@ -464,7 +440,7 @@ def load_sharded(
             f"{ckpt.path / SHARDS}: the sharded checkpoint does not load into this model "
             f"({type(e).__name__}: {e})"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=tree["model"], optim_state_dict=tree["optim"])
+    state.load_state_dict(tree)
 
 
 def is_sharded(ckpt: Checkpoint) -> bool:

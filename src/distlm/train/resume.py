@@ -1,6 +1,6 @@
 """Resume: which checkpoint (or finished run to extend) a start picks, and loading it into the
-model, optimiser and schedule after its identity (distlm.train.identity) is checked. The
-`Trainer` calls these while it is constructed."""
+run's `TrainState` (model, optimiser, schedule, scaler) after its identity
+(distlm.train.identity) is checked. The `Trainer` calls these while it is constructed."""
 
 from __future__ import annotations
 
@@ -8,19 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from distlm.dist import Topology
 from distlm.documents import RunIdentity
-from distlm.family.transformer import Transformer
 from distlm.io import remove_leftovers
 from distlm.log import get_logger
 from distlm.settings import TrainSettings
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import identity as identity_mod
-from distlm.train.optim import load_named_optimizer_state
 from distlm.train.paths import TrainPaths
+from distlm.train.state import TrainState
 
 log = get_logger(__name__)
 
@@ -37,44 +35,29 @@ class Resumed:
 
 def load_checkpoint(
     choice: tuple[str, int],
+    state: TrainState,
     *,
     identity: RunIdentity,
     topo: Topology,
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
     max_steps: int,
-    sharded: bool = False,
 ) -> Resumed:
-    """All ranks: check the checkpoint's identity, load the optimiser, schedule and scaler; rank 0
-    loads the weights (the others get them from rank 0 next). `sharded` (FSDP): every rank loads
+    """All ranks: check the checkpoint's identity, load it into `state` (the weights, AdamW's
+    state, the schedule and the scaler: distlm.train.checkpoint's `load_tensors`). Whole, rank 0
+    loads the weights (the others get them from rank 0 next); sharded (FSDP), every rank loads
     its shards of the weights and AdamW's state."""
     ck = ckpt_mod.Checkpoint(Path(choice[0]), choice[1])
-    state = ckpt_mod.read_state(ck)
-    identity_mod.check_identity(ck, state.identity, identity)
-    if ckpt_mod.is_sharded(ck) != sharded:  # the identities differ (train.parallel): a guard
+    doc = ckpt_mod.read_state(ck)
+    identity_mod.check_identity(ck, doc.identity, identity)
+    if ckpt_mod.is_sharded(ck) != state.sharded:  # the identities differ (train.parallel): a guard
         raise ckpt_mod.CheckpointMismatch(
             f"{ck.path}: a {'sharded' if ckpt_mod.is_sharded(ck) else 'whole'} checkpoint, and "
-            f"this run is {'sharded' if sharded else 'not'} (train.parallel)"
+            f"this run is {'sharded' if state.sharded else 'not'} (train.parallel)"
         )
     rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
-    if sharded:
-        ckpt_mod.load_sharded(ck, model, optimizer)
-    else:
-        if topo.is_main:
-            model.load_hf(ckpt_mod.load_weights(ck), str(ck.path / "model.safetensors"))
-        load_named_optimizer_state(
-            model,
-            optimizer,
-            ckpt_mod.load_optimizer_state(ck, topo.device),
-            str(ck.path / "optimizer.pt"),
-        )
-    scheduler.load_state_dict(state.scheduler)
-    if state.scaler:
-        scaler.load_state_dict(state.scaler)
-    log.info("resuming from %s (step %d of %d)", ck.path, state.step, max_steps)
-    return Resumed(state.step, state.metrics, str(ck.path), rng_state)
+    ckpt_mod.load_tensors(ck, state, topo)
+    state.load_checkpoint_state(doc)
+    log.info("resuming from %s (step %d of %d)", ck.path, doc.step, max_steps)
+    return Resumed(doc.step, doc.metrics, str(ck.path), rng_state)
 
 
 def choose_checkpoint(
@@ -124,17 +107,14 @@ def choose_checkpoint(
 def resume_or_start(
     paths: TrainPaths,
     tcfg: TrainSettings,
+    state: TrainState,
     *,
     identity: RunIdentity,
     topo: Topology,
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    sharded: bool = False,
 ) -> tuple[Path | None, Resumed | None]:
     """All ranks: rank 0 opens this identity's run folder and picks the checkpoint, every rank
-    loads it. Returns (the run folder on rank 0, None elsewhere; what was resumed, or None).
+    loads it into `state`. Returns (the run folder on rank 0, None elsewhere; what was resumed,
+    or None).
 
     A checkpoint at step max_steps with this run's identity is finished work: it is loaded like
     any other, and `Trainer.fit` writes the final folder from it without a training step."""
@@ -144,15 +124,5 @@ def resume_or_start(
         dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         return run_dir, None
-    resumed = load_checkpoint(
-        box[0],
-        identity=identity,
-        topo=topo,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=scaler,
-        max_steps=tcfg.max_steps,
-        sharded=sharded,
-    )
+    resumed = load_checkpoint(box[0], state, identity=identity, topo=topo, max_steps=tcfg.max_steps)
     return run_dir, resumed

@@ -10,8 +10,9 @@ run identity, resume, initial weights from rank 0 through the transfer module, D
 `evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases' parts live
 beside this module: `setup` (lease, data, model, weight sync), `optim` (schedule, precision,
 AdamW), `ddp` (the loss module in DDP), `identity` (the run identity and its run folders),
-`checkpoint` (the one save path), `resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping` (divergence,
-stop signals), `paths` (`TrainPaths`).
+`state` (`TrainState`: what a checkpoint saves and a resume loads), `checkpoint` (the one save
+path), `resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping`
+(divergence, stop signals), `paths` (`TrainPaths`).
 
 Learning rate: `train.lr` is the peak rate for the *global* batch (micro_batch x grad_accum x
 world size blocks); it is not rescaled when the world size changes, so keep the global batch fixed
@@ -52,6 +53,7 @@ from distlm.train.optim import (
 from distlm.train.parallel import replicas_for, state_bytes, state_line
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
+from distlm.train.state import TrainState
 from distlm.train.stopping import (
     STOP_SIGNALS,
     StopNotice,
@@ -127,17 +129,18 @@ class Trainer:
                 plan=self.data.plan,
                 precision=self.precision,
             )
+            # what checkpoints save and a resume loads into: the same objects as above
+            self.state = TrainState(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                self.data.sampler,
+                self.replicas,
+            )
             # rank 0: this identity's checkpoint folder (None elsewhere); the checkpoint, if any
             self.run_dir, resumed = resume.resume_or_start(
-                paths,
-                t,
-                identity=self.identity,
-                topo=topo,
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                scaler=self.scaler,
-                sharded=self.replicas.sharded,
+                paths, t, self.state, identity=self.identity, topo=topo
             )
             self.step = resumed.step if resumed else 0  # optimizer steps completed
             self.resumed_from = resumed.path if resumed else None
@@ -318,18 +321,12 @@ class Trainer:
         ckpt_mod.save(
             self.run_dir,
             self.step,
+            self.state,
             topo=self.topo,
             identity=self.identity,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            sampler=self.data.sampler,
-            plan=self.data.plan,
             history=self.metrics.history(),
             keep_last=self.tcfg.keep_last,
             writer=self.writer,
-            sharded=self.replicas.sharded,
         )
         if self.topo.is_main:
             outputs.metrics_io(self.metrics.flush)
@@ -487,9 +484,9 @@ class Trainer:
         if first:
             self.startup_cpu_s = round(time.process_time(), 2)
         row = self.train_step()
-        if first and self.topo.is_main and not self.replicas.sharded:
+        if first and self.topo.is_main and not self.state.sharded:
             # the host buffers of background checkpoints, allocated while training goes on
-            self.writer.reserve(ckpt_mod.saved_tensors(self.model, self.optimizer))
+            self.writer.reserve(self.state.state_dict())
         if first:
             self.state_bytes = state_bytes(self.model, self.optimizer)
             log.info(
