@@ -37,7 +37,7 @@ from distlm.train import checkpoint as ck
 from distlm.train import faults as faults_mod
 from distlm.train import identity as ident
 from distlm.train.kernels import CausalLMLoss, NextTokenLoss, linear_cross_entropy
-from distlm.train.sampler import BatchPlan, StepSampler, plan_batch
+from distlm.train.step_sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.trainer import fused_adamw_available
 
 ROOT = Path(__file__).resolve().parents[1]

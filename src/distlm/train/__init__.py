@@ -9,8 +9,8 @@ Modules, by what a change touches:
     setup.py       the set-up phases as functions: lease, data, model, initial weight sync
     paths.py       `TrainPaths`: the stage's inputs and outputs, named as distlm.stages declares
     optim.py       learning-rate schedule (`lr_at`), precision, AdamW (parameter groups, fused)
-    ddp.py         the loss module (fused kernels or transformers') wrapped in DDP
-    sampler.py     the batch plan and each rank's blocks per step (exact resume)
+    parallel.py    `Replicas`: how the ranks hold the model (DDP, or FSDP2 shards), the loss module
+    step_sampler.py the batch plan and each rank's blocks per step (exact resume)
     kernels.py     the fused LM-head cross-entropy and GELU
     resume.py      which checkpoint a start resumes or extends, loading it
     state.py       `TrainState`: the model, AdamW, schedule, scaler and data position a

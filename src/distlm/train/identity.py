@@ -49,7 +49,7 @@ from distlm.train.checkpoint import (
 
 if TYPE_CHECKING:
     from distlm.settings.stage import TrainConfig
-    from distlm.train.sampler import BatchPlan
+    from distlm.train.step_sampler import BatchPlan
 
 log = get_logger(__name__)
 

@@ -24,7 +24,7 @@ from distlm.settings import TrainSettings
 from distlm.settings.ranks import state_problem
 from distlm.settings.stage import TrainConfig
 from distlm.train.paths import TrainPaths
-from distlm.train.sampler import BatchPlan, StepLoader, StepSampler, plan_batch
+from distlm.train.step_sampler import BatchPlan, StepLoader, StepSampler, plan_batch
 
 # The trainer's logger: the `attempt:` line keeps the name that tests and runbooks grep for.
 log = get_logger("distlm.train.trainer")

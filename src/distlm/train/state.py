@@ -30,7 +30,7 @@ from distlm.train.optim import load_named_optimizer_state, named_optimizer_state
 if TYPE_CHECKING:
     from distlm.family.transformer import Transformer
     from distlm.train.parallel import Replicas
-    from distlm.train.sampler import StepSampler
+    from distlm.train.step_sampler import StepSampler
 
 
 @dataclass(frozen=True, eq=False)

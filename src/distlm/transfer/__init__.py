@@ -27,7 +27,7 @@ Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, glo
 see distlm.transfer.uccl). A transport that cannot run raises TransferError saying why.
 
 Where things are:
-    broadcast.py  broadcast_state_dict: the steps below in order, and the figures it returns
+    chain.py      broadcast_state_dict: the steps below in order along the chain, and the figures it returns
     session.py    TransferSession: one transfer's state (ranks, chain, device, link, plan, buffers)
     plan.py       the bucket plan: tensors in the byte stream, buckets, chunks, zero-copy messages
     handshake.py  the plan agreed before the bytes, the verdict after them
@@ -41,7 +41,7 @@ Where things are:
     errors.py     TransferError
 """
 
-from distlm.transfer.broadcast import TransferResult, broadcast_state_dict
+from distlm.transfer.chain import TransferResult, broadcast_state_dict
 from distlm.transfer.checksum import Checksum
 from distlm.transfer.errors import TransferError
 from distlm.transfer.messages import PlanMessage
