@@ -9,7 +9,7 @@ run identity, resume, initial weights from rank 0 through the transfer module, D
 `train_step` (micro-batches with no DDP sync but on the last, clipping, AdamW, schedule),
 `evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases' parts live
 beside this module: `setup` (lease, data, model, weight sync), `optim` (schedule, precision,
-AdamW), `ddp` (the loss module in DDP), `identity` (the run identity and its run folders),
+AdamW), `parallel` (`Replicas`: DDP or FSDP2), `identity` (the run identity and its run folders),
 `state` (`TrainState`: what a checkpoint saves and a resume loads), `checkpoint` (the one save
 path), `resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping`
 (divergence, stop signals), `paths` (`TrainPaths`).
