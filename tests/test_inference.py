@@ -18,9 +18,9 @@ from distlm.inference.engine.pipeline_stage import Item, _Plan, load_stage
 from distlm.inference.engine.ring import PipelineTopology
 from distlm.inference.engine.scheduler import Scheduler, Sequence
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
+from distlm.inference.request import sampling_settings
 from distlm.inference.sampling import SamplingParams, make_params, pick_token
 from distlm.inference.stats import StageStats
-from distlm.inference.validate import sampling_settings
 from distlm.settings import InferenceSettings, SamplingSettings, init_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -473,7 +473,7 @@ def write_config(
     `runtime` in `runtime`; the serve stage's document when `serve` is given, else the inference
     stage's."""
     from distlm.config import validate_config
-    from distlm.settings.stage import write_stage_config
+    from distlm.settings.stage_configs import write_stage_config
     from distlm.stages import stage_config
 
     stage = "inference" if serve is None else "serve"

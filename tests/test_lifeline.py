@@ -129,7 +129,7 @@ def _wait_for(pred, what: str, bound_s: float = 180.0) -> None:
 @pytest.mark.slow
 def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
     from distlm.config import validate_config
-    from distlm.settings.stage import write_stage_config
+    from distlm.settings.stage_configs import write_stage_config
     from distlm.stages import stage_config
 
     inputs = make_inputs(tmp_path / "inputs")

@@ -37,6 +37,7 @@ from distlm.inference.messages import (
     encode_batch,
 )
 from distlm.inference.prompts import RequestError
+from distlm.inference.request import sampling_settings
 from distlm.inference.sampling import (
     SamplingError,
     SamplingParams,
@@ -53,7 +54,6 @@ from distlm.inference.server.requests import (
     parse_json,
 )
 from distlm.inference.stats import StageBrief, StageInfo
-from distlm.inference.validate import sampling_settings
 from distlm.settings import MAX_SEED, SamplingSettings
 
 tiny_models = test_inference.tiny_models

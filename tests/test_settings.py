@@ -193,7 +193,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
 def test_stage_config_types_are_the_declared_keys():
     """Each stage's document type holds exactly the keys distlm.stages declares for it, each with
     Settings' own field (type, range, default): the two cannot drift."""
-    from distlm.settings.stage import STAGE_CONFIGS
+    from distlm.settings.stage_configs import STAGE_CONFIGS
     from distlm.stages import NOT_STAGE_KEYS, STAGES, schema_keys
 
     assert set(STAGE_CONFIGS) == set(STAGES)
@@ -210,7 +210,7 @@ def test_stage_config_types_are_the_declared_keys():
 def test_stage_config_document_round_trip(tmp_path):
     from distlm.documents import DocumentError, read_document
     from distlm.io import digest
-    from distlm.settings.stage import EvalConfig, TrainConfig, write_stage_config
+    from distlm.settings.stage_configs import EvalConfig, TrainConfig, write_stage_config
     from distlm.stages import stage_config
 
     cfg = validate_config(yaml.safe_load(TINY.read_text()))
@@ -230,7 +230,7 @@ def test_stage_params_keep_the_config_key_order_and_values():
     """A rule's params are dumped from the typed settings and are the mapping the config held,
     key order and ints included: Snakemake compares params by their repr, so another order or
     2.0 for 2 would rerun every stage of a results folder an earlier release made."""
-    from distlm.settings.stage import stage_params
+    from distlm.settings.stage_configs import stage_params
     from distlm.settings.validate import validate
 
     raw = yaml.safe_load(TINY.read_text())
@@ -259,7 +259,7 @@ def test_a_key_newer_than_the_configs_dumps_only_when_it_differs_from_its_defaul
     """A key marked ONLY_WHEN_SET (distlm.section): a config without it, or with it at its
     default, dumps the stage's params it dumped before the key existed (an upgrade reruns
     nothing); another value is in them (an edit reruns the stages that read it)."""
-    from distlm.settings.stage import stage_params
+    from distlm.settings.stage_configs import stage_params
     from distlm.settings.validate import validate
     from distlm.stages import STAGES
 

@@ -128,7 +128,7 @@ def test_variants_depend_on_the_run_alone():
 
 
 def test_the_report_says_what_is_missing_and_drops_runs_that_left(tmp_path):
-    from distlm.report.sweep import build_sweep_report
+    from distlm.report.compare import build_sweep_report
     from distlm.sweep import describe
 
     results = tmp_path / "results"

@@ -538,7 +538,7 @@ def distlm_command(
     from bench import sharded
 
     from distlm.config import validate_config
-    from distlm.settings.stage import write_stage_config
+    from distlm.settings.stage_configs import write_stage_config
     from distlm.stages import stage_config
 
     cfg = validate_config(

@@ -70,7 +70,7 @@ BUCKETS = {
         ("HTTP", "starlette"),
         ("HTTP", "fastapi"),
         ("routes", "server/app.py"),
-        ("routes", "server/stream.py"),
+        ("routes", "server/answer.py"),
         ("asyncio", "asyncio/"),
     ],
 }

@@ -69,7 +69,7 @@ import time
 from pathlib import Path
 
 from distlm.documents import read_document
-from distlm.settings.stage import TrainConfig
+from distlm.settings.stage_configs import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/synthetic.py: the tiny inputs
@@ -530,7 +530,7 @@ def resolved_config(a, work: Path, parallel: str = "ddp") -> tuple[TrainConfig, 
     """The train stage's resolved config: the config file with the benchmark's settings (and
     `train.parallel`: the distlm-fsdp job's fsdp)."""
     from distlm.config import load_config
-    from distlm.settings.stage import write_stage_config
+    from distlm.settings.stage_configs import write_stage_config
     from distlm.stages import stage_config
 
     p = PRESETS[a.preset]

@@ -3,7 +3,7 @@
 `validate_config` fills defaults, rejects unknown keys, moved keys and out-of-range values, then
 checks the constraints that span keys (stages vs layers, block size vs context). Every error names
 the key. The workflow holds the typed `Settings` (each rule's params are its stage's typed config,
-`distlm.settings.stage`); the library takes the typed `Settings` too (`load_settings`).
+`distlm.settings.stage_configs`); the library takes the typed `Settings` too (`load_settings`).
 """
 
 from __future__ import annotations

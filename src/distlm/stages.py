@@ -8,7 +8,7 @@ it writes and the document it reports.
 
 This is the only table of the DAG: `rule all` (JOBS), the report's inputs (REPORT_READS), the
 {model} folders (MODELS) and the sweep's job variants are derived from it. A stage's keys are the
-fields of its typed document (`distlm.settings.stage`: a stage that reads another key has no field
+fields of its typed document (`distlm.settings.stage_configs`: a stage that reads another key has no field
 for it, so it never silently depends on it). The rules take their params (exactly a stage's keys)
 and output paths from here, the trainer and the report's readers take the same paths, and
 config/README.md's
@@ -44,11 +44,21 @@ class Output:
 @dataclass(frozen=True)
 class Stage:
     """A stage of the DAG: its rule, the jobs it consumes and the files it writes. The config keys
-    it reads are its typed stage config's fields (`distlm.settings.stage`), never written here."""
+    it reads are its typed stage config's fields (`distlm.settings.stage_configs`), never written here."""
 
     name: str
     rule: str
     folder: str  # under results/
+    # Where its code lives, and how its rule starts it (docs/architecture.md's stage table is
+    # generated from both). `home`: the package or module that holds the stage's logic; its
+    # settings are its typed stage config (`keys` below). `commands`: the thin entry points the
+    # rule runs, each only reading its inputs and calling into the home: a module a launcher
+    # starts (`distlm.entry.<name>`, under torchrun or mpiexec) or a `script:` file that runs in
+    # Snakemake's own process (workflow/scripts/). The rules keep the names literally (a renamed
+    # command would change the rule's code and rerun every cached job); tests/test_layout.py
+    # checks that each rule names its stage's commands and each command imports its home.
+    home: str
+    commands: tuple[str, ...]
     outputs: Mapping[str, Output]
     # (output, type): the output holding the stage's report document and its distlm.documents type
     document: tuple[str, str] | None = None
@@ -68,7 +78,7 @@ class Stage:
     @property
     def keys(self) -> tuple[str, ...]:
         """Dotted config keys it reads (a key covers everything under it): its stage config's."""
-        from distlm.settings.stage import STAGE_CONFIGS
+        from distlm.settings.stage_configs import STAGE_CONFIGS
 
         return STAGE_CONFIGS[self.name].keys()
 
@@ -134,6 +144,8 @@ STAGES: dict[str, Stage] = {
             "data",
             "prepare_data",
             "data",
+            home="distlm.data",
+            commands=("workflow/scripts/prepare_data.py",),
             outputs=_outputs(tokens="tokens.h5", tokenizer=("tokenizer", True), stats="stats.json"),
             document=("stats", "DataStats"),
         ),
@@ -142,6 +154,8 @@ STAGES: dict[str, Stage] = {
             "model",
             "serialize_model",
             "model",
+            home="distlm.model",
+            commands=("workflow/scripts/serialize_model.py",),
             outputs=_outputs(model=("base", True)),
             reads={
                 "tokens": ("prepare_data", "tokens"),
@@ -153,6 +167,8 @@ STAGES: dict[str, Stage] = {
             "broadcast",
             "broadcast",
             "broadcast",
+            home="distlm.broadcast",
+            commands=("distlm.entry.broadcast",),
             outputs=_outputs(report="report.json"),
             document=("report", "BroadcastReport"),
             reads={"model": ("serialize_model", "model")},
@@ -162,6 +178,8 @@ STAGES: dict[str, Stage] = {
             "train",
             "train",
             "train",
+            home="distlm.train",
+            commands=("distlm.entry.train",),
             outputs=_outputs(
                 final=("final", True),
                 metrics="metrics.csv",
@@ -183,6 +201,8 @@ STAGES: dict[str, Stage] = {
             "eval",
             "evaluate",
             "eval",
+            home="distlm.evaluate",
+            commands=("distlm.entry.evaluate",),
             outputs=_outputs(json="{model}.json"),
             document=("json", "EvalReport"),
             reads={"tokens": ("prepare_data", "tokens"), "model": ("{model}", "")},
@@ -193,6 +213,8 @@ STAGES: dict[str, Stage] = {
             "shard",
             "shard",
             "pipeline",
+            home="distlm.model",
+            commands=("workflow/scripts/shard.py",),
             outputs=_outputs(pipeline=("{model}", True)),
             reads={"model": ("{model}", "")},
             instances=("trained",),
@@ -202,6 +224,8 @@ STAGES: dict[str, Stage] = {
             "inference",
             "inference",
             "inference",
+            home="distlm.inference",
+            commands=("distlm.entry.infer",),
             outputs=_outputs(generations="generations.jsonl", timing="timing.json"),
             document=("timing", "InferenceTiming"),
             reads={"model": ("shard[trained]", "pipeline")},
@@ -211,6 +235,8 @@ STAGES: dict[str, Stage] = {
             "report",
             "report",
             "report",
+            home="distlm.report",
+            commands=("workflow/scripts/report.py", "workflow/scripts/sweep_report.py"),
             outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
             reads=REPORT_READS,
         ),
@@ -220,6 +246,8 @@ STAGES: dict[str, Stage] = {
             "serve_shard",
             "serve_shard",
             "serve",
+            home="distlm.model",
+            commands=("workflow/scripts/shard.py",),
             outputs=_outputs(pipeline=("pipeline", True)),
             reads={"model": ("train", "final")},
             in_all=False,
@@ -230,6 +258,8 @@ STAGES: dict[str, Stage] = {
             "serve",
             "serve",
             "serve",
+            home="distlm.inference",
+            commands=("distlm.entry.serve",),
             outputs={},
             reads={"model": ("serve_shard", "pipeline")},
             in_all=False,
@@ -289,9 +319,9 @@ def select(cfg: Mapping[str, Any], keys: Iterable[str]) -> dict:
 
 def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
     """The part of config mapping `cfg` stage `stage` reads, as its rule's params hold it: the
-    mapping validated, then `distlm.settings.stage.stage_params` of its typed settings (what the
+    mapping validated, then `distlm.settings.stage_configs.stage_params` of its typed settings (what the
     workflow calls on the settings it holds)."""
-    from distlm.settings.stage import stage_params
+    from distlm.settings.stage_configs import stage_params
     from distlm.settings.validate import validate
 
     return stage_params(validate(cfg)[1], stage)
@@ -371,45 +401,84 @@ def rerun_table(schema: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-TABLE_BEGIN = "<!-- rerun-table: generated by `python -m distlm.stages --write`; do not edit -->"
-TABLE_END = "<!-- /rerun-table -->"
+def stage_table() -> str:
+    """Markdown: each stage with its rule, the typed config of its keys, its home and the
+    commands its rule runs (docs/architecture.md, "The stages")."""
+    from distlm.settings.stage_configs import STAGE_CONFIGS
+
+    lines = [
+        "| stage | rule | keys | home | command | results/ |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in STAGES.values():
+        config = STAGE_CONFIGS[s.name]
+        keys = f"`{config.__name__}`: " + ", ".join(f"`{k}`" for k in s.keys)
+        commands = "<br>".join(
+            f"`python -m {c}`" if c.startswith("distlm.") else f"`{c}`" for c in s.commands
+        )
+        lines.append(
+            f"| {s.name} | `{s.rule}` | {keys} | `{s.home}` | {commands} | `{s.folder}/` |"
+        )
+    return "\n".join(lines) + "\n"
 
 
-def with_table(readme: str, table: str) -> str:
-    """`readme` with the text between the table markers replaced by `table`."""
-    pattern = re.compile(re.escape(TABLE_BEGIN) + r".*?" + re.escape(TABLE_END), re.DOTALL)
-    if not pattern.search(readme):
-        raise ValueError(f"config/README.md has no {TABLE_BEGIN!r} ... {TABLE_END!r} block")
-    return pattern.sub(lambda _: f"{TABLE_BEGIN}\n{table}{TABLE_END}", readme)
+# The generated tables: file -> (marker name, the function that makes the table)
+GENERATED: dict[str, tuple[str, Any]] = {
+    "config/README.md": ("rerun-table", lambda: rerun_table(_schema())),
+    "docs/architecture.md": ("stage-table", stage_table),
+}
+
+
+def _schema() -> dict:
+    from distlm.settings.schema import settings_schema
+
+    return settings_schema()
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return (
+        f"<!-- {name}: generated by `python -m distlm.stages --write`; do not edit -->",
+        f"<!-- /{name} -->",
+    )
+
+
+def with_table(text: str, table: str, *, name: str = "rerun-table", path: str = "") -> str:
+    """`text` with the text between the `name` table's markers replaced by `table`."""
+    begin, end = _markers(name)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"{path or 'the file'} has no {begin!r} ... {end!r} block")
+    return pattern.sub(lambda _: f"{begin}\n{table}{end}", text)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m distlm.stages --check|--write`: config/README.md's rerun table in sync."""
+    """`python -m distlm.stages --check|--write`: the generated tables in sync: config/README.md's
+    rerun table and docs/architecture.md's stage table."""
     import argparse
     import sys
 
-    from distlm.settings.schema import settings_schema
-
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--write", action="store_true", help="rewrite the table in config/README.md")
-    p.add_argument("--check", action="store_true", help="exit 1 when the table is out of date")
+    p.add_argument("--write", action="store_true", help="rewrite the tables in their files")
+    p.add_argument("--check", action="store_true", help="exit 1 when a table is out of date")
     p.add_argument("--root", type=Path, default=Path.cwd(), help="the checkout (default: .)")
     args = p.parse_args(argv)
-    schema = settings_schema()
-    readme_path = args.root / "config/README.md"
-    readme = readme_path.read_text(encoding="utf-8")
-    new = with_table(readme, rerun_table(schema))
-    if args.write:
-        if new != readme:
-            readme_path.write_text(new, encoding="utf-8")
-        return 0
-    if args.check and new != readme:
-        print(
-            f"{readme_path}: the rerun table is out of date; run `python -m distlm.stages --write`",
-            file=sys.stderr,
-        )
+    stale = []
+    for rel, (name, make) in GENERATED.items():
+        path = args.root / rel
+        text = path.read_text(encoding="utf-8")
+        table = make()
+        new = with_table(text, table, name=name, path=str(path))
+        if args.write:
+            if new != text:
+                path.write_text(new, encoding="utf-8")
+        elif args.check:
+            if new != text:
+                stale.append(f"{path}: the {name} is out of date")
+        else:
+            print(table)
+    if stale:
+        print("\n".join(stale) + "; run `python -m distlm.stages --write`", file=sys.stderr)
         return 1
-    print(rerun_table(schema), end="")
     return 0
 
 

@@ -45,7 +45,7 @@ from distlm.config import ConfigError
 from distlm.documents import Document
 from distlm.io import digest
 from distlm.settings.root import Settings
-from distlm.settings.stage import stage_params
+from distlm.settings.stage_configs import stage_params
 from distlm.settings.sweep import DOTTED_PATTERN, NAME_MAX, NAME_PATTERN, SweepSettings
 from distlm.settings.validate import deep_merge, validate, with_override
 from distlm.stages import JOBS, RESULTS, job_output

@@ -21,7 +21,7 @@ from distlm.config import ConfigError
 from distlm.launch.torchrun import stage_args
 from distlm.machine import this_machine
 from distlm.settings.ranks import machine_problems, stage_ranks
-from distlm.settings.stage import STAGE_CONFIGS, stage_params
+from distlm.settings.stage_configs import STAGE_CONFIGS, stage_params
 from distlm.settings.validate import validate
 from distlm.stages import (
     BENCHMARKS,
@@ -124,7 +124,7 @@ def threads_of(stage):
 
 
 def params_of(stage):
-    """Exactly the config keys `stage` reads, from its typed stage config (distlm.settings.stage)
+    """Exactly the config keys `stage` reads, from its typed stage config (distlm.settings.stage_configs)
     of the job's run: a rule's params, so an edit of any other key leaves the rule's outputs
     cached."""
     return per_job(lambda s: stage_params(s, stage))

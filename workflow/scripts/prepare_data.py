@@ -2,7 +2,7 @@
 
 from distlm.data import prepare
 from distlm.log import setup_logging
-from distlm.settings.stage import DataConfig
+from distlm.settings.stage_configs import DataConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])

@@ -1,8 +1,8 @@
 """Write the config keys a multi-process stage reads, as its typed stage config document
-(distlm.settings.stage), for all its ranks (rule resolve_config)."""
+(distlm.settings.stage_configs), for all its ranks (rule resolve_config)."""
 
 from distlm.log import get_logger, setup_logging
-from distlm.settings.stage import write_stage_config
+from distlm.settings.stage_configs import write_stage_config
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])

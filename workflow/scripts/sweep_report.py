@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from distlm.log import setup_logging
-from distlm.report.sweep import build_sweep_report
-from distlm.settings.stage import ReportConfig
+from distlm.report.compare import build_sweep_report
+from distlm.settings.stage_configs import ReportConfig
 from distlm.stages import RESULTS
 from distlm.sweep import SweepDescription
 

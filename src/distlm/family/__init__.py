@@ -27,7 +27,7 @@ from distlm.family.qwen3 import QWEN3
 from distlm.family.spec import FamilySpec, InitSettings, ModelArgs, TensorNames
 
 if TYPE_CHECKING:
-    from distlm.family.model import Family
+    from distlm.family.builder import Family
 
 # The registry: one line a family (the first is model.init's default architecture).
 REGISTRY: dict[str, FamilySpec] = {s.name: s for s in (GPT2, LLAMA, QWEN2, QWEN3)}

@@ -4,12 +4,12 @@ both speak here:
 
     prompts.py     prompt files, relative path lookup, prompt tokens, RequestError (no torch)
     sampling.py    SamplingParams and next-token choice: greedy / temperature / top-k / top-p
-    validate.py    the one request path: prompts + SamplingSettings -> a validated request
+    request.py     the one request path: prompts + SamplingSettings -> a validated request
     stats.py       StageInfo / StageStats / StageBrief: what a stage reports about itself
     messages.py    the engine channel's typed, versioned messages (msgpack over ZeroMQ)
 
 engine/  the pipeline (inside the MPI job)
-    stage.py       a stage's blocks and per-lane KV caches (packed micro-batches)
+    pipeline_stage.py  a pipeline stage's blocks and per-lane KV caches (packed micro-batches)
     ring.py        the ring of stages: topology, MPI links, versioned ring messages, wire format
     sampler.py     the last stage: per-lane sampling state, a micro-batch's picks
     scheduler.py   stage 0: lane policy, micro-batches, run_stage0 (the one stage-0 loop)
@@ -25,8 +25,8 @@ server/  the API server (one process outside the job)
     state.py       what the routes hold, and the narrow objects of the two steps below
     requests.py    the completions and chat request models, body limits, JSON guards
     chat.py        a chat's messages checked and rendered by the folder's chat template
-    prepare.py     a request made ready (either route): checked, tokenized (through validate.py)
-    stream.py      answering: one JSON completion or server-sent events; cancellation
+    prepare.py     a request made ready (either route): checked, tokenized (through request.py)
+    answer.py      answering: one JSON completion or server-sent events; cancellation
     render.py      one answer as events arrive: text, stop strings, logprobs, usage
     shapes.py      how an answer looks: completion or chat completion, whole or in chunks
     client.py      the engine client: submit, cancel, events to their requests

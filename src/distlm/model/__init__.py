@@ -26,9 +26,8 @@ The package, by part (what each model family knows is `distlm.family`): `layout`
 """
 
 from distlm.family import SUPPORTED, family_of
-from distlm.family.model import Family
+from distlm.family.builder import Family
 from distlm.family.transformer import Transformer, check_tensors
-from distlm.model.build import init_config, init_model, load_source, state_dict_for_save
 from distlm.model.folder import (
     load_model_dir,
     load_safetensors,
@@ -59,6 +58,7 @@ from distlm.model.shards import (
     read_manifest,
     write_pipeline_dir,
 )
+from distlm.model.source import init_config, init_model, load_source, state_dict_for_save
 from distlm.model.stage import serialize
 
 __all__ = [

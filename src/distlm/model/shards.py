@@ -18,7 +18,7 @@ from distlm.documents import (
     write_document,
 )
 from distlm.family import family_of
-from distlm.family.model import Family
+from distlm.family.builder import Family
 from distlm.io import atomic_dir, sha256_file
 from distlm.log import get_logger
 from distlm.model.folder import (

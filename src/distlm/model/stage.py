@@ -8,10 +8,10 @@ from pathlib import Path
 from distlm import DistlmError
 from distlm.documents import ModelMeta
 from distlm.family import model_args
-from distlm.model.build import init_config, init_model, load_source, state_dict_for_save
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META
-from distlm.settings.stage import ModelConfig
+from distlm.model.source import init_config, init_model, load_source, state_dict_for_save
+from distlm.settings.stage_configs import ModelConfig
 
 
 def serialize(

@@ -141,7 +141,7 @@ def build_report(
 
     Returns the paths written: summary.html, figures/<name>.<fmt>, tables/<name>.html.
     `layout`, `benchmark_files`, `title` and `preface` (HTML after the title) make the page of one
-    run of a sweep (distlm.report.sweep).
+    run of a sweep (distlm.report.compare).
     """
     results, out_dir = Path(results), Path(out_dir)
     inp = collect(

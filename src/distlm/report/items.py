@@ -113,7 +113,7 @@ def outputs(formats=("png",)) -> list[tuple[Item, str]]:
     ]
 
 
-# The comparison of a sweep's runs (distlm.report.sweep), results/report/<kind>s/<name>.<fmt>.
+# The comparison of a sweep's runs (distlm.report.compare), results/report/<kind>s/<name>.<fmt>.
 @dataclass(frozen=True)
 class SweepItem:
     """One figure or table of the sweep comparison (results/report/<kind>s/<name>.<fmt>)."""

@@ -15,7 +15,7 @@ from distlm.settings.base import MaxNewTokens, Real, Section, Seed, Temperature,
 class SamplingSettings(Section):
     """How one sequence picks its tokens: the one definition of the sampling keys and ranges.
     `inference` is one (EngineSettings extends it: its flat keys are these), and so is every API
-    request's sampling, laid over it (distlm.inference.validate.sampling_settings). What the
+    request's sampling, laid over it (distlm.inference.request.sampling_settings). What the
     sampler acts on is made from it by distlm.inference.sampling.make_params."""
 
     max_new_tokens: MaxNewTokens = Field(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from distlm.family.builder import Family
 from distlm.family.gpt2 import GPT2, GPT2Args
 from distlm.family.gpt2.blocks import GPT2Block, GPT2Embedding
-from distlm.family.model import Family
 from distlm.family.transformer import Rule, Transformer
 
 _H = "transformer.h.{i}."

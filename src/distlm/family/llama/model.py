@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from distlm.family.builder import Family
 from distlm.family.llama import LLAMA, QWEN2, LlamaArgs
 from distlm.family.llama.blocks import LlamaBlock, Rotary
-from distlm.family.model import Family
 from distlm.family.transformer import Embedding, RMSNorm, Rule, Transformer
 
 _L = "model.layers.{i}."

@@ -121,7 +121,7 @@ def mpi_pipeline(
             share_gpus=True,  # stages talk over MPI: more stages than GPUs take them in turn
             graphs=settings.cuda_graphs,
         )
-        log.info("stage %d of %d: %s", topo.rank, topo.stages, hw.describe())
+        log.info("pipeline stage %d of %d: %s", topo.rank, topo.stages, hw.describe())
         model = load_stage(model_dir, topo.rank, world=topo.stages, hw=hw)
         # Stage 0 gives up first (its engine tells the API server, which answers 503); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.

@@ -581,7 +581,7 @@ def load_stage(
     )
     model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     log.info(
-        "stage %d on %s: layers %d-%d%s%s, %.1f MB%s",
+        "pipeline stage %d on %s: layers %d-%d%s%s, %.1f MB%s",
         stage,
         device,
         model.start,

@@ -4,7 +4,7 @@ Routes: POST /v1/completions and POST /v1/chat/completions (`stream` as server-s
 GET /v1/models, GET /health, GET /metrics (Prometheus). Both POST routes take one path: the
 request is read and validated (requests.py), prepared (prepare.py: its prompt made, tokenized,
 its sampling checked; a chat's messages rendered by the chat template, chat.py), submitted to
-stage 0 (client.py) and answered (stream.py, render.py, in the route's shape: shapes.py). A bad
+stage 0 (client.py) and answered (answer.py, render.py, in the route's shape: shapes.py). A bad
 request gets a 4xx OpenAI-style error naming the field.
 
 The process around this (job supervision, uvicorn, signals) is `distlm.inference.server.supervisor`.
@@ -25,12 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from distlm.inference.prompts import RequestError
 from distlm.inference.server.access_log import escape
+from distlm.inference.server.answer import run_completion
 from distlm.inference.server.errors import ApiError, error_doc, from_request
 from distlm.inference.server.prepare import Job, Preparing, prepare_chat, prepare_completion
 from distlm.inference.server.requests import read_body
 from distlm.inference.server.responses import Health, ModelCard, ModelList
 from distlm.inference.server.state import ServeState
-from distlm.inference.server.stream import run_completion
 
 
 def _authorized(st: ServeState, request: Request) -> bool:

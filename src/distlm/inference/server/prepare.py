@@ -1,6 +1,6 @@
 """A request made ready for the engine, completions or chat alike: its body checked as OpenAI's
 request, its prompts made (text or token ids; a chat's messages rendered by the chat template),
-then the one request path (validate.prepare_request) tokenizes them and checks the sampling.
+then the one request path (request.prepare_request) tokenizes them and checks the sampling.
 
 A request without `max_tokens` gets `inference.max_new_tokens` (OpenAI's own default is 16; the
 serve stage declares the key, so the key decides)."""
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from distlm.inference.messages import Ready
 from distlm.inference.prompts import RequestError
+from distlm.inference.request import prepare_request, sampling_settings
 from distlm.inference.sampling import SamplingParams
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.requests import (
@@ -25,7 +26,6 @@ from distlm.inference.server.requests import (
     parse_json,
 )
 from distlm.inference.server.shapes import ChatShape, CompletionShape, Shape
-from distlm.inference.validate import prepare_request, sampling_settings
 from distlm.settings import EngineSettings, ServeSettings
 
 

@@ -18,10 +18,10 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distlm.inference.prompts import RequestError
+from distlm.inference.request import HTTP_NAMES
 from distlm.inference.sampling import MAX_LOGPROBS
 from distlm.inference.server.chat import chat_prompt, check_messages
 from distlm.inference.server.errors import ApiError, short
-from distlm.inference.validate import HTTP_NAMES
 
 # fields OpenAI defines that this server refuses unless neutral: field -> neutral values
 _REFUSED_BOTH = {
@@ -92,7 +92,7 @@ class OpenAIRequest(BaseModel):
         raise NotImplementedError
 
     def http_name(self, neutral: str) -> str:
-        """The request's field that sets a neutral field (validate.HTTP_NAMES's, by default)."""
+        """The request's field that sets a neutral field (request.HTTP_NAMES's, by default)."""
         return HTTP_NAMES.get(neutral, neutral)
 
 

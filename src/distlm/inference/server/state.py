@@ -1,16 +1,16 @@
 """What the API server's routes hold, split by what each part needs: the routes themselves (the
 bearer token, whether the pipeline serves, the body limits, /health and /metrics), making a
-request ready (`prepare.Preparing`) and answering it (`stream.Answering`)."""
+request ready (`prepare.Preparing`) and answering it (`answer.Answering`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from distlm.inference.server.answer import Answering
 from distlm.inference.server.client import EngineClient
 from distlm.inference.server.metrics import Metrics
 from distlm.inference.server.prepare import Preparing
-from distlm.inference.server.stream import Answering
 from distlm.settings import EngineSettings, ServeSettings
 
 

@@ -1,6 +1,6 @@
 """The report of a sweep: the runs side by side, and each run's own report.
 
-    from distlm.report.sweep import build_sweep_report
+    from distlm.report.compare import build_sweep_report
     from distlm.sweep import describe
     build_sweep_report("results", "results/report", runs=describe(plan), formats=["png"])
 
