@@ -1,8 +1,8 @@
 """The workflow from a checkout, a working directory and a prompt file whose paths hold spaces
 (every config-derived path in the rules is quoted); then, through the user's commands: finished
 training is reused when its final folder is gone; the forced-rerun table (what each way of forcing
-or editing reruns, and whether it trains); a copy of the whole project at another path plans
-nothing."""
+or editing reruns, and whether it trains); a copy of the whole project at another path, and then
+a fresh clone of its checkout beside the same results, plan nothing."""
 
 from __future__ import annotations
 
@@ -113,6 +113,26 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     # nothing is planned there. No tracked param or shell command holds an absolute path.
     moved = tmp_path / "moved elsewhere"
     shutil.copytree(base, moved, symlinks=True)
+    proc = _snakemake(
+        moved / "check out",
+        moved / "work dir",
+        "results/inference/generations.jsonl",
+        "results/broadcast/report.json",
+        "results/eval/trained.json",
+        "-n",
+    )
+    assert job_counts(proc) == {} and "Nothing to be done" in proc.stdout + proc.stderr, (
+        proc.stdout[-3000:]
+    )
+
+    # The checkout cloned anew beside the same work dir (every file of it, scripts included,
+    # newer than the results, as `git clone` or a `git pull` leaves them): nothing is planned.
+    # Snakemake's code trigger would rerun every `script:` rule (its script is newer than its
+    # outputs) and the whole DAG after them; the profiles leave that trigger out.
+    shutil.rmtree(moved / "check out")
+    shutil.copytree(checkout, moved / "check out", ignore=COPY_IGNORE, copy_function=shutil.copy)
+    script = moved / "check out" / "workflow" / "scripts" / "prepare_data.py"
+    assert script.stat().st_mtime > (moved / "work dir/results/data/stats.json").stat().st_mtime
     proc = _snakemake(
         moved / "check out",
         moved / "work dir",

@@ -6,7 +6,7 @@ profile's launcher, `{resources.torchrun}`), the benchmarks and the tests start 
     local_torchrun(stage_args(...))   # python -m torch.distributed.run --standalone ...
 
 The rules give placeholders (`nproc="{params.nproc}"`), so the rule's shell command is the same
-text as a hand-written one: Snakemake's code trigger compares that text.
+text as a hand-written one.
 """
 
 from __future__ import annotations
