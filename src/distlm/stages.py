@@ -8,8 +8,8 @@ it writes and the document it reports.
 
 This is the only table of the DAG: `rule all` (JOBS), the report's inputs (REPORT_READS), the
 {model} folders (MODELS) and the sweep's job variants are derived from it. A stage's keys are the
-fields of its typed document (`distlm.settings.stage_configs`: a stage that reads another key has no field
-for it, so it never silently depends on it). The rules take their params (exactly a stage's keys)
+fields of its typed document (`distlm.settings.stage_configs`: a stage that reads another key has
+no field for it, so it never silently depends on it). The rules take their params (exactly a stage's keys)
 and output paths from here, the trainer and the report's readers take the same paths, and
 config/README.md's
 table "what reruns when you change a key" is generated from these declarations
@@ -44,7 +44,8 @@ class Output:
 @dataclass(frozen=True)
 class Stage:
     """A stage of the DAG: its rule, the jobs it consumes and the files it writes. The config keys
-    it reads are its typed stage config's fields (`distlm.settings.stage_configs`), never written here."""
+    it reads are its typed stage config's fields (`distlm.settings.stage_configs`), never written
+    here."""
 
     name: str
     rule: str
@@ -54,9 +55,9 @@ class Stage:
     # settings are its typed stage config (`keys` below). `commands`: the thin entry points the
     # rule runs, each only reading its inputs and calling into the home: a module a launcher
     # starts (`distlm.entry.<name>`, under torchrun or mpiexec) or a `script:` file that runs in
-    # Snakemake's own process (workflow/scripts/). The rules keep the names literally (a renamed
-    # command would change the rule's code and rerun every cached job); tests/test_layout.py
-    # checks that each rule names its stage's commands and each command imports its home.
+    # Snakemake's own process (workflow/scripts/). The rules name them in their own text;
+    # tests/test_layout.py checks that each rule names its stage's commands and each command
+    # imports its home.
     home: str
     commands: tuple[str, ...]
     outputs: Mapping[str, Output]

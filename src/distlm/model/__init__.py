@@ -20,7 +20,7 @@ stages: config.json, the tokenizer, distlm.json (the source folder and its sha25
     shards/manifest.json     S pipeline stages: layer ranges, tensor names, bytes, sha256 per shard
     shards/stage-XX.safetensors
 
-The package, by part (what each model family knows is `distlm.family`): `layout` (file names, formats), `build` (the model stage's side: config, seeded init, hub or local source, through transformers),
+The package, by part (what each model family knows is `distlm.family`): `layout` (file names, formats), `source` (the model stage's side: config, seeded init, hub or local source, through transformers),
 `folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
 `stage` (the model stage: `serialize`). Import from `distlm.model`.
 """

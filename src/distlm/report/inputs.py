@@ -390,7 +390,8 @@ def collect(
     benchmark_files: list[Path] | None = None,
 ) -> Inputs:
     """Read every metrics file under `results`; absent ones get a reason in `Inputs.missing`.
-    `layout` (LAYOUT's keys) and `benchmark_files` place one run of a sweep (distlm.report.compare)."""
+    `layout` (LAYOUT's keys) and `benchmark_files` place one run of a sweep
+    (distlm.report.compare)."""
     inp = Inputs(results=Path(results), layout={**LAYOUT, **(layout or {})})
 
     def absent(key: str, why: str) -> None:
