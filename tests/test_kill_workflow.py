@@ -74,6 +74,21 @@ def job_counts(proc: subprocess.CompletedProcess) -> dict[str, int]:
     return counts
 
 
+def _plans_nothing(checkout: Path, work: Path) -> None:
+    """`snakemake -n` of the test's targets plans no job."""
+    proc = _snakemake(
+        checkout,
+        work,
+        "results/inference/generations.jsonl",
+        "results/broadcast/report.json",
+        "results/eval/trained.json",
+        "-n",
+    )
+    assert job_counts(proc) == {} and "Nothing to be done" in proc.stdout + proc.stderr, (
+        proc.stdout[-3000:]
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.with_requeue  # ~3 min: tests/run.sh runs it beside the requeue tests' waits
 def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
@@ -113,17 +128,7 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     # nothing is planned there. No tracked param or shell command holds an absolute path.
     moved = tmp_path / "moved elsewhere"
     shutil.copytree(base, moved, symlinks=True)
-    proc = _snakemake(
-        moved / "check out",
-        moved / "work dir",
-        "results/inference/generations.jsonl",
-        "results/broadcast/report.json",
-        "results/eval/trained.json",
-        "-n",
-    )
-    assert job_counts(proc) == {} and "Nothing to be done" in proc.stdout + proc.stderr, (
-        proc.stdout[-3000:]
-    )
+    _plans_nothing(moved / "check out", moved / "work dir")
 
     # The checkout cloned anew beside the same work dir (every file of it, scripts included,
     # newer than the results, as `git clone` or a `git pull` leaves them): nothing is planned.
@@ -133,17 +138,7 @@ def test_spaced_paths_finished_work_reused_and_forcerun_trains_afresh(tmp_path):
     shutil.copytree(checkout, moved / "check out", ignore=COPY_IGNORE, copy_function=shutil.copy)
     script = moved / "check out" / "workflow" / "scripts" / "prepare_data.py"
     assert script.stat().st_mtime > (moved / "work dir/results/data/stats.json").stat().st_mtime
-    proc = _snakemake(
-        moved / "check out",
-        moved / "work dir",
-        "results/inference/generations.jsonl",
-        "results/broadcast/report.json",
-        "results/eval/trained.json",
-        "-n",
-    )
-    assert job_counts(proc) == {} and "Nothing to be done" in proc.stdout + proc.stderr, (
-        proc.stdout[-3000:]
-    )
+    _plans_nothing(moved / "check out", moved / "work dir")
 
     # a job killed after its last checkpoint (final/ gone): the rerun writes final/ from it
     shutil.rmtree(final)
