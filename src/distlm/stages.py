@@ -9,11 +9,10 @@ it writes and the document it reports.
 This is the only table of the DAG: `rule all` (JOBS), the report's inputs (REPORT_READS), the
 {model} folders (MODELS) and the sweep's job variants are derived from it. A stage's keys are the
 fields of its typed document (`distlm.settings.stage_configs`: a stage that reads another key has
-no field for it, so it never silently depends on it). The rules take their params (exactly a stage's keys)
-and output paths from here, the trainer and the report's readers take the same paths, and
-config/README.md's
-table "what reruns when you change a key" is generated from these declarations
-(`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
+no field for it, so it never silently depends on it). The rules take their params (exactly a
+stage's keys) and output paths from here, the trainer and the report's readers take the same
+paths, and config/README.md's table "what reruns when you change a key" is generated from these
+declarations (`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
 inference and the report, and never training.
 
 This module imports nothing heavy: the workflow reads it while it builds the DAG.
@@ -320,8 +319,8 @@ def select(cfg: Mapping[str, Any], keys: Iterable[str]) -> dict:
 
 def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
     """The part of config mapping `cfg` stage `stage` reads, as its rule's params hold it: the
-    mapping validated, then `distlm.settings.stage_configs.stage_params` of its typed settings (what the
-    workflow calls on the settings it holds)."""
+    mapping validated, then `distlm.settings.stage_configs.stage_params` of its typed settings
+    (what the workflow calls on the settings it holds)."""
     from distlm.settings.stage_configs import stage_params
     from distlm.settings.validate import validate
 
