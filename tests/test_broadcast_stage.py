@@ -14,7 +14,7 @@ from distlm.config import load_config
 from distlm.dist import distributed
 from distlm.documents import BroadcastReport, read_document
 from distlm.model import WEIGHTS, load_safetensors, read_meta
-from distlm.settings.stage_configs import BroadcastConfig
+from distlm.settings.transfer import BroadcastConfig
 from distlm.stages import stage_config
 from distlm.transfer import TransferError
 

@@ -19,10 +19,18 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlm import DistlmError
+from distlm import machine as machine_module
 from distlm.config import load_config
-from distlm.device import DeviceBackend, check_ranks_fit, kernels_for, resolve_precision
-from distlm.machine import physical_gpus, visible_count, visible_gpus
-from distlm.settings.ranks import GPU, machine_problems, stage_ranks
+from distlm.device import (
+    DeviceBackend,
+    check_ranks_fit,
+    kernels_for,
+    resolve_precision,
+    threads_per_rank,
+)
+from distlm.dist import MPI, Topology
+from distlm.machine import physical_gpus, ranks_problem, visible_count, visible_gpus
+from distlm.settings.ranks import GPU, StageRanks, machine_problems, stage_ranks
 from distlm.settings.validate import validate
 
 CPU = torch.device("cpu")
@@ -114,6 +122,59 @@ def test_more_ranks_than_gpus_is_refused_naming_the_key():
         check_ranks_fit(1, 0, ranks_key="eval.nproc_per_node", where="n")
 
 
+def test_the_ranks_fit_the_gpus_by_one_rule(monkeypatch):
+    """The workflow before any job, the SLURM launcher on each node and every rank ask one rule
+    (distlm.machine.ranks_problem): the same case gets the same words at each."""
+    from distlm.launch.srun import gpus_here
+
+    key = "train.nproc_per_node"
+    problem = ranks_problem(4, 1, key=key, where="this machine")
+    assert problem and problem.startswith(f"{key}: 4 ranks on this machine, which has 1 GPU(s)")
+    assert StageRanks("train", key, 4, on_gpu=True).fits(1) == problem
+    with pytest.raises(DistlmError) as refused:
+        check_ranks_fit(4, 1, ranks_key=key, where="this machine")
+    assert str(refused.value) == problem
+    assert ranks_problem(2, 2, key=key, where="n") is None
+    null = ranks_problem(None, 0, key=key, where="this machine")
+    assert StageRanks("train", key, GPU, on_gpu=True).fits(0) == null
+    monkeypatch.setattr(machine_module, "physical_gpus", lambda: 0)
+    with pytest.raises(
+        DistlmError,
+        match=r"^train.nproc_per_node, eval.nproc_per_node or broadcast.receivers: null means "
+        r"one rank per GPU, and node n7 has none that CUDA can see \(CUDA_VISIBLE_DEVICES=unset\); "
+        r"set .*, or runtime.device: cpu, or give the rule GPUs \(gres\)$",
+    ):
+        gpus_here({"SLURMD_NODENAME": "n7"})
+
+
+def test_a_rank_takes_its_share_of_its_launchers_thread_budget(monkeypatch):
+    """One rule for both launchers: under torchrun OMP_NUM_THREADS is a ceiling a rank, under
+    mpiexec (the pipeline, `job_budget`) the job's total, less what another process of the job
+    on the host keeps (serve's API server)."""
+    assert threads_per_rank({"OMP_NUM_THREADS": "4"}, 16, local_ranks=2) == 4
+    assert threads_per_rank({"OMP_NUM_THREADS": "4"}, 16, local_ranks=2, job_budget=True) == 2
+    assert threads_per_rank({}, 16, local_ranks=2, job_budget=True, reserve=1) == 7
+    assert threads_per_rank({"OMP_NUM_THREADS": "1"}, 16, local_ranks=2, job_budget=True) == 1
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    try:
+        stage = Topology(1, 3, 1, MPI, DeviceBackend.cpu(), local_world_size=2)
+        assert stage.share_threads() == 1 == torch.get_num_threads()
+        assert stage.share_threads(reserve=1) == 1  # never none
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_topology_for_the_process_group_and_the_pipelines_ring():
+    last = Topology(2, 3, 0, MPI, DeviceBackend.cpu())
+    assert (last.next, last.prev, last.is_last, last.is_main) == (0, 1, True, False)
+    first = Topology(0, 3, 0, MPI, DeviceBackend.cpu())
+    assert (first.next, first.prev, first.is_last, first.is_main) == (1, 2, False, True)
+    alone = Topology.single()
+    assert (alone.next, alone.prev, alone.is_last, alone.is_distributed) == (0, 0, True, False)
+    assert alone.device == CPU and alone.backend == "gloo"
+
+
 # ----------------------------------------------------------------------------- the machine
 
 
@@ -183,7 +244,7 @@ def test_a_config_the_machine_cannot_run_names_the_key():
         "train.nproc_per_node",
         "eval.nproc_per_node",
     ]  # inference.stages: the pipeline's stages share GPUs (they talk over MPI)
-    assert "needs 3 ranks on one node" in problems[0] and "has 1 GPU(s)" in problems[0]
+    assert "3 ranks on this machine" in problems[0] and "has 1 GPU(s)" in problems[0]
     assert machine_problems(gpu, machine(4)) == []
     assert machine_problems(settings(), machine(0)) == []  # the CPU default
     auto = settings(runtime={"device": "auto"}, train={"nproc_per_node": None})

@@ -126,7 +126,7 @@ def test_model_folder_and_shards_on_a_full_disk(tmp_path):
     from distlm.config import validate_settings
     from distlm.data import prepare
     from distlm.model import serialize, write_pipeline_dir
-    from distlm.settings.stage_configs import ModelConfig
+    from distlm.settings.model import ModelConfig
 
     c = validate_settings(
         {

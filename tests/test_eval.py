@@ -41,7 +41,7 @@ from distlm.model import (
     write_model_dir,
 )
 from distlm.settings import EvalSettings
-from distlm.settings.stage_configs import EvalConfig
+from distlm.settings.eval import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, N_POSITIONS = 61, 32

@@ -40,7 +40,8 @@ from distlm.model import (
     write_pipeline_dir,
 )
 from distlm.settings import init_settings
-from distlm.settings.stage_configs import EvalConfig, TrainConfig
+from distlm.settings.eval import EvalConfig
+from distlm.settings.train import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import run_training
 from distlm.train.identity import list_runs

@@ -29,7 +29,7 @@ from harness.faults import background_checkpoints_env, fault_env
 from distlm.config import deep_merge, validate_config
 from distlm.documents import write_document
 from distlm.model import load_model_dir, read_meta
-from distlm.settings.stage_configs import TrainConfig
+from distlm.settings.train import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import checkpoint as ck
 from distlm.train import identity as ident

@@ -14,12 +14,13 @@ import torch
 from harness.faults import slow_reader_env
 
 from distlm import DistlmError
+from distlm.dist import MPI, Topology
 from distlm.inference.engine.pipeline_stage import Item, _Plan, load_stage
-from distlm.inference.engine.ring import PipelineTopology
+from distlm.inference.engine.sampler import pick_token
 from distlm.inference.engine.scheduler import Scheduler, Sequence
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
 from distlm.inference.request import sampling_settings
-from distlm.inference.sampling import SamplingParams, make_params, pick_token
+from distlm.inference.sampling import SamplingParams, make_params
 from distlm.inference.stats import StageStats
 from distlm.settings import InferenceSettings, SamplingSettings, init_settings
 
@@ -351,7 +352,7 @@ def _scheduler(folder, *, lanes, eos=None, hw=None):
     return Scheduler(
         model,
         None,
-        PipelineTopology(0, 1),
+        Topology.single(backend=MPI),
         lanes=lanes,
         eos_token_id=eos,
         context=64,
@@ -603,7 +604,7 @@ def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_ref
     from distlm.inference.engine.bootstrap import Pipeline
 
     model = load_stage(tiny_models[1], 0, world=1)
-    topo, stats = PipelineTopology(0, 1), StageStats(0)
+    topo, stats = Topology.single(backend=MPI), StageStats(0)
     tok = hf_reference.tokenizer
     pipe = Pipeline(topo, model, None, stats, tokenizer=tok, context=64, eos_token_id=None)
     pipe.scheduler = Scheduler(

@@ -32,7 +32,7 @@ from distlm.log import setup_logging
 from distlm.model import serialize
 setup_logging()
 from distlm.settings import Settings
-from distlm.settings.stage_configs import ModelConfig
+from distlm.settings.model import ModelConfig
 cfg = Settings.model_validate(json.loads(Path(sys.argv[1]).read_text()))
 out = Path(sys.argv[2])
 print("prepare", flush=True)  # imports done: the data stage starts (the test times kills from here)

@@ -31,7 +31,7 @@ from distlm.model import (
     write_pipeline_dir,
 )
 from distlm.settings import ModelSourceSettings, Settings, init_settings
-from distlm.settings.stage_configs import ModelConfig
+from distlm.settings.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {
@@ -298,7 +298,7 @@ def _every_reader(folder, tmp_path):
 
     from distlm.broadcast import run_broadcast_stage
     from distlm.config import load_config
-    from distlm.settings.stage_configs import BroadcastConfig
+    from distlm.settings.transfer import BroadcastConfig
     from distlm.stages import stage_config
 
     cfg = BroadcastConfig.of(

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from test_inference import PROMPTS
 
 from distlm.inference.engine.ring import Pick
-from distlm.inference.engine.sampler import Sampler
+from distlm.inference.engine.sampler import Sampler, SamplingError, pick_token
 from distlm.inference.engine.scheduler import Sequence
 from distlm.inference.messages import (
     VERSION,
@@ -38,12 +38,7 @@ from distlm.inference.messages import (
 )
 from distlm.inference.prompts import RequestError
 from distlm.inference.request import sampling_settings
-from distlm.inference.sampling import (
-    SamplingError,
-    SamplingParams,
-    make_params,
-    pick_token,
-)
+from distlm.inference.sampling import SamplingParams, make_params
 from distlm.inference.server.access_log import escape
 from distlm.inference.server.chat import NO_TEMPLATE, chat_prompt
 from distlm.inference.server.requests import (

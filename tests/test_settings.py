@@ -210,7 +210,9 @@ def test_stage_config_types_are_the_declared_keys():
 def test_stage_config_document_round_trip(tmp_path):
     from distlm.documents import DocumentError, read_document
     from distlm.io import digest
-    from distlm.settings.stage_configs import EvalConfig, TrainConfig, write_stage_config
+    from distlm.settings.eval import EvalConfig
+    from distlm.settings.stage_configs import write_stage_config
+    from distlm.settings.train import TrainConfig
     from distlm.stages import stage_config
 
     cfg = validate_config(yaml.safe_load(TINY.read_text()))

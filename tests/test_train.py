@@ -30,7 +30,7 @@ from distlm.io import digest
 from distlm.launch.torchrun import local_torchrun, stage_args
 from distlm.model import load_model_dir, read_meta
 from distlm.settings import TrainSettings
-from distlm.settings.stage_configs import TrainConfig
+from distlm.settings.train import TrainConfig
 from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck

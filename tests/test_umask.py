@@ -28,7 +28,7 @@ from distlm.data import prepare
 from distlm.device import DeviceBackend
 from distlm.lease import Lease
 from distlm.model import serialize, write_pipeline_dir
-from distlm.settings.stage_configs import ModelConfig
+from distlm.settings.model import ModelConfig
 from distlm.train import checkpoint as ck
 from distlm.train import identity as ident
 

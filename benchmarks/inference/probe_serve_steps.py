@@ -42,8 +42,8 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from distlm.dist import MPI, Topology
     from distlm.inference.engine import pipeline_stage as stage
-    from distlm.inference.engine.ring import PipelineTopology
     from distlm.inference.engine.scheduler import Scheduler, Sequence
     from distlm.inference.sampling import SamplingParams
     from distlm.inference.stats import StageStats
@@ -80,7 +80,7 @@ def main() -> None:
             sched = Scheduler(
                 model,
                 None,
-                PipelineTopology(0, 1),
+                Topology.single(backend=MPI),
                 lanes=args.lanes,
                 eos_token_id=None,  # every request runs its max_tokens
                 context=model.context,

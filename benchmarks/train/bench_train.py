@@ -69,7 +69,7 @@ import time
 from pathlib import Path
 
 from distlm.documents import read_document
-from distlm.settings.stage_configs import TrainConfig
+from distlm.settings.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/synthetic.py: the tiny inputs

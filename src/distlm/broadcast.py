@@ -24,7 +24,7 @@ from distlm.documents import BroadcastReport, TransferStats, write_document
 from distlm.log import get_logger
 from distlm.model import WEIGHTS, load_safetensors, verify_model_folder
 from distlm.settings import TransferSettings
-from distlm.settings.stage_configs import BroadcastConfig
+from distlm.settings.transfer import BroadcastConfig
 from distlm.transfer import Checksum, TransferError, broadcast_state_dict, make_plan
 from distlm.transfer.plan import flat_bytes
 

@@ -45,6 +45,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.log import get_logger
+from distlm.machine import host_share, ranks_problem
 
 log = get_logger(__name__)
 
@@ -63,19 +64,15 @@ def resolve_device(device: str) -> str:
 
 
 def check_ranks_fit(local_ranks: int, gpus: int, *, ranks_key: str, where: str) -> None:
-    """More ranks on a node than it has GPUs is refused, naming the key that asked for them."""
-    if gpus == 0:
-        raise DistlmError(
-            f"runtime.device: cuda, but {where} has no GPU that CUDA can see "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch "
-            f"{torch.__version__}, CUDA build {torch.version.cuda}); set runtime.device: cpu, "
-            "or run this stage on a GPU node"
-        )
-    if local_ranks > gpus:
-        raise DistlmError(
-            f"{ranks_key}: {local_ranks} ranks on {where}, which has {gpus} GPU(s) (one rank a "
-            f"GPU); set {ranks_key} to at most {gpus}, or null for one rank per GPU"
-        )
+    """More ranks on a node than it has GPUs is refused, naming the key that asked for them
+    (distlm.machine.ranks_problem, with what this rank's torch sees)."""
+    seen = (
+        f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch "
+        f"{torch.__version__}, CUDA build {torch.version.cuda})"
+    )
+    problem = ranks_problem(local_ranks, gpus, key=ranks_key, where=where, seen=seen)
+    if problem:
+        raise DistlmError(problem)
 
 
 def resolve_precision(requested: str, device: torch.device, *, key: str) -> str:
@@ -382,11 +379,6 @@ class DeviceBackend:
                 raise DistlmError("checkpoint holds no CUDA RNG state (it was made on the CPU)")
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
-    def share_threads(self) -> int:
-        """This rank's intra-op threads: its share of the host's cores on the CPU (see
-        `share_threads`), torch's own on a GPU."""
-        return share_threads(self.device)
-
     def keep_host_memory(self, what: str) -> bool:
         """A training rank's C heap: on the CPU, glibc keeps what the rank frees for its next
         step's tensors (`keep_freed_memory`, a CPU-tuned setting); a GPU rank's host memory is
@@ -409,8 +401,6 @@ class DeviceBackend:
             return torch.cuda.get_device_properties(self.device).total_memory, (
                 f"its GPU ({gpu_name(self.device)})"
             )
-        from distlm.machine import host_share
-
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
         return host_share(ranks), f"its share of the host's memory ({ranks} ranks)"
 
@@ -430,55 +420,35 @@ class DeviceBackend:
         )
 
 
-def threads_per_rank(env: Mapping[str, str], cpus: int) -> int:
-    """Intra-op threads for one rank: OMP_NUM_THREADS, at most its share of the usable cores.
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: a SLURM step's or taskset's share)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
-    `cpus` is the number of cores this process may run on; the LOCAL_WORLD_SIZE ranks on the host
-    share them equally (at least one thread each). OMP_NUM_THREADS is per process (torchrun's
-    meaning: it sets 1 when it starts several ranks), but Snakemake sets it to the rule's
-    `threads`, the job's total, which torchrun passes on to every rank: so it is only a ceiling.
-    """
-    share = max(1, cpus // int(env.get("LOCAL_WORLD_SIZE") or 1))
+
+def threads_per_rank(
+    env: Mapping[str, str],
+    cpus: int,
+    *,
+    local_ranks: int | None = None,
+    job_budget: bool = False,
+    reserve: int = 0,
+) -> int:
+    """Intra-op threads for one of the `local_ranks` ranks on a host (default: env's
+    LOCAL_WORLD_SIZE) whose process may use `cpus` cores; at least one.
+
+    OMP_NUM_THREADS is per process in torchrun's meaning (it sets 1 when it starts several
+    ranks), but Snakemake sets it to the rule's `threads`, the job's total, which torchrun passes
+    on to every rank: so it is only a ceiling on the rank's share of the cores. With `job_budget`
+    (mpiexec, which sets none of its own) it is the job's budget, the cores when unset, shared
+    equally by the ranks after `reserve` threads for another process of the job."""
+    local = local_ranks or int(env.get("LOCAL_WORLD_SIZE") or 1)
     omp = env.get("OMP_NUM_THREADS")
+    if job_budget:
+        return max(1, ((int(omp) if omp else cpus) - reserve) // local)
+    share = max(1, cpus // local)
     return min(int(omp), share) if omp else share
-
-
-def share_threads(device: torch.device) -> int:
-    """Give this rank its share of the host's thread budget (a CPU rank; a GPU rank's torch
-    threads stay as they are); return the count.
-
-    Snakemake sets OMP_NUM_THREADS to the rule's `threads` (a total for the job: train.nproc_per_node,
-    eval.nproc_per_node) and torchrun passes it on unchanged, so every rank started that many
-    intra-op threads: 2 ranks x 2 threads on 2 cores made training steps 4x slower, with spikes.
-    The thread count changes float sums, so a resumed run must see the same cores.
-    """
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = threads_per_rank(os.environ, cpus or 1)
-    torch.set_num_threads(threads)
-    log.info(
-        "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
-        threads,
-        os.environ.get("OMP_NUM_THREADS", "unset"),
-        cpus,
-        os.environ.get("LOCAL_WORLD_SIZE", "1"),
-    )
-    return threads
-
-
-def share_job_threads(local_ranks: int, *, reserve: int = 0) -> int:
-    """Give an MPI rank (the pipeline's) its share of its job's thread budget on this host; the
-    threads it gets. The budget is OMP_NUM_THREADS when set (Snakemake sets it to the rule's
-    `threads`, a total for the job; mpiexec passes it on unchanged, and sets none of its own as
-    torchrun does, so it is the job's, not a ceiling a rank as in `share_threads`), else the
-    host's cores, less `reserve` for another process of the job on this host (serve: the API
-    server, a busy Python process beside stage 0); each rank on the host gets an equal part, at
-    least one thread."""
-    budget = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    threads = max(1, (budget - reserve) // local_ranks)
-    torch.set_num_threads(threads)
-    return threads
 
 
 # mallopt(3)'s parameters, and what keep_freed_memory sets them to

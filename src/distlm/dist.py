@@ -1,10 +1,18 @@
-"""Process-group topology: decided once, then asked questions of.
+"""The ranks and the machine: one `Topology` per process, decided once, then asked questions of.
 
-    with distributed(backend="gloo", timeout_s=120) as topo:
+    with distributed(backend="gloo", timeout_s=120) as topo:   # a torch.distributed stage
         if topo.is_main: ...
+    Topology(rank, world_size, local_rank, MPI, hw, local_world_size=...)   # a pipeline stage
 
-Works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR set) and as a single plain process
-(world size 1, no process group needed but one is still created so collectives work uniformly).
+Every stage's ranks are described by it: the torch.distributed stages' (broadcast, train, eval:
+a process group over gloo or nccl) and the inference pipeline's (MPI, a ring: `next`, `prev`,
+`is_last`; distlm.inference.engine). It holds the rank's device backend (distlm.device: device,
+precision, autocast, synchronisation, events, graphs) and shares the host's threads among the
+ranks on it (`share_threads`).
+
+`distributed()` works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR set) and as a single
+plain process (world size 1, no process group needed but one is still created so collectives
+work uniformly).
 """
 
 from __future__ import annotations
@@ -20,23 +28,33 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.device import DeviceBackend, is_gpu
+from distlm.device import DeviceBackend, is_gpu, threads_per_rank, usable_cpus
 from distlm.lifeline import bind_to_launcher
 from distlm.log import get_logger
 
 log = get_logger(__name__)
 
+MPI = "mpi"  # `Topology.backend` of the inference pipeline's ranks: an MPI job, not a torch group
+
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits: rank, world size, node-local rank, the process group's backend,
-    and the device backend it computes with (distlm.device: device, precision, kernels)."""
+    """Where this process sits: its rank among `world_size`, its place among the
+    `local_world_size` ranks on its host, how the ranks talk (`backend`: gloo or nccl, a
+    torch.distributed process group; MPI, the pipeline's ring), and the device backend it
+    computes with (distlm.device: device, precision, autocast, synchronisation, graphs)."""
 
     rank: int
     world_size: int
     local_rank: int
-    backend: str  # the process group's: gloo or nccl
+    backend: str  # gloo or nccl (a torch.distributed process group), or MPI (the pipeline)
     device_backend: DeviceBackend
+    local_world_size: int = 1
+
+    @classmethod
+    def single(cls, hw: DeviceBackend | None = None, backend: str = "gloo") -> Topology:
+        """A world of one rank (the CPU's by default), for a process that runs alone."""
+        return cls(0, 1, 0, backend, hw or DeviceBackend.cpu())
 
     @property
     def device(self) -> torch.device:
@@ -50,12 +68,53 @@ class Topology:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    # -- the pipeline's ring: rank r sends to r + 1, the last rank back to rank 0 ------------
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.world_size
+
     def barrier(self) -> None:
         if dist.is_initialized():
             if self.backend == "nccl":
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
+
+    def share_threads(self, *, reserve: int = 0) -> int:
+        """Give this rank its share of its host's thread budget; return its intra-op threads.
+
+        Snakemake sets OMP_NUM_THREADS to the rule's `threads`, a total for the job, and both
+        launchers pass it on to every rank: 2 ranks x 2 threads on 2 cores made training steps
+        4x slower, with spikes. Under torchrun it is a ceiling a rank (torchrun's meaning: it
+        sets 1 itself when it starts several ranks), and a GPU rank keeps torch's own count; under
+        mpiexec (the pipeline, which sets none) it is the job's budget, less `reserve` threads for
+        another process of the job on this host (serve: the API server beside stage 0)
+        (`distlm.device.threads_per_rank`). The thread count changes float sums, so a resumed run
+        must see the same cores."""
+        mpi = self.backend == MPI
+        if self.device_backend.is_gpu and not mpi:
+            return torch.get_num_threads()
+        cpus = usable_cpus()
+        threads = threads_per_rank(
+            os.environ, cpus, local_ranks=self.local_world_size, job_budget=mpi, reserve=reserve
+        )
+        torch.set_num_threads(threads)
+        log.info(
+            "intra-op threads %d per rank (OMP_NUM_THREADS=%s, %s usable cores, %s local ranks)",
+            threads,
+            os.environ.get("OMP_NUM_THREADS", "unset"),
+            cpus,
+            self.local_world_size,
+        )
+        return threads
 
 
 def check_backend(backend: str, device: torch.device) -> None:
@@ -98,10 +157,11 @@ def distributed(
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     hw = DeviceBackend.for_rank(
         device,
         local_rank=local_rank,
-        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE") or 1),
+        local_ranks=local_world,
         ranks_key=ranks_key,
         precision=precision,
         precision_key=precision_key,
@@ -135,10 +195,8 @@ def distributed(
         timeout=_dt.timedelta(seconds=timeout_s),
         **kwargs,
     )
-    hw.share_threads()
-    topo = Topology(
-        rank=rank, world_size=world, local_rank=local_rank, backend=backend, device_backend=hw
-    )
+    topo = Topology(rank, world, local_rank, backend, hw, local_world_size=local_world)
+    topo.share_threads()
     log.info("process group up: rank %d of %d, backend %s, %s", rank, world, backend, hw.describe())
     try:
         yield topo

@@ -39,7 +39,7 @@ from distlm.family.transformer import Transformer
 from distlm.io import sha256_file
 from distlm.log import get_logger, progress
 from distlm.settings import EvalSettings
-from distlm.settings.stage_configs import EvalConfig
+from distlm.settings.eval import EvalConfig
 
 log = get_logger(__name__)
 

@@ -80,6 +80,34 @@ def needs_gpu(device: str) -> bool:
     return device == "cuda"
 
 
+def ranks_problem(
+    ranks: int | None, gpus: int, *, key: str, where: str, seen: str = "", fix: str = ""
+) -> str | None:
+    """Why `ranks` ranks on one node, a GPU each (None: one rank per GPU, torchrun's
+    --nproc-per-node=gpu), cannot run on `where`, which has `gpus` GPUs that CUDA can see; None
+    when they can. The one rule of "the ranks fit the GPUs", asked where each launch path sees the
+    GPUs: the workflow before any job (distlm.settings.ranks), the SLURM launcher on each node
+    (distlm.launch.srun) and every rank (distlm.device). The problem names `key`, the count that
+    asked for the ranks; `seen` says what was looked at, `fix` adds a way out of a node without a
+    GPU."""
+    if gpus == 0:
+        if ranks is None:
+            return (
+                f"{key}: null means one rank per GPU, and {where} has none that CUDA can see"
+                f"{seen}; set {key}, or runtime.device: cpu{fix}"
+            )
+        return (
+            f"runtime.device: cuda, but {where} has no GPU that CUDA can see{seen}; set "
+            f"runtime.device: cpu (or auto), or run on a GPU machine{fix}"
+        )
+    if ranks is not None and ranks > gpus:
+        return (
+            f"{key}: {ranks} ranks on {where}, which has {gpus} GPU(s) (one rank a GPU); set "
+            f"{key} to fit, or null for one rank per GPU"
+        )
+    return None
+
+
 def host_memory() -> int:
     """Bytes of this node's memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

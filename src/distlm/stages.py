@@ -78,9 +78,9 @@ class Stage:
     @property
     def keys(self) -> tuple[str, ...]:
         """Dotted config keys it reads (a key covers everything under it): its stage config's."""
-        from distlm.settings.stage_configs import STAGE_CONFIGS
+        from distlm.settings.stage_configs import stage_keys
 
-        return STAGE_CONFIGS[self.name].keys()
+        return stage_keys(self.name)
 
     @property
     def jobs(self) -> tuple[str, ...]:

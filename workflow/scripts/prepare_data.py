@@ -2,7 +2,7 @@
 
 from distlm.data import prepare
 from distlm.log import setup_logging
-from distlm.settings.stage_configs import DataConfig
+from distlm.settings.data import DataConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])

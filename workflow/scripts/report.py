@@ -4,7 +4,7 @@ from pathlib import Path
 
 from distlm.log import setup_logging
 from distlm.report import build_report
-from distlm.settings.stage_configs import ReportConfig
+from distlm.settings.report import ReportConfig
 from distlm.stages import RESULTS
 
 snakemake = snakemake

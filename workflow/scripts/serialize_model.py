@@ -4,7 +4,7 @@ from pathlib import Path
 
 from distlm.log import setup_logging
 from distlm.model import serialize
-from distlm.settings.stage_configs import ModelConfig
+from distlm.settings.model import ModelConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])

@@ -3,7 +3,7 @@ serve_shard: their stage configs, ShardConfig and ServeShardConfig, give the sta
 
 from distlm.log import setup_logging
 from distlm.model import write_pipeline_dir
-from distlm.settings.stage_configs import ServeShardConfig, ShardConfig
+from distlm.settings.model import ServeShardConfig, ShardConfig
 
 snakemake = snakemake
 setup_logging(snakemake.log[0])

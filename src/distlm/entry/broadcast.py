@@ -14,7 +14,7 @@ from distlm.broadcast import run_broadcast_stage
 from distlm.dist import distributed
 from distlm.documents import read_document
 from distlm.log import setup_logging
-from distlm.settings.stage_configs import BroadcastConfig
+from distlm.settings.transfer import BroadcastConfig
 
 
 @record

@@ -14,7 +14,7 @@ from distlm.dist import distributed
 from distlm.documents import read_document
 from distlm.evaluate import evaluate_model
 from distlm.log import setup_logging
-from distlm.settings.stage_configs import EvalConfig
+from distlm.settings.eval import EvalConfig
 
 
 @record

@@ -10,7 +10,7 @@ import argparse
 from distlm.documents import read_document
 from distlm.inference.engine.batch import run_batch
 from distlm.log import setup_logging
-from distlm.settings.stage_configs import InferenceConfig
+from distlm.settings.inference import InferenceConfig
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import sys
 
 from distlm.documents import read_document
 from distlm.log import setup_logging
-from distlm.settings.stage_configs import ServeConfig
+from distlm.settings.inference import ServeConfig
 
 MODULE = "distlm.entry.serve"  # what the API server starts (with --engine) in every rank
 

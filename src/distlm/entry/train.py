@@ -44,7 +44,7 @@ def main() -> None:
 
 def _train(a: argparse.Namespace) -> None:
     from distlm.documents import read_document
-    from distlm.settings.stage_configs import TrainConfig
+    from distlm.settings.train import TrainConfig
     from distlm.train import TrainPaths, run_training
 
     run_training(

@@ -1,32 +1,24 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-sequence seed.
-
-Every sequence owns a `torch.Generator` seeded from its `seed`, so a sampled completion depends
-only on (model, prompt, parameters, seed), never on which other prompts share the pipeline.
+"""How one sequence picks its tokens: `SamplingParams` (greedy, or temperature / top-k / top-p
+with a per-sequence seed, and the log-probabilities asked for), made from validated settings by
+`make_params`; the engine's last stage picks by them (distlm.inference.engine.sampler).
 
 No request can make sampling raise for the whole pipeline: a temperature below GREEDY_BELOW is
 greedy (dividing by it would overflow to inf/NaN), seeds outside 0..MAX_SEED (what
 `manual_seed` takes) are refused by SamplingSettings (distlm.settings, where every sampling
-range is checked), top_k is capped at the vocabulary, and `pick_token` raises SamplingError
-(which fails that one sequence) when the distribution it would draw from is not finite.
+range is checked), and top_k is capped at the vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
 from pydantic import ConfigDict
 
-from distlm import DistlmError
 from distlm.inference.prompts import RequestError
 from distlm.settings import SamplingSettings
 
 GREEDY_BELOW = 1e-5  # a smaller temperature is greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the most alternatives `logprobs` may ask for
-
-
-class SamplingError(DistlmError):
-    """Sampling one sequence failed (a non-finite distribution): that sequence fails, no other."""
 
 
 @dataclass(frozen=True)
@@ -108,62 +100,3 @@ def make_params(
         logprobs=_logprobs(logprobs),
         prompt_logprobs=_logprobs(prompt_logprobs),  # the request's `logprobs`, with echo
     )
-
-
-def new_generator(params: SamplingParams) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    g = torch.Generator()
-    g.manual_seed(params.seed)
-    return g
-
-
-def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token id from `logits` (V,): argmax when greedy, else filtered sampling.
-
-    Raises SamplingError when the logits or the filtered distribution are not finite.
-    """
-    if not bool(torch.isfinite(logits).any()):
-        raise SamplingError("the model's logits are not finite")
-    if params.greedy:
-        return int(torch.argmax(logits))
-    x = logits.float() / params.temperature
-    if 0 < params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        drop[0] = False
-        x = x.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-        raise SamplingError(f"temperature {params.temperature:g} gives no finite distribution")
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def top_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
-    """The model's log-probability of `token` and its `n` most likely tokens (temperature 1)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(lp, min(n, lp.numel())) if n else None
-    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-    return float(lp[token]), alts
-
-
-def prompt_logprobs(
-    logits: torch.Tensor, targets: list[int], n: int
-) -> tuple[tuple[float, tuple[tuple[int, float], ...]], ...]:
-    """Each prompt token's log-probability given the tokens before it, and the `n` most likely.
-
-    `logits` (T - 1, V) are the positions 0 .. T-2 of a T-token prompt; `targets` its tokens
-    1 .. T-1. The first prompt token has no log-probability (nothing comes before it)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (T - 1, V)
-    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1)
-    if n:
-        top = torch.topk(lp, min(n, lp.shape[1]), dim=-1)
-        alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-    else:
-        alts = [() for _ in targets]
-    return tuple(zip(chosen.tolist(), alts))

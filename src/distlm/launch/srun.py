@@ -206,18 +206,21 @@ def _set_nproc(args: list[str], n: int) -> list[str]:
 
 
 def gpus_here(env: dict[str, str]) -> int:
-    """The GPUs this node's ranks would see; none is an error naming the keys that asked."""
-    from distlm.machine import visible_gpus
+    """The GPUs this node's ranks would see; none is an error naming the keys that asked
+    (distlm.machine.ranks_problem)."""
+    from distlm.machine import ranks_problem, visible_gpus
 
     n = visible_gpus(env)
-    if n == 0:
-        node = env.get("SLURMD_NODENAME") or socket.gethostname()
-        raise DistlmError(
-            f"--nproc-per-node=gpu: node {node} has no GPU that CUDA can see "
-            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); a null "
-            "train.nproc_per_node, eval.nproc_per_node or broadcast.receivers means one rank per "
-            "GPU: set the count, or runtime.device: cpu, or give the rule GPUs (gres)"
-        )
+    problem = ranks_problem(
+        None,
+        n,
+        key="train.nproc_per_node, eval.nproc_per_node or broadcast.receivers",
+        where=f"node {env.get('SLURMD_NODENAME') or socket.gethostname()}",
+        seen=f" (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+        fix=", or give the rule GPUs (gres)",
+    )
+    if problem:
+        raise DistlmError(problem)
     return n
 
 

@@ -11,7 +11,7 @@ from distlm.family import model_args
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META
 from distlm.model.source import init_config, init_model, load_source, state_dict_for_save
-from distlm.settings.stage_configs import ModelConfig
+from distlm.settings.model import ModelConfig
 
 
 def serialize(

@@ -1,13 +1,33 @@
 """What every settings section shares: the error type and the range types; the model config of a
-section (`Section`, `Real`) is `distlm.section`'s, which the model families' init settings share."""
+section (`Section`, `Real`) is `distlm.section`'s, which the model families' init settings share.
+
+`StageConfig` is the typed, versioned document of the config keys one stage reads
+(`distlm.stages.STAGES[stage].keys`), `results/config/<stage>.json` for the multi-process stages:
+
+    doc = read_document("results/config/train.json", TrainConfig)
+    doc.train.keep_last, doc.transfer.bucket_mb, doc.digest
+
+Each stage's class sits beside the section it is named after (`TrainConfig` in settings/train.py;
+the shard stages', whose key is the pipeline's stage count, in settings/model.py with the model
+stage's) and declares exactly its stage's keys, with the types of the sections they come from (a
+section read in part, such as `runtime.device`, has a type of its own that the whole section's
+type extends). settings/stage_configs.py holds them all by stage (`stage_keys`, `stage_params`).
+tests/test_settings.py checks that every class's keys are its stage's declared keys and that each
+field is the field of `Settings`, so the declarations and the types cannot drift. The rule params
+stay the plain nested mapping of those keys (Snakemake's params rerun trigger); `digest` is the
+digest of that mapping, which the stage's report records as `config_digest`.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from distlm import DistlmError
+from distlm.documents import Document
+from distlm.io import digest
 from distlm.section import KeepInt, Real, Section
 
 
@@ -15,7 +35,7 @@ class ConfigError(DistlmError):
     """A config key is unknown, mistyped, moved or impossible; the message names the key."""
 
 
-__all__ = ["MAX_SEED", "ConfigError", "KeepInt", "Real", "Section"]
+__all__ = ["MAX_SEED", "ConfigError", "KeepInt", "Real", "Section", "StageConfig"]
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
@@ -49,3 +69,44 @@ Seed = Annotated[
 MaxNewTokens = Annotated[
     int, Field(ge=1, description="New tokens per sequence (fewer when end-of-text comes first).")
 ]
+
+
+# ----------------------------------------------------------------------------- a stage's keys
+
+
+_DIGEST = Field(description="sha256 of the stage's keys as the rule's params hold them")
+
+
+class StageConfig(Document):
+    """The keys one stage reads, and their digest."""
+
+    STAGE: ClassVar[str]
+    VERSION: ClassVar[int] = 1
+    digest: str = _DIGEST
+
+    @classmethod
+    def of(cls, params: Mapping[str, Any]) -> Self:
+        """The document of a rule's params (exactly the stage's keys, nested)."""
+        return cls.model_validate({**params, "digest": digest(dict(params))})
+
+    @classmethod
+    def of_settings(cls, settings: BaseModel) -> Self:
+        """The stage's part of the typed settings (distlm.settings.root.Settings): a section it
+        reads whole is the settings' own, one it reads in part (a narrower type) holds those
+        fields of it."""
+        sections: dict[str, Any] = {}
+        for name, info in cls.model_fields.items():
+            if name == "digest":
+                continue
+            section, want = getattr(settings, name), info.annotation
+            if type(section) is not want:
+                assert isinstance(want, type) and issubclass(want, BaseModel), name
+                section = want.model_validate({k: getattr(section, k) for k in want.model_fields})
+            sections[name] = section
+        doc = cls.model_validate({**sections, "digest": ""})
+        return doc.model_copy(update={"digest": digest(doc.params())})
+
+    def params(self) -> dict:
+        """The stage's keys as the rule's params hold them (the mapping `digest` is of): the
+        values and key order of the config they came from (distlm.settings.base.Section)."""
+        return self.model_dump(exclude={"digest"})

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Real, Section
+from distlm.settings.base import Real, Section, StageConfig
+from distlm.settings.model import ModelSourceSettings
 
 
 class HubSplits(Section):
@@ -101,3 +102,13 @@ class DataSettings(Section):
         default=TokenizerSettings(),
         description="Used only when the model brings no tokenizer (random init).",
     )
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class DataConfig(StageConfig):
+    STAGE: ClassVar[str] = "data"
+    KIND: ClassVar[str] = "distlm-config-data"
+    data: DataSettings
+    model: ModelSourceSettings

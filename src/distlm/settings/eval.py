@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from distlm.settings.base import Section
+from distlm.settings.base import Section, StageConfig
+from distlm.settings.runtime import ProcessGroupSettings
 from distlm.settings.train import Precision
 
 
@@ -54,3 +55,13 @@ class EvalSettings(Section):
     @classmethod
     def _unique_splits(cls, v: list) -> list:
         return unique(v)
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class EvalConfig(StageConfig):
+    STAGE: ClassVar[str] = "eval"
+    KIND: ClassVar[str] = "distlm-config-eval"
+    runtime: ProcessGroupSettings
+    eval: EvalSettings

@@ -4,12 +4,22 @@ server in front of the pipeline)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StringConstraints
 
 from distlm.section import ONLY_WHEN_SET
-from distlm.settings.base import MaxNewTokens, Real, Section, Seed, Temperature, TopK, TopP
+from distlm.settings.base import (
+    MaxNewTokens,
+    Real,
+    Section,
+    Seed,
+    StageConfig,
+    Temperature,
+    TopK,
+    TopP,
+)
+from distlm.settings.runtime import DeviceSettings
 
 
 class SamplingSettings(Section):
@@ -185,3 +195,21 @@ class ServeSettings(ServePipelineSettings):
         gt=0,
         description="A completion not finished within this gets 504 and is cancelled.",
     )
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class InferenceConfig(StageConfig):
+    STAGE: ClassVar[str] = "inference"
+    KIND: ClassVar[str] = "distlm-config-inference"
+    runtime: DeviceSettings
+    inference: InferenceSettings
+
+
+class ServeConfig(StageConfig):
+    STAGE: ClassVar[str] = "serve"
+    KIND: ClassVar[str] = "distlm-config-serve"
+    runtime: DeviceSettings
+    inference: EngineSettings
+    serve: ServeSettings

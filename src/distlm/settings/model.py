@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from distlm.family import DEFAULT, REGISTRY, SUPPORTED, InitSettings
-from distlm.settings.base import Section
+from distlm.settings.base import Section, StageConfig
+from distlm.settings.inference import PipelineSettings, ServePipelineSettings
 
 # The model families distlm supports (distlm.family.REGISTRY): config.json's model_type of a hub or
 # local folder, model.init.architecture of an init.
@@ -67,3 +68,34 @@ class ModelSettings(ModelSourceSettings):
             "the other keys are that family's."
         ),
     )
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class ModelConfig(StageConfig):
+    STAGE: ClassVar[str] = "model"
+    KIND: ClassVar[str] = "distlm-config-model"
+    model: ModelSettings
+
+
+class ShardConfig(StageConfig):
+    STAGE: ClassVar[str] = "shard"
+    KIND: ClassVar[str] = "distlm-config-shard"
+    inference: PipelineSettings
+
+    @property
+    def stages(self) -> int:
+        """The pipeline's stage count: one shard per stage."""
+        return self.inference.stages
+
+
+class ServeShardConfig(StageConfig):
+    STAGE: ClassVar[str] = "serve_shard"
+    KIND: ClassVar[str] = "distlm-config-serve-shard"
+    serve: ServePipelineSettings
+
+    @property
+    def stages(self) -> int:
+        """The served pipeline's stage count: one shard per stage."""
+        return self.serve.stages

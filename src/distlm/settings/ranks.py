@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distlm.machine import Machine, host_share, may_use_gpu, needs_gpu
+from distlm.machine import Machine, host_share, may_use_gpu, needs_gpu, ranks_problem
 from distlm.settings.root import Settings, known_model_args
 
 GPU = "gpu"  # torchrun's --nproc-per-node=gpu: one rank per GPU CUDA sees on the node
@@ -40,25 +40,12 @@ class StageRanks:
 
     def fits(self, gpus: int) -> str | None:
         """Why these ranks cannot run on a node with `gpus` GPUs, naming the key; None if they
-        can (the CPU has room for any count)."""
-        if not self.on_gpu:
+        can (the CPU has room for any count, and device auto runs a count on the CPU of a node
+        without a GPU): distlm.machine.ranks_problem."""
+        if not self.on_gpu or (gpus == 0 and self.per_node != GPU):
             return None
-        if self.per_node == GPU:
-            if gpus == 0:
-                return (
-                    f"{self.key}: null means one rank per GPU, and this machine has none that "
-                    f"CUDA can see; set {self.key}, or runtime.device: cpu"
-                )
-            return None
-        if gpus == 0:
-            return None  # device auto on a machine without a GPU: the CPU, any count
-        if self.per_node > gpus:
-            return (
-                f"{self.key}: {self.stage} needs {self.per_node} ranks on one node (one GPU "
-                f"each) but this machine has {gpus} GPU(s); set {self.key} to fit, or null for "
-                "one rank per GPU"
-            )
-        return None
+        count = None if self.per_node == GPU else self.per_node
+        return ranks_problem(count, gpus, key=self.key, where="this machine")
 
 
 def stage_ranks(s: Settings, stage: str) -> StageRanks:
@@ -135,13 +122,9 @@ def machine_problems(s: Settings, machine: Machine) -> list[str]:
     """What `machine` cannot run of `s` when every rank runs on it (the local profile): each
     names the key to change."""
     gpus = machine.gpus
-    if needs_gpu(s.runtime.device) and gpus == 0:
-        return [
-            (
-                "runtime.device: cuda, but this machine has no GPU that CUDA can see; set "
-                "runtime.device: cpu (or auto), or run on a GPU machine"
-            )
-        ]
+    one = ranks_problem(1, gpus, key="runtime.device", where="this machine")
+    if needs_gpu(s.runtime.device) and one:  # cuda on a machine without a GPU
+        return [one]
     # The pipeline's stages are not here: they talk over MPI, so more stages than GPUs share them.
     counts = [p for st in TORCH_STAGES if (p := stage_ranks(s, st).fits(gpus))]
     return counts or memory_problems(s, machine)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from distlm.settings.base import Section
+from distlm.settings.base import Section, StageConfig
 from distlm.settings.eval import unique
 
 
@@ -22,3 +22,12 @@ class ReportSettings(Section):
     @classmethod
     def _unique_formats(cls, v: list) -> list:
         return unique(v)
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class ReportConfig(StageConfig):
+    STAGE: ClassVar[str] = "report"
+    KIND: ClassVar[str] = "distlm-config-report"
+    report: ReportSettings

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from distlm.section import ONLY_WHEN_SET
-from distlm.settings.base import Real, Section
+from distlm.settings.base import Real, Section, StageConfig
+from distlm.settings.runtime import RuntimeSettings
+from distlm.settings.transfer import TransferSettings
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Parallel = Literal["ddp", "fsdp"]
@@ -143,3 +145,14 @@ class TrainSettings(Section):
     profile: ProfileSettings = Field(
         default=ProfileSettings(), description="torch.profiler over a window of steps."
     )
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class TrainConfig(StageConfig):
+    STAGE: ClassVar[str] = "train"
+    KIND: ClassVar[str] = "distlm-config-train"
+    runtime: RuntimeSettings
+    train: TrainSettings
+    transfer: TransferSettings

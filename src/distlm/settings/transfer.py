@@ -3,11 +3,12 @@ initial weights) and `broadcast` (the broadcast stage's own world)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from distlm.settings.base import Real, Section
+from distlm.settings.base import Real, Section, StageConfig
+from distlm.settings.runtime import ProcessGroupSettings
 
 
 class TransferSettings(Section):
@@ -49,3 +50,14 @@ class BroadcastSettings(Section):
             "compared."
         ),
     )
+
+
+# ----------------------------------------------------------------------------- the stage's keys
+
+
+class BroadcastConfig(StageConfig):
+    STAGE: ClassVar[str] = "broadcast"
+    KIND: ClassVar[str] = "distlm-config-broadcast"
+    runtime: ProcessGroupSettings
+    transfer: TransferSettings
+    broadcast: BroadcastSettings

@@ -48,7 +48,7 @@ from distlm.train.checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from distlm.settings.stage_configs import TrainConfig
+    from distlm.settings.train import TrainConfig
     from distlm.train.step_sampler import BatchPlan
 
 log = get_logger(__name__)

@@ -12,7 +12,7 @@ import torch
 from distlm.documents import ModelMeta, TokenMeta
 from distlm.log import get_logger
 from distlm.model import DTYPES, write_model_dir
-from distlm.settings.stage_configs import TrainConfig
+from distlm.settings.train import TrainConfig
 from distlm.train.metrics import Metrics
 from distlm.train.paths import TrainPaths
 

@@ -22,7 +22,7 @@ from distlm.log import get_logger
 from distlm.model import Transformer, family_of, load_model_dir, read_args, read_meta
 from distlm.settings import TrainSettings
 from distlm.settings.ranks import state_problem
-from distlm.settings.stage_configs import TrainConfig
+from distlm.settings.train import TrainConfig
 from distlm.train.paths import TrainPaths
 from distlm.train.step_sampler import BatchPlan, StepLoader, StepSampler, plan_batch
 

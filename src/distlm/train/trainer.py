@@ -36,7 +36,7 @@ from distlm.dist import Topology
 from distlm.documents import ModelMeta
 from distlm.log import get_logger, progress
 from distlm.settings import TrainSettings
-from distlm.settings.stage_configs import TrainConfig
+from distlm.settings.train import TrainConfig
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import faults as faults_mod
 from distlm.train import identity as identity_mod

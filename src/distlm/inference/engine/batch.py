@@ -82,7 +82,7 @@ def generate_batch(
         )
     total = sum(len(s.tokens) for s in seqs)
     timing = InferenceTiming(
-        stages=pipe.topo.stages,
+        stages=pipe.topo.world_size,
         lanes=settings.lanes,
         micro_batch_size=sched.cap,
         prompts=len(seqs),

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from distlm import DistlmError
+from distlm.dist import MPI as MPI_RING
+from distlm.dist import Topology
 from distlm.inference.engine.pipeline_stage import StageModel, load_stage
-from distlm.inference.engine.ring import PipelineError, PipelineTopology, Ring
+from distlm.inference.engine.ring import PipelineError, Ring
 from distlm.inference.engine.scheduler import Scheduler
 from distlm.inference.engine.worker import worker_loop
 from distlm.inference.stats import StageInfo, StageStats
@@ -46,7 +48,7 @@ log = get_logger(__name__)
 class Pipeline:
     """This rank's part of a running pipeline (stage 0 gets the scheduler and the tokenizer)."""
 
-    topo: PipelineTopology
+    topo: Topology  # backend MPI: a rank of the ring
     model: StageModel
     ring: Ring | None
     stats: StageStats
@@ -92,7 +94,7 @@ def mpi_pipeline(
     of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
     with 2, whose threads took turns on the cores with the API server's).
     """
-    from distlm.device import DeviceBackend, share_job_threads
+    from distlm.device import DeviceBackend
     from distlm.heap import freeze_startup_heap
     from distlm.lifeline import bind_to_launcher
     from distlm.mpi_init import MPILaunchError, init_mpi
@@ -108,11 +110,9 @@ def mpi_pipeline(
     bind_to_launcher()  # this rank dies with mpiexec's proxy (or srun's step), batch or serve
     comm = MPI.COMM_WORLD
     comm.Set_errhandler(MPI.ERRORS_RETURN)
-    topo = PipelineTopology(comm.Get_rank(), comm.Get_size())
+    rank, stages = comm.Get_rank(), comm.Get_size()
     try:
         local_rank, local_size, with_first = host_ranks(comm)
-        share_job_threads(local_size, reserve=1 if serve and with_first else 0)
-        stats = StageStats(stage=topo.rank)
         hw = DeviceBackend.for_rank(
             device,
             local_rank=local_rank,
@@ -121,14 +121,17 @@ def mpi_pipeline(
             share_gpus=True,  # stages talk over MPI: more stages than GPUs take them in turn
             graphs=settings.cuda_graphs,
         )
-        log.info("pipeline stage %d of %d: %s", topo.rank, topo.stages, hw.describe())
-        model = load_stage(model_dir, topo.rank, world=topo.stages, hw=hw)
+        topo = Topology(rank, stages, local_rank, MPI_RING, hw, local_world_size=local_size)
+        topo.share_threads(reserve=1 if serve and with_first else 0)
+        stats = StageStats(stage=rank)
+        log.info("pipeline stage %d of %d: %s", rank, stages, hw.describe())
+        model = load_stage(model_dir, rank, world=stages, hw=hw)
         # Stage 0 gives up first (its engine tells the API server, which answers 503); the
         # other stages wait twice as long, so they also end when stage 0 itself dies or hangs.
-        wait_s = settings.timeout_s * (1 if topo.is_first else 2)
-        ring = Ring(comm, topo, timeout_s=wait_s, stats=stats) if topo.stages > 1 else None
+        wait_s = settings.timeout_s * (1 if topo.is_main else 2)
+        ring = Ring(comm, topo, timeout_s=wait_s, stats=stats) if topo.is_distributed else None
         pipe = Pipeline(topo, model, ring, stats)
-        if topo.is_first:
+        if topo.is_main:
             from distlm.data import load_tokenizer
 
             pipe.tokenizer = load_tokenizer(model_dir)
@@ -148,10 +151,10 @@ def mpi_pipeline(
             stats.reset()
             log.info(
                 "pipeline of %d stages up: %s",
-                topo.stages,
+                stages,
                 json.dumps([i.to_dict() for i in pipe.infos]),
             )
-        freeze_startup_heap(f"stage {topo.rank}")  # before the first micro-batch
+        freeze_startup_heap(f"stage {rank}")  # before the first micro-batch
         yield pipe
     except KeyboardInterrupt:
         log.warning("interrupted")
@@ -159,16 +162,16 @@ def mpi_pipeline(
         os._exit(130)
     except BaseException as e:  # any failure must take the whole job down
         if isinstance(e, DistlmError):
-            log.error("stage %d failed: %s", topo.rank, e)
+            log.error("stage %d failed: %s", rank, e)
         else:
-            log.exception("stage %d failed", topo.rank)
+            log.exception("stage %d failed", rank)
         flush_to_reader()  # the error reaches mpiexec's output before the abort ends the job
         comm.Abort(1)
 
 
 def run_workers(pipe: Pipeline) -> bool:
     """Stages 1..S-1 serve until stage 0 stops them; True when this rank is stage 0."""
-    if pipe.topo.is_first:
+    if pipe.topo.is_main:
         return True
     if pipe.ring is None:  # a later stage exists only in a ring of two or more
         raise PipelineError(f"stage {pipe.topo.rank}: no ring")

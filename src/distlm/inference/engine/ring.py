@@ -1,5 +1,6 @@
-"""The ring of stages: where a rank sits, its link to the next and previous stage, and the named,
-versioned messages that travel round it (MPI point-to-point, every wait with a deadline).
+"""The ring of stages: a rank's link to the next and previous stage (where it sits is its
+distlm.dist.Topology, backend MPI), and the named, versioned messages that travel round it (MPI
+point-to-point, every wait with a deadline).
 
     stage 0 --Work--> stage 1 --Work--> ... --Work--> last stage --Tokens--> stage 0
     Hello and Stop go round once each, at start (where each stage runs) and at the end (its stats).
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from distlm import DistlmError
+from distlm.dist import Topology
 from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.sampling import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
@@ -43,31 +45,7 @@ class PipelineError(DistlmError):
     """A stage died or stopped answering: the message names the stage and the timeout."""
 
 
-# ----------------------------------------------------------------------------- topology / links
-
-
-@dataclass(frozen=True)
-class PipelineTopology:
-    """Where this rank sits in the ring of stages."""
-
-    rank: int
-    stages: int
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.stages - 1
-
-    @property
-    def next(self) -> int:
-        return (self.rank + 1) % self.stages
-
-    @property
-    def prev(self) -> int:
-        return (self.rank - 1) % self.stages
+# ----------------------------------------------------------------------------- links
 
 
 class Backoff:
@@ -100,9 +78,7 @@ class Ring:
     An MPI error (returned, not fatal: see mpi_pipeline) becomes a PipelineError naming both stages.
     """
 
-    def __init__(
-        self, comm, topo: PipelineTopology, *, timeout_s: float, stats: StageStats
-    ) -> None:
+    def __init__(self, comm, topo: Topology, *, timeout_s: float, stats: StageStats) -> None:
         from mpi4py import MPI
 
         self.comm = comm

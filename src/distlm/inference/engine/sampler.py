@@ -1,24 +1,85 @@
 """The last stage's part: per-lane sampling state, and one forward pass's picks for a micro-batch.
 
-A pick that fails (SamplingError, a bug) carries its error and fails that one sequence only.
+Every sequence owns a `torch.Generator` seeded from its `seed`, so a sampled completion depends
+only on (model, prompt, parameters, seed), never on which other prompts share the pipeline.
+`pick_token` raises SamplingError when the distribution it would draw from is not finite; a pick
+that fails (SamplingError, a bug) carries its error and fails that one sequence only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from distlm import DistlmError
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Pick, PipelineError, Slot
-from distlm.inference.sampling import (
-    SamplingParams,
-    new_generator,
-    pick_token,
-    prompt_logprobs,
-    top_logprobs,
-)
+from distlm.inference.sampling import SamplingParams
 from distlm.log import get_logger
 
 log = get_logger(__name__)
+
+
+class SamplingError(DistlmError):
+    """Sampling one sequence failed (a non-finite distribution): that sequence fails, no other."""
+
+
+def new_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    g.manual_seed(params.seed)
+    return g
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token id from `logits` (V,): argmax when greedy, else filtered sampling.
+
+    Raises SamplingError when the logits or the filtered distribution are not finite.
+    """
+    if not bool(torch.isfinite(logits).any()):
+        raise SamplingError("the model's logits are not finite")
+    if params.greedy:
+        return int(torch.argmax(logits))
+    x = logits.float() / params.temperature
+    if 0 < params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
+        x = x.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise SamplingError(f"temperature {params.temperature:g} gives no finite distribution")
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its `n` most likely tokens (temperature 1)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(lp, min(n, lp.numel())) if n else None
+    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return float(lp[token]), alts
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], n: int
+) -> tuple[tuple[float, tuple[tuple[int, float], ...]], ...]:
+    """Each prompt token's log-probability given the tokens before it, and the `n` most likely.
+
+    `logits` (T - 1, V) are the positions 0 .. T-2 of a T-token prompt; `targets` its tokens
+    1 .. T-1. The first prompt token has no log-probability (nothing comes before it)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (T - 1, V)
+    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1)
+    if n:
+        top = torch.topk(lp, min(n, lp.shape[1]), dim=-1)
+        alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        alts = [() for _ in targets]
+    return tuple(zip(chosen.tolist(), alts))
 
 
 class Sampler:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from distlm.dist import Topology
 from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.engine.ring import (
     Backoff,
@@ -35,7 +36,6 @@ from distlm.inference.engine.ring import (
     Hello,
     Pick,
     PipelineError,
-    PipelineTopology,
     Ring,
     Slot,
     Stop,
@@ -118,7 +118,7 @@ class Scheduler:
         self,
         model: StageModel,
         ring: Ring | None,
-        topo: PipelineTopology,
+        topo: Topology,
         *,
         lanes: int,
         eos_token_id: int | None,
@@ -128,7 +128,7 @@ class Scheduler:
     ) -> None:
         self.model, self.ring, self.topo = model, ring, topo
         self.lanes = lanes
-        self.cap = math.ceil(lanes / topo.stages)  # sequences per micro-batch
+        self.cap = math.ceil(lanes / topo.world_size)  # sequences per micro-batch
         self.eos = eos_token_id
         self.context = context
         self.timeout_s = timeout_s
@@ -206,14 +206,14 @@ class Scheduler:
                     left.append(sib)
             self.waiting.extendleft(reversed(left))
             seq.siblings = []
-        if self.launching and self.ready and self.inflight < self.topo.stages:
+        if self.launching and self.ready and self.inflight < self.topo.world_size:
             batch = self._pick()
             batch.sort(key=_launch_order)
             self._launch(batch)
             return True
         if self.inflight and not did and time.monotonic() - self.progress_at > self.timeout_s:
             raise PipelineError(
-                f"stage 0: no tokens back from the pipeline (stages 1-{self.topo.stages - 1}) for "
+                f"stage 0: no tokens back from the pipeline (stages 1-{self.topo.world_size - 1}) for "
                 f"{self.timeout_s:g} s (inference.timeout_s): a stage died or hangs"
             )
         return did

@@ -133,7 +133,7 @@ class Engine:
             vocab_size=len(tok),
             eos_token_id=self.pipe.eos_token_id,
             lanes=self.settings.lanes,
-            stages=self.pipe.topo.stages,
+            stages=self.pipe.topo.world_size,
             pipeline=self.pipe.infos,
         )
 
@@ -296,7 +296,7 @@ def run_engine(
 ) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
     with mpi_pipeline(settings, model_dir, device=device, serve=True) as pipe:
-        if not pipe.topo.is_first:
+        if not pipe.topo.is_main:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not run_workers(pipe):
