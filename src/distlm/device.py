@@ -394,14 +394,15 @@ class DeviceBackend:
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
-    def memory(self) -> tuple[int, str]:
+    def memory(self, local_ranks: int) -> tuple[int, str]:
         """(bytes this rank has for itself, what they are, for an error): its GPU's, or on the
-        CPU its share of the host's memory among the node's ranks."""
+        CPU its share of the host's memory among the `local_ranks` ranks on it
+        (distlm.dist.Topology.local_world_size)."""
         if self.is_gpu:
             return torch.cuda.get_device_properties(self.device).total_memory, (
                 f"its GPU ({gpu_name(self.device)})"
             )
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        ranks = max(1, local_ranks)
         return host_share(ranks), f"its share of the host's memory ({ranks} ranks)"
 
     @property

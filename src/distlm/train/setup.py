@@ -132,7 +132,7 @@ def load_model(
         )
     # a node that cannot hold the run's model state stops here, naming the key: under SLURM the
     # workflow's machine had no GPU to ask (distlm.settings.ranks checks it there when it can)
-    budget, where = topo.device_backend.memory()
+    budget, where = topo.device_backend.memory(topo.local_world_size)
     problem = state_problem(args.parameters(), tcfg.parallel, topo.world_size, budget, where)
     if problem:
         raise DistlmError(f"rank {topo.rank}: {problem}")
