@@ -130,7 +130,9 @@ def test_the_ranks_fit_the_gpus_by_one_rule(monkeypatch):
     key = "train.nproc_per_node"
     problem = ranks_problem(4, 1, key=key, where="this machine")
     assert problem and problem.startswith(f"{key}: 4 ranks on this machine, which has 1 GPU(s)")
-    assert StageRanks("train", key, 4, on_gpu=True).fits(1) == problem
+    assert StageRanks("train", key, 4, on_gpu=True).fits(1) == problem.replace(
+        "ranks on", "ranks of stage train on"
+    )
     with pytest.raises(DistlmError) as refused:
         check_ranks_fit(4, 1, ranks_key=key, where="this machine")
     assert str(refused.value) == problem
@@ -244,7 +246,10 @@ def test_a_config_the_machine_cannot_run_names_the_key():
         "train.nproc_per_node",
         "eval.nproc_per_node",
     ]  # inference.stages: the pipeline's stages share GPUs (they talk over MPI)
-    assert "3 ranks on this machine" in problems[0] and "has 1 GPU(s)" in problems[0]
+    assert (
+        "3 ranks of stage broadcast on this machine" in problems[0]
+        and "has 1 GPU(s)" in problems[0]
+    )
     assert machine_problems(gpu, machine(4)) == []
     assert machine_problems(settings(), machine(0)) == []  # the CPU default
     auto = settings(runtime={"device": "auto"}, train={"nproc_per_node": None})

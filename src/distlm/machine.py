@@ -81,15 +81,23 @@ def needs_gpu(device: str) -> bool:
 
 
 def ranks_problem(
-    ranks: int | None, gpus: int, *, key: str, where: str, seen: str = "", fix: str = ""
+    ranks: int | None,
+    gpus: int,
+    *,
+    key: str,
+    where: str,
+    stage: str = "",
+    seen: str = "",
+    fix: str = "",
 ) -> str | None:
     """Why `ranks` ranks on one node, a GPU each (None: one rank per GPU, torchrun's
     --nproc-per-node=gpu), cannot run on `where`, which has `gpus` GPUs that CUDA can see; None
     when they can. The one rule of "the ranks fit the GPUs", asked where each launch path sees the
     GPUs: the workflow before any job (distlm.settings.ranks), the SLURM launcher on each node
     (distlm.launch.srun) and every rank (distlm.device). The problem names `key`, the count that
-    asked for the ranks; `seen` says what was looked at, `fix` adds a way out of a node without a
-    GPU."""
+    asked for the ranks, and `stage` when the count is not the key's value (the broadcast's
+    ranks are its receivers and the sender); `seen` says what was looked at, `fix` adds a way out
+    of a node without a GPU."""
     if gpus == 0:
         if ranks is None:
             return (
@@ -102,7 +110,8 @@ def ranks_problem(
         )
     if ranks is not None and ranks > gpus:
         return (
-            f"{key}: {ranks} ranks on {where}, which has {gpus} GPU(s) (one rank a GPU); set "
+            f"{key}: {ranks} ranks{f' of stage {stage}' if stage else ''} on {where}, which has "
+            f"{gpus} GPU(s) (one rank a GPU); set "
             f"{key} to fit, or null for one rank per GPU"
         )
     return None

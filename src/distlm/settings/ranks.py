@@ -45,7 +45,7 @@ class StageRanks:
         if not self.on_gpu or (gpus == 0 and self.per_node != GPU):
             return None
         count = None if self.per_node == GPU else self.per_node
-        return ranks_problem(count, gpus, key=self.key, where="this machine")
+        return ranks_problem(count, gpus, key=self.key, where="this machine", stage=self.stage)
 
 
 def stage_ranks(s: Settings, stage: str) -> StageRanks:
