@@ -28,7 +28,7 @@ from distlm.device import (
     resolve_precision,
     threads_per_rank,
 )
-from distlm.dist import MPI, Topology
+from distlm.dist import MPI_RING, Topology
 from distlm.machine import physical_gpus, ranks_problem, visible_count, visible_gpus
 from distlm.settings.ranks import GPU, StageRanks, machine_problems, stage_ranks
 from distlm.settings.validate import validate
@@ -160,7 +160,7 @@ def test_a_rank_takes_its_share_of_its_launchers_thread_budget(monkeypatch):
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     try:
-        stage = Topology(1, 3, 1, MPI, DeviceBackend.cpu(), local_world_size=2)
+        stage = Topology(1, 3, 1, MPI_RING, DeviceBackend.cpu(), local_world_size=2)
         assert stage.share_threads() == 1 == torch.get_num_threads()
         assert stage.share_threads(reserve=1) == 1  # never none
     finally:
@@ -168,9 +168,9 @@ def test_a_rank_takes_its_share_of_its_launchers_thread_budget(monkeypatch):
 
 
 def test_one_topology_for_the_process_group_and_the_pipelines_ring():
-    last = Topology(2, 3, 0, MPI, DeviceBackend.cpu())
+    last = Topology(2, 3, 0, MPI_RING, DeviceBackend.cpu())
     assert (last.next, last.prev, last.is_last, last.is_main) == (0, 1, True, False)
-    first = Topology(0, 3, 0, MPI, DeviceBackend.cpu())
+    first = Topology(0, 3, 0, MPI_RING, DeviceBackend.cpu())
     assert (first.next, first.prev, first.is_last, first.is_main) == (1, 2, False, True)
     alone = Topology.single()
     assert (alone.next, alone.prev, alone.is_last, alone.is_distributed) == (0, 0, True, False)

@@ -14,7 +14,7 @@ import torch
 from harness.faults import slow_reader_env
 
 from distlm import DistlmError
-from distlm.dist import MPI, Topology
+from distlm.dist import MPI_RING, Topology
 from distlm.inference.engine.pipeline_stage import Item, _Plan, load_stage
 from distlm.inference.engine.sampler import pick_token
 from distlm.inference.engine.scheduler import Scheduler, Sequence
@@ -352,7 +352,7 @@ def _scheduler(folder, *, lanes, eos=None, hw=None):
     return Scheduler(
         model,
         None,
-        Topology.single(backend=MPI),
+        Topology.single(backend=MPI_RING),
         lanes=lanes,
         eos_token_id=eos,
         context=64,
@@ -604,7 +604,7 @@ def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_ref
     from distlm.inference.engine.bootstrap import Pipeline
 
     model = load_stage(tiny_models[1], 0, world=1)
-    topo, stats = Topology.single(backend=MPI), StageStats(0)
+    topo, stats = Topology.single(backend=MPI_RING), StageStats(0)
     tok = hf_reference.tokenizer
     pipe = Pipeline(topo, model, None, stats, tokenizer=tok, context=64, eos_token_id=None)
     pipe.scheduler = Scheduler(

@@ -42,7 +42,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from distlm.dist import MPI, Topology
+    from distlm.dist import MPI_RING, Topology
     from distlm.inference.engine import pipeline_stage as stage
     from distlm.inference.engine.scheduler import Scheduler, Sequence
     from distlm.inference.sampling import SamplingParams
@@ -80,7 +80,7 @@ def main() -> None:
             sched = Scheduler(
                 model,
                 None,
-                Topology.single(backend=MPI),
+                Topology.single(backend=MPI_RING),
                 lanes=args.lanes,
                 eos_token_id=None,  # every request runs its max_tokens
                 context=model.context,

@@ -2,7 +2,7 @@
 
     with distributed(backend="gloo", timeout_s=120) as topo:   # a torch.distributed stage
         if topo.is_main: ...
-    Topology(rank, world_size, local_rank, MPI, hw, local_world_size=...)   # a pipeline stage
+    Topology(rank, world_size, local_rank, MPI_RING, hw, local_world_size=...)   # a pipeline stage
 
 Every stage's ranks are described by it: the torch.distributed stages' (broadcast, train, eval:
 a process group over gloo or nccl) and the inference pipeline's (MPI, a ring: `next`, `prev`,
@@ -34,20 +34,22 @@ from distlm.log import get_logger
 
 log = get_logger(__name__)
 
-MPI = "mpi"  # `Topology.backend` of the inference pipeline's ranks: an MPI job, not a torch group
+MPI_RING = (
+    "mpi"  # `Topology.backend` of the inference pipeline's ranks: an MPI job, not a torch group
+)
 
 
 @dataclass(frozen=True)
 class Topology:
     """Where this process sits: its rank among `world_size`, its place among the
     `local_world_size` ranks on its host, how the ranks talk (`backend`: gloo or nccl, a
-    torch.distributed process group; MPI, the pipeline's ring), and the device backend it
-    computes with (distlm.device: device, precision, autocast, synchronisation, graphs)."""
+    torch.distributed process group; MPI_RING, the pipeline's ring over MPI), and the device
+    backend it computes with (distlm.device: device, precision, autocast, synchronisation, graphs)."""
 
     rank: int
     world_size: int
     local_rank: int
-    backend: str  # gloo or nccl (a torch.distributed process group), or MPI (the pipeline)
+    backend: str  # gloo or nccl (a torch.distributed process group), or MPI_RING (the pipeline)
     device_backend: DeviceBackend
     local_world_size: int = 1
 
@@ -99,7 +101,7 @@ class Topology:
         another process of the job on this host (serve: the API server beside stage 0)
         (`distlm.device.threads_per_rank`). The thread count changes float sums, so a resumed run
         must see the same cores."""
-        mpi = self.backend == MPI
+        mpi = self.backend == MPI_RING
         if self.device_backend.is_gpu and not mpi:
             return torch.get_num_threads()
         cpus = usable_cpus()

@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from distlm import DistlmError
-from distlm.dist import MPI as MPI_RING
-from distlm.dist import Topology
+from distlm.dist import MPI_RING, Topology
 from distlm.inference.engine.pipeline_stage import StageModel, load_stage
 from distlm.inference.engine.ring import PipelineError, Ring
 from distlm.inference.engine.scheduler import Scheduler
@@ -48,7 +47,7 @@ log = get_logger(__name__)
 class Pipeline:
     """This rank's part of a running pipeline (stage 0 gets the scheduler and the tokenizer)."""
 
-    topo: Topology  # backend MPI: a rank of the ring
+    topo: Topology  # backend MPI_RING: a rank of the ring
     model: StageModel
     ring: Ring | None
     stats: StageStats
