@@ -73,7 +73,8 @@ def prompt_logprobs(
     `logits` (T - 1, V) are the positions 0 .. T-2 of a T-token prompt; `targets` its tokens
     1 .. T-1. The first prompt token has no log-probability (nothing comes before it)."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # (T - 1, V)
-    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1)
+    index = torch.tensor(targets, dtype=torch.long, device=lp.device).unsqueeze(1)
+    chosen = lp.gather(1, index).squeeze(1)
     if n:
         top = torch.topk(lp, min(n, lp.shape[1]), dim=-1)
         alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
