@@ -116,7 +116,8 @@ def recent_logs(workdir: Path, *, since: float, each: int = 2500, total: int = 1
 
 
 # Fixtures that run the whole workflow or a cluster: a test that uses one is slow by definition.
-_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "slurm_built", "runs"}  # runs: gloo ranks
+# runs, layouts: gloo ranks (tests/test_fsdp.py)
+_SLOW_FIXTURES = {"workflow_run", "slurm_run", "cluster", "slurm_built", "runs", "layouts"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -263,7 +263,8 @@ def test_a_config_the_machine_cannot_run_names_the_key():
 
 def test_a_model_whose_state_does_not_fit_under_ddp_is_refused_naming_fsdp():
     """config/llama-1b-fsdp.yaml's model: 16 bytes a parameter (~14.8 GiB) on every rank under
-    ddp does not fit 12 GiB GPUs; sharded over 4 ranks it does, so the refusal names
+    ddp does not fit 12 GiB GPUs; sharded over 4 ranks it does (3.7 GiB of model state and the
+    weights a rank gathers whole for the compute: 4.3 GiB), so the refusal names
     train.parallel: fsdp; under fsdp over 4 it runs; on 1 nothing fits: the refusal says more
     ranks."""
     from distlm.config import load_settings
@@ -273,7 +274,7 @@ def test_a_model_whose_state_does_not_fit_under_ddp_is_refused_naming_fsdp():
     ddp = settings(**{**_overlay(s), "train": {**_overlay(s)["train"], "parallel": "ddp"}})
     [problem] = machine_problems(ddp, machine(4, gpu_gib=12))
     assert problem.startswith("train.parallel: ddp: 0.99 B parameters need 16 bytes each")
-    assert "set train.parallel: fsdp, which shards it over the 4 ranks (3.7 GiB" in problem
+    assert "set train.parallel: fsdp, sharded over the 4 ranks (4.3 GiB a rank)" in problem
     assert machine_problems(s, machine(4, gpu_gib=12)) == []
     one = settings(**{**_overlay(s), "train": {**_overlay(s)["train"], "nproc_per_node": 1}})
     [problem] = machine_problems(one, machine(1, gpu_gib=12))

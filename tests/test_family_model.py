@@ -368,11 +368,11 @@ def test_optimizer_state_in_transformers_names_round_trips_and_reads_the_release
     split as its weight is) loads back exactly; a checkpoint's of distlm before its own model
     (torch's state by index over transformers' parameters, matrices first) loads into distlm's
     model as the same moments."""
-    from distlm.train.optim import (
+    from distlm.train.optim import param_groups
+    from distlm.train.state import (
         OPTIMIZER_FORMAT,
         load_named_optimizer_state,
         named_optimizer_state,
-        param_groups,
     )
 
     hf, ours = models("qwen2-qkv-bias")  # fused q|k|v with biases, gate|up, tied
@@ -410,7 +410,8 @@ def test_loaded_optimizer_state_is_laid_out_as_its_parameter(shape):
     staging copies of a save on a GPU write): CUDA's fused AdamW refuses a moment laid out unlike
     its parameter, which a resumed training on the H100 of 2026-11-28 met at its first step."""
     from distlm.train.kernels import NextTokenLoss
-    from distlm.train.optim import load_named_optimizer_state, named_optimizer_state, param_groups
+    from distlm.train.optim import param_groups
+    from distlm.train.state import load_named_optimizer_state, named_optimizer_state
 
     _, ours = models(shape)
     opt = torch.optim.AdamW(param_groups(ours, 0.1), lr=1e-3)

@@ -271,7 +271,7 @@ def test_background_checkpoint_copies_hold_the_saves_values(device):
     """A background checkpoint's host copies hold the values of the save, whatever the loop
     then does to the originals; on a GPU they are page-locked and queued on the device's stream
     (the loop does not wait for them), and the event they end at says when the write may read."""
-    from distlm.train.checkpoint import CheckpointWriter
+    from distlm.train.checkpoint_writer import CheckpointWriter
 
     pinned = device == "cuda"
     writer = CheckpointWriter(background=True, pinned=pinned)

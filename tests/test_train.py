@@ -36,6 +36,7 @@ from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
 from distlm.train import faults as faults_mod
 from distlm.train import identity as ident
+from distlm.train.checkpoint_writer import CheckpointWriter
 from distlm.train.kernels import CausalLMLoss, NextTokenLoss, linear_cross_entropy
 from distlm.train.step_sampler import BatchPlan, StepSampler, plan_batch
 from distlm.train.trainer import fused_adamw_available
@@ -141,7 +142,6 @@ def test_run_identity_is_unchanged_by_typed_settings(name):
         data=TokenMeta.model_construct(config_digest="c" * 64),
         block_size=128,
         train_blocks=1000,
-        world_size=2,
         plan=plan_batch(cfg.train, 2),
         precision="fp32",
     )
@@ -1010,10 +1010,15 @@ def test_keep_freed_memory_says_when_the_c_library_is_not_glibc(monkeypatch, cap
 
 @pytest.mark.parametrize("clip", [0.05, 1.0, 1e4, float("inf")])
 def test_clipping_is_clip_grad_norm_s_to_the_bit(clip):
-    """grad_norm and clip_gradients (the training step's) leave every gradient as
+    """The layout's grad_norm and clip_gradients (the training step's) leave every gradient as
     torch.nn.utils.clip_grad_norm_ does, bit for bit, whether the norm is above the clip (scaled)
     or below it (multiplied by 1), without reading the norm on the host."""
-    from distlm.train.optim import clip_gradients, grad_norm
+    from distlm.dist import Topology
+    from distlm.settings.layout_rules import Replicated
+    from distlm.train.optim import clip_gradients
+    from distlm.train.parallel import ReplicatedLayout
+
+    grad_norm = ReplicatedLayout(Topology.single(), Replicated()).grad_norm
 
     torch.manual_seed(0)
     ours, ref = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
@@ -1070,8 +1075,11 @@ def test_train_state_saves_and_loads_what_a_whole_checkpoint_holds(inputs):
     gives the schedule and the scaler back."""
     from torch.distributed.checkpoint.stateful import Stateful
 
+    from distlm.dist import Topology
+    from distlm.settings.layout_rules import Replicated
+    from distlm.train.checkpoint_writer import host_copy
     from distlm.train.optim import make_optimizer
-    from distlm.train.parallel import Replicas
+    from distlm.train.parallel import ReplicatedLayout
     from distlm.train.state import TrainState
 
     t = train_cfg().train
@@ -1082,7 +1090,8 @@ def test_train_state_saves_and_loads_what_a_whole_checkpoint_holds(inputs):
         model = load_model_dir(inputs["model"])
         optimizer, scheduler = make_optimizer(model, t, torch.device("cpu"), "fp32")
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        return TrainState(model, optimizer, scheduler, scaler, sampler, Replicas(hw))
+        layout = ReplicatedLayout(Topology.single(hw), Replicated())
+        return TrainState(model, optimizer, scheduler, scaler, sampler, layout)
 
     def same(x, y) -> bool:
         if isinstance(x, torch.Tensor):
@@ -1094,12 +1103,12 @@ def test_train_state_saves_and_loads_what_a_whole_checkpoint_holds(inputs):
         return x == y
 
     a, b = state(), state()
-    assert isinstance(a, Stateful) and not a.sharded
+    assert isinstance(a, Stateful) and a.layout.checkpoints.name == ck.WHOLE
     for _ in range(3):
         a.model(torch.randint(0, 256, (2, 8))).float().square().mean().backward()
         a.optimizer.step()
         a.scheduler.step()
-    saved = ck.host_copy(a.state_dict())
+    saved = host_copy(a.state_dict())
     assert set(saved) == {"model", "optim"} and "transformer.wte.weight" in saved["model"]
     b.load_state_dict(saved)
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
@@ -1181,7 +1190,7 @@ def test_staged_copies_are_kept_from_save_to_save_and_wait_for_the_last_write():
     with them; each write reads the values of its own save, whatever the loop changed since."""
     import threading
 
-    writer = ck.CheckpointWriter(background=True)
+    writer = CheckpointWriter(background=True)
     tree = {
         "w": torch.arange(4.0),
         "opt": {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 0.1}]},
@@ -1209,7 +1218,7 @@ def test_staged_copies_are_kept_from_save_to_save_and_wait_for_the_last_write():
 def test_staging_buffers_reserved_ahead_are_the_ones_a_save_copies_into():
     """`reserve` allocates the buffers in the background thread (the first save then stalls no
     longer than the next); `stage` copies into exactly those."""
-    writer = ck.CheckpointWriter(background=True)
+    writer = CheckpointWriter(background=True)
     tree = ({"w": torch.arange(6.0).reshape(2, 3)}, {"state": {0: {"step": torch.tensor(2.0)}}})
     writer.reserve(tree)
     writer.wait()
@@ -1226,7 +1235,7 @@ def test_staging_buffers_reserved_ahead_are_the_ones_a_save_copies_into():
 def test_a_background_write_that_fails_is_raised_at_the_next_wait(tmp_path):
     """A background write's error (here a run folder that is a file) is not lost: the next
     save or the end of the run raises it."""
-    writer = ck.CheckpointWriter(background=True)
+    writer = CheckpointWriter(background=True)
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
 

@@ -83,6 +83,15 @@ class Topology:
     def prev(self) -> int:
         return (self.rank - 1) % self.world_size
 
+    def device_mesh(self):
+        """These ranks as a 1-D device mesh over the world's process group, on this rank's device
+        type: what a sharded layout shards over (distlm.train.parallel). Given to FSDP2 always,
+        which would otherwise take the accelerator's default mesh: a gloo/CPU run on a host that
+        has GPUs would move its parameters to CUDA."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.world_size,))
+
     def barrier(self) -> None:
         if dist.is_initialized():
             if self.backend == "nccl":
@@ -117,6 +126,26 @@ class Topology:
             self.local_world_size,
         )
         return threads
+
+
+def agree(what: str, error: BaseException | None, *, payload=None, group=None) -> list:
+    """Every rank's outcome of a step all ranks take together (`what`): each gives its error
+    (None when it succeeded) and a `payload`, and every rank receives all of them (over `group`,
+    default the world's, whose timeout bounds the wait). When any rank failed, every rank raises
+    the same DistlmError naming the first rank that failed and its error (a file's name is in
+    it), so no rank waits on another that has given up; else the payloads, by rank.
+
+    Every rank must call it once for the step, also the one that failed: a rank that raised
+    instead would leave the others waiting until the group's timeout."""
+    said = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, (said, payload), group=group)
+    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
+    if failed:
+        rank, said = failed[0]
+        more = f" (and ranks {', '.join(str(r) for r, _ in failed[1:])})" if failed[1:] else ""
+        raise DistlmError(f"{what}: rank {rank} failed{more}: {said}") from error
+    return [p for _, p in outcomes]
 
 
 def check_backend(backend: str, device: torch.device) -> None:

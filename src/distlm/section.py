@@ -56,13 +56,18 @@ class Section(BaseModel):
         """The mapping this section dumps to: without its ONLY_WHEN_SET keys at their defaults.
         (The families' init settings drop theirs by their own rule.)"""
         fields = type(self).model_fields
+
+        def default(k: str) -> Any:  # as dumped: a sub-section's is its mapping
+            d = fields[k].default
+            return d.model_dump() if isinstance(d, BaseModel) else d
+
         return {
             k: v
             for k, v in out.items()
             if not (
                 k in fields
                 and fields[k].json_schema_extra is _no_schema_default
-                and v == fields[k].default
+                and v == default(k)
             )
         }
 

@@ -63,6 +63,14 @@ def background_checkpoints_env(env: dict[str, str]) -> dict[str, str]:
     return {**_on_path(env, HOOKS), "DISTLM_TEST_BACKGROUND_CHECKPOINTS": "1"}
 
 
+def save_fault_env(env: dict[str, str], *, rank: int, at: str) -> dict[str, str]:
+    """`env` for a command whose rank `rank` fails its first sharded checkpoint as a full disk
+    would: "open" (rank 0 opening the checkpoint's folder) or "shards" (writing its shards)
+    (fault_hooks/sitecustomize.py)."""
+    fault = json.dumps({"rank": rank, "at": at})
+    return {**_on_path(env, HOOKS), "DISTLM_TEST_SAVE_FAULT": fault}
+
+
 def slow_reader_env() -> dict[str, str]:
     """os.environ for an MPI command whose rank 1 writes its first error while its proxy is
     stopped (for a second): a launcher slow to read the rank's output."""

@@ -142,6 +142,11 @@ class ModelArgs:
         """How many parameters the model has (a tied head counted once)."""
         raise NotImplementedError(self.model_type)
 
+    def block_parameters(self) -> int:
+        """How many parameters one of its blocks has (every block has as many): what a sharded
+        layout gathers whole at a time (distlm.settings.layout_rules)."""
+        raise NotImplementedError(self.model_type)
+
 
 class ConfigDoc:
     """config.json as a family's config mapping reads it: each key of the type it must have, or

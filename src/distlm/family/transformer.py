@@ -29,7 +29,7 @@ every projection is an `nn.Linear`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -252,16 +252,27 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.checkpointing = on
 
-    def forward(self, ids: torch.Tensor, *, head: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        *,
+        head: bool = True,
+        head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Token ids (B, T) at positions 0..T-1 -> logits (B, T, V), or with `head` False the
-        final norm's output (B, T, C) (a whole model: first and last). Training and evaluation
-        call the model (not its parts), so that FSDP's hooks gather what it holds sharded."""
+        final norm's output (B, T, C) (a whole model: first and last), or with `head_loss` what
+        it makes of that output and the LM head's weight (a loss that fuses the head: training's
+        on the CPU). Training and evaluation call the model (not its parts), and the head's
+        weight is read here, inside its forward pass, so that FSDP's hooks have gathered what it
+        holds sharded whatever they reshard when."""
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.embed(ids, pos)  # (B, T, C)
         rot = self.positions(pos, x.dtype)
         for block in self.layers.values():
             x = block(x, rot)
         h = self.norm(x)
+        if head_loss is not None:
+            return head_loss(h, self.lm_head.weight)
         return self.logits(h) if head else h
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,6 +387,27 @@ class TensorMap:
             return parts[0]
         if rule.kind == "t":
             return parts[0].t()
+        return torch.cat(parts, dim=0)
+
+    def rows(
+        self, name: str, start: int, stop: int, read: Callable[[str, slice, int], torch.Tensor]
+    ) -> torch.Tensor:
+        """Rows [start, stop) of distlm's tensor `name` (a shard along its first dimension, as
+        FSDP holds it), from transformers' tensors read in part: `read(hf_name, span, dim)`
+        gives the span of an hf tensor's rows (dim 0) or columns (dim 1). No whole tensor is
+        read: a transposed one gives columns, a fused one the rows of each part it spans."""
+        rule, _ = self.rules[name]
+        hf = self.hf_names(name)
+        if rule.kind == "same":
+            return read(hf[0], slice(start, stop), 0)
+        if rule.kind == "t":
+            return read(hf[0], slice(start, stop), 1).t()
+        parts, offset = [], 0
+        for h, size in zip(hf, rule.sizes, strict=True):
+            lo, hi = max(start, offset), min(stop, offset + size)
+            if lo < hi:
+                parts.append(read(h, slice(lo - offset, hi - offset), 0))
+            offset += size
         return torch.cat(parts, dim=0)
 
     def to_hf(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,14 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from distlm import DistlmError
 from distlm.machine import Machine, host_share, may_use_gpu, needs_gpu, ranks_problem
+from distlm.settings.layout_rules import ModelSize, compute_bytes, layout_rule
 from distlm.settings.root import Settings, known_model_args
+from distlm.settings.train import plan_batch
 
 GPU = "gpu"  # torchrun's --nproc-per-node=gpu: one rank per GPU CUDA sees on the node
 TORCH_STAGES = ("broadcast", "train", "eval")
-# A training rank's model state a parameter: float32 weights, their gradients and AdamW's two
-# moments (the training precision's copies under autocast, and the activations, come on top)
-STATE_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -64,57 +64,36 @@ def stage_ranks(s: Settings, stage: str) -> StageRanks:
     return StageRanks(stage, key, per_node, on_gpu)
 
 
-def state_problem(
-    parameters: int, parallel: str, world: int, budget: int, where: str
-) -> str | None:
-    """Why a training run of `parameters` cannot keep its model state (STATE_BYTES a parameter)
-    on ranks of `budget` bytes each (`where` names them), naming the key to change; None if it
-    can. Under ddp every rank holds the whole state; under fsdp each rank a 1/`world` shard."""
-    whole = STATE_BYTES * parameters
-    need = whole if parallel == "ddp" else -(-whole // world)
-    if need <= budget:
-        return None
-    gib = lambda n: f"{n / 2**30:.1f} GiB"
-    head = (
-        f"train.parallel: {parallel}: {parameters / 1e9:.2f} B parameters need {STATE_BYTES} bytes "
-        f"each a rank for training (float32 weights, gradients and AdamW's two moments)"
-    )
-    if parallel == "ddp":
-        sharded = -(-whole // world)
-        if sharded <= budget:
-            return (
-                f"{head}: {gib(whole)} on every rank, and {where} has {gib(budget)}; set "
-                f"train.parallel: fsdp, which shards it over the {world} ranks ({gib(sharded)} "
-                "a rank)"
-            )
-        return (
-            f"{head}: {gib(whole)} a rank, and {where} has {gib(budget)}; even train.parallel: "
-            f"fsdp over {world} ranks needs {gib(sharded)} a rank: more ranks "
-            "(train.nproc_per_node, train.nodes)"
-        )
-    return (
-        f"{head}, {gib(need)} a rank sharded over {world} ranks, and {where} has {gib(budget)}: "
-        "more ranks (train.nproc_per_node, train.nodes)"
-    )
-
-
 def memory_problems(s: Settings, machine: Machine) -> list[str]:
     """What training cannot hold on this machine when every rank runs here, when the model is
-    known before any job (a seeded init, a local folder): each names the key to change."""
+    known before any job (a seeded init, a local folder): the layout's arithmetic
+    (distlm.settings.layout_rules, which every rank asks again), naming the key to change."""
     args = known_model_args(s)
     r = stage_ranks(s, "train")
     if args is None:
         return []
     per_node = machine.gpus if r.per_node == GPU else r.per_node
     world = max(1, per_node) * s.train.nodes
-    if r.on_gpu and machine.gpus:
+    on_gpu = r.on_gpu and machine.gpus > 0
+    if on_gpu:
         if machine.gpu_memory is None:
             return []
         budget, where = machine.gpu_memory, "each of this machine's GPUs"
     else:
         budget = host_share(per_node, machine.host_memory)
         where = "each CPU rank's share of memory"
-    problem = state_problem(args.parameters(), s.train.parallel, world, budget, where)
+    try:
+        accumulating = plan_batch(s.train, world).grad_accum > 1
+    except DistlmError:  # a batch these ranks cannot cut (each rank refuses it, naming the key)
+        accumulating = True  # here: the most a rank could hold
+    problem = layout_rule(s.train).problem(
+        ModelSize.of(args),
+        world=world,
+        budget=budget,
+        where=where,
+        accumulating=accumulating,
+        compute_bytes=compute_bytes(s.train.precision, on_gpu),
+    )
     return [problem] if problem else []
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from distlm import DistlmError
 from distlm.section import ONLY_WHEN_SET
 from distlm.settings.base import Real, Section, StageConfig
 from distlm.settings.runtime import RuntimeSettings
@@ -18,6 +20,18 @@ Parallel = Literal["ddp", "fsdp"]
 class DdpSettings(Section):
     bucket_cap_mb: Real = Field(default=25, gt=0, description="DDP gradient bucket size in MiB.")
     static_graph: bool = Field(default=False, description="DDP static-graph mode.")
+
+
+class FsdpSettings(Section):
+    reduce_every_micro_batch: bool = Field(
+        default=True,
+        description=(
+            "Under gradient accumulation, reduce-scatter each micro-batch's gradients into the "
+            "ranks' shards (true: a rank holds its shard of the gradients alone), or keep them "
+            "whole on every rank until the step's last micro-batch (false: one reduce-scatter a "
+            "step, 4 bytes a parameter more on every rank). docs/parallelism.md."
+        ),
+    )
 
 
 class ProfileSettings(Section):
@@ -142,9 +156,47 @@ class TrainSettings(Section):
         ),
     )
     ddp: DdpSettings = Field(default=DdpSettings(), description="DistributedDataParallel options.")
+    fsdp: FsdpSettings = Field(
+        default=FsdpSettings(), **ONLY_WHEN_SET, description="FSDP2 options (parallel: fsdp)."
+    )
     profile: ProfileSettings = Field(
         default=ProfileSettings(), description="torch.profiler over a window of steps."
     )
+
+
+# ----------------------------------------------------------------------------- a step's batch
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is cut: per rank, per micro-step."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_rank * self.world_size
+
+
+def plan_batch(train_cfg: TrainSettings, world_size: int) -> BatchPlan:
+    """Derive the batch plan from config `train` and the world size; errors name the key."""
+    micro = train_cfg.micro_batch_size
+    gbs = train_cfg.global_batch_size
+    if gbs is None:
+        return BatchPlan(micro, train_cfg.grad_accum_steps, world_size)
+    per_step = micro * world_size
+    if gbs % per_step:
+        raise DistlmError(
+            f"train.global_batch_size: {gbs} is not divisible by train.micro_batch_size ({micro}) x "
+            f"world size ({world_size}) = {per_step}; pick a multiple of {per_step}"
+        )
+    return BatchPlan(micro, gbs // per_step, world_size)
 
 
 # ----------------------------------------------------------------------------- the stage's keys

@@ -30,7 +30,6 @@ from distlm.documents import (
     IdentityData,
     IdentityModel,
     IdentityOptim,
-    IdentityTopology,
     ModelMeta,
     RunIdentity,
     TokenMeta,
@@ -38,6 +37,7 @@ from distlm.documents import (
     write_document,
 )
 from distlm.log import get_logger
+from distlm.settings.layout_rules import layout_rule
 from distlm.train.checkpoint import (
     Checkpoint,
     CheckpointMismatch,
@@ -48,8 +48,7 @@ from distlm.train.checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from distlm.settings.train import TrainConfig
-    from distlm.train.step_sampler import BatchPlan
+    from distlm.settings.train import BatchPlan, TrainConfig
 
 log = get_logger(__name__)
 
@@ -66,12 +65,12 @@ def run_identity(
     data: TokenMeta,
     block_size: int,
     train_blocks: int,
-    world_size: int,
     plan: BatchPlan,
     precision: str,
 ) -> RunIdentity:
     """What a checkpoint must share with this run to be resumed (checked key by key), and what
-    names its run folder (`RunIdentity.run_id`): the model, data, topology and optimisation."""
+    names its run folder (`RunIdentity.run_id`): the model, data, topology (what the run's
+    parallel layout keeps of the batch's cut: distlm.settings.layout_rules) and optimisation."""
     t = cfg.train
     return RunIdentity(
         model=IdentityModel(arch_digest=base.arch_digest, base_model_sha256=base.model_sha256),
@@ -81,14 +80,7 @@ def run_identity(
             train_blocks=train_blocks,
             seed=cfg.runtime.seed,
         ),
-        topology=IdentityTopology(
-            world_size=world_size,
-            micro_batch=plan.micro_batch,
-            grad_accum=plan.grad_accum,
-            global_batch=plan.global_batch,
-        )
-        if t.parallel == "ddp"
-        else IdentityTopology(global_batch=plan.global_batch, parallel=t.parallel),
+        topology=layout_rule(t).identity_topology(plan),
         optim=IdentityOptim(
             lr=t.lr,
             min_lr=t.min_lr,

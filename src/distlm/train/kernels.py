@@ -149,6 +149,10 @@ class CausalLMLoss(NextTokenLoss):
         self.head_loss = _eager(linear_cross_entropy) if compiled else linear_cross_entropy
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model(input_ids, head=False)
-        # position t predicts token t + 1: the last position has nothing to predict
-        return self.head_loss(h[:, :-1], self.model.lm_head.weight, input_ids[:, 1:])
+        # position t predicts token t + 1: the last position has nothing to predict. The head's
+        # weight is the model's to give, inside its forward pass (a sharded root's is gathered
+        # there: distlm.family.transformer's `head_loss`).
+        targets = input_ids[:, 1:]
+        return self.model(
+            input_ids, head_loss=lambda h, weight: self.head_loss(h[:, :-1], weight, targets)
+        )

@@ -1,6 +1,8 @@
 """Resume: which checkpoint (or finished run to extend) a start picks, and loading it into the
 run's `TrainState` (model, optimiser, schedule, scaler) after its identity
-(distlm.train.identity) is checked. The `Trainer` calls these while it is constructed."""
+(distlm.train.identity) is checked: a whole checkpoint's files (`load_whole`) or every rank's
+shards (`load_sharded`), as the run's layout loads its kind (distlm.train.parallel). The
+`Trainer` calls these while it is constructed."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distlm import DistlmError
 from distlm.dist import Topology
 from distlm.documents import RunIdentity
 from distlm.io import remove_leftovers
@@ -42,19 +45,18 @@ def load_checkpoint(
     max_steps: int,
 ) -> Resumed:
     """All ranks: check the checkpoint's identity, load it into `state` (the weights, AdamW's
-    state, the schedule and the scaler: distlm.train.checkpoint's `load_tensors`). Whole, rank 0
-    loads the weights (the others get them from rank 0 next); sharded (FSDP), every rank loads
-    its shards of the weights and AdamW's state."""
+    state, the schedule and the scaler), as the run's layout loads its kind of checkpoint."""
     ck = ckpt_mod.Checkpoint(Path(choice[0]), choice[1])
     doc = ckpt_mod.read_state(ck)
     identity_mod.check_identity(ck, doc.identity, identity)
-    if ckpt_mod.is_sharded(ck) != state.sharded:  # the identities differ (train.parallel): a guard
+    kind = state.layout.checkpoints
+    if ckpt_mod.kind_of(ck) != kind.name:  # the identities differ (train.parallel): a guard
         raise ckpt_mod.CheckpointMismatch(
-            f"{ck.path}: a {'sharded' if ckpt_mod.is_sharded(ck) else 'whole'} checkpoint, and "
-            f"this run is {'sharded' if state.sharded else 'not'} (train.parallel)"
+            f"{ck.path}: a {ckpt_mod.kind_of(ck)} checkpoint, and this run's layout "
+            f"(train.parallel {state.layout.name}) writes {kind.name} ones"
         )
-    rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size)
-    ckpt_mod.load_tensors(ck, state, topo)
+    rng_state = ckpt_mod.load_rng_state(ck, topo.rank, topo.world_size, reshards=kind.reshards)
+    kind.load(ck, state, topo)
     state.load_checkpoint_state(doc)
     log.info("resuming from %s (step %d of %d)", ck.path, doc.step, max_steps)
     return Resumed(doc.step, doc.metrics, str(ck.path), rng_state)
@@ -126,3 +128,35 @@ def resume_or_start(
         return run_dir, None
     resumed = load_checkpoint(box[0], state, identity=identity, topo=topo, max_steps=tcfg.max_steps)
     return run_dir, resumed
+
+
+# ----------------------------------------------------------------------------- the two kinds
+
+
+def load_whole(ckpt: ckpt_mod.Checkpoint, state: TrainState, topo: Topology) -> None:
+    """A whole checkpoint into `state`: its weights on rank 0 (the others get them from rank 0
+    next: the layout's `start`), its optimizer state on every rank."""
+    tree = {"model": ckpt_mod.load_weights(ckpt)} if topo.is_main else {}
+    tree["optim"] = ckpt_mod.load_optimizer_state(ckpt, topo.device)
+    files = {
+        "model": str(ckpt.path / "model.safetensors"),
+        "optim": str(ckpt.path / "optimizer.pt"),
+    }
+    state.load_state_dict(tree, where=files)
+
+
+def load_sharded(ckpt: ckpt_mod.Checkpoint, state: TrainState, topo: Topology) -> None:
+    """A sharded checkpoint into this rank's shards of the weights and AdamW's state, whatever the
+    number of ranks that wrote it (torch.distributed.checkpoint reshards); all ranks call."""
+    from torch.distributed.checkpoint.state_dict_loader import load as load_shards
+
+    tree = state.state_dict()  # this rank's shards, which DCP loads in place
+    where = ckpt.path / ckpt_mod.SHARDS
+    try:
+        load_shards(tree, checkpoint_id=where)
+    except Exception as e:
+        raise DistlmError(
+            f"{where}: the sharded checkpoint does not load into this model "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    state.load_state_dict(tree)

@@ -1,7 +1,7 @@
 """The phases of a training rank up to its first step, as functions the `Trainer` calls in order
-while it is constructed (distlm.train.trainer): `acquire_lease`, `open_data`, `load_model`,
-`resume_or_start` (distlm.train.resume) and `sync_weights`. Each returns what it made;
-the trainer keeps it."""
+while it is constructed (distlm.train.trainer): `acquire_lease`, `open_data`, `read_model`,
+then the layout's build (distlm.train.parallel), `resume_or_start` (distlm.train.resume) and the
+layout's start (ddp: `sync_weights`). Each returns what it made; the trainer keeps it."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from distlm import DistlmError
 from distlm.data import TokenBlocks, read_tokens_meta
 from distlm.dist import Topology
 from distlm.documents import ModelMeta, TokenMeta
+from distlm.family import ModelArgs
 from distlm.lease import Lease
 from distlm.log import get_logger
-from distlm.model import Transformer, family_of, load_model_dir, read_args, read_meta
-from distlm.settings import TrainSettings
-from distlm.settings.ranks import state_problem
+from distlm.model import read_args, read_meta
 from distlm.settings.train import TrainConfig
 from distlm.train.paths import TrainPaths
 from distlm.train.step_sampler import BatchPlan, StepLoader, StepSampler, plan_batch
@@ -112,12 +111,10 @@ def open_data(cfg: TrainConfig, paths: TrainPaths, topo: Topology) -> TrainData:
     return data
 
 
-def load_model(
-    paths: TrainPaths, topo: Topology, data: TrainData, tcfg: TrainSettings
-) -> tuple[Transformer, ModelMeta]:
-    """(distlm's model of the base folder's family in float32 in train mode, the base folder's
-    metadata). Rank 0 reads the weights (verified); the others' are allocated for `sync_weights`
-    to fill."""
+def read_model(paths: TrainPaths, data: TrainData) -> tuple[ModelArgs, ModelMeta]:
+    """(what distlm's model of the base folder's family is built from, the base folder's
+    metadata), once the token blocks are known to fit the model; the run's layout builds it
+    (distlm.train.parallel)."""
     args = read_args(paths.model)
     base = read_meta(paths.model)
     if data.block_size > args.context:
@@ -130,17 +127,7 @@ def load_model(
             f"{paths.tokens}: vocab size {data.meta.vocab_size} exceeds model "
             f"{paths.model}'s {args.vocab_size}"
         )
-    # a node that cannot hold the run's model state stops here, naming the key: under SLURM the
-    # workflow's machine had no GPU to ask (distlm.settings.ranks checks it there when it can)
-    budget, where = topo.device_backend.memory(topo.local_world_size)
-    problem = state_problem(args.parameters(), tcfg.parallel, topo.world_size, budget, where)
-    if problem:
-        raise DistlmError(f"rank {topo.rank}: {problem}")
-    if topo.is_main:
-        model = load_model_dir(paths.model, device=topo.device, dtype=torch.float32)
-    else:
-        model = family_of(args).build(args, device=topo.device, dtype=torch.float32)
-    return model.train(), base
+    return args, base
 
 
 def sync_weights(model: torch.nn.Module, cfg: TrainConfig, topo: Topology) -> None:

@@ -1,9 +1,11 @@
 """What a training checkpoint saves and a resume loads, in one object: `TrainState`, the model,
 AdamW, the schedule, the gradient scaler and the data position of a run, and how the ranks hold
-the model (the `Replicas` that made it: whether checkpoints are whole files or each rank's
-shards). distlm.train.checkpoint's `save` and distlm.train.resume's loads take it whole.
+the model (the parallel layout that made it, distlm.train.parallel, whose `checkpoints` say what
+the tensors of its kind of checkpoint are). distlm.train.checkpoint_save's `save` and
+distlm.train.resume's loads take it whole. Beside it, AdamW's state as a whole checkpoint names
+it (`named_optimizer_state`: each parameter's state under transformers' names and layouts).
 
-    state = TrainState(model, optimizer, scheduler, scaler, sampler, replicas)
+    state = TrainState(model, optimizer, scheduler, scaler, sampler, layout)
     tree = state.state_dict()        # the tensors: {"model": ..., "optim": ...}
     state.load_state_dict(tree)      # back into the model and AdamW (in place)
     doc = state.checkpoint_state(step, identity=identity, history=history)   # state.json
@@ -19,73 +21,94 @@ The rest (the step's data position, the schedule, the scaler) is state.json's `C
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from distlm import __version__
+from distlm import DistlmError, __version__
 from distlm.documents import CheckpointState, RunIdentity
-from distlm.train.optim import load_named_optimizer_state, named_optimizer_state
 
 if TYPE_CHECKING:
+    from distlm.dist import Topology
     from distlm.family.transformer import Transformer
-    from distlm.train.parallel import Replicas
+    from distlm.train.checkpoint import Checkpoint
+    from distlm.train.checkpoint_writer import CheckpointWriter
     from distlm.train.step_sampler import StepSampler
+
+
+class CheckpointKind(Protocol):
+    """The kind of checkpoint a parallel layout saves and loads (distlm.train.parallel's
+    `WholeCheckpoints` or `ShardedCheckpoints`): what the training state asks of it."""
+
+    name: str  # distlm.train.checkpoint's WHOLE or SHARDED
+    reshards: bool  # loads onto another number of ranks
+
+    def state_dict(self, model: Transformer, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The tensors a checkpoint of this kind holds: {"model": ..., "optim": ...}."""
+        ...
+
+    def load_state_dict(
+        self,
+        model: Transformer,
+        optimizer: torch.optim.Optimizer,
+        tree: dict[str, Any],
+        where: dict[str, str],
+    ) -> None: ...
+
+    def save(
+        self,
+        run_dir: Path | None,
+        step: int,
+        state: TrainState,
+        *,
+        topo: Topology,
+        rng: list | None,
+        doc: CheckpointState | None,
+        keep_last: int,
+        writer: CheckpointWriter,
+    ) -> Path | None: ...
+
+    def load(self, ckpt: Checkpoint, state: TrainState, topo: Topology) -> None: ...
+
+    def reserve(self, writer: CheckpointWriter, state: TrainState) -> None: ...
+
+
+class Layout(Protocol):
+    """What the training state asks of the run's parallel layout (distlm.train.parallel's
+    `ParallelLayout`)."""
+
+    @property
+    def checkpoints(self) -> CheckpointKind: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 @dataclass(frozen=True, eq=False)
 class TrainState:
     """One rank's training state: what its checkpoints hold and a resume loads into (in place)."""
 
-    model: Transformer  # FSDP: this rank's shards (fully_shard'ed by `replicas`)
+    model: Transformer  # FSDP: this rank's shards (fully_shard'ed by `layout`)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     sampler: StepSampler  # the data position: a function of the step and the sampler's stream
-    replicas: Replicas  # how the ranks hold the model (train.parallel)
-
-    @property
-    def sharded(self) -> bool:
-        """Whether checkpoints hold each rank's shards (FSDP), not rank 0's whole files."""
-        return self.replicas.sharded
+    layout: Layout  # how the ranks hold the model (train.parallel: distlm.train.parallel)
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's tensors, {"model": ..., "optim": ...}: whole, the weights in
-        transformers' names (tied lm_head.weight omitted) and AdamW's state by those names
-        (views of the model's and the optimizer's tensors: model.safetensors and optimizer.pt);
-        sharded, torch.distributed.checkpoint's state dicts of this rank's shards (`shards/`)."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            return {"model": model_sd, "optim": optim_sd}
-        return {
-            "model": self.model.hf_tensors(),
-            "optim": named_optimizer_state(self.model, self.optimizer),
-        }
+        """The checkpoint's tensors, {"model": ..., "optim": ...}, as the layout's kind of
+        checkpoint holds them (its `checkpoints.state_dict`): whole, the weights in
+        transformers' names and AdamW's state by those names; sharded,
+        torch.distributed.checkpoint's state dicts of this rank's shards."""
+        return self.layout.checkpoints.state_dict(self.model, self.optimizer)
 
     def load_state_dict(
         self, state_dict: dict[str, Any], *, where: dict[str, str] | None = None
     ) -> None:
-        """`state_dict`'s tensors (as `state_dict` gives them) into the model and AdamW. Whole,
-        "model" may be absent (ranks but 0: rank 0's weights reach them next); `where` names
-        each part's file for errors ({"model": ..., "optim": ...})."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict["optim"],
-            )
-            return
-        where = where or {}
-        if "model" in state_dict:
-            self.model.load_hf(state_dict["model"], where.get("model", "model"))
-        load_named_optimizer_state(
-            self.model, self.optimizer, state_dict["optim"], where.get("optim", "optim")
-        )
+        """`state_dict`'s tensors (as `state_dict` gives them) into the model and AdamW, in
+        place; `where` names each part's file for errors ({"model": ..., "optim": ...})."""
+        self.layout.checkpoints.load_state_dict(self.model, self.optimizer, state_dict, where or {})
 
     def checkpoint_state(
         self, step: int, *, identity: RunIdentity, history: dict
@@ -112,3 +135,115 @@ class TrainState:
         self.scheduler.load_state_dict(state.scheduler)
         if state.scaler:
             self.scaler.load_state_dict(state.scaler)
+
+
+# ----------------------------------------------------------------------------- AdamW's names
+
+
+# optimizer.pt's format since distlm trains its own model: the state of each transformers tensor
+OPTIMIZER_FORMAT = "distlm-optimizer/2"
+
+
+def named_optimizer_state(model: Transformer, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state as a checkpoint's optimizer.pt holds it: each parameter's state
+    (AdamW's step and moments) under transformers' names and layouts, as views (a fused
+    projection's moments split as its weight is), and the parameter groups' settings with their
+    tensors' names. A checkpoint so holds nothing of distlm's internal layout."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tmap = model.tensor_map()
+    saved = optimizer.state_dict()  # state by index, over the groups' parameters in order
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        hf_names = []
+        for p in group["params"]:
+            name = names[id(p)]
+            parts = tmap.hf_names(name)
+            hf_names += parts
+            for k, v in saved["state"].get(index, {}).items():
+                split = (
+                    tmap.split(name, v)
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape
+                    else dict.fromkeys(parts, v)  # a scalar (AdamW's step): each part's
+                )
+                for hf, part in split.items():
+                    state.setdefault(hf, {})[k] = part
+            index += 1
+        groups.append(
+            {**{k: v for k, v in saved_group.items() if k != "params"}, "params": hf_names}
+        )
+    return {"format": OPTIMIZER_FORMAT, "state": state, "param_groups": groups}
+
+
+def load_named_optimizer_state(
+    model: Transformer, optimizer: torch.optim.Optimizer, saved: dict, where: str
+) -> None:
+    """Load an optimizer.pt (`named_optimizer_state`'s, or a checkpoint's of distlm before its
+    own model: torch's state by index over transformers' parameters) into `optimizer`."""
+    if saved.get("format") != OPTIMIZER_FORMAT:
+        saved = _named_from_indexed(model, saved, where)
+    tmap = model.tensor_map()
+    names = {id(p): n for n, p in model.named_parameters()}
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise DistlmError(
+            f"{where}: {len(saved['param_groups'])} parameter groups, this run has "
+            f"{len(optimizer.param_groups)}"
+        )
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        ids = []
+        for p in group["params"]:
+            name = names[id(p)]
+            parts = tmap.hf_names(name)
+            missing = [h for h in parts if h not in saved_group["params"]]
+            if missing:
+                raise DistlmError(f"{where}: no optimizer state of tensor {missing[0]!r}")
+            per = [saved["state"].get(h, {}) for h in parts]
+            if any(per):
+                joined = {}
+                for k, v in per[0].items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        joined[k] = _laid_out_as(p, tmap.join(name, [s[k] for s in per]))
+                    else:
+                        joined[k] = v
+                state[index] = joined
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _laid_out_as(param: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+    """`moment` (a state tensor joined from a checkpoint's: a transposed one is a view) with
+    `param`'s strides: CUDA's fused AdamW refuses a moment laid out unlike its parameter
+    ("must have same dtype, device, and layout"), and `Optimizer.load_state_dict` keeps a tensor's
+    strides when it needs no copy to the parameter's device."""
+    if moment.stride() == param.stride():
+        return moment
+    return torch.empty_like(param, dtype=moment.dtype, device=moment.device).copy_(moment)
+
+
+def _named_from_indexed(model: Transformer, saved: dict, where: str) -> dict:
+    """A checkpoint's optimizer state of distlm before its own model (it trained transformers'
+    modules): torch's state by index, the indices numbering transformers' parameters in its
+    model's order, the matrices (decayed) first, then the rest (`param_groups`'s groups) ->
+    `named_optimizer_state`'s form."""
+    shapes = {k: v.shape for k, v in model.hf_tensors().items()}
+    order = model.hf_order()
+    decay = [n for n in order if len(shapes[n]) >= 2]
+    rest = [n for n in order if len(shapes[n]) < 2]
+    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
+    if sizes != [len(decay), len(rest)]:
+        raise DistlmError(
+            f"{where}: optimizer state of {sizes} parameters a group, this model has "
+            f"{[len(decay), len(rest)]}"
+        )
+    by_index = [*decay, *rest]
+    groups = []
+    for g, names in zip(saved["param_groups"], (decay, rest), strict=True):
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    state = {by_index[int(i)]: s for i, s in saved["state"].items()}
+    return {"format": OPTIMIZER_FORMAT, "state": state, "param_groups": groups}

@@ -11,47 +11,15 @@ file only the rows it trains on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from distlm import DistlmError
 from distlm.data import TokenBlocks
 from distlm.device import DeviceBackend
-from distlm.settings import TrainSettings
+from distlm.settings.train import BatchPlan, plan_batch
 
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one optimizer step's global batch is cut: per rank, per micro-step."""
-
-    micro_batch: int
-    grad_accum: int
-    world_size: int
-
-    @property
-    def per_rank(self) -> int:
-        return self.micro_batch * self.grad_accum
-
-    @property
-    def global_batch(self) -> int:
-        return self.per_rank * self.world_size
-
-
-def plan_batch(train_cfg: TrainSettings, world_size: int) -> BatchPlan:
-    """Derive the batch plan from config `train` and the world size; errors name the key."""
-    micro = train_cfg.micro_batch_size
-    gbs = train_cfg.global_batch_size
-    if gbs is None:
-        return BatchPlan(micro, train_cfg.grad_accum_steps, world_size)
-    per_step = micro * world_size
-    if gbs % per_step:
-        raise DistlmError(
-            f"train.global_batch_size: {gbs} is not divisible by train.micro_batch_size ({micro}) x "
-            f"world size ({world_size}) = {per_step}; pick a multiple of {per_step}"
-        )
-    return BatchPlan(micro, gbs // per_step, world_size)
+__all__ = ["BatchPlan", "StepLoader", "StepSampler", "plan_batch"]
 
 
 class StepSampler:

@@ -4,15 +4,16 @@
         --config results/config/train.json --tokens results/data/tokens.h5 \\
         --tokenizer results/data/tokenizer --model results/model/base --out results/train
 
-Phases: construction (`Trainer(cfg, paths, topo)`, top to bottom: lease, data, model, optimiser,
-run identity, resume, initial weights from rank 0 through the transfer module, DDP, metrics),
-`train_step` (micro-batches with no DDP sync but on the last, clipping, AdamW, schedule),
-`evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases' parts live
-beside this module: `setup` (lease, data, model, weight sync), `optim` (schedule, precision,
-AdamW), `parallel` (`Replicas`: DDP or FSDP2), `identity` (the run identity and its run folders),
-`state` (`TrainState`: what a checkpoint saves and a resume loads), `checkpoint` (the one save
-path), `resume` (checkpoint choice and loading), `outputs` (the final folder), `stopping`
-(divergence, stop signals), `paths` (`TrainPaths`).
+Phases: construction (`Trainer(cfg, paths, topo)`, top to bottom: lease, data, the parallel
+layout and its model, optimiser, run identity, resume, the starting weights on every rank, the
+wrapped step, metrics), `train_step` (micro-batches synced as the layout says, clipping, AdamW,
+schedule), `evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases'
+parts live beside this module: `setup` (lease, data, the base model's args, weight sync),
+`parallel` (the layout: DDP or FSDP2, all that differs between them), `optim` (schedule,
+clipping, AdamW), `identity` (the run identity and its run folders), `state` (`TrainState`: what
+a checkpoint saves and a resume loads), `checkpoint_save` (the one save path), `checkpoint` (the
+format), `checkpoint_writer` (the background writer), `resume` (checkpoint choice and loading),
+`outputs` (the final folder), `stopping` (divergence, stop signals), `paths` (`TrainPaths`).
 
 Learning rate: `train.lr` is the peak rate for the *global* batch (micro_batch x grad_accum x
 world size blocks); it is not rescaled when the world size changes, so keep the global batch fixed
@@ -37,20 +38,19 @@ from distlm.documents import ModelMeta
 from distlm.log import get_logger, progress
 from distlm.settings import TrainSettings
 from distlm.settings.train import TrainConfig
-from distlm.train import checkpoint as ckpt_mod
+from distlm.train import checkpoint_save, outputs, resume, setup
 from distlm.train import faults as faults_mod
 from distlm.train import identity as identity_mod
-from distlm.train import outputs, resume, setup
+from distlm.train.checkpoint_writer import CheckpointWriter
 from distlm.train.metrics import Metrics, perplexity
 from distlm.train.optim import (
     clip_gradients,
     fused_adamw_available,
-    grad_norm,
     lr_at,
     make_optimizer,
     step_unless_nonfinite,
 )
-from distlm.train.parallel import replicas_for, state_bytes, state_line
+from distlm.train.parallel import layout_for, state_bytes, state_line
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
 from distlm.train.state import TrainState
@@ -86,7 +86,7 @@ def validation_blocks(tcfg: TrainSettings, available: int, world_size: int) -> i
 
 
 class Trainer:
-    """One rank's share of a DDP training run; see the module docstring for the phases.
+    """One rank's share of a training run; see the module docstring for the phases.
 
     Constructing it sets the run up to its first step; every attribute is set here. What it
     opens (the lease, the token file, the metrics files) is closed by `close`, on every exit
@@ -105,12 +105,18 @@ class Trainer:
                 self._opened.callback(self.lease.release)
             self.data = setup.open_data(cfg, paths, topo)
             self._opened.callback(self.data.close)
-            self.model, self.base_meta = setup.load_model(paths, topo, self.data, t)
+            # how the ranks hold the model (train.parallel, distlm.train.parallel): the one
+            # object that knows what differs between DDP and FSDP2
+            self.layout = layout_for(t, topo)
+            args, self.base_meta = setup.read_model(paths, self.data)
+            # a node that cannot hold what the layout gives a rank stops here, naming the key
+            # (the workflow checked it when it could: under SLURM its machine had no GPU to ask)
+            self.layout.check_memory(args, self.data.plan)
+            # the model as this rank holds it, before the optimizer is made over its parameters
+            self.model = self.layout.build(paths.model, args)
             self.model.checkpoint_blocks(t.activation_checkpointing)
-            # how the ranks hold the model (train.parallel, distlm.train.parallel): FSDP shards
-            # it here, once every rank has rank 0's weights, before the optimizer is made
-            self.replicas = replicas_for(t, self.hw)
-            self.replicas.prepare(self.model, lambda: setup.sync_weights(self.model, cfg, topo))
+            # what the admission check counts for this rank (activations aside)
+            self.predicted = self.layout.memory(args, self.data.plan)
             self.precision = self.hw.precision
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
             # test faults: None (nothing in the step loop) unless the test harness asks for one
@@ -125,7 +131,6 @@ class Trainer:
                 data=self.data.meta,
                 block_size=self.data.block_size,
                 train_blocks=len(self.data.train),
-                world_size=topo.world_size,
                 plan=self.data.plan,
                 precision=self.precision,
             )
@@ -136,7 +141,7 @@ class Trainer:
                 self.scheduler,
                 self.scaler,
                 self.data.sampler,
-                self.replicas,
+                self.layout,
             )
             # rank 0: this identity's checkpoint folder (None elsewhere); the checkpoint, if any
             self.run_dir, resumed = resume.resume_or_start(
@@ -144,8 +149,9 @@ class Trainer:
             )
             self.step = resumed.step if resumed else 0  # optimizer steps completed
             self.resumed_from = resumed.path if resumed else None
-            if self.replicas.sync_after_resume:
-                setup.sync_weights(self.model, cfg, topo)
+            # the weights every rank starts from: rank 0's through the transfer module (ddp), or
+            # each rank's shards of the base folder unless a checkpoint's were loaded (fsdp)
+            self.layout.start(self.model, paths.model, cfg, resumed=resumed is not None)
             if resumed is not None and resumed.rng_state is not None:
                 self.hw.set_rng_state(resumed.rng_state)
             else:
@@ -155,7 +161,7 @@ class Trainer:
             self.hw.keep_compile_cache(paths.compile_cache)  # before the first graph compiles
             # fwd: input_ids -> mean next-token loss, eager, for validation (no DDP hooks);
             # step_module: what the training step runs (compiled where asked, in DDP for ddp)
-            self.fwd, self.step_module = self.replicas.wrap(self.model, t)
+            self.fwd, self.step_module = self.layout.wrap(self.model, t)
             self.metrics = Metrics(
                 enabled=topo.is_main,
                 metrics_csv=paths.metrics_csv,
@@ -166,8 +172,10 @@ class Trainer:
             )
             self._opened.callback(outputs.metrics_io, self.metrics.close)
             # rank 0's checkpoint writes, in the background where the device backend says so
-            self.writer = ckpt_mod.CheckpointWriter(
-                background=self.hw.background_checkpoints, pinned=self.hw.pin_host
+            self.writer = CheckpointWriter(
+                background=self.hw.background_checkpoints,
+                pinned=self.hw.pin_host,
+                timeout_s=cfg.transfer.timeout_s,  # how long a rank waits on another's save
             )
             self._opened.callback(self.writer.close)
         except BaseException:
@@ -199,9 +207,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         accum = len(micro)
         for i, x in enumerate(micro):
-            # No gradient reduction on accumulation micro-steps: only the last one syncs.
-            sync = self.replicas.no_sync() if i < accum - 1 else contextlib.nullcontext()
-            with sync:
+            # what an accumulation micro-step's gradients sync is the layout's (DDP: only the
+            # last one's are all-reduced)
+            with self.layout.micro_step(last=i == accum - 1):
                 with phase("distlm.forward"), self.hw.autocast():
                     loss = self.step_module(x) / accum
                 if self.faults is not None:
@@ -212,7 +220,7 @@ class Trainer:
         with phase("distlm.clip"):
             self.scaler.unscale_(self.optimizer)
             clip = self.tcfg.grad_clip if self.tcfg.grad_clip > 0 else float("inf")
-            gnorm = grad_norm(self.model)
+            gnorm = self.layout.grad_norm(self.model)
             # The mean loss over ranks travels while the optimizer steps. A NaN/inf loss on any
             # rank makes the all-reduced gradients, hence the (global) norm, non-finite on every
             # rank: the optimizer leaves that step out on every rank (step_unless_nonfinite) and
@@ -231,7 +239,7 @@ class Trainer:
             clip_gradients(self.model, clip, gnorm)
         with phase("distlm.optimizer"):
             step_unless_nonfinite(self.optimizer, self.scaler, gnorm)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.layout.zero_grad(self.optimizer)
             self.scheduler.step()
         if step + 1 < self.tcfg.max_steps:
             # The next step's batch is read and its copy queued while the device runs this step's
@@ -283,18 +291,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean validation loss over the first eval_batches x micro x world blocks, all ranks."""
+        """Mean validation loss over the first eval_batches x micro x world blocks, all ranks.
+        Each rank runs the passes the layout gives it: its own blocks, and under fsdp as many
+        passes as the rank with the most (each pass all-gathers), the extra ones not counted."""
         t = self.tcfg
         val = self.data.val
-        n = validation_blocks(t, len(val), self.topo.world_size)
-        mine = list(range(self.topo.rank, n, self.topo.world_size))
+        world = self.topo.world_size
+        n = validation_blocks(t, len(val), world)
+        mine = list(range(self.topo.rank, n, world))
+        passes = self.layout.eval_batches(mine, -(-n // world), t.micro_batch_size)
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.model.eval()
         try:
-            for i in range(0, len(mine), t.micro_batch_size):
-                x = torch.from_numpy(val[mine[i : i + t.micro_batch_size]]).to(self.device)
+            for blocks, counted in passes:
+                x = torch.from_numpy(val[blocks]).to(self.device)
                 with self.hw.autocast():
                     loss = self.fwd(x)
+                if not counted:
+                    continue
                 count = x.shape[0] * (x.shape[1] - 1)  # predicted tokens (labels shifted by one)
                 acc += torch.stack(
                     [
@@ -315,10 +329,10 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """All ranks call: this step's checkpoint through the one save path
-        (distlm.train.checkpoint.save), then rank 0 rewrites the metrics files. The time the loop
+        (distlm.train.checkpoint_save.save), then rank 0 rewrites the metrics files. The time the loop
         spent here (the stall; a background write goes on after it) is logged and kept."""
         t0 = time.perf_counter()
-        ckpt_mod.save(
+        checkpoint_save.save(
             self.run_dir,
             self.step,
             self.state,
@@ -336,15 +350,16 @@ class Trainer:
         )
 
     def checkpoint_written(self) -> None:
-        """All ranks: rank 0's last checkpoint is on disk (a background write finished)."""
-        self.writer.wait()
+        """All ranks: the last checkpoint is on disk (a background write finished, on every
+        rank; its failure on any rank fails every rank here)."""
+        self.writer.settled(f"step {self.step}: the last checkpoint")
         self.topo.barrier()
 
     def write_final(self, wall_s: float, *, steps_run: int | None = None) -> ModelMeta | None:
         """Rank 0 writes the final model folder (distlm.train.outputs) of the whole model (FSDP's
         shards gathered to it first: every rank takes part); all ranks wait for it."""
         meta = None
-        tensors = self.replicas.full_hf_tensors(self.model)
+        tensors = self.layout.full_hf_tensors(self.model)
         if self.topo.is_main:
             p = self.data.plan
             run = {
@@ -358,8 +373,11 @@ class Trainer:
                 "precision": self.precision,
                 "device": self.device.type,
                 "backend": self.topo.backend,
-                "parallel": self.replicas.name,
+                "parallel": self.layout.name,
                 "rank0_state_bytes": self.state_bytes,
+                # what the admission check counted for rank 0 (activations aside), beside what
+                # its device held at its peak (benchmarks/gpu/run.sh compares the two)
+                "rank0_predicted_bytes": self.predicted.total,
                 "rank0_peak_memory_bytes": self.hw.peak_memory(),
                 # the one-time costs (the first step holds torch.compile): each save's stall of
                 # the loop, and each checkpoint write's own seconds (in the background on a GPU)
@@ -484,15 +502,15 @@ class Trainer:
         if first:
             self.startup_cpu_s = round(time.process_time(), 2)
         row = self.train_step()
-        if first and self.topo.is_main and not self.state.sharded:
+        if first:
             # the host buffers of background checkpoints, allocated while training goes on
-            self.writer.reserve(self.state.state_dict())
+            self.layout.checkpoints.reserve(self.writer, self.state)
         if first:
             self.state_bytes = state_bytes(self.model, self.optimizer)
             log.info(
                 "rank %d holds (train.parallel %s): %s",
                 self.topo.rank,
-                self.replicas.name,
+                self.layout.name,
                 state_line(self.model, self.optimizer),
             )
         if first:  # the one-time costs: torch.compile's first graph, the first allocations
@@ -550,8 +568,8 @@ class Trainer:
         one of them waits for the GIL to free the last collective's tensors (a deadlock: a
         finished training's rank hung at exit)."""
         self._opened.close()
-        if "replicas" in self.__dict__:
-            self.replicas.close()
+        if "layout" in self.__dict__:
+            self.layout.close()
         self.__dict__.pop("step_module", None)
 
 

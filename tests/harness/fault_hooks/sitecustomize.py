@@ -11,7 +11,10 @@ put it there); it acts only in a training rank (RANK set):
   rank creates that name + ".reached" (a test holds a job in training until it has done what
   must happen meanwhile);
 - when DISTLM_TEST_BACKGROUND_CHECKPOINTS is set, the rank writes its checkpoints as on a GPU
-  (DeviceBackend's `background_checkpoints`): copies to host memory, written in a thread.
+  (DeviceBackend's `background_checkpoints`): copies to host memory, written in a thread;
+- when DISTLM_TEST_SAVE_FAULT holds {"rank": R, "at": "open" | "shards"}, rank R's first sharded
+  checkpoint fails as a full disk fails it: rank 0 opening the checkpoint's temporary folder
+  ("open"), or rank R writing its shards into it ("shards"), with ENOSPC naming the path.
 
 Nothing else changes: the steps compute what they compute without it."""
 
@@ -56,3 +59,28 @@ if os.environ.get("DISTLM_TEST_BACKGROUND_CHECKPOINTS") and "RANK" in os.environ
         return dataclasses.replace(_for_rank(*args, **kw), background_checkpoints=True)
 
     DeviceBackend.for_rank = classmethod(_background)
+
+SAVE_FAULT = os.environ.get("DISTLM_TEST_SAVE_FAULT")
+if SAVE_FAULT and "RANK" in os.environ:
+    _fault = json.loads(SAVE_FAULT)
+    if int(os.environ["RANK"]) == _fault["rank"]:
+        import errno
+
+        from distlm.train import checkpoint_save
+        from distlm.train.checkpoint_writer import CheckpointWriter
+
+        def _full(path):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        if _fault["at"] == "open":
+
+            def _no_room(path, **kw):
+                raise _full(path)
+
+            checkpoint_save.atomic_dir = _no_room
+        else:
+
+            def _no_room_for_shards(self, tree, where):
+                raise _full(where / f"__{_fault['rank']}_0.distcp")
+
+            CheckpointWriter.save_shards = _no_room_for_shards

@@ -52,11 +52,15 @@ class GPT2Args(ModelArgs):
             "n_head": self.n_heads,
         }
 
-    def parameters(self) -> int:
+    def block_parameters(self) -> int:
         C, M = self.dim, self.mlp_dim
-        block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * M + M) + (M * C + C)
+        return 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * M + M) + (M * C + C)
+
+    def parameters(self) -> int:
+        C = self.dim
         head = 0 if self.tied else self.vocab_size * C
-        return (self.vocab_size + self.context) * C + self.n_layers * block + 2 * C + head
+        blocks = self.n_layers * self.block_parameters()
+        return (self.vocab_size + self.context) * C + blocks + 2 * C + head
 
 
 def gpt2_args(doc: Mapping[str, Any], where: str) -> GPT2Args:

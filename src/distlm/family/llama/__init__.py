@@ -171,14 +171,17 @@ class LlamaArgs(ModelArgs):
             sig["head_dim"] = self.head_dim
         return sig
 
-    def parameters(self) -> int:
+    def block_parameters(self) -> int:
         C, M, D = self.dim, self.mlp_dim, self.head_dim
         qkv = (self.n_heads + 2 * self.n_kv_heads) * D
         attn = C * qkv + qkv * self.qkv_bias + self.n_heads * D * C + C * self.o_bias
         mlp = 3 * C * M + (2 * M + C) * self.mlp_bias
-        block = attn + mlp + 2 * C + 2 * D * self.qk_norm
+        return attn + mlp + 2 * C + 2 * D * self.qk_norm
+
+    def parameters(self) -> int:
+        C = self.dim
         head = 0 if self.tied else self.vocab_size * C
-        return self.vocab_size * C + self.n_layers * block + C + head
+        return self.vocab_size * C + self.n_layers * self.block_parameters() + C + head
 
 
 def rope_args(c: ConfigDoc, context: int) -> RopeArgs:
