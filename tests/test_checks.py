@@ -175,9 +175,10 @@ def test_the_constraints_are_what_ci_installs_and_satisfy_pyproject():
 
 def test_the_gpu_check_plans_every_figure_in_calls_of_nine_minutes(tmp_path):
     """benchmarks/gpu/run.sh's default call, dry (every step written down, none run: the same
-    script, helpers and commands a GPU machine runs): the steps in order, correctness first, then
-    the figures still missing; each with a limit, sharing a budget of at most 9 minutes; every figure asked for; what it
-    cannot run written down with why; no target after an option that takes several values."""
+    script, helpers and commands a GPU machine runs): the steps in order, the figures never
+    measured since the model's rewrite first (training, then serving), then correctness; each
+    with a limit, sharing a budget of at most 9 minutes; every figure asked for; what it cannot
+    run written down with why; no target after an option that takes several values."""
     import json
 
     from test_docs import snakemake_args
@@ -196,7 +197,7 @@ def test_the_gpu_check_plans_every_figure_in_calls_of_nine_minutes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     steps = {s["step"]: s for s in summary["steps"]}
     planned = [s["step"] for s in summary["steps"] if s.get("why") == "dry run"]
-    figures = ["workflow", "tests", "train", "train-smollm2", "train-fsdp", "serve", "infer"]
+    figures = ["train", "train-smollm2", "train-fsdp", "serve", "infer", "workflow", "tests"]
     assert planned == ["install", *figures]
     assert steps["uccl"]["why"].startswith("no uccl wheel")
     assert steps["extra"]["why"].startswith("not asked for")

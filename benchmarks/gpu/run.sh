@@ -8,7 +8,7 @@
 #   OUT=/tmp/gpu-out bash benchmarks/gpu/run.sh .whl extra       # optional second call, below
 #
 # STEPs name the steps to run after the install, in the order given (default: every step of
-# one call, in the order below: correctness first, then the figures still missing). A session
+# one call, in the order below: the figures still missing first, then correctness). A session
 # lent a machine has 15 minutes of device time, the machine's start included, and one call runs
 # at most 10 minutes. Each step has a time limit, and together they keep to a budget (BUDGET_S,
 # 530 s); a step that fails or runs out of time is written down and the next one still runs;
@@ -17,19 +17,13 @@
 #
 # The limits come from the H100 runs of 2026-11-27 at 794d75f (../shared/notes/gpu-h100-
 # 2026-11-27.md) and 2026-11-28 at efe8095 (docs/performance.md), plus a margin; where no run
-# measured a step, from what it runs. The steps come in this order: correctness first, then the
-# figures still missing; a call reaches as far as its budget (the 2026-11-28 call: workflow,
-# tests, then train cut at its limit), and a second call on the warm machine names the steps it
-# did not reach (`run.sh .whl train-smollm2 train-fsdp`):
+# measured a step, from what it runs. The steps come in this order: the figures never measured
+# since the model's rewrite first (training, then serving), then the correctness steps, which
+# have run on an H100 twice already (the 2026-11-28 call spent ~420 s on workflow and tests and cut
+# training at its limit); a call reaches as far as its budget, and a second call on the warm
+# machine names the steps it did not reach (`run.sh .whl workflow tests`):
 #   step            measured   limit   what it runs
 #   install         11 s       60 s    the wheels and distlm (always first)
-#   workflow        149 s      190 s   snakemake --profile profiles/local --configfile config/gpu.yaml
-#                                      (rule all: 120 steps of GPT-2 small's shape, the evaluations,
-#                                      batch inference, the report)
-#   tests           >200 s     260 s   pytest -m gpu on the workflow's run (DISTLM_TESTS_GPU_WORKFLOW);
-#                                      2026-11-28: its first 4 tests ~100 s, the killed-training test
-#                                      ~75 s (it failed at its resumed first step, since mended), 200 s
-#                                      ran out in the 6th of 15
 #   train           >150 s     170 s   benchmarks/train/bench_train.py --preset gpt2: the stage
 #                                      (2026-11-28: 84 s for 200 steps, compile and start-up in)
 #                                      beside the nanoGPT-style loop (25 s compile), 200 steps each
@@ -42,15 +36,27 @@
 #   serve           129 s      170 s   benchmarks/inference/bench_serve.py: distlm serve, with decode
 #                                      graphs and without (inference.cuda_graphs false), beside
 #                                      `transformers serve --continuous-batching`, 16 and 64 clients,
-#                                      2 repeats of 10 s a level (129 s was 3 servers, 1 x 8 s)
+#                                      2 repeats of 10 s a level (129 s was 3 servers, 1 x 8 s), on
+#                                      the workflow's trained folder, or without one on a folder of
+#                                      its own (serve-model: GPT-2 small's shape, seeded, ~30 s)
 #   infer           29 s       80 s    benchmarks/inference/bench.py --batch-only: the one-stage
 #                                      pipeline, 32 prompts in flight, beside batched `generate`
+#                                      (the same folder as serve)
+#   workflow        149 s      190 s   snakemake --profile profiles/local --configfile config/gpu.yaml
+#                                      (rule all: 120 steps of GPT-2 small's shape, the evaluations,
+#                                      batch inference, the report)
+#   tests           >200 s     260 s   pytest -m gpu on the workflow's run (DISTLM_TESTS_GPU_WORKFLOW);
+#                                      2026-11-28: its first 4 tests ~100 s, the killed-training test
+#                                      ~75 s (it failed at its resumed first step, since mended), 200 s
+#                                      ran out in the 6th of 15
 #   uccl            -          90 s    the broadcast stage over UCCL, with a uccl wheel and two GPUs
 #   extra           -          -       optional second call (not in the default): the training
 #                                      comparison with HF Trainer and hf-compile, serving at 1, 16
 #                                      and 64 clients with 3 repeats, config/llama-1b-fsdp.yaml's
-#                                      training on the GPU (~1.0 B parameters under fsdp), and the
-#                                      train-fsdp step when the first call's budget did not reach it
+#                                      training on the GPU (~1.0 B parameters under fsdp; its
+#                                      training record holds rank 0's peak memory beside what the
+#                                      admission check predicted), and the train-fsdp step when the
+#                                      first call's budget did not reach it
 #
 # For a machine with Python 3.12 and a CUDA build of torch already installed and no network (the
 # GPU machines lent here: torch 2.11 with CUDA 13): every other package comes from the wheel folder
@@ -77,7 +83,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${1:?usage: benchmarks/gpu/run.sh WHEEL_FOLDER [STEP...] (bash benchmarks/gpu/wheels.sh makes one)}
 shift
-one_call=(workflow tests train train-smollm2 train-fsdp serve infer uccl)
+one_call=(train train-smollm2 train-fsdp serve infer workflow tests uccl)
 all_steps=("${one_call[@]}" extra)
 chosen=("${@:-${one_call[@]}}")
 for name in "${chosen[@]}"; do
@@ -213,20 +219,35 @@ run_train-fsdp() {
     --out "$out/train-results-gpu-fsdp.json"
 }
 
-# -- serving: distlm against transformers serve on the GPU, on the trained folder --------------
+# bench_model: sets `model` to the folder the serving and inference benchmarks read: the
+# workflow's trained one (this call's, or an earlier call's on this machine), or, without one, a
+# model folder of their own (GPT-2 small's shape from config/gpu.yaml's seeded init: throughput
+# needs no training), made once by the user's command for that target (step serve-model)
+bench_model() {
+  if trained; then
+    model="$wf/results/train/final"
+    return
+  fi
+  model="$work/serve/results/model/base"
+  [ -f "$model/model.safetensors" ] && return
+  step serve-model 60 $py -m snakemake results/model/base --profile profiles/local \
+    --configfile config/gpu.yaml --directory "$work/serve"
+}
+
+# -- serving: distlm against transformers serve on the GPU ---------------------------------------
 run_serve() {
-  needs_run serve || return
+  bench_model || return
   step serve 170 $py benchmarks/inference/bench_serve.py --device cuda \
-    --model "$wf/results/train/final" --stages 1 --servers peer,distlm,distlm-eager --clients 16,64 \
+    --model "$model" --stages 1 --servers peer,distlm,distlm-eager --clients 16,64 \
     --repeats 2 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
     --out "$out/serve-results-gpu.json"
 }
 
 # -- batch inference: the pipeline against batched `generate`, on the trained folder -----------
 run_infer() {
-  needs_run infer || return
+  bench_model || return
   step infer 80 $py benchmarks/inference/bench.py --device cuda \
-    --model "$wf/results/train/final" --stages 1 --peers hf_batched --m 32 \
+    --model "$model" --stages 1 --peers hf_batched --m 32 \
     --max-new-tokens 64 --repeats 2 --batch-only --note "benchmarks/gpu/run.sh" \
     --out "$out/infer-results-gpu.json"
 }

@@ -656,6 +656,9 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int, name: str = 
         "parallel": tr.get("parallel"),
         "rank0_state_bytes": tr.get("rank0_state_bytes"),
         "rank0_peak_memory_bytes": tr.get("rank0_peak_memory_bytes"),
+        # what the admission check counted for rank 0 (distlm.settings.layout_rules: activations
+        # aside), beside the peak above: on a GPU their ratio is the check's accuracy
+        "rank0_predicted_bytes": tr.get("rank0_predicted_bytes"),
         "profile": profile,
     }
 
@@ -920,6 +923,7 @@ def drive(a, work: Path) -> None:
             k: {
                 "rank0_state_bytes": sum(info[k]["rank0_state_bytes"].values()),
                 "rank0_peak_memory_bytes": info[k]["rank0_peak_memory_bytes"],
+                "rank0_predicted_bytes": info[k]["rank0_predicted_bytes"],
                 "tokens_per_s_median": summary[k]["tokens_per_s"]["median"],
             }
             for k in ("distlm", "distlm-fsdp")
@@ -928,7 +932,8 @@ def drive(a, work: Path) -> None:
             "what": "the stage under train.parallel ddp (distlm) and fsdp (distlm-fsdp), the same "
             "shape and batch: rank 0's weights, gradients and AdamW state (its local shards), "
             "its peak memory (the GPU's allocations; on the CPU the process's peak resident "
-            "size), the steady state's tokens/s",
+            "size), what the admission check predicted it holds (activations aside), the "
+            "steady state's tokens/s",
             **held,
             "fsdp_over_ddp": {
                 k: _ratio(held["distlm-fsdp"][k], held["distlm"][k]) for k in held["distlm"]
