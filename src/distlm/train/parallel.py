@@ -155,9 +155,9 @@ class WholeCheckpoints:
         """Rank 0 writes the whole checkpoint (distlm.train.checkpoint_save's `save_whole`)."""
         return save_whole(*args, **kwargs)
 
-    def load(self, ckpt: ckpt.Checkpoint, state: TrainState, topo: Topology) -> None:
+    def load(self, checkpoint: ckpt.Checkpoint, state: TrainState, topo: Topology) -> None:
         """Rank 0 loads the weights, every rank AdamW's state (distlm.train.resume)."""
-        load_whole(ckpt, state, topo)
+        load_whole(checkpoint, state, topo)
 
     def reserve(self, writer: CheckpointWriter, state: TrainState) -> None:
         """Rank 0's host buffers for background writes, allocated while training goes on."""
@@ -199,9 +199,9 @@ class ShardedCheckpoints:
         """Every rank writes its shards (distlm.train.checkpoint_save's `save_sharded`)."""
         return save_sharded(*args, **kwargs)
 
-    def load(self, ckpt: ckpt.Checkpoint, state: TrainState, topo: Topology) -> None:
+    def load(self, checkpoint: ckpt.Checkpoint, state: TrainState, topo: Topology) -> None:
         """Every rank loads its shards, resharded (distlm.train.resume)."""
-        load_sharded(ckpt, state, topo)
+        load_sharded(checkpoint, state, topo)
 
     def reserve(self, writer: CheckpointWriter, state: TrainState) -> None:
         """Nothing: torch.distributed.checkpoint's stager keeps its own buffers."""

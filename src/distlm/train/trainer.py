@@ -329,8 +329,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """All ranks call: this step's checkpoint through the one save path
-        (distlm.train.checkpoint_save.save), then rank 0 rewrites the metrics files. The time the loop
-        spent here (the stall; a background write goes on after it) is logged and kept."""
+        (distlm.train.checkpoint_save.save), then rank 0 rewrites the metrics files. The time the
+        loop spent here (the stall; a background write goes on after it) is logged and kept."""
         t0 = time.perf_counter()
         checkpoint_save.save(
             self.run_dir,
