@@ -132,6 +132,10 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     },
     "train.ddp.bucket_cap_mb": ({"train": {"ddp": {"bucket_cap_mb": 5}}}, TRAIN | REPORT),
     "train.ddp.static_graph": ({"train": {"ddp": {"static_graph": True}}}, TRAIN | REPORT),
+    "train.fsdp.reduce_every_micro_batch": (
+        {"train": {"fsdp": {"reduce_every_micro_batch": False}}},
+        TRAIN | REPORT,
+    ),
     "train.profile.enabled": ({"train": {"profile": {"enabled": False}}}, TRAIN | REPORT),
     "train.profile.wait": ({"train": {"profile": {"wait": 2}}}, TRAIN | REPORT),
     "train.profile.warmup": ({"train": {"profile": {"warmup": 2}}}, TRAIN | REPORT),
