@@ -63,15 +63,20 @@ def sampled_during_start(samples: list[int]):
         TensorMap.rows, Transformer.load_hf = rows, load_hf
 
 
-def run(name: str, spec: dict, inputs: Path, out: Path, topo) -> dict:
-    cfg = read_document(spec["config"], TrainConfig)
+def stage_paths(inputs: Path, out: Path) -> TrainPaths:
+    """The train stage's paths on the tiny workflow's inputs, writing into `out`."""
     r = inputs / "results"
-    paths = TrainPaths(
+    return TrainPaths(
         tokens=r / "data/tokens.h5",
         model=r / "model/base",
         tokenizer=r / "data/tokenizer",
-        out=out / name,
+        out=out,
     )
+
+
+def run(name: str, spec: dict, inputs: Path, out: Path, topo) -> dict:
+    cfg = read_document(spec["config"], TrainConfig)
+    paths = stage_paths(inputs, out / name)
     precision = resolve_precision(cfg.train.precision, torch.device("cpu"), key="train.precision")
     topo = dataclasses.replace(
         topo, device_backend=DeviceBackend(torch.device("cpu"), precision=precision)
@@ -152,13 +157,7 @@ def check_reshard(spec: dict, inputs: Path, out: Path, topo) -> dict:
     """The fused-head loss (the CPU's kernels) and its gradients of a sharded model, with and
     without the root resharded right after its forward pass (FSDPModule.reshard)."""
     cfg = read_document(spec["config"], TrainConfig)
-    r = inputs / "results"
-    paths = TrainPaths(
-        tokens=r / "data/tokens.h5",
-        model=r / "model/base",
-        tokenizer=r / "data/tokenizer",
-        out=out / "reshard",
-    )
+    paths = stage_paths(inputs, out / "reshard")
     trainer = Trainer(cfg, paths, topo)
     try:
         model, fwd = trainer.model, trainer.fwd
