@@ -32,7 +32,7 @@ include: "workflow/rules/serve.smk"
 include: f"workflow/rules/{PLAN.report_rules}"
 
 
-# Every declared output of every job of the DAG (distlm.stages.JOBS), in each of its variants, the
+# Every declared output of every job of the DAG (distlm.dag.stages.JOBS), in each of its variants, the
 # report's figures and tables included (so a report.formats edit that adds a format asks for the
 # new files and reruns the report).
 rule all:

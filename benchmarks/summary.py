@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distlm.io import write_text
+from distlm.core.io import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

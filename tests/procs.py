@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distlm.io import pid_alive
+from distlm.core.io import pid_alive
 
 
 def alive(pid: int) -> bool:

@@ -10,12 +10,12 @@ from conftest import TINY
 
 from distlm import DistlmError
 from distlm.broadcast import run_broadcast_stage
-from distlm.config import load_config
-from distlm.dist import distributed
-from distlm.documents import BroadcastReport, read_document
+from distlm.core.documents import BroadcastReport, read_document
+from distlm.dag.config import load_config
+from distlm.dag.stages import stage_config
 from distlm.model import WEIGHTS, load_safetensors, read_meta
+from distlm.runtime.dist import distributed
 from distlm.settings.transfer import BroadcastConfig
-from distlm.stages import stage_config
 from distlm.transfer import TransferError
 
 
@@ -98,7 +98,7 @@ def test_a_chunk_changed_on_its_way_to_the_device_is_named(monkeypatch):
     import torch
 
     import distlm.broadcast as stage
-    from distlm.device import DeviceBackend
+    from distlm.runtime.device import DeviceBackend
     from distlm.settings import TransferSettings
 
     tensors = {"a.weight": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(10)}

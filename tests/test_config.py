@@ -4,7 +4,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from distlm.config import ConfigError, load_config, validate_config
+from distlm.dag.config import ConfigError, load_config, validate_config
 
 
 def test_defaults_are_filled():

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from distlm import DistlmError
-from distlm.config import deep_merge, validate_settings
+from distlm.core.documents import DataStats, read_document
+from distlm.dag.config import deep_merge, validate_settings
 from distlm.data import TokenBlocks, load_embedded, prepare, read_tokens_meta
-from distlm.documents import DataStats, read_document
 
 SMALL = {
     "data": {"block_size": 32, "tokenizer": {"vocab_size": 512}},

@@ -1,5 +1,5 @@
 """The pipeline engine's decode steps as static steps, one per block of cache rows
-(distlm.inference.engine.pipeline_stage's `DecodeGraphs`: CUDA graphs on a GPU, tests/test_gpu.py),
+(distlm.inference.engine.graphs' `DecodeGraphs`: CUDA graphs on a GPU, tests/test_gpu.py),
 run here on the CPU without a capture: the same logits as the eager step at every step of a
 schedule in which sequences start, decode beside each other, end and leave gaps, and the cache
 grows, for GPT-2 and the Llama family (one and two grouped KV heads, Qwen3's head width), at one
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlm.device import DeviceBackend
 from distlm.inference.engine.pipeline_stage import Item, load_stage
+from distlm.runtime.device import DeviceBackend
 
 CPU = torch.device("cpu")
 STATIC = DeviceBackend(CPU, decode_graphs=True)  # the GPU's decode steps, on the CPU

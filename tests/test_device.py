@@ -1,4 +1,4 @@
-"""The device backend (distlm.device), the machine's GPUs (distlm.machine) and the stages' rank
+"""The device backend (distlm.runtime.device), the machine's GPUs (distlm.runtime.machine) and the stages' rank
 counts (distlm.settings.ranks), on the CPU: what the backend decides, what it refuses (naming the
 key), and the numerics of the GPU's kernel set run here at small shapes.
 
@@ -19,17 +19,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlm import DistlmError
-from distlm import machine as machine_module
-from distlm.config import load_config
-from distlm.device import (
+from distlm.dag.config import load_config
+from distlm.runtime import machine as machine_module
+from distlm.runtime.device import (
     DeviceBackend,
     check_ranks_fit,
     kernels_for,
     resolve_precision,
-    threads_per_rank,
 )
-from distlm.dist import MPI_RING, Topology
-from distlm.machine import physical_gpus, ranks_problem, visible_count, visible_gpus
+from distlm.runtime.dist import MPI_RING, Topology
+from distlm.runtime.host import threads_per_rank
+from distlm.runtime.machine import physical_gpus, ranks_problem, visible_count, visible_gpus
 from distlm.settings.ranks import GPU, StageRanks, machine_problems, stage_ranks
 from distlm.settings.validate import validate
 
@@ -124,7 +124,7 @@ def test_more_ranks_than_gpus_is_refused_naming_the_key():
 
 def test_the_ranks_fit_the_gpus_by_one_rule(monkeypatch):
     """The workflow before any job, the SLURM launcher on each node and every rank ask one rule
-    (distlm.machine.ranks_problem): the same case gets the same words at each."""
+    (distlm.runtime.machine.ranks_problem): the same case gets the same words at each."""
     from distlm.launch.srun import gpus_here
 
     key = "train.nproc_per_node"
@@ -189,7 +189,7 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it():
 
 
 def test_physical_gpus_from_the_drivers_folder(tmp_path, monkeypatch):
-    from distlm import machine
+    from distlm.runtime import machine
 
     (tmp_path / "0000:17:00.0").mkdir()
     (tmp_path / "0000:65:00.0").mkdir()
@@ -227,7 +227,7 @@ def test_a_null_count_follows_the_machine():
 
 def machine(gpus: int, gpu_gib: float = 80, host_gib: float = 64):
     """A machine of `gpus` GPUs of `gpu_gib` each and `host_gib` of memory."""
-    from distlm.machine import Machine
+    from distlm.runtime.machine import Machine
 
     return Machine(gpus, int(gpu_gib * 2**30) if gpus else None, int(host_gib * 2**30))
 
@@ -267,7 +267,7 @@ def test_a_model_whose_state_does_not_fit_under_ddp_is_refused_naming_fsdp():
     weights a rank gathers whole for the compute: 4.3 GiB), so the refusal names
     train.parallel: fsdp; under fsdp over 4 it runs; on 1 nothing fits: the refusal says more
     ranks."""
-    from distlm.config import load_settings
+    from distlm.dag.config import load_settings
 
     s = load_settings("config/llama-1b-fsdp.yaml")
     assert s.train.parallel == "fsdp"
@@ -288,7 +288,7 @@ def _overlay(s) -> dict:
 
 
 def test_the_gpu_config_fits_one_gpu():
-    from distlm.config import load_settings
+    from distlm.dag.config import load_settings
 
     s = load_settings("config/gpu.yaml")
     assert machine_problems(s, machine(1)) == []
@@ -481,7 +481,7 @@ def test_compiled_training_attends_whole_blocks_without_a_mask(family, n_kv_head
         assert torch.allclose(grads[k], p.grad, atol=1e-6), k
 
 
-# The machine modules: distlm.device (a rank's device, with torch) and distlm.machine (what the
+# The machine modules: distlm.runtime.device (a rank's device, with torch) and distlm.runtime.machine (what the
 # node has, and what runtime.device asks of it, without torch). A new device type is added there.
 MACHINE_MODULES = {"device.py", "machine.py"}
 DEVICE_TYPES = {"cpu", "cuda", "mps", "xpu", "hpu", "mtia"}
@@ -535,7 +535,7 @@ def docstrings(tree) -> set[int]:
 
 def test_no_device_type_is_named_outside_the_machine_modules():
     """Every device decision of the library and the workflow's scripts goes through
-    distlm.device / distlm.machine: no other module compares with a device type, asks a `.type`,
+    distlm.runtime.device / distlm.runtime.machine: no other module compares with a device type, asks a `.type`,
     uses one device's torch API or names a device other than the host. The config's own values
     (runtime.device's cpu | cuda | auto, a Literal in distlm.settings.runtime) are the exception:
     the settings declare them, the machine modules decide what they mean."""
@@ -546,7 +546,7 @@ def test_no_device_type_is_named_outside_the_machine_modules():
     files = [*(root / "src/distlm").rglob("*.py"), *(root / "workflow/scripts").glob("*.py")]
     found = []
     for path in files:
-        if path.name in MACHINE_MODULES and path.parent.name == "distlm":
+        if path.name in MACHINE_MODULES and path.parent.name == "runtime":
             continue
         tree = ast.parse(path.read_text(), str(path))
         ignore = docstrings(tree)

@@ -25,9 +25,9 @@ import yaml
 from conftest import SINGLE, TINY, copy_workflow, run_snakemake
 from harness.synthetic import checkpoint_state
 
-from distlm.config import deep_merge
-from distlm.device import DeviceBackend
-from distlm.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
+from distlm.core.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
+from distlm.dag.config import deep_merge
+from distlm.runtime.device import DeviceBackend
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("mount") is None or shutil.which("umount") is None,
@@ -123,7 +123,7 @@ def test_checkpoint_write_on_a_full_disk_keeps_the_previous_one(tmp_path):
 def test_model_folder_and_shards_on_a_full_disk(tmp_path):
     """safetensors reports the full disk as its own error: a model folder and a pipeline folder
     written over existing ones leave them as they were."""
-    from distlm.config import validate_settings
+    from distlm.dag.config import validate_settings
     from distlm.data import prepare
     from distlm.model import serialize, write_pipeline_dir
     from distlm.settings.model import ModelConfig
@@ -173,8 +173,8 @@ def test_token_file_and_plain_writes_on_a_full_disk(tmp_path):
     written when the space ran out."""
     import h5py
 
+    from distlm.core.documents import TokenMeta
     from distlm.data import write_tokens
-    from distlm.documents import TokenMeta
 
     ids = np.arange(400_000, dtype=np.int64) % 1000  # 1.6 MB as uint16
     meta = TokenMeta(

@@ -17,7 +17,7 @@ import test_server
 import torch
 from harness.peer import transformers_serve_command, transformers_serve_env
 
-from distlm.dist import free_port
+from distlm.runtime.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "lm_eval"

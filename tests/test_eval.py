@@ -18,11 +18,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from distlm import DistlmError
-from distlm.config import ConfigError, load_config
+from distlm.core.documents import TokenMeta
+from distlm.core.io import read_json, sha256_file, write_json
+from distlm.dag.config import ConfigError, load_config
 from distlm.data import TokenBlocks, read_tokens_meta, write_tokens
-from distlm.device import DeviceBackend, resolve_precision
-from distlm.dist import distributed, free_port
-from distlm.documents import TokenMeta
 from distlm.evaluate import (
     check_data_matches,
     evaluate_model,
@@ -31,7 +30,6 @@ from distlm.evaluate import (
     resolve_window,
     sliding_windows,
 )
-from distlm.io import read_json, sha256_file, write_json
 from distlm.model import (
     init_model,
     load_safetensors,
@@ -40,6 +38,8 @@ from distlm.model import (
     state_dict_for_save,
     write_model_dir,
 )
+from distlm.runtime.device import DeviceBackend, resolve_precision
+from distlm.runtime.dist import distributed, free_port
 from distlm.settings import EvalSettings
 from distlm.settings.eval import EvalConfig
 
@@ -301,7 +301,7 @@ def test_output_json(tiny, runs):
 def test_reduced_precision_close_to_fp32(tiny):
     model, _ = load_model(tiny["model"], torch.device("cpu"))
     tokens = TokenBlocks(tiny["tokens"], "validation").tokens()
-    from distlm.dist import Topology
+    from distlm.runtime.dist import Topology
 
     topo = Topology(
         rank=0, world_size=1, local_rank=0, backend="gloo", device_backend=DeviceBackend.cpu()
@@ -386,7 +386,7 @@ def test_data_from_another_config_is_refused(tiny):
 
 def test_token_beyond_vocabulary(tiny):
     model, _ = load_model(tiny["model"], torch.device("cpu"))
-    from distlm.dist import Topology
+    from distlm.runtime.dist import Topology
 
     topo = Topology(
         rank=0, world_size=1, local_rank=0, backend="gloo", device_backend=DeviceBackend.cpu()

@@ -46,7 +46,7 @@ def test_eval_outputs(workflow_run, evals):
         assert "[rank 0] INFO distlm.evaluate" in log and "[rank 1] INFO distlm.evaluate" in log
         for rank in range(ecfg["nproc_per_node"]):
             rank_log = (workflow_run / f"logs/eval/{name}.rank{rank}.log").read_text()
-            assert f"[rank {rank}] INFO distlm.dist: process group up" in rank_log
+            assert f"[rank {rank}] INFO distlm.runtime.dist: process group up" in rank_log
     assert evals["base"]["data"]["sha256"] == evals["trained"]["data"]["sha256"]
     # what training gained: 8 steps from a random init already lower the held-out perplexity
     for split in ("validation", "test"):

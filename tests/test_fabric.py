@@ -20,7 +20,7 @@ from harness.fabric import (
     unavailable_reason,
 )
 
-from distlm.dist import free_port
+from distlm.runtime.dist import free_port
 
 REASON = unavailable_reason()
 # a child Python that imports the fabric finds it as the tests do (tests/ on its path)
@@ -145,7 +145,7 @@ def test_bad_arguments():
 
 WORKER = """
 import json, os, torch
-from distlm.dist import distributed
+from distlm.runtime.dist import distributed
 from distlm.settings import TransferSettings
 from distlm.transfer import broadcast_state_dict
 torch.set_num_threads(1)

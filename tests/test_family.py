@@ -19,14 +19,14 @@ from harness.faults import fault_env
 from harness.synthetic import make_inputs
 
 from distlm import DistlmError
-from distlm.config import ConfigError, validate_config, validate_settings
+from distlm.core.documents import ShardManifest, write_document
+from distlm.core.io import read_json, write_json
+from distlm.dag.config import ConfigError, validate_config, validate_settings
+from distlm.dag.stages import stage_config
 from distlm.data import TokenBlocks
-from distlm.dist import distributed
-from distlm.documents import ShardManifest, write_document
 from distlm.evaluate import evaluate_model
 from distlm.family import REGISTRY
 from distlm.family.llama import RopeScalingSettings
-from distlm.io import read_json, write_json
 from distlm.model import (
     family_of,
     init_config,
@@ -39,10 +39,10 @@ from distlm.model import (
     write_model_dir,
     write_pipeline_dir,
 )
+from distlm.runtime.dist import distributed
 from distlm.settings import init_settings
 from distlm.settings.eval import EvalConfig
 from distlm.settings.train import TrainConfig
-from distlm.stages import stage_config
 from distlm.train import run_training
 from distlm.train.identity import list_runs
 
@@ -445,7 +445,7 @@ def test_a_local_folder_of_another_type_is_refused_when_the_config_is_validated(
 
 
 def test_shipped_smollm2_config_validates():
-    from distlm.config import load_settings
+    from distlm.dag.config import load_settings
 
     s = load_settings(ROOT / "config" / "smollm2-135m.yaml")
     assert (s.model.source, s.model.name) == ("hub", "HuggingFaceTB/SmolLM2-135M")

@@ -41,11 +41,11 @@ from conftest import TINY, copy_workflow, snakemake_cmd
 from harness.faults import background_checkpoints_env, fault_env, paced_env, save_fault_env
 from procs import alive, children
 
-from distlm.config import deep_merge, validate_config
-from distlm.documents import write_document
+from distlm.core.documents import write_document
+from distlm.dag.config import deep_merge, validate_config
+from distlm.dag.stages import stage_config
 from distlm.model import load_model_dir, read_meta
 from distlm.settings.train import TrainConfig
-from distlm.stages import stage_config
 from distlm.train import checkpoint as ck
 from distlm.train import identity as ident
 
@@ -199,7 +199,7 @@ def test_background_sharded_checkpoints_hold_what_the_loop_saved(runs, workflow_
 
 def _index(c: ck.Checkpoint) -> dict[str, str]:
     """A checkpoint's files and their sha256, as its checkpoint.json holds them."""
-    from distlm.documents import CheckpointIndex, read_document
+    from distlm.core.documents import CheckpointIndex, read_document
 
     return read_document(c.path / "checkpoint.json", CheckpointIndex).sha256
 
@@ -225,8 +225,8 @@ def test_ddp_configs_digest_as_before_and_fsdp_is_a_run_of_its_own():
     """train.parallel and activation_checkpointing at their defaults are not dumped: a config
     without them has the train stage's params it had; a DDP run identity digests as before
     (its topology's four keys), an FSDP one holds the global batch alone (it reshards)."""
-    from distlm.config import validate_settings
-    from distlm.documents import IdentityTopology
+    from distlm.core.documents import IdentityTopology
+    from distlm.dag.config import validate_settings
 
     base = stage_config(validate_settings({}).model_dump(), "train")
     same = validate_settings(

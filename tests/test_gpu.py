@@ -34,7 +34,7 @@ from harness.faults import fault_env
 from test_decode_graphs import Chain, same_steps
 from test_inference import INFER, PROMPTS, mpiexec, write_config
 
-from distlm.device import DeviceBackend, kernels_for, resolve_precision
+from distlm.runtime.device import DeviceBackend, kernels_for, resolve_precision
 
 GPU_CONFIG = ROOT / "config" / "gpu.yaml"
 # the session's own run of config/gpu.yaml when benchmarks/gpu/run.sh gave none: fewer steps
@@ -75,7 +75,7 @@ class Run:
 
     def settings(self):
         """The settings the run was made with."""
-        from distlm.config import deep_merge, validate_settings
+        from distlm.dag.config import deep_merge, validate_settings
 
         merged: dict = {}
         for c in (ROOT / "config" / "config.yaml", *self.configs):
@@ -145,7 +145,7 @@ def test_the_whole_workflow_finishes_on_the_device(gpu_run):
 
 
 def test_broadcast_on_the_device_says_what_it_measured(gpu_run):
-    from distlm.documents import BroadcastReport, read_document
+    from distlm.core.documents import BroadcastReport, read_document
 
     rep = read_document(gpu_run.results / "broadcast/report.json", BroadcastReport)
     s = rep.stats
@@ -299,7 +299,7 @@ def backends(device: str) -> tuple[DeviceBackend, DeviceBackend]:
 @pytest.mark.parametrize("case", ["gpt2", "llama-kv1-tied"])
 def test_decode_steps_as_static_steps_give_the_eager_steps_logits(pipeline_folders, device, case):
     """The engine's decode steps as static steps, one per block of cache rows
-    (distlm.inference.engine.pipeline_stage's `DecodeGraphs`), through tests/test_decode_graphs.py's
+    (distlm.inference.engine.graphs' `DecodeGraphs`), through tests/test_decode_graphs.py's
     schedule (lanes that come and go, a live lane outside the step, the cache grown and freed):
     the same logits as the eager steps on the same device; on a GPU they were captured as CUDA
     graphs."""
@@ -320,7 +320,8 @@ def test_a_failed_capture_leaves_the_decode_steps_eager(
     the static steps ask for a capture as a GPU's do, and it fails the same way."""
     from dataclasses import replace
 
-    from distlm.inference.engine.pipeline_stage import Item, StaticStep
+    from distlm.inference.engine.graphs import StaticStep
+    from distlm.inference.engine.micro_batch import Item
 
     def refuse(self):
         raise torch.OutOfMemoryError("CUDA out of memory (the test's)")

@@ -14,14 +14,15 @@ import torch
 from harness.faults import slow_reader_env
 
 from distlm import DistlmError
-from distlm.dist import MPI_RING, Topology
-from distlm.inference.engine.pipeline_stage import Item, _Plan, load_stage
+from distlm.inference.engine.micro_batch import Item, _Plan
+from distlm.inference.engine.pipeline_stage import load_stage
 from distlm.inference.engine.sampler import pick_token
 from distlm.inference.engine.scheduler import Scheduler, Sequence
 from distlm.inference.prompts import RequestError, encode_prompt, read_prompts, resolve_prompts_path
 from distlm.inference.request import sampling_settings
-from distlm.inference.sampling import SamplingParams, make_params
+from distlm.inference.sampling_params import SamplingParams, make_params
 from distlm.inference.stats import StageStats
+from distlm.runtime.dist import MPI_RING, Topology
 from distlm.settings import InferenceSettings, SamplingSettings, init_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def hf_reference(tiny_models):
 
 def icfg(**over) -> InferenceSettings:
     """The inference section with `over` (validated as a config file is)."""
-    from distlm.config import validate_config
+    from distlm.dag.config import validate_config
 
     return InferenceSettings.model_validate(validate_config({"inference": over})["inference"])
 
@@ -432,8 +433,8 @@ def test_with_decode_graphs_a_micro_batch_is_decodes_or_prefills(tiny_models, hf
     CPU), a micro-batch is all decodes or all prefills: prefills wait for each other up to
     PREFILL_EVERY decode micro-batches, then go together; every sequence still picks
     generate's tokens, and the lanes are reused as before."""
-    from distlm.device import DeviceBackend
     from distlm.inference.engine.scheduler import PREFILL_EVERY
+    from distlm.runtime.device import DeviceBackend
 
     tok = hf_reference.tokenizer
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS * 3]
@@ -473,9 +474,9 @@ def write_config(
     """A resolved config as the workflow writes it: `over` in `inference`, `serve` in `serve`,
     `runtime` in `runtime`; the serve stage's document when `serve` is given, else the inference
     stage's."""
-    from distlm.config import validate_config
+    from distlm.dag.config import validate_config
+    from distlm.dag.stages import stage_config
     from distlm.settings.stage_configs import write_stage_config
-    from distlm.stages import stage_config
 
     stage = "inference" if serve is None else "serve"
     cfg = validate_config({"runtime": runtime or {}, "inference": over, "serve": serve or {}})

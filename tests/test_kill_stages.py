@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlm.config import validate_config
+from distlm.dag.config import validate_config
 from distlm.data import TokenBlocks, load_tokenizer
 from distlm.data import read_tokens_meta as read_data_meta
 from distlm.model import load_model_dir
@@ -28,7 +28,7 @@ STAGES = """
 import json, sys
 from pathlib import Path
 from distlm.data import prepare
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
 from distlm.model import serialize
 setup_logging()
 from distlm.settings import Settings

@@ -1,5 +1,5 @@
 """The package's layout (docs/architecture.md, "The stages"): one meaning per file name, and each
-workflow stage's rule, commands and home as its row of `distlm.stages.STAGES` names them.
+workflow stage's rule, commands and home as its row of `distlm.dag.stages.STAGES` names them.
 
 Two files of `src/distlm` may share a name only where the name plays one role in both: the
 roles below, each said once. A new file whose name another file already bears with another
@@ -13,8 +13,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from distlm.dag.stages import STAGES
 from distlm.settings import Settings
-from distlm.stages import STAGES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "distlm"
 

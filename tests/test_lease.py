@@ -1,4 +1,4 @@
-"""distlm.lease: one holder at a time; a dead holder's lease is taken over (at once on this host,
+"""distlm.runtime.lease: one holder at a time; a dead holder's lease is taken over (at once on this host,
 by its silent heartbeat from another host); a live one is named in the error."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from distlm.documents import read_document, write_document
-from distlm.lease import Holder, Lease, LeaseHeld
+from distlm.core.documents import read_document, write_document
+from distlm.runtime.lease import Holder, Lease, LeaseHeld
 
 
 def _foreign(path, *, host="node-elsewhere", pid=4242, job="977", beat=0, token="t"):

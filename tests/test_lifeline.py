@@ -1,4 +1,4 @@
-"""distlm.lifeline: a rank dies within seconds of its launcher, through the parent-death signal and
+"""distlm.runtime.lifeline: a rank dies within seconds of its launcher, through the parent-death signal and
 through the watchdog alone; the launchers of a torchrun training job and of an mpiexec job are
 SIGKILLed mid-run and no rank is alive 10 s later (a bound, polled)."""
 
@@ -56,7 +56,7 @@ time.sleep(300)
 """
 CHILD = """
 import json, os, sys, time
-from distlm.lifeline import bind_to_launcher
+from distlm.runtime.lifeline import bind_to_launcher
 target = None if sys.argv[1] == "parent" else int(sys.argv[1])
 ll = bind_to_launcher(target, poll_s=0.2, force=True)
 print(json.dumps({"pid": os.getpid(), "pdeathsig": ll.pdeathsig, "launcher": ll.launcher_pid}),
@@ -106,7 +106,7 @@ def test_the_watchdog_alone_ends_a_child_bound_to_another_process():
 
 
 def test_a_plain_process_is_not_bound():
-    code = "from distlm.lifeline import bind_to_launcher; print(bind_to_launcher())"
+    code = "from distlm.runtime.lifeline import bind_to_launcher; print(bind_to_launcher())"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -128,9 +128,9 @@ def _wait_for(pred, what: str, bound_s: float = 180.0) -> None:
 
 @pytest.mark.slow
 def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
-    from distlm.config import validate_config
+    from distlm.dag.config import validate_config
+    from distlm.dag.stages import stage_config
     from distlm.settings.stage_configs import write_stage_config
-    from distlm.stages import stage_config
 
     inputs = make_inputs(tmp_path / "inputs")
     cfg = validate_config(

@@ -8,9 +8,9 @@ import torch
 from pydantic import ValidationError
 
 from distlm import DistlmError
-from distlm.config import deep_merge, validate_config, validate_settings
+from distlm.core.io import read_json, sha256_file
+from distlm.dag.config import deep_merge, validate_config, validate_settings
 from distlm.data import prepare
-from distlm.io import read_json, sha256_file
 from distlm.model import (
     WEIGHTS,
     family_of,
@@ -101,8 +101,8 @@ def test_shards_round_trip_exactly(tmp_path, data, stages):
 
 
 def test_serialize_reads_only_the_model_keys(data, tmp_path):
-    """The model stage gets exactly its declared keys (distlm.stages): no inference, no data."""
-    from distlm.stages import stage_config
+    """The model stage gets exactly its declared keys (distlm.dag.stages): no inference, no data."""
+    from distlm.dag.stages import stage_config
 
     params = stage_config(validate_config(BASE), "model")
     assert set(params) == {"model"}
@@ -297,9 +297,9 @@ def _every_reader(folder, tmp_path):
     from types import SimpleNamespace
 
     from distlm.broadcast import run_broadcast_stage
-    from distlm.config import load_config
+    from distlm.dag.config import load_config
+    from distlm.dag.stages import stage_config
     from distlm.settings.transfer import BroadcastConfig
-    from distlm.stages import stage_config
 
     cfg = BroadcastConfig.of(
         stage_config(load_config(ROOT / "tests/configs/tiny.yaml"), "broadcast")

@@ -1,8 +1,8 @@
-"""Joining the MPI world (distlm.mpi_init, issue #42): the checks before MPI_Init, and the SLURM
+"""Joining the MPI world (distlm.runtime.mpi_init, issue #42): the checks before MPI_Init, and the SLURM
 multi-node inference step with the heap contents that made mpich 5's UCX netmod abort under
 `srun --mpi=pmi2`.
 
-The unit tests give distlm.mpi_init environments as srun, mpiexec or nothing would; the SLURM tests
+The unit tests give distlm.runtime.mpi_init environments as srun, mpiexec or nothing would; the SLURM tests
 (marked slurm, the session cluster of tests/conftest.py) run real steps across the two nodes, the
 regression one with tests/harness/ucx_heap_pad.c preloaded: every PMI-1 request mpich 5's UCX
 netmod makes for its address is then longer than the 1024 bytes slurmstepd reads, so without
@@ -22,7 +22,7 @@ import test_inference
 from conftest import ROOT
 from test_inference import write_config
 
-from distlm.mpi_init import (
+from distlm.runtime.mpi_init import (
     NETMOD_VAR,
     Launch,
     Library,
@@ -93,7 +93,7 @@ def test_a_refused_launch_says_why_in_its_first_line():
     env = {k: v for k, v in SRUN_PMI2.items() if not k.startswith("PMI_")}
     env["SLURM_MPI_TYPE"] = "none"
     proc = subprocess.run(
-        [sys.executable, "-c", "from distlm.mpi_init import init_mpi; init_mpi()"],
+        [sys.executable, "-c", "from distlm.runtime.mpi_init import init_mpi; init_mpi()"],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -198,7 +198,7 @@ def test_ucx_chosen_under_srun_pmi2_fails_before_mpi_init_with_a_clear_error(clu
             f"--export=ALL,{NETMOD_VAR}=ucx",
             sys.executable,
             "-c",
-            "from distlm.mpi_init import init_mpi; init_mpi()",
+            "from distlm.runtime.mpi_init import init_mpi; init_mpi()",
         ],
         timeout=120,
     )
@@ -218,7 +218,7 @@ def test_srun_without_pmi_fails_with_a_clear_error_instead_of_worlds_of_one(clus
             "-n2",
             sys.executable,
             "-c",
-            "from distlm.mpi_init import init_mpi; init_mpi()",
+            "from distlm.runtime.mpi_init import init_mpi; init_mpi()",
         ],
         capture_output=True,
         text=True,

@@ -14,8 +14,7 @@ import pytest
 import torch
 from conftest import run_snakemake
 
-from distlm.device import DeviceBackend
-from distlm.documents import (
+from distlm.core.documents import (
     BroadcastReport,
     DataStats,
     EvalReport,
@@ -39,6 +38,7 @@ from distlm.report import (
     outputs,
 )
 from distlm.report.inputs import collect
+from distlm.runtime.device import DeviceBackend
 from distlm.settings import ProfileSettings
 from distlm.train.metrics import Metrics
 from distlm.train.profiling import StepProfiler

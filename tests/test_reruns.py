@@ -1,7 +1,7 @@
 """The rerun matrix: for every key of the config schema, what a dry run plans after editing it on
 one finished tiny workflow must be exactly the jobs the table says; caching is the product.
 
-The table is written here by hand, not derived from distlm.stages, so that it checks the
+The table is written here by hand, not derived from distlm.dag.stages, so that it checks the
 declarations; a schema key with no row fails the test. One finished run, many dry runs (two at a
 time), so it stays within a couple of minutes.
 """
@@ -19,8 +19,9 @@ import pytest
 import yaml
 from conftest import ROOT, TINY, copy_workflow, snakemake_cmd
 
-from distlm.config import deep_merge, validate_config
-from distlm.stages import rerun_table, reruns, schema_keys, select
+from distlm.dag.config import deep_merge, validate_config
+from distlm.dag.stages import reruns, schema_keys, select
+from distlm.dag.tables import rerun_table
 
 pytestmark = pytest.mark.slow
 
@@ -235,7 +236,7 @@ def test_every_row_changes_its_key():
 
 
 def test_declarations_agree_with_the_matrix():
-    """distlm.stages (what config/README.md's table is made from) says the same as the matrix."""
+    """distlm.dag.stages (what config/README.md's table is made from) says the same as the matrix."""
     wrong = {
         k: (sorted(reruns(k)), sorted(want))
         for k, (_, want) in MATRIX.items()
@@ -247,7 +248,7 @@ def test_declarations_agree_with_the_matrix():
 def test_config_readme_table_is_in_sync():
     assert rerun_table(SCHEMA) in (ROOT / "config/README.md").read_text()
     proc = subprocess.run(
-        [sys.executable, "-m", "distlm.stages", "--check"],
+        [sys.executable, "-m", "distlm.dag.tables", "--check"],
         capture_output=True,
         text=True,
         cwd=ROOT,

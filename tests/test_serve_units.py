@@ -38,7 +38,7 @@ from distlm.inference.messages import (
 )
 from distlm.inference.prompts import RequestError
 from distlm.inference.request import sampling_settings
-from distlm.inference.sampling import SamplingParams, make_params
+from distlm.inference.sampling_params import SamplingParams, make_params
 from distlm.inference.server.access_log import escape
 from distlm.inference.server.chat import NO_TEMPLATE, chat_prompt
 from distlm.inference.server.requests import (
@@ -236,8 +236,8 @@ def test_the_start_up_heap_is_frozen_and_later_garbage_still_collected():
     made afterwards are still collected."""
     script = """
 import gc, weakref
-from distlm.heap import freeze_startup_heap
-from distlm.log import setup_logging
+from distlm.runtime.heap import freeze_startup_heap
+from distlm.core.log import setup_logging
 
 setup_logging()
 

@@ -21,7 +21,7 @@ import test_inference
 from test_inference import PROMPTS, write_config
 
 from distlm import DistlmError
-from distlm.dist import free_port
+from distlm.runtime.dist import free_port
 
 # Every test here talks to a real server and its MPI job: not in the fast loop.
 pytestmark = pytest.mark.slow
@@ -615,7 +615,7 @@ def test_prompt_overflow_reject_and_a_clean_stop(tiny_models, tmp_path):
         assert s.proc.wait(timeout=60) == 0, s.log.read_text()[-3000:]
         log = s.log.read_text()
         assert "engine stopped; per-stage time" in log and "pipeline stopped (exit code 0)" in log
-        # every long-lived process froze its start-up heap out of garbage collection (distlm.heap)
+        # every long-lived process froze its start-up heap out of garbage collection (distlm.runtime.heap)
         for who in ("API server", "stage 0", "stage 1"):
             assert re.search(rf"{who}: \d{{5,}} start-up objects frozen out of garbage", log), who
     finally:
@@ -714,7 +714,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
     import socket
 
     from distlm import DistlmError
-    from distlm.config import validate_config
+    from distlm.dag.config import validate_config
     from distlm.inference.server.supervisor import Supervisor, read_token
     from distlm.settings import EngineSettings, ServeSettings
 
@@ -756,7 +756,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
     with pytest.raises(DistlmError, match="serve.token_file: cannot read"):
         read_token(base.model_copy(update={"token_file": str(tmp_path / "missing")}))
     # the schema refuses a plain token value
-    from distlm.config import ConfigError
+    from distlm.dag.config import ConfigError
 
     with pytest.raises(ConfigError, match="serve.token: unknown key"):
         validate_config({"serve": {"token": "x"}})

@@ -14,7 +14,7 @@ import yaml
 from conftest import ROOT, TINY
 from pydantic import BaseModel, ValidationError
 
-from distlm.config import ConfigError, validate_config, validate_settings
+from distlm.dag.config import ConfigError, validate_config, validate_settings
 from distlm.settings import (
     MOVED,
     InferenceSettings,
@@ -151,7 +151,7 @@ def test_validation_needs_no_checkout(tmp_path):
     shutil.copytree(ROOT / "src" / "distlm", tmp_path / "site" / "distlm")
     site = str(tmp_path / "site")
     code = (
-        "import distlm.config as c, distlm.settings.schema as s;"
+        "import distlm.dag.config as c, distlm.settings.schema as s;"
         f"assert c.__file__.startswith({site!r});"
         "assert c.validate_config({})['train']['keep_last'] == 2;"
         "assert s.settings_schema()['properties']['serve']['properties']['stages']['minimum'] == 1"
@@ -191,10 +191,10 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
 
 
 def test_stage_config_types_are_the_declared_keys():
-    """Each stage's document type holds exactly the keys distlm.stages declares for it, each with
+    """Each stage's document type holds exactly the keys distlm.dag.stages declares for it, each with
     Settings' own field (type, range, default): the two cannot drift."""
+    from distlm.dag.stages import NOT_STAGE_KEYS, STAGES, schema_keys
     from distlm.settings.stage_configs import STAGE_CONFIGS
-    from distlm.stages import NOT_STAGE_KEYS, STAGES, schema_keys
 
     assert set(STAGE_CONFIGS) == set(STAGES)
     every = {k: f for k, f in _leaves(Settings).items() if k not in NOT_STAGE_KEYS}
@@ -208,12 +208,12 @@ def test_stage_config_types_are_the_declared_keys():
 
 
 def test_stage_config_document_round_trip(tmp_path):
-    from distlm.documents import DocumentError, read_document
-    from distlm.io import digest
+    from distlm.core.documents import DocumentError, read_document
+    from distlm.core.io import digest
+    from distlm.dag.stages import stage_config
     from distlm.settings.eval import EvalConfig
     from distlm.settings.stage_configs import write_stage_config
     from distlm.settings.train import TrainConfig
-    from distlm.stages import stage_config
 
     cfg = validate_config(yaml.safe_load(TINY.read_text()))
     params = stage_config(cfg, "train")
@@ -258,12 +258,12 @@ def test_stage_params_keep_the_config_key_order_and_values():
     ],
 )
 def test_a_key_newer_than_the_configs_dumps_only_when_it_differs_from_its_default(key, other):
-    """A key marked ONLY_WHEN_SET (distlm.section): a config without it, or with it at its
+    """A key marked ONLY_WHEN_SET (distlm.core.section): a config without it, or with it at its
     default, dumps the stage's params it dumped before the key existed (an upgrade reruns
     nothing); another value is in them (an edit reruns the stages that read it)."""
+    from distlm.dag.stages import STAGES
     from distlm.settings.stage_configs import stage_params
     from distlm.settings.validate import validate
-    from distlm.stages import STAGES
 
     section, name = key.split(".")
     stage = next(s for s in STAGES if STAGES[s].covers(key))

@@ -23,8 +23,8 @@ import test_inference
 from conftest import ROOT, SLURM_CONFIG, TINY, run_snakemake
 from test_inference import write_config
 
-from distlm.dist import free_port
-from distlm.documents import BroadcastReport, read_document
+from distlm.core.documents import BroadcastReport, read_document
+from distlm.runtime.dist import free_port
 
 pytestmark = pytest.mark.slurm
 HARNESS = ROOT / "tests" / "harness"

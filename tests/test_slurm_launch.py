@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from distlm import DistlmError, launch
-from distlm.documents import STOP_NOTICE_ENV, StopNotice
+from distlm.core.documents import STOP_NOTICE_ENV, StopNotice
 from distlm.launch import requeue, slurm, srun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def test_only_a_time_limit_stop_at_a_checkpoint_is_requeued_within_the_bound():
 
 
 def test_the_stop_notice_is_read_once_and_refused_when_malformed(tmp_path, monkeypatch):
-    from distlm.documents import DocumentError
+    from distlm.core.documents import DocumentError
     from distlm.train.stopping import write_stop_notice
 
     alloc = slurm.Allocation(job_id="9", hosts=("a",), cpus_per_task=1, restarts=2)

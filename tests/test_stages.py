@@ -1,4 +1,4 @@
-"""Stage contracts (distlm.stages) and the library's layering: declared keys exist, each stage gets
+"""Stage contracts (distlm.dag.stages) and the library's layering: declared keys exist, each stage gets
 exactly its keys, output names are declared once, documents refuse other versions, and no module
 imports one that imports it back."""
 
@@ -12,18 +12,24 @@ import pytest
 import yaml
 from conftest import ROOT, TINY
 
-from distlm.config import load_config
-from distlm.documents import DataStats, DocumentError, EvalReport, read_document, write_document
-from distlm.section import ONLY_WHEN_SET
+from distlm.core.documents import (
+    DataStats,
+    DocumentError,
+    EvalReport,
+    read_document,
+    write_document,
+)
+from distlm.core.section import ONLY_WHEN_SET
+from distlm.dag.config import load_config
+from distlm.dag.stages import JOBS, REPORT_READS, STAGES, schema_keys, select, stage_config
 from distlm.settings.root import Settings
-from distlm.stages import JOBS, REPORT_READS, STAGES, schema_keys, select, stage_config
 
 SCHEMA = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
 SRC = ROOT / "src" / "distlm"
 
 
 def _only_when_set(key: str) -> bool:
-    """Whether the settings field of dotted `key` is ONLY_WHEN_SET (distlm.section)."""
+    """Whether the settings field of dotted `key` is ONLY_WHEN_SET (distlm.core.section)."""
     *parents, leaf = key.split(".")
     model: Any = Settings
     for p in parents:
@@ -87,7 +93,7 @@ def test_every_job_feeds_the_report_which_runs_last():
 
 def test_the_workflow_reads_no_config_value_by_string():
     """Rules read the typed settings (S, RUNS.settings_of), never `config[...]`, and no rule file
-    branches on a sweep: a config without one is the one-variant layout (distlm.sweep.Single)."""
+    branches on a sweep: a config without one is the one-variant layout (distlm.dag.sweep.Single)."""
     files = [ROOT / "Snakefile", *sorted((ROOT / "workflow/rules").glob("*.smk"))]
     files += sorted((ROOT / "workflow/scripts").glob("*.py"))
     for f in files:
@@ -137,7 +143,7 @@ def test_output_file_names_are_written_once():
 
 
 def test_declared_documents_are_document_types():
-    import distlm.documents as docs
+    import distlm.core.documents as docs
 
     for stage in STAGES.values():
         if stage.document is not None:
@@ -237,12 +243,12 @@ def test_no_import_cycles():
 
 
 def test_the_dag_imports_nothing_heavy():
-    """The workflow imports distlm.stages and the report's items while it builds the DAG."""
+    """The workflow imports distlm.dag.stages and the report's items while it builds the DAG."""
     import subprocess
     import sys
 
     code = (
-        "import sys; import distlm.stages, distlm.report.items, distlm.config, "
+        "import sys; import distlm.dag.stages, distlm.report.items, distlm.dag.config, "
         "distlm.inference.prompts; "
         "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'transformers') "
         "if m in sys.modules))"

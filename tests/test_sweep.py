@@ -1,4 +1,4 @@
-"""Sweeps (distlm.sweep, workflow/rules/sweep.smk): runs from names and a grid, validated before
+"""Sweeps (distlm.dag.sweep, workflow/rules/sweep.smk): runs from names and a grid, validated before
 any job starts; each job once per distinct setting, derived from the stage declarations; the
 caching cases as dry runs on one finished tiny 2 x 2 sweep; the comparison report."""
 
@@ -13,10 +13,10 @@ import yaml
 from conftest import ROOT, SINGLE, TINY, run_snakemake, snakemake_cmd
 from test_reruns import MATRIX
 
-from distlm.config import ConfigError, deep_merge, load_config
-from distlm.documents import read_document
-from distlm.stages import reruns
-from distlm.sweep import SweepError, SweepRun, grid_name, job_counts, plan_sweep
+from distlm.core.documents import read_document
+from distlm.dag.config import ConfigError, deep_merge, load_config
+from distlm.dag.stages import reruns
+from distlm.dag.sweep import SweepError, SweepRun, grid_name, job_counts, plan_sweep
 
 TINY_SWEEP = ROOT / "tests" / "configs" / "tiny-sweep.yaml"
 # the sweep's run (sweep_run): one rank a stage, as the sharing does not depend on the ranks; the
@@ -128,8 +128,8 @@ def test_variants_depend_on_the_run_alone():
 
 
 def test_the_report_says_what_is_missing_and_drops_runs_that_left(tmp_path):
+    from distlm.dag.sweep import describe
     from distlm.report.compare import build_sweep_report
-    from distlm.sweep import describe
 
     results = tmp_path / "results"
     stale = results / "runs" / "gone"

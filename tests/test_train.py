@@ -23,15 +23,16 @@ from harness.faults import fault_env, inject
 from harness.synthetic import checkpoint_state, make_inputs, run_identity
 
 from distlm import DistlmError
-from distlm.config import validate_config
-from distlm.device import DeviceBackend, threads_per_rank
-from distlm.documents import ModelMeta, TokenMeta, write_document
-from distlm.io import digest
+from distlm.core.documents import ModelMeta, TokenMeta, write_document
+from distlm.core.io import digest
+from distlm.dag.config import validate_config
+from distlm.dag.stages import stage_config
 from distlm.launch.torchrun import local_torchrun, stage_args
 from distlm.model import load_model_dir, read_meta
+from distlm.runtime.device import DeviceBackend
+from distlm.runtime.host import threads_per_rank
 from distlm.settings import TrainSettings
 from distlm.settings.train import TrainConfig
-from distlm.stages import stage_config
 from distlm.train import TrainingDiverged, TrainPaths, lr_at, run_training
 from distlm.train import checkpoint as ck
 from distlm.train import faults as faults_mod
@@ -419,7 +420,10 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
     assert b.returncode == 0, b.stderr[-4000:]
     assert "killing rank 1" in (tmp_path / "b" / "logs" / "rank1.log").read_text()
     assert "resuming from" in (tmp_path / "b" / "logs" / "rank0.log").read_text()
-    for rank in (0, 1):  # each rank set glibc's malloc to keep what it frees (distlm.device)
+    for rank in (
+        0,
+        1,
+    ):  # each rank set glibc's malloc to keep what it frees (distlm.runtime.host)
         log = (tmp_path / "a" / "logs" / f"rank{rank}.log").read_text()
         assert f"rank {rank}: glibc" in log and "keeps freed memory for reuse" in log
 
@@ -446,7 +450,7 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
 def _torchrun_as_launched(cfg: TrainConfig, inputs, out: Path, notice: Path) -> subprocess.Popen:
     """The stage's torchrun with SIGUSR1 ignored, as distlm-launch's srun task execs it (the
     agent must not die of the time-limit warning), telling its StopNotice to `notice`."""
-    from distlm.documents import STOP_NOTICE_ENV
+    from distlm.core.documents import STOP_NOTICE_ENV
 
     cmd, env = _torchrun_cmd(cfg, inputs, out, env={**os.environ})
     env[STOP_NOTICE_ENV] = str(notice)
@@ -479,7 +483,7 @@ def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step
     checkpoint and the StopNotice that the launcher requeues on; the rerun resumes there."""
     from procs import children
 
-    from distlm.documents import StopNotice, read_document
+    from distlm.core.documents import StopNotice, read_document
 
     out, notice = tmp_path / "train", tmp_path / "stop.json"
     proc = _torchrun_as_launched(train_cfg(), inputs, out, notice)
@@ -637,11 +641,11 @@ def test_a_stop_signal_checkpoints_at_the_step_boundary_and_the_rerun_resumes(
 def test_a_warning_latched_before_the_loop_stops_it_at_the_first_step(
     inputs, tmp_path, monkeypatch
 ):
-    """A SIGUSR1 latched while the rank was starting (distlm.stop_latch): the loop stops at its
+    """A SIGUSR1 latched while the rank was starting (distlm.runtime.stop_latch): the loop stops at its
     first step boundary with a checkpoint, as for a warning during the loop."""
     import signal
 
-    from distlm import stop_latch
+    from distlm.runtime import stop_latch
     from distlm.train import trainer as trainer_mod
 
     monkeypatch.setattr(stop_latch, "_warned", False)
@@ -686,7 +690,7 @@ def test_a_checkpoint_that_fails_its_read_back_prunes_nothing(tmp_path, monkeypa
 
 
 def test_leftovers_of_dead_writers_go_at_the_next_start(tmp_path):
-    from distlm import io
+    from distlm.core import io
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -723,7 +727,7 @@ def test_leftovers_of_dead_writers_go_at_the_next_start(tmp_path):
 
 
 def test_every_file_of_an_atomic_folder_is_fsynced_before_the_rename(tmp_path, monkeypatch):
-    from distlm import io
+    from distlm.core import io
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -740,7 +744,7 @@ def test_every_file_of_an_atomic_folder_is_fsynced_before_the_rename(tmp_path, m
     monkeypatch.setattr(io.os, "replace", replace)
     with io.atomic_dir(tmp_path / "ck") as tmp:
         (tmp / "sub").mkdir()
-        torch.save({"a": 1}, tmp / "optimizer.pt")  # written outside distlm.io
+        torch.save({"a": 1}, tmp / "optimizer.pt")  # written outside distlm.core.io
         (tmp / "sub" / "x.bin").write_bytes(b"x")
     rename_at = events.index(("rename", str(tmp)))
     synced = {path for kind, path in events[:rename_at] if kind == "fsync"}
@@ -844,7 +848,7 @@ def test_test_faults_are_armed_once_and_only_where_they_act(monkeypatch):
 
 def _rewrite(c: ck.Checkpoint, name: str, edit) -> None:
     """Change one file of a checkpoint and re-seal it in checkpoint.json (its hash matches)."""
-    from distlm.io import sha256_file
+    from distlm.core.io import sha256_file
 
     p = c.path / name
     obj = json.loads(p.read_text())
@@ -959,8 +963,8 @@ def test_a_malformed_checkpoint_state_names_the_field(tmp_path):
 
 _FAULTS = """
 import resource, statistics, sys, torch
-from distlm.device import keep_freed_memory
-from distlm.log import setup_logging
+from distlm.runtime.host import keep_freed_memory
+from distlm.core.log import setup_logging
 
 setup_logging()
 if sys.argv[1] == "keep":
@@ -1000,7 +1004,7 @@ def test_a_training_rank_keeps_freed_memory_instead_of_faulting_it_in_again():
 def test_keep_freed_memory_says_when_the_c_library_is_not_glibc(monkeypatch, caplog):
     import platform
 
-    from distlm.device import keep_freed_memory
+    from distlm.runtime.host import keep_freed_memory
 
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
     with caplog.at_level(logging.INFO, logger="distlm"):
@@ -1013,7 +1017,7 @@ def test_clipping_is_clip_grad_norm_s_to_the_bit(clip):
     """The layout's grad_norm and clip_gradients (the training step's) leave every gradient as
     torch.nn.utils.clip_grad_norm_ does, bit for bit, whether the norm is above the clip (scaled)
     or below it (multiplied by 1), without reading the norm on the host."""
-    from distlm.dist import Topology
+    from distlm.runtime.dist import Topology
     from distlm.settings.layout_rules import Replicated
     from distlm.train.optim import clip_gradients
     from distlm.train.parallel import ReplicatedLayout
@@ -1075,7 +1079,7 @@ def test_train_state_saves_and_loads_what_a_whole_checkpoint_holds(inputs):
     gives the schedule and the scaler back."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from distlm.dist import Topology
+    from distlm.runtime.dist import Topology
     from distlm.settings.layout_rules import Replicated
     from distlm.train.checkpoint_writer import host_copy
     from distlm.train.optim import make_optimizer
@@ -1126,7 +1130,7 @@ def test_background_checkpoints_write_what_the_loop_writes(inputs, tmp_path, mon
     for the last write; each save's stall is in the training record."""
     import dataclasses
 
-    from distlm.device import DeviceBackend
+    from distlm.runtime.device import DeviceBackend
 
     a, b = tmp_path / "a", tmp_path / "b"
     run_training(train_cfg(), paths(inputs, a))
@@ -1159,7 +1163,7 @@ def test_a_save_that_waits_for_the_previous_write_says_so(inputs, tmp_path, monk
     import logging
     import time
 
-    from distlm.device import DeviceBackend
+    from distlm.runtime.device import DeviceBackend
 
     in_loop, write = DeviceBackend.for_rank, ck.write
 

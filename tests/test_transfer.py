@@ -17,8 +17,8 @@ from test_transfer_workers import (
     uccl_round_trip,
 )
 
-from distlm.dist import distributed
-from distlm.documents import encode
+from distlm.core.documents import encode
+from distlm.runtime.dist import distributed
 from distlm.settings import TransferSettings
 from distlm.transfer import (
     ALIGN,

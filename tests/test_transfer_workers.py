@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-from distlm.dist import distributed, free_port
+from distlm.runtime.dist import distributed, free_port
 from distlm.settings import TransferSettings
 from distlm.transfer import TransferError, broadcast_state_dict
 

@@ -23,11 +23,11 @@ import yaml
 from conftest import ROOT, SINGLE, TINY, snakemake_cmd
 from harness.synthetic import checkpoint_state, run_identity
 
-from distlm.config import validate_settings
+from distlm.dag.config import validate_settings
 from distlm.data import prepare
-from distlm.device import DeviceBackend
-from distlm.lease import Lease
 from distlm.model import serialize, write_pipeline_dir
+from distlm.runtime.device import DeviceBackend
+from distlm.runtime.lease import Lease
 from distlm.settings.model import ModelConfig
 from distlm.train import checkpoint as ck
 from distlm.train import identity as ident
@@ -177,7 +177,7 @@ def test_a_teammate_evaluates_resumes_and_serves_what_another_trained(tmp_path):
     """User 1 runs the tiny workflow in a setgid group folder with umask 002: every file under
     results/ is 0664 and every folder 2775. User 2 (same group, umask 002) then re-evaluates,
     trains the same run further and serves it to a real client."""
-    from distlm.dist import free_port
+    from distlm.runtime.dist import free_port
 
     _ensure_users()
     gid = grp.getgrnam(GROUP).gr_gid

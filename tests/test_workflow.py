@@ -102,7 +102,7 @@ def test_snakemake_serve_answers_on_its_own_shards_and_ctrl_c_ends_it(workflow_r
     from conftest import copy_workflow, snakemake_cmd
     from procs import alive
 
-    from distlm.dist import free_port
+    from distlm.runtime.dist import free_port
 
     work = copy_workflow(workflow_run, tmp_path / "work")  # serve_shard writes into it
     port = free_port()

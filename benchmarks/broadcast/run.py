@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from distlm.dist import free_port
-from distlm.io import write_json
+from distlm.core.io import write_json
+from distlm.runtime.dist import free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlm.dist import distributed
+from distlm.runtime.dist import distributed
 from distlm.settings import TransferSettings
 from distlm.transfer import broadcast_state_dict
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import psutil
 
-from distlm.io import write_json
+from distlm.core.io import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMAT = "distlm-e2e-benchmark/1"

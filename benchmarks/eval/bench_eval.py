@@ -27,12 +27,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from distlm.device import DeviceBackend, resolve_precision
-from distlm.dist import Topology
+from distlm.core.io import write_json
 from distlm.evaluate import evaluate_stream, sliding_windows
 from distlm.family import family_of
-from distlm.io import write_json
 from distlm.model import init_model
+from distlm.runtime.device import DeviceBackend, resolve_precision
+from distlm.runtime.dist import Topology
 
 T = TypeVar("T")
 

@@ -341,7 +341,7 @@ def distlm_run(
     device: str = "cpu",
     batch_only: bool = False,
 ) -> dict:
-    from distlm.config import validate_config
+    from distlm.dag.config import validate_config
 
     icfg = validate_config(
         {"inference": {"stages": stages, "max_new_tokens": n, "temperature": 0.0, "timeout_s": 120}}
@@ -381,7 +381,7 @@ def distlm_run(
 def main() -> None:
     args = parse()
     if args.worker:
-        from distlm.log import setup_logging
+        from distlm.core.log import setup_logging
 
         setup_logging()
         worker(*args.worker)

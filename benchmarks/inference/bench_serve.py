@@ -227,7 +227,7 @@ def level(
 ) -> dict:
     """`clients` clients, each sending requests back to back: at least `per_client` each, and
     until `seconds` have passed."""
-    from distlm.heap import freeze_startup_heap
+    from distlm.runtime.heap import freeze_startup_heap
 
     start = time.perf_counter()
 
@@ -244,7 +244,7 @@ def level(
         return out
 
     # this process's own full garbage collections would land in every server's latencies
-    # alike: what it holds now is frozen out of them, as the servers do (distlm.heap)
+    # alike: what it holds now is frozen out of them, as the servers do (distlm.runtime.heap)
     freeze_startup_heap(f"benchmark client, {clients} clients")
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -329,8 +329,8 @@ def main() -> None:
     from peers import llama_env, llama_server_command
     from transformers import __version__ as transformers_version
 
-    from distlm.dist import free_port
     from distlm.inference.prompts import read_prompts
+    from distlm.runtime.dist import free_port
 
     levels = [int(c) for c in args.clients.split(",")]
     stage_counts = [int(x) for x in args.stages.split(",")]
@@ -537,9 +537,9 @@ def distlm_command(
     writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured)."""
     from bench import sharded
 
-    from distlm.config import validate_config
+    from distlm.dag.config import validate_config
+    from distlm.dag.stages import stage_config
     from distlm.settings.stage_configs import write_stage_config
-    from distlm.stages import stage_config
 
     cfg = validate_config(
         {

@@ -42,11 +42,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from distlm.dist import MPI_RING, Topology
     from distlm.inference.engine import pipeline_stage as stage
     from distlm.inference.engine.scheduler import Scheduler, Sequence
-    from distlm.inference.sampling import SamplingParams
+    from distlm.inference.sampling_params import SamplingParams
     from distlm.inference.stats import StageStats
+    from distlm.runtime.dist import MPI_RING, Topology
 
     print(f"distlm from {Path(stage.__file__).parents[3]}")
     # bench.py puts this checkout's src first on the path: imported after distlm, it cannot

@@ -52,7 +52,7 @@ def main() -> None:
             run = hf_batched_runner(model, texts, args.max_new_tokens)
             profile(run, args)
             return
-        from distlm.config import validate_config
+        from distlm.dag.config import validate_config
         from distlm.inference.engine.batch import generate_batch
         from distlm.inference.engine.bootstrap import mpi_pipeline, run_workers
         from distlm.inference.engine.scheduler import Scheduler

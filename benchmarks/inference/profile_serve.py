@@ -42,7 +42,8 @@ BUCKETS = {
     "engine": [
         ("forward pass", "pipeline_stage.py"),
         ("forward pass", "family/"),
-        ("sampling", "sampling.py"),
+        ("sampling", "sampling_params.py"),
+        ("sampling", "sampling.py"),  # its name before 2026-11-28's (an older checkout: --src)
         ("sampling", "engine/sampler.py"),
         ("messages", "messages.py"),
         ("messages", "msgpack"),

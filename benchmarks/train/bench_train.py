@@ -68,7 +68,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distlm.documents import read_document
+from distlm.core.documents import read_document
 from distlm.settings.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,8 +221,8 @@ def bare_worker(a, cfg: TrainConfig) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distlm.data import TokenBlocks
-    from distlm.dist import distributed
     from distlm.model import load_model_dir
+    from distlm.runtime.dist import distributed
     from distlm.train.kernels import NextTokenLoss
 
     t, rt = cfg.train, cfg.runtime
@@ -271,7 +271,7 @@ def nanogpt_worker(a, cfg: TrainConfig) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from distlm.data import TokenBlocks
-    from distlm.dist import distributed
+    from distlm.runtime.dist import distributed
     from distlm.train.optim import param_groups
 
     t, rt = cfg.train, cfg.runtime
@@ -412,7 +412,7 @@ def peak_worker(a, cfg: TrainConfig) -> None:
     import torch
     import torch.distributed as dist
 
-    from distlm.dist import distributed
+    from distlm.runtime.dist import distributed
 
     rt = cfg.runtime
     with distributed(backend=rt.backend, device=rt.device, timeout_s=600) as topo:
@@ -529,9 +529,9 @@ def make_synthetic_inputs(root: Path, p: dict) -> dict[str, Path]:
 def resolved_config(a, work: Path, parallel: str = "ddp") -> tuple[TrainConfig, Path]:
     """The train stage's resolved config: the config file with the benchmark's settings (and
     `train.parallel`: the distlm-fsdp job's fsdp)."""
-    from distlm.config import load_config
+    from distlm.dag.config import load_config
+    from distlm.dag.stages import stage_config
     from distlm.settings.stage_configs import write_stage_config
-    from distlm.stages import stage_config
 
     p = PRESETS[a.preset]
     micro = p.get(f"micro_batch_{a.device}", p["micro_batch"])
@@ -757,7 +757,7 @@ def main() -> None:
     ap.add_argument("--precision-resolved", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        from distlm.log import setup_logging
+        from distlm.core.log import setup_logging
 
         setup_logging(None, level=30)
         cfg = read_document(a.config_resolved, TrainConfig)
@@ -781,11 +781,11 @@ def main() -> None:
 def drive(a, work: Path) -> None:
     import torch
 
-    from distlm.device import resolve_precision
+    from distlm.runtime.device import resolve_precision
 
     p = PRESETS[a.preset]
     if p["inputs"] == "workflow":
-        from distlm.stages import STAGES
+        from distlm.dag.stages import STAGES
 
         res = Path(a.results)
         inputs = {  # the declared outputs of the data and model stages, under --results

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from distlm.device import DeviceBackend
-from distlm.documents import BroadcastReport, TransferStats, write_document
-from distlm.log import get_logger
+from distlm.core.documents import BroadcastReport, TransferStats, write_document
+from distlm.core.log import get_logger
 from distlm.model import WEIGHTS, load_safetensors, verify_model_folder
+from distlm.runtime.device import DeviceBackend
 from distlm.settings import TransferSettings
 from distlm.settings.transfer import BroadcastConfig
 from distlm.transfer import Checksum, TransferError, broadcast_state_dict, make_plan

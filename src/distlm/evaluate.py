@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlm import DistlmError
-from distlm.device import autocast
-from distlm.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
+from distlm.core.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
+from distlm.core.io import sha256_file
+from distlm.core.log import get_logger, progress
 from distlm.family.transformer import Transformer
-from distlm.io import sha256_file
-from distlm.log import get_logger, progress
+from distlm.runtime.device import autocast
 from distlm.settings import EvalSettings
 from distlm.settings.eval import EvalConfig
 
@@ -259,7 +259,9 @@ def evaluate_model(
     check_data_matches(meta, data_meta, model_dir, tokens_path)
     n_positions = model.args.context
     context, stride = resolve_window(ecfg, n_positions, where=str(model_dir))
-    amp = topo.device_backend.autocast_dtype  # eval.precision on this device (distlm.device)
+    amp = (
+        topo.device_backend.autocast_dtype
+    )  # eval.precision on this device (distlm.runtime.device)
     log.info(
         "%s (%s): context %d, stride %d, batch %d windows, %s on %s, %d rank(s)",
         name,

@@ -26,8 +26,8 @@ from functools import lru_cache
 from typing import Self
 
 from distlm import DistlmError
-from distlm.io import pid_alive
-from distlm.log import get_logger
+from distlm.core.io import pid_alive
+from distlm.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from harness.held import SavedBytes, held_bytes
 
-from distlm.device import DeviceBackend, resolve_precision
-from distlm.dist import distributed
-from distlm.documents import read_document
+from distlm.core.documents import read_document
 from distlm.family.transformer import TensorMap, Transformer
 from distlm.model import read_args
+from distlm.runtime.device import DeviceBackend, resolve_precision
+from distlm.runtime.dist import distributed
 from distlm.settings.train import TrainConfig
 from distlm.train import TrainPaths
 from distlm.train.parallel import layout_for

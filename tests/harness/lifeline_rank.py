@@ -6,8 +6,8 @@ import time
 
 from mpi4py import MPI
 
-from distlm.lifeline import bind_to_launcher
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
+from distlm.runtime.lifeline import bind_to_launcher
 
 setup_logging()
 bind_to_launcher(poll_s=0.5)

@@ -1,5 +1,5 @@
-# Shared helpers: the typed settings, each stage's declared keys and outputs (src/distlm/stages.py)
-# and where each job variant writes them (src/distlm/sweep.py).
+# Shared helpers: the typed settings, each stage's declared keys and outputs (src/distlm/dag/stages.py)
+# and where each job variant writes them (src/distlm/dag/sweep.py).
 import os
 import sys
 from pathlib import Path
@@ -17,13 +17,13 @@ ROOT = (
 if ROOT is not None:
     sys.path.insert(0, str(ROOT / "src"))  # the library works from a plain checkout too
 
-from distlm.config import ConfigError
+from distlm.dag.config import ConfigError
 from distlm.launch.torchrun import stage_args
-from distlm.machine import this_machine
+from distlm.runtime.machine import this_machine
 from distlm.settings.ranks import machine_problems, stage_ranks
 from distlm.settings.stage_configs import STAGE_CONFIGS, stage_params
 from distlm.settings.validate import validate
-from distlm.stages import (
+from distlm.dag.stages import (
     BENCHMARKS,
     CONFIGS,
     EVAL_MODELS,
@@ -32,11 +32,11 @@ from distlm.stages import (
     STAGES,
     job_output,
 )
-from distlm.sweep import VARIANT_PATTERN, plan_runs, variant_path
+from distlm.dag.sweep import VARIANT_PATTERN, plan_runs, variant_path
 
 # The one validation (distlm.settings): errors name the key (and where an old key moved), --config
 # strings become numbers, defaults are filled in. S is the typed settings; PLAN the runs of the
-# config: one without a sweep, a distlm.sweep.Plan with one (every run validated before any job
+# config: one without a sweep, a distlm.dag.sweep.Plan with one (every run validated before any job
 # starts). workflow/schemas/config.schema.yaml is generated from the same models, for editors and
 # the report; it is no second gate.
 try:
@@ -46,10 +46,10 @@ except ConfigError as e:
     raise WorkflowError(str(e))
 config.clear()
 config.update(_validated)
-# The GPUs of this machine (no torch: distlm.machine). When the jobs run here (the local profile),
+# The GPUs of this machine (no torch: distlm.runtime.machine). When the jobs run here (the local profile),
 # a config the machine cannot run is refused before the first job, naming the key to change. It
 # is an onstart handler: after the DAG is planned, and never in a dry run, which plans any config
-# on any machine. Under SLURM the ranks check their own node (distlm.device).
+# on any machine. Under SLURM the ranks check their own node (distlm.runtime.device).
 MACHINE = this_machine()
 GPUS = MACHINE.gpus
 
@@ -81,7 +81,7 @@ wildcard_constraints:
 
 def job_path(path, variant=VARIANT):
     """`path` (under results/ or logs/) as a job writes it: every output, log and benchmark path
-    (distlm.sweep.variant_path). The report and serve are whole-sweep jobs: variant=None.
+    (distlm.dag.sweep.variant_path). The report and serve are whole-sweep jobs: variant=None.
     """
     return variant_path(path, variant)
 
@@ -131,10 +131,10 @@ def params_of(stage):
 
 
 def inputs_of(stage, variant=VARIANT):
-    """A stage's inputs, named, as distlm.stages declares what it reads (`Stage.reads`): each
+    """A stage's inputs, named, as distlm.dag.stages declares what it reads (`Stage.reads`): each
     another job's output, of the variant of that job this job's variant was derived from (the
     whole-sweep jobs, variant None: the paths without a sweep); "{model}" is the model folder of
-    the job's {model} wildcard (distlm.stages.MODELS)."""
+    the job's {model} wildcard (distlm.dag.stages.MODELS)."""
 
     def one(job, output):
         def path(wc):

@@ -7,7 +7,7 @@ from distlm.report.items import (
     outputs as report_items,
     sweep_outputs,
 )
-from distlm.sweep import SWEEP_JOBS, describe, run_dir
+from distlm.dag.sweep import SWEEP_JOBS, describe, run_dir
 
 REPORT_DIR = STAGES["report"].dir
 FORMATS = S.report.formats  # one report: its keys are the base config's

@@ -1,7 +1,7 @@
 """Dataset prep: corpus -> tokenizer, HDF5 token blocks, stats JSON (rule prepare_data)."""
 
+from distlm.core.log import setup_logging
 from distlm.data import prepare
-from distlm.log import setup_logging
 from distlm.settings.data import DataConfig
 
 snakemake = snakemake

@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
+from distlm.dag.stages import RESULTS
 from distlm.report import build_report
 from distlm.settings.report import ReportConfig
-from distlm.stages import RESULTS
 
 snakemake = snakemake
 log = setup_logging(snakemake.log[0])

@@ -1,7 +1,7 @@
 """Write the config keys a multi-process stage reads, as its typed stage config document
 (distlm.settings.stage_configs), for all its ranks (rule resolve_config)."""
 
-from distlm.log import get_logger, setup_logging
+from distlm.core.log import get_logger, setup_logging
 from distlm.settings.stage_configs import write_stage_config
 
 snakemake = snakemake

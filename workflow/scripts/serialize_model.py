@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
 from distlm.model import serialize
 from distlm.settings.model import ModelConfig
 

@@ -1,7 +1,7 @@
 """Pipeline shards: a model folder -> one safetensors shard per pipeline stage (rules shard and
 serve_shard: their stage configs, ShardConfig and ServeShardConfig, give the stage count)."""
 
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
 from distlm.model import write_pipeline_dir
 from distlm.settings.model import ServeShardConfig, ShardConfig
 

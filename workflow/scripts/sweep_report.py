@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
+from distlm.dag.stages import RESULTS
+from distlm.dag.sweep import SweepDescription
 from distlm.report.compare import build_sweep_report
 from distlm.settings.report import ReportConfig
-from distlm.stages import RESULTS
-from distlm.sweep import SweepDescription
 
 snakemake = snakemake
 log = setup_logging(snakemake.log[0])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 from distlm.settings import DataSettings
 
 log = get_logger(__name__)

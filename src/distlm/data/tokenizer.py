@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from distlm import DistlmError
+from distlm.core.log import get_logger, progress
 from distlm.data.sources import EOS, Split
-from distlm.log import get_logger, progress
 from distlm.settings import ModelSourceSettings
 from distlm.settings.model import SUPPORTED_MODEL_TYPES
 

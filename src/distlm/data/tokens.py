@@ -11,9 +11,9 @@ import h5py
 import numpy as np
 
 from distlm import DistlmError
-from distlm.documents import TokenMeta
-from distlm.io import atomic_path
-from distlm.log import get_logger
+from distlm.core.documents import TokenMeta
+from distlm.core.io import atomic_path
+from distlm.core.log import get_logger
 
 log = get_logger(__name__)
 
@@ -33,7 +33,7 @@ def write_tokens(
     size = sum((len(ids) + len(ids) // block_size * block_size) * item for ids in streams.values())
     # Built in memory (the streams are there already), then written with one plain write: HDF5
     # writing onto a full disk crashes the process in close() (a segfault, not an error), while a
-    # plain write raises ENOSPC, which distlm.io turns into DiskFull with the file left as it was.
+    # plain write raises ENOSPC, which distlm.core.io turns into DiskFull with the file left as it was.
     image = BytesIO()
     with h5py.File(image, "w") as f:
         f.attrs["format"] = FORMAT

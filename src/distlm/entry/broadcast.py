@@ -11,9 +11,9 @@ import argparse
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distlm.broadcast import run_broadcast_stage
-from distlm.dist import distributed
-from distlm.documents import read_document
-from distlm.log import setup_logging
+from distlm.core.documents import read_document
+from distlm.core.log import setup_logging
+from distlm.runtime.dist import distributed
 from distlm.settings.transfer import BroadcastConfig
 
 

@@ -10,10 +10,10 @@ import argparse
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from distlm.dist import distributed
-from distlm.documents import read_document
+from distlm.core.documents import read_document
+from distlm.core.log import setup_logging
 from distlm.evaluate import evaluate_model
-from distlm.log import setup_logging
+from distlm.runtime.dist import distributed
 from distlm.settings.eval import EvalConfig
 
 

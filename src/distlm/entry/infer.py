@@ -7,9 +7,9 @@
 
 import argparse
 
-from distlm.documents import read_document
+from distlm.core.documents import read_document
+from distlm.core.log import setup_logging
 from distlm.inference.engine.batch import run_batch
-from distlm.log import setup_logging
 from distlm.settings.inference import InferenceConfig
 
 

@@ -12,8 +12,8 @@ the engine (distlm.inference.engine.serve).
 import argparse
 import sys
 
-from distlm.documents import read_document
-from distlm.log import setup_logging
+from distlm.core.documents import read_document
+from distlm.core.log import setup_logging
 from distlm.settings.inference import ServeConfig
 
 MODULE = "distlm.entry.serve"  # what the API server starts (with --engine) in every rank

@@ -6,7 +6,7 @@
         --rank-log 'logs/train/rank{rank}.log'
 
 All logic is in distlm.train; see its docstrings. The time-limit warning (SIGUSR1) is latched
-before torch is imported (distlm.stop_latch): one that comes while the rank starts is not lost;
+before torch is imported (distlm.runtime.stop_latch): one that comes while the rank starts is not lost;
 once the training has returned or raised, it is ignored: one that comes while the rank exits does
 not kill it.
 """
@@ -14,8 +14,8 @@ not kill it.
 import argparse
 from pathlib import Path
 
-from distlm import stop_latch
-from distlm.log import setup_logging
+from distlm.core.log import setup_logging
+from distlm.runtime import stop_latch
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
 
 
 def _train(a: argparse.Namespace) -> None:
-    from distlm.documents import read_document
+    from distlm.core.documents import read_document
     from distlm.settings.train import TrainConfig
     from distlm.train import TrainPaths, run_training
 

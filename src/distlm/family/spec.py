@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from distlm import DistlmError
-from distlm.section import ONLY_WHEN_SET, Real, Section
+from distlm.core.section import ONLY_WHEN_SET, Real, Section
 
 
 class InitSettings(Section):

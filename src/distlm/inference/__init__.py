@@ -3,15 +3,20 @@ and an OpenAI-compatible API server in front of it. Two programs, one subpackage
 both speak here:
 
     prompts.py     prompt files, relative path lookup, prompt tokens, RequestError (no torch)
-    sampling.py    SamplingParams and next-token choice: greedy / temperature / top-k / top-p
+    sampling_params.py  what a request asks of its tokens (SamplingParams: greedy, or
+                   temperature / top-k / top-p with a seed, the log-probabilities asked for);
+                   the tokens are picked by engine/sampler.py
     request.py     the one request path: prompts + SamplingSettings -> a validated request
     stats.py       StageInfo / StageStats / StageBrief: what a stage reports about itself
     messages.py    the engine channel's typed, versioned messages (msgpack over ZeroMQ)
 
 engine/  the pipeline (inside the MPI job)
     pipeline_stage.py  a pipeline stage's blocks and per-lane KV caches (packed micro-batches)
+    micro_batch.py a micro-batch's items and where its tokens go (the decode rows' attention)
+    graphs.py      decode steps as CUDA graphs (static steps over the KV cache) on a GPU
     ring.py        the ring of stages: topology, MPI links, versioned ring messages, wire format
-    sampler.py     the last stage: per-lane sampling state, a micro-batch's picks
+    sampler.py     the last stage: per-lane sampling state, a micro-batch's picks (pick_token:
+                   where a served token is picked)
     scheduler.py   stage 0: lane policy, micro-batches, run_stage0 (the one stage-0 loop)
     worker.py      stages 1..S-1: forward what arrives, pass it on
     bootstrap.py   starting a rank: threads, its shard, the ring, MPI_Abort on any failure
@@ -20,6 +25,7 @@ engine/  the pipeline (inside the MPI job)
 
 server/  the API server (one process outside the job)
     supervisor.py  the process: uvicorn, the MPI job it starts and watches, signals
+    transport.py   uvicorn's h11 with a header deadline and a lingering close; the open-file limit
     app.py         FastAPI routes: /v1/completions, /v1/chat/completions (one request path),
                    /v1/models, /health, /metrics
     state.py       what the routes hold, and the narrow objects of the two steps below

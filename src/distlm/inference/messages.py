@@ -9,7 +9,7 @@ frame per step, not one per token). Each message is a typed dataclass, its field
 another version, an unknown kind, missing/extra fields or a field of the wrong type raises
 ChannelError instead of being guessed at.
 
-Versioning as documents do it (distlm.documents), one number for the whole channel, since both
+Versioning as documents do it (distlm.core.documents), one number for the whole channel, since both
 ends ship together: bump VERSION when a message changes shape.
 
     API server -> engine:  Submit, Cancel, Shutdown
@@ -24,7 +24,7 @@ import msgpack
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from distlm import DistlmError
-from distlm.inference.sampling import SamplingParams
+from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo
 
 # 2: Prompt (the prompt's log-probabilities, echo with logprobs)

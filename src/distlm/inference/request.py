@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from distlm.inference.prompts import RequestError, check_prompt_ids, encode_prompt
-from distlm.inference.sampling import SamplingParams, make_params
+from distlm.inference.sampling_params import SamplingParams, make_params
 from distlm.settings import SamplingSettings
 
 # neutral field -> the OpenAI completions field that sets it (the others keep their names)

@@ -15,7 +15,7 @@ from `scontrol show job` and, SECONDS before it, sends SIGUSR1 to the job's step
 --signal=USR1 JOBID`: every process of every step, never the batch shell where Snakemake runs).
 The training ranks then write a checkpoint at the next step boundary and stop (distlm.train); a
 rank still starting keeps it from its first line and stops at its first step boundary
-(distlm.stop_latch); a rank whose training is over ignores it, and so do torchrun's agents (each
+(distlm.runtime.stop_latch); a rank whose training is over ignores it, and so do torchrun's agents (each
 srun task starts with it ignored, before its Python). This does not
 depend on the Snakemake SLURM plugin passing `--signal` to sbatch, nor on SLURM's coarse timing of
 it (up to a minute early), and it works for a job whose time limit is raised while it runs (read
@@ -62,7 +62,7 @@ import sys
 from dataclasses import dataclass
 
 from distlm import DistlmError
-from distlm.documents import STOP_NOTICE_ENV
+from distlm.core.documents import STOP_NOTICE_ENV
 from distlm.launch.requeue import notice_path, read_notice, requeue_decision, requeue_job
 from distlm.launch.slurm import LimitWarning, read_allocation, say
 from distlm.launch.srun import (

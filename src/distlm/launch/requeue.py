@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.documents import StopNotice, read_document
+from distlm.core.documents import StopNotice, read_document
 from distlm.launch.slurm import Allocation, say, scontrol
 
 # After `scontrol requeue`, SLURM ends this allocation (SIGTERM to the batch script, then SIGKILL

@@ -80,7 +80,7 @@ def read_allocation(job_id: str, *, run=subprocess.run) -> Allocation:
 
 
 # The warning is sent again this often until the steps end: a step, or a rank, that starts after a
-# send would not have it (a rank keeps one that comes while it starts: distlm.stop_latch).
+# send would not have it (a rank keeps one that comes while it starts: distlm.runtime.stop_latch).
 RESEND_S = 5.0
 
 

@@ -122,7 +122,7 @@ def spread(total: int, nodes: int, node: int) -> int:
 # launcher sends it again every few seconds (distlm.launch.slurm.LimitWarning), and one that came
 # while the task's Python was still importing would kill it (SIGUSR1's default action), and
 # srun's --kill-on-bad-exit the whole step, without a checkpoint. SIG_IGN survives exec: torchrun's
-# agent keeps it (it would die of the warning too), the ranks latch it (distlm.stop_latch).
+# agent keeps it (it would die of the warning too), the ranks latch it (distlm.runtime.stop_latch).
 TASK_IGNORES_WARNING = ("/bin/sh", "-c", 'trap "" USR1; exec "$@"', "distlm-launch-task")
 
 
@@ -207,8 +207,8 @@ def _set_nproc(args: list[str], n: int) -> list[str]:
 
 def gpus_here(env: dict[str, str]) -> int:
     """The GPUs this node's ranks would see; none is an error naming the keys that asked
-    (distlm.machine.ranks_problem)."""
-    from distlm.machine import ranks_problem, visible_gpus
+    (distlm.runtime.machine.ranks_problem)."""
+    from distlm.runtime.machine import ranks_problem, visible_gpus
 
     n = visible_gpus(env)
     problem = ranks_problem(

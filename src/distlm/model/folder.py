@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.documents import ModelMeta, read_document, write_document
+from distlm.core.documents import ModelMeta, read_document, write_document
+from distlm.core.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
+from distlm.core.log import get_logger
 from distlm.family import ModelArgs, family_of, model_args
 from distlm.family.transformer import Transformer
-from distlm.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
-from distlm.log import get_logger
 from distlm.model.layout import CONFIG, GENERATION_CONFIG, META, WEIGHTS
 
 log = get_logger(__name__)
@@ -49,7 +49,7 @@ def save_safetensors(
 
 def read_config(folder: str | Path) -> dict:
     """config.json of a model or pipeline folder, as the mapping it holds."""
-    from distlm.io import read_json
+    from distlm.core.io import read_json
 
     p = Path(folder) / CONFIG
     if not p.is_file():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.documents import ModelMeta
+from distlm.core.documents import ModelMeta
 from distlm.family import model_args
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from distlm.io import atomic_path, write_text
-from distlm.log import get_logger
+from distlm.core.io import atomic_path, write_text
+from distlm.core.log import get_logger
 from distlm.report.figures import BUILDERS, not_collected
 from distlm.report.inputs import Inputs, collect
 from distlm.report.items import FIGURES, ITEMS, SECTIONS, SUMMARY, category

@@ -1,7 +1,7 @@
 """The report of a sweep: the runs side by side, and each run's own report.
 
     from distlm.report.compare import build_sweep_report
-    from distlm.sweep import describe
+    from distlm.dag.sweep import describe
     build_sweep_report("results", "results/report", runs=describe(plan), formats=["png"])
 
 writes results/report/summary.html (the comparison: validation loss of every run on one figure
@@ -9,7 +9,7 @@ with train loss as faint lines; a table of runs with the varied keys, final vali
 perplexity, training tokens/s, wall time and peak memory, the best run marked; inference tokens/s
 and time to first token against the varied inference key when one varies; which jobs the runs
 share), its figures and tables under results/report/, and per run results/runs/<run>/run.json
-(distlm.sweep.SweepRun) and results/runs/<run>/report/ (distlm.report.build_report of that run's
+(distlm.dag.sweep.SweepRun) and results/runs/<run>/report/ (distlm.report.build_report of that run's
 job variants).
 """
 
@@ -28,9 +28,19 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from distlm.documents import write_document
-from distlm.io import write_text
-from distlm.log import get_logger
+from distlm.core.documents import write_document
+from distlm.core.io import write_text
+from distlm.core.log import get_logger
+from distlm.dag.stages import BENCHMARKS, REPORT_READS, RESULTS, STAGES
+from distlm.dag.sweep import (
+    RUNS,
+    SweepDescription,
+    SweepRun,
+    output_path,
+    run_dir,
+    variant_folder,
+    variant_path,
+)
 from distlm.report.build import _CSS, _png, _save, table_html
 from distlm.report.figures import _figure, not_collected
 from distlm.report.inputs import (
@@ -41,16 +51,6 @@ from distlm.report.inputs import (
     read_val,
 )
 from distlm.report.items import SWEEP_ITEMS
-from distlm.stages import BENCHMARKS, REPORT_READS, RESULTS, STAGES
-from distlm.sweep import (
-    RUNS,
-    SweepDescription,
-    SweepRun,
-    output_path,
-    run_dir,
-    variant_folder,
-    variant_path,
-)
 
 log = get_logger(__name__)
 
@@ -58,7 +58,7 @@ log = get_logger(__name__)
 
 
 def run_layout(variants: dict[str, str]) -> dict[str, str]:
-    """LAYOUT (paths relative to results/) of one run: each input (distlm.stages.REPORT_READS)
+    """LAYOUT (paths relative to results/) of one run: each input (distlm.dag.stages.REPORT_READS)
     where its job's variant writes it."""
     return {
         key: output_path(job, out, variants[job])[len(RESULTS) + 1 :]

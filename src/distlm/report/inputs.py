@@ -19,7 +19,7 @@ from typing import Any, cast
 import pandas as pd
 
 from distlm import DistlmError
-from distlm.documents import (
+from distlm.core.documents import (
     BroadcastReport,
     D,
     DataStats,
@@ -30,9 +30,9 @@ from distlm.documents import (
     ProfileSummary,
     read_document,
 )
-from distlm.stages import BENCHMARKS, REPORT_READS, RESULTS, job_output
+from distlm.dag.stages import BENCHMARKS, REPORT_READS, RESULTS, job_output
 
-# Where each stage leaves its metrics, relative to the results folder (distlm.stages.REPORT_READS).
+# Where each stage leaves its metrics, relative to the results folder (distlm.dag.stages.REPORT_READS).
 LAYOUT = {
     **{key: job_output(job, out)[len(RESULTS) + 1 :] for key, (job, out) in REPORT_READS.items()},
     "benchmarks": BENCHMARKS[len(RESULTS) + 1 :],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlm.stages import STAGES
+from distlm.dag.stages import STAGES
 
 # Report sections in reading order: key -> heading (also the category in `snakemake --report`).
 SECTIONS = {

@@ -1,7 +1,7 @@
 """Typed settings: one pydantic model per config section, the root `Settings` with the checks
 that span keys, and the JSON schema generated from them.
 
-    from distlm.config import load_settings
+    from distlm.dag.config import load_settings
     s = load_settings("config/config.yaml")      # Settings; ConfigError names a bad key
     s.train.keep_last                            # int >= 1, described in TrainSettings
 

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         old = path.read_text(encoding="utf-8") if path.is_file() else None
         if new != old:
-            from distlm.io import write_text
+            from distlm.core.io import write_text
 
             write_text(path, new)
         return 0

@@ -1,8 +1,8 @@
 """What every settings section shares: the error type and the range types; the model config of a
-section (`Section`, `Real`) is `distlm.section`'s, which the model families' init settings share.
+section (`Section`, `Real`) is `distlm.core.section`'s, which the model families' init settings share.
 
 `StageConfig` is the typed, versioned document of the config keys one stage reads
-(`distlm.stages.STAGES[stage].keys`), `results/config/<stage>.json` for the multi-process stages:
+(`distlm.dag.stages.STAGES[stage].keys`), `results/config/<stage>.json` for the multi-process stages:
 
     doc = read_document("results/config/train.json", TrainConfig)
     doc.train.keep_last, doc.transfer.bucket_mb, doc.digest
@@ -26,9 +26,9 @@ from typing import Annotated, Any, ClassVar, Self
 from pydantic import BaseModel, Field
 
 from distlm import DistlmError
-from distlm.documents import Document
-from distlm.io import digest
-from distlm.section import KeepInt, Real, Section
+from distlm.core.documents import Document
+from distlm.core.io import digest
+from distlm.core.section import KeepInt, Real, Section
 
 
 class ConfigError(DistlmError):

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StringConstraints
 
-from distlm.section import ONLY_WHEN_SET
+from distlm.core.section import ONLY_WHEN_SET
 from distlm.settings.base import (
     MaxNewTokens,
     Real,
@@ -26,7 +26,7 @@ class SamplingSettings(Section):
     """How one sequence picks its tokens: the one definition of the sampling keys and ranges.
     `inference` is one (EngineSettings extends it: its flat keys are these), and so is every API
     request's sampling, laid over it (distlm.inference.request.sampling_settings). What the
-    sampler acts on is made from it by distlm.inference.sampling.make_params."""
+    sampler acts on is made from it by distlm.inference.sampling_params.make_params."""
 
     max_new_tokens: MaxNewTokens = Field(
         default=32, description="New tokens per prompt in the batch stage (fewer at end-of-text)."

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from distlm.documents import IdentityTopology
+from distlm.core.documents import IdentityTopology
 
 if TYPE_CHECKING:
     from distlm.family.spec import ModelArgs
@@ -207,7 +207,7 @@ def layout_rule(t: TrainSettings) -> LayoutRule:
 
 def compute_bytes(precision: str, on_gpu: bool) -> int:
     """Bytes a parameter in the compute precision: train.precision, where `auto` is bf16 (or
-    fp16) on a GPU and fp32 on the CPU (distlm.device.resolve_precision)."""
+    fp16) on a GPU and fp32 on the CPU (distlm.runtime.device.resolve_precision)."""
     if precision == "auto":
         return 2 if on_gpu else FLOAT32
     return FLOAT32 if precision == "fp32" else 2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from distlm import DistlmError
-from distlm.machine import Machine, host_share, may_use_gpu, needs_gpu, ranks_problem
+from distlm.runtime.machine import Machine, host_share, may_use_gpu, needs_gpu, ranks_problem
 from distlm.settings.layout_rules import ModelSize, compute_bytes, layout_rule
 from distlm.settings.root import Settings, known_model_args
 from distlm.settings.train import plan_batch
@@ -41,7 +41,7 @@ class StageRanks:
     def fits(self, gpus: int) -> str | None:
         """Why these ranks cannot run on a node with `gpus` GPUs, naming the key; None if they
         can (the CPU has room for any count, and device auto runs a count on the CPU of a node
-        without a GPU): distlm.machine.ranks_problem."""
+        without a GPU): distlm.runtime.machine.ranks_problem."""
         if not self.on_gpu or (gpus == 0 and self.per_node != GPU):
             return None
         count = None if self.per_node == GPU else self.per_node

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from distlm import DistlmError
 from distlm.family import ModelArgs, model_args, spec_of
-from distlm.machine import may_use_gpu
+from distlm.runtime.machine import may_use_gpu
 from distlm.settings.base import ConfigError, Section
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
@@ -89,7 +89,7 @@ class Settings(Section):
         default=None,
         description=(
             "Not a stage's setting: named runs over this base config (docs/sweeps.md; "
-            "distlm.sweep). Absent: one run, today's paths."
+            "distlm.dag.sweep). Absent: one run, today's paths."
         ),
         json_schema_extra=_no_default,
     )

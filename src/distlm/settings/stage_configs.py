@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from distlm.documents import read_document, write_document
+from distlm.core.documents import read_document, write_document
 from distlm.settings.base import StageConfig
 from distlm.settings.data import DataConfig
 from distlm.settings.eval import EvalConfig

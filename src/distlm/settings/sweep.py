@@ -1,4 +1,4 @@
-"""`sweep`: named runs over the base config (distlm.sweep expands, validates and plans them)."""
+"""`sweep`: named runs over the base config (distlm.dag.sweep expands, validates and plans them)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from distlm import DistlmError
-from distlm.section import ONLY_WHEN_SET
+from distlm.core.section import ONLY_WHEN_SET
 from distlm.settings.base import Real, Section, StageConfig
 from distlm.settings.runtime import RuntimeSettings
 from distlm.settings.transfer import TransferSettings

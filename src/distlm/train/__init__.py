@@ -9,7 +9,7 @@ Modules, by what a change touches:
                    the step loop; `run_training`
     setup.py       the set-up phases as functions: lease, data, the base model's args, DDP's
                    initial weight sync
-    paths.py       `TrainPaths`: the stage's inputs and outputs, named as distlm.stages declares
+    paths.py       `TrainPaths`: the stage's inputs and outputs, named as distlm.dag.stages declares
     optim.py       learning-rate schedule (`lr_at`), precision, AdamW (parameter groups, fused)
     parallel.py    the parallel layout (`layout_for`: DDP or FSDP2 shards): all that differs between
                    them, from building the model to its checkpoints; the loss module

@@ -48,15 +48,15 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.documents import (
+from distlm.core.documents import (
     CheckpointIndex,
     CheckpointState,
     DocumentError,
     read_document,
     write_document,
 )
-from distlm.io import atomic_dir, nbytes, remove_leftovers, remove_tree, sha256_file
-from distlm.log import get_logger
+from distlm.core.io import atomic_dir, nbytes, remove_leftovers, remove_tree, sha256_file
+from distlm.core.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
 
 log = get_logger(__name__)
@@ -113,7 +113,7 @@ def write(
     keep_last: int,
 ) -> Path:
     """Rank 0's part of `save`: write the checkpoint of `state.step` atomically, read it back,
-    then keep only the last `keep_last`. A full disk raises DiskFull (distlm.io) before anything
+    then keep only the last `keep_last`. A full disk raises DiskFull (distlm.core.io) before anything
     older is pruned."""
     ckpt_dir = Path(ckpt_dir)
     step = state.step
@@ -170,7 +170,7 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
 
 
 def remove_checkpoint(c: Checkpoint) -> None:
-    """Delete a checkpoint folder as one step (distlm.io.remove_tree): a kill halfway leaves no
+    """Delete a checkpoint folder as one step (distlm.core.io.remove_tree): a kill halfway leaves no
     folder by a checkpoint's name, only a leftover that the next start removes."""
     remove_tree(c.path)
 

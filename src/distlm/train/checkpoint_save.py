@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.documents import CheckpointState, RunIdentity
-from distlm.io import atomic_dir, nbytes
-from distlm.log import get_logger
+from distlm.core.documents import CheckpointState, RunIdentity
+from distlm.core.io import atomic_dir, nbytes
+from distlm.core.log import get_logger
 from distlm.train import checkpoint as ckpt
 from distlm.train.checkpoint_writer import CheckpointWriter, host_copy
 
 if TYPE_CHECKING:
-    from distlm.dist import Topology
+    from distlm.runtime.dist import Topology
     from distlm.train.state import TrainState
 
 log = get_logger("distlm.train.checkpoint")
@@ -71,7 +71,7 @@ def save(
     (None: here and now). Returns its path on rank 0 once written here, None elsewhere and for
     a background write."""
     writer = writer or CheckpointWriter(background=False)
-    rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.device)
+    rng = topo.device_backend.rng_state()  # this rank's RNG states (distlm.runtime.device)
     gathered: list[Any] | None = [None] * topo.world_size if topo.is_main else None
     dist.gather_object(rng, gathered, dst=0)
     doc = None

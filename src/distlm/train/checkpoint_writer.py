@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlm.device import CopiesDone, is_gpu
-from distlm.dist import agree
+from distlm.runtime.device import CopiesDone, is_gpu
+from distlm.runtime.dist import agree
 
 
 class CheckpointWriter:
@@ -28,7 +28,7 @@ class CheckpointWriter:
     caller's. `wait` returns when the last one is on disk, raising its error if it failed.
 
     A background write reads host copies that `stage` makes, in buffers kept from save to save.
-    With `pinned` (a GPU: distlm.device's `pin_host`) they are page-locked, and the copies are
+    With `pinned` (a GPU: distlm.runtime.device's `pin_host`) they are page-locked, and the copies are
     queued on the device's stream without waiting, as torchtitan's async checkpoint stages into
     pinned memory. `save`'s closing barrier synchronises that stream (NCCL's barrier does), so the
     loop stalls for the copies at the rate of pinned memory (tens of ms for GPT-2 small with
@@ -168,7 +168,7 @@ class CheckpointWriter:
         return self._groups[use]
 
     def agree(self, what: str, error: BaseException | None, payload=None) -> list:
-        """Every rank's outcome of one step of a save (distlm.dist.agree, over this writer's
+        """Every rank's outcome of one step of a save (distlm.runtime.dist.agree, over this writer's
         gloo group): one rank's failure raises the same error, naming it, on every rank."""
         return agree(what, error, payload=payload, group=self.group("agree"))
 

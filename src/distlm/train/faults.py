@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 
 if TYPE_CHECKING:
     import torch

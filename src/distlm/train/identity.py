@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distlm import DistlmError
-from distlm.documents import (
+from distlm.core.documents import (
     IdentityData,
     IdentityModel,
     IdentityOptim,
@@ -36,7 +36,7 @@ from distlm.documents import (
     read_document,
     write_document,
 )
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 from distlm.settings.layout_rules import layout_rule
 from distlm.train.checkpoint import (
     Checkpoint,
@@ -106,7 +106,7 @@ def read_identity(path: str | Path) -> RunIdentity:
 
 
 def write_identity(path: str | Path, identity: RunIdentity) -> None:
-    """Write identity.json atomically (distlm.io), with its format tag."""
+    """Write identity.json atomically (distlm.core.io), with its format tag."""
     write_document(path, identity)
 
 

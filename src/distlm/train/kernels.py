@@ -2,7 +2,7 @@
 standard operations (`NextTokenLoss`: what a GPU runs, compiled), and the LM head fused with its
 loss (`CausalLMLoss`: the CPU's, where it pays).
 
-Which applies is the device's kernel set (distlm.device) and the model's logits: the chunked
+Which applies is the device's kernel set (distlm.runtime.device) and the model's logits: the chunked
 linear cross-entropy on the CPU for a model whose logits are the plain LM head of its hidden
 states (`Transformer.linear_logits`); `NextTokenLoss` elsewhere, standard operations that
 torch.compile fuses (the chunked head, eager inside a compiled graph, made the compiled H100

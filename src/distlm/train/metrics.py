@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distlm.io import write_text
-from distlm.log import get_logger
+from distlm.core.io import write_text
+from distlm.core.log import get_logger
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

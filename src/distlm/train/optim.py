@@ -1,5 +1,5 @@
 """The optimisation recipe: learning-rate schedule, gradient clipping, AdamW (its parameter
-groups, fused kernel, schedule). The precision is the device backend's (distlm.device); the norm
+groups, fused kernel, schedule). The precision is the device backend's (distlm.runtime.device); the norm
 that clipping scales by is the parallel layout's (distlm.train.parallel: over every rank's
 gradients); AdamW's state as a checkpoint names it is the training state's (distlm.train.state)."""
 
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 from distlm.settings import TrainSettings
 
 log = get_logger(__name__)

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from distlm.documents import ModelMeta, TokenMeta
-from distlm.log import get_logger
+from distlm.core.documents import ModelMeta, TokenMeta
+from distlm.core.log import get_logger
 from distlm.model import DTYPES, write_model_dir
 from distlm.settings.train import TrainConfig
 from distlm.train.metrics import Metrics

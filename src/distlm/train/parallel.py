@@ -45,12 +45,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distlm import DistlmError
-from distlm.device import DeviceBackend
-from distlm.dist import Topology, agree
+from distlm.core.log import get_logger
 from distlm.family import ModelArgs, family_of
 from distlm.family.transformer import Transformer, check_tensors
-from distlm.log import get_logger
 from distlm.model import load_model_dir
+from distlm.runtime.device import DeviceBackend
+from distlm.runtime.dist import Topology, agree
 from distlm.settings import TrainSettings
 from distlm.settings.layout_rules import (
     LayoutRule,
@@ -93,7 +93,7 @@ def no_buffer_sync() -> dict:
 
 def loss_module(model: Transformer, tcfg: TrainSettings, hw: DeviceBackend) -> torch.nn.Module:
     """input_ids -> mean next-token loss, with the kernels that apply: the device backend's set
-    (distlm.device), or the standard ones everywhere (`fast_kernels: false`). Both hold the
+    (distlm.runtime.device), or the standard ones everywhere (`fast_kernels: false`). Both hold the
     model as their only child: the model saved is the same."""
     if tcfg.fast_kernels and hw.cpu_kernels and model.linear_logits:
         module: torch.nn.Module = CausalLMLoss(model, compiled=hw.compile)

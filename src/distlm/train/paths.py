@@ -1,18 +1,18 @@
-"""Where the training stage reads and writes: `TrainPaths`, output names as distlm.stages declares."""
+"""Where the training stage reads and writes: `TrainPaths`, output names as distlm.dag.stages declares."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from distlm.stages import STAGES
+from distlm.dag.stages import STAGES
 
 _STAGE = STAGES["train"]
 
 
 @dataclass(frozen=True)
 class TrainPaths:
-    """Inputs and outputs of the training stage; output names as distlm.stages declares them."""
+    """Inputs and outputs of the training stage; output names as distlm.dag.stages declares them."""
 
     tokens: Path
     model: Path
@@ -51,5 +51,5 @@ class TrainPaths:
 
     @property
     def lease(self) -> Path:
-        """One trainer per stage folder at a time (distlm.lease)."""
+        """One trainer per stage folder at a time (distlm.runtime.lease)."""
         return self.checkpoints / "trainer.lease.json"

@@ -16,10 +16,10 @@ import contextlib
 from pathlib import Path
 from typing import Self
 
-from distlm.device import DeviceBackend
-from distlm.documents import ProfileSummary, ProfileWindow, write_document
-from distlm.io import atomic_path, write_json, write_text
-from distlm.log import get_logger
+from distlm.core.documents import ProfileSummary, ProfileWindow, write_document
+from distlm.core.io import atomic_path, write_json, write_text
+from distlm.core.log import get_logger
+from distlm.runtime.device import DeviceBackend
 from distlm.settings import ProfileSettings
 
 log = get_logger(__name__)

@@ -13,10 +13,10 @@ from typing import Any
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.dist import Topology
-from distlm.documents import RunIdentity
-from distlm.io import remove_leftovers
-from distlm.log import get_logger
+from distlm.core.documents import RunIdentity
+from distlm.core.io import remove_leftovers
+from distlm.core.log import get_logger
+from distlm.runtime.dist import Topology
 from distlm.settings import TrainSettings
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import identity as identity_mod

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
+from distlm.core.documents import ModelMeta, TokenMeta
+from distlm.core.log import get_logger
 from distlm.data import TokenBlocks, read_tokens_meta
-from distlm.dist import Topology
-from distlm.documents import ModelMeta, TokenMeta
 from distlm.family import ModelArgs
-from distlm.lease import Lease
-from distlm.log import get_logger
 from distlm.model import read_args, read_meta
+from distlm.runtime.dist import Topology
+from distlm.runtime.lease import Lease
 from distlm.settings.train import TrainConfig
 from distlm.train.paths import TrainPaths
 from distlm.train.step_sampler import BatchPlan, StepLoader, StepSampler, plan_batch

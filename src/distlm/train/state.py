@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from distlm import DistlmError, __version__
-from distlm.documents import CheckpointState, RunIdentity
+from distlm.core.documents import CheckpointState, RunIdentity
 
 if TYPE_CHECKING:
-    from distlm.dist import Topology
     from distlm.family.transformer import Transformer
+    from distlm.runtime.dist import Topology
     from distlm.train.checkpoint import Checkpoint
     from distlm.train.checkpoint_writer import CheckpointWriter
     from distlm.train.step_sampler import StepSampler

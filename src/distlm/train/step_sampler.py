@@ -16,7 +16,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.data import TokenBlocks
-from distlm.device import DeviceBackend
+from distlm.runtime.device import DeviceBackend
 from distlm.settings.train import BatchPlan, plan_batch
 
 __all__ = ["BatchPlan", "StepLoader", "StepSampler", "plan_batch"]

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.documents import STOP_NOTICE_ENV, StopNotice, write_document
+from distlm.core.documents import STOP_NOTICE_ENV, StopNotice, write_document
 
 __all__ = ["STOP_NOTICE_ENV", "StopNotice", "write_stop_notice"]
 

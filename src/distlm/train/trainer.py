@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function as phase
 
-from distlm import DistlmError, stop_latch
-from distlm.dist import Topology
-from distlm.documents import ModelMeta
-from distlm.log import get_logger, progress
+from distlm import DistlmError
+from distlm.core.documents import ModelMeta
+from distlm.core.log import get_logger, progress
+from distlm.runtime import stop_latch
+from distlm.runtime.dist import Topology
 from distlm.settings import TrainSettings
 from distlm.settings.train import TrainConfig
 from distlm.train import checkpoint_save, outputs, resume, setup
@@ -96,7 +97,7 @@ class Trainer:
         t = cfg.train
         self.cfg, self.tcfg, self.paths, self.topo = cfg, t, paths, topo
         self.device = topo.device
-        self.hw = topo.device_backend  # device, precision, kernels, compile (distlm.device)
+        self.hw = topo.device_backend  # device, precision, kernels, compile (distlm.runtime.device)
         self._opened = contextlib.ExitStack()  # what close() closes, last opened first
         try:
             # rank 0's hold on the stage folder, before anything is written (None elsewhere)
@@ -576,7 +577,7 @@ class Trainer:
 def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
     """The training stage on this rank (the train stage's keys: `runtime`, `train`, `transfer`):
     process group up, train, outputs written, torn down."""
-    from distlm.dist import distributed
+    from distlm.runtime.dist import distributed
 
     rt, t = cfg.runtime, cfg.train
     with distributed(
@@ -588,7 +589,7 @@ def run_training(cfg: TrainConfig, paths: TrainPaths) -> ModelMeta | None:
         precision_key="train.precision",
         compile=t.compile,
     ) as topo:
-        # before the model and the first step allocate (a CPU rank's heap: distlm.device)
+        # before the model and the first step allocate (a CPU rank's heap: distlm.runtime.device)
         topo.device_backend.keep_host_memory(f"rank {topo.rank}")
         trainer = Trainer(cfg, paths, topo)
         try:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlm.device import synchronize
-from distlm.documents import TransferStats
+from distlm.core.documents import TransferStats
+from distlm.runtime.device import synchronize
 from distlm.settings import TransferSettings
 from distlm.transfer import handshake, stream
 from distlm.transfer.errors import TransferError

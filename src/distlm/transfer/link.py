@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from distlm.documents import Document, encode
+from distlm.core.documents import Document, encode
 from distlm.transfer.errors import TransferError
 from distlm.transfer.messages import M, read_message
 from distlm.transfer.watch import Watch

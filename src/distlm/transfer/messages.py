@@ -3,10 +3,10 @@
     plan       sender -> receivers (relayed down the chain)   PlanMessage
     check      each receiver -> sender                        MetadataCheck
     go / stop  sender -> each receiver                        MetadataVerdict
-    report     each receiver -> sender                        TransferStats (distlm.documents)
+    report     each receiver -> sender                        TransferStats (distlm.core.documents)
     verdict    sender -> each receiver                        TransferVerdict
 
-Each travels as a `distlm.documents` message (`{"format": "<kind>/<version>", ...}`) over the
+Each travels as a `distlm.core.documents` message (`{"format": "<kind>/<version>", ...}`) over the
 control link; `read_message` refuses another kind or version, naming the sender, since every rank
 of a transfer must run the same distlm. The bulk bytes and the checksums are raw tensors.
 """
@@ -19,7 +19,7 @@ from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from distlm.documents import Document, DocumentError
+from distlm.core.documents import Document, DocumentError
 from distlm.transfer.errors import TransferError
 from distlm.transfer.plan import Entry, Plan, dtype_of
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Protocol, get_args
 
 import torch
 
-from distlm.device import backend_problem
+from distlm.runtime.device import backend_problem
 from distlm.settings import TransferSettings
 from distlm.transfer.errors import TransferError
 from distlm.transfer.link import Link

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distlm.device import group_device, host
+from distlm.runtime.device import group_device, host
 from distlm.settings import TransferSettings
 from distlm.transfer.checksum import Checksum
 from distlm.transfer.errors import TransferError

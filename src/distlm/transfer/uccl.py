@@ -24,8 +24,8 @@ from typing import ClassVar, NoReturn
 
 import torch
 
-from distlm.device import gpu_index, gpu_problem, stream_synchronize
-from distlm.log import get_logger
+from distlm.core.log import get_logger
+from distlm.runtime.device import gpu_index, gpu_problem, stream_synchronize
 from distlm.transfer.errors import TransferError
 
 log = get_logger(__name__)

@@ -51,7 +51,7 @@ if STEP_S and "RANK" in os.environ:
 if os.environ.get("DISTLM_TEST_BACKGROUND_CHECKPOINTS") and "RANK" in os.environ:
     import dataclasses
 
-    from distlm.device import DeviceBackend
+    from distlm.runtime.device import DeviceBackend
 
     _for_rank = DeviceBackend.for_rank
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from distlm import DistlmError
+from distlm.core.section import Real, Section
 from distlm.family.spec import (
     ACTIVATIONS,
     ONLY_WHEN_SET,
@@ -22,7 +23,6 @@ from distlm.family.spec import (
     ModelArgs,
     TensorNames,
 )
-from distlm.section import Real, Section
 
 # model.init's defaults of the keys the Llama family has and GPT-2 lacks (config/README.md)
 ROPE_THETA = 10000.0

@@ -13,13 +13,13 @@ import json
 import time
 
 from distlm import DistlmError
-from distlm.documents import InferenceTiming, Ttft, write_document
+from distlm.core.documents import InferenceTiming, Ttft, write_document
+from distlm.core.io import atomic_path
+from distlm.core.log import get_logger
 from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.prompts import RequestError, read_prompts
 from distlm.inference.request import prepare_request, sampling_settings
-from distlm.io import atomic_path
-from distlm.log import get_logger
 from distlm.settings import InferenceSettings
 
 log = get_logger(__name__)

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from distlm import DistlmError
-from distlm.dist import MPI_RING, Topology
+from distlm.core.log import flush_to_reader, get_logger
 from distlm.inference.engine.pipeline_stage import StageModel, load_stage
 from distlm.inference.engine.ring import PipelineError, Ring
 from distlm.inference.engine.scheduler import Scheduler
 from distlm.inference.engine.worker import worker_loop
 from distlm.inference.stats import StageInfo, StageStats
-from distlm.log import flush_to_reader, get_logger
+from distlm.runtime.dist import MPI_RING, Topology
 from distlm.settings import EngineSettings
 
 log = get_logger(__name__)
@@ -93,10 +93,10 @@ def mpi_pipeline(
     of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
     with 2, whose threads took turns on the cores with the API server's).
     """
-    from distlm.device import DeviceBackend
-    from distlm.heap import freeze_startup_heap
-    from distlm.lifeline import bind_to_launcher
-    from distlm.mpi_init import MPILaunchError, init_mpi
+    from distlm.runtime.device import DeviceBackend
+    from distlm.runtime.heap import freeze_startup_heap
+    from distlm.runtime.lifeline import bind_to_launcher
+    from distlm.runtime.mpi_init import MPILaunchError, init_mpi
 
     try:
         # not `from mpi4py import MPI`: MPI_Init's failures are C aborts, so the launch is checked

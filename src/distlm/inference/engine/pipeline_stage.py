@@ -12,13 +12,12 @@ own new tokens (causal); the decode items of a micro-batch (one new token each) 
 in one call, over their lanes' cached keys with a mask of each lane's length, so a sequence's
 logits do not depend on which other sequences share its micro-batch, and a decode step costs a
 handful of tensor operations per layer whatever the number of sequences. On a GPU a decode step
-is a CUDA graph replayed (`DecodeGraphs`).
+is a CUDA graph replayed (`DecodeGraphs`, engine/graphs.py). A micro-batch's items and where
+its tokens go (the plan, the decode rows' attention) are engine/micro_batch.py's.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,28 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
-from distlm.device import DeviceBackend, StepGraph
-from distlm.documents import ShardEntry
+from distlm.core.documents import ShardEntry
+from distlm.core.log import get_logger
 from distlm.family import ModelArgs, family_of
-from distlm.log import get_logger
+from distlm.inference.engine.graphs import DecodeGraphs
+from distlm.inference.engine.micro_batch import Item, _attend_decode, _Plan
 from distlm.model import load_stage_shard, read_args, read_manifest
+from distlm.runtime.device import DeviceBackend
+
+__all__ = ["Item", "StageModel", "load_stage"]  # Item: the micro-batch's (engine/micro_batch.py)
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Item:
-    """One sequence's slice of a micro-batch: `n` new tokens at positions [pos, pos + n)."""
-
-    seq: int  # sequence id (unique per run)
-    lane: int  # KV-cache slot
-    pos: int  # position of the first new token; 0 starts the lane afresh (prefill)
-    n: int
-
-    @property
-    def decode(self) -> bool:
-        """One new token after cached ones: what the decode steps batch (eager or as a graph)."""
-        return self.n == 1 and self.pos > 0
 
 
 class StageModel(nn.Module):
@@ -282,276 +270,6 @@ class StageModel(nn.Module):
             )
             a[off : off + it.n] = o[0].transpose(0, 1).reshape(it.n, W)
         return a
-
-
-def _attend_decode(
-    d: _Decode, qd: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float, gqa: bool
-) -> torch.Tensor:
-    """The decode rows' queries qd (R, n_head, 1, D) over their cache rows -> (R, n_head, 1, D)."""
-    if d.lanes is None:  # the cache rows [lo, lo + R) in place: a view, nothing copied
-        Kd, Vd = K[d.lo : d.lo + d.R, :, : d.T], V[d.lo : d.lo + d.R, :, : d.T]
-    else:  # lanes spread out: their rows gathered
-        Kd, Vd = K[d.lanes, :, : d.T], V[d.lanes, :, : d.T]
-    return F.scaled_dot_product_attention(qd, Kd, Vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa)
-
-
-class _Plan:
-    """Where a micro-batch's tokens go: cache rows, and the decode items attended together."""
-
-    def __init__(self, items: list[Item], dev, dtype: torch.dtype = torch.float32) -> None:
-        self.single = items[0] if len(items) == 1 else None
-        if self.single is not None:
-            it = self.single  # each new token's position (N,), for embeddings and rotary
-            self.positions = torch.arange(it.pos, it.pos + it.n, device=dev)
-            return
-        lanes: list[int] = []
-        positions: list[int] = []
-        decode: list[tuple[int, Item]] = []
-        self.others: list[tuple[int, Item]] = []
-        off = 0
-        for it in items:
-            if it.decode:
-                decode.append((off, it))
-                lanes.append(it.lane)
-                positions.append(it.pos)
-            else:
-                self.others.append((off, it))
-                lanes += [it.lane] * it.n
-                positions += range(it.pos, it.pos + it.n)
-            off += it.n
-        # one tensor made for both (each torch.tensor call costs microseconds a step)
-        self.lanes, self.positions = torch.tensor([lanes, positions], device=dev).unbind(0)
-        self.decode = _Decode(decode, dev, dtype, whole=not self.others) if decode else None
-
-
-class _Decode:
-    """The decode items of a micro-batch (one new token each), attended together in one SDPA
-    call: a batch of R rows over T cached positions, each row masked to its lane's length.
-
-    When the items' lanes lie close together (the scheduler hands out the lowest lanes first and
-    reuses freed ones, so they do while one stage serves), the rows are the cache's own rows
-    lo..lo + R - 1, read in place; a row whose lane has no item here attends position 0 with
-    another item's query, its output unused. Else the rows are the items' lanes, gathered (a
-    copy of their keys and values per layer).
-
-    The mask is additive (0 where a row attends, -inf elsewhere), made once for every layer of
-    the step: SDPA turns a boolean mask into exactly this one in each call."""
-
-    def __init__(self, decode: list[tuple[int, Item]], dev, dtype, *, whole: bool) -> None:
-        self.B = B = len(decode)
-        lanes = [it.lane for _, it in decode]
-        rows = [o for o, _ in decode]  # the items' tokens in the micro-batch
-        self.T = max(it.pos for _, it in decode) + 1
-        self.lo = min(lanes)
-        self.R = max(lanes) - self.lo + 1
-        self.lanes: torch.Tensor | None = None  # None: the rows lo..lo + R - 1, in place
-        if self.R > 2 * B:  # too sparse: attending every row between them would cost more
-            self.R, self.lanes = B, torch.tensor(lanes, device=dev)
-            at = list(range(B))
-        else:
-            at = [lane - self.lo for lane in lanes]
-        # `first`: the items are the micro-batch's first B tokens (the scheduler launches decodes
-        # first, by lane); `aligned`: and on lanes lo, lo + 1, ... in order, so item i is token
-        # i and row i, its query and output taken as they lie; `whole`: and nothing else is in it
-        self.first = rows == list(range(B))
-        self.aligned = self.first and self.lanes is None and self.R == B and at == list(range(B))
-        self.whole = whole and self.aligned
-        ends = [1] * self.R  # a row with no item here attends position 0 (output unused)
-        src = [rows[0]] * self.R  # each row's query: its item's token (any, for a row without)
-        for row, o, (_, it) in zip(at, rows, decode):
-            ends[row] = it.pos + 1
-            src[row] = o
-        if not self.aligned:
-            self.src = torch.tensor(src, device=dev)  # (R,)
-            self.at = torch.tensor(at, device=dev)  # (B,) each item's row
-        if not self.first:
-            self.rows = torch.tensor(rows, device=dev)  # (B,)
-        beyond = torch.arange(self.T, device=dev) >= torch.tensor(ends, device=dev).unsqueeze(1)
-        mask = torch.zeros(self.R, self.T, dtype=dtype, device=dev).masked_fill_(beyond, -torch.inf)
-        self.mask = mask[:, None, None, :]  # (R, 1, 1, T): each row's length
-
-
-class DecodeGraphs:
-    """Decode steps as CUDA graphs, one per block of cache rows, as vLLM captures its decode
-    batches.
-
-    A decode step (every item of a micro-batch one new token after cached ones) is a few hundred
-    small kernels; on a GPU it is bound by launching them, not by computing them. Captured once
-    as a CUDA graph, a step is one launch. A graph replays fixed kernels on fixed memory, so the
-    step it captures has fixed shapes and addresses (`StaticStep`):
-
-    - **Rows, not items.** It runs R rows of the KV cache, lanes lo..lo + R - 1, each row the
-      item on that lane: R a power of two, lo a multiple of R (buddy blocks), the smallest such
-      block that holds the step's lanes, within the cache's (the scheduler hands out the lowest
-      lanes first, and a pipeline's micro-batches take blocks of lanes, so the blocks are few).
-      A row whose lane has no item here attends position 0 (its output unused) and writes its
-      key and value into the cache's scratch position (the last one, which no row ever attends:
-      `StageModel._reserve`), never over another sequence's.
-    - **Every cached position.** Each row attends the cache's T positions with an additive mask
-      of its own length (0 up to its position, -inf after), the mask the eager step makes for
-      its longest item's length.
-    - **Inputs in place.** The step's token ids (or hidden states, after stage 0), positions,
-      write positions and mask are copied into the step's own tensors before each replay; its
-      output rows are picked in the items' order after it.
-
-    A graph holds the cache's and the weights' addresses: when the cache grows or the weights
-    move (`StageModel._reserve`, `_apply`), every graph is dropped (`clear`) and the next decode
-    step of a block captures again. A capture that fails is logged and the stage's decode steps
-    stay eager from then on (`run` returns None): a server keeps serving.
-
-    The step is device-neutral: the same tensor operations as the eager step (the family's
-    blocks, SDPA), with fixed shapes. Only the capture is CUDA's; on the CPU
-    (tests/test_decode_graphs.py) the static step runs as it is, so its numerics are checked
-    there against the eager step. The device backend decides whether a stage has them
-    (`DeviceBackend.decode_graphs`: on a GPU).
-    """
-
-    def __init__(self, model: StageModel, *, capture: bool) -> None:
-        self.model = model
-        self.capture = capture  # as CUDA graphs (the device backend's `capture_graphs`)
-        self._steps: dict[tuple[int, int], StaticStep] = {}
-        self.captured = 0  # graphs captured so far (the log and the tests read it)
-
-    def blocks(self) -> list[tuple[int, int]]:
-        """The blocks of rows (lo, R) that have a step now."""
-        return sorted(self._steps)
-
-    def clear(self) -> None:
-        """Drop every step: the cache or the weights they captured moved."""
-        self._steps.clear()
-
-    @staticmethod
-    def decode(items: list[Item]) -> bool:
-        """Whether `items` are a decode step (each one new token after cached ones)."""
-        return all(it.decode for it in items)
-
-    def block(self, items: list[Item]) -> tuple[int, int]:
-        """The rows (lo, R) of the static step of `items`: the smallest block of R lanes (a power
-        of two) at a multiple of R that holds their lanes, within the cache's lanes."""
-        lanes = self.model.kv[0].shape[0]
-        a = min(it.lane for it in items)
-        b = max(it.lane for it in items)
-        R = 1 << (b - a).bit_length()  # the smallest power of two above b - a
-        while a // R != b // R:  # the block at a multiple of R must hold both
-            R *= 2
-        lo = a // R * R
-        if lo + R > lanes:  # past the cache's lanes: the block of its last R lanes
-            R = min(R, lanes)
-            lo = lanes - R
-        return lo, R
-
-    def run(self, items: list[Item], x: torch.Tensor) -> torch.Tensor | None:
-        """The decode step of `items` (token ids (B,) on stage 0, hidden states (B, C) after)
-        in its static step -> hidden states (B, C), or logits (B, V) on the last stage, in the
-        items' order; None when the step's capture failed (logged; nothing was computed that
-        the eager step would not write the same)."""
-        lo, R = self.block(items)
-        step = self._steps.get((lo, R))
-        if step is None:
-            step = self._steps[lo, R] = StaticStep(self.model, lo, R)
-        rows = step.load(items, x)
-        if not self.capture:  # no graphs: the static step as it is
-            return step.forward().index_select(0, rows)
-        if step.graph is None:
-            t0 = time.perf_counter()
-            try:
-                step.capture()
-            except RuntimeError as e:  # torch's CUDA errors, out of memory among them
-                log.warning(
-                    "stage %d: decode steps stay eager: capturing the step of lanes %d-%d as a "
-                    "CUDA graph failed: %s",
-                    self.model.stage,
-                    lo,
-                    lo + R - 1,
-                    e,
-                )
-                self.clear()
-                return None
-            self.captured += 1
-            log.debug(
-                "stage %d: the decode step of lanes %d-%d over %d positions captured in %.0f ms",
-                self.model.stage,
-                lo,
-                lo + R - 1,
-                step.T,
-                (time.perf_counter() - t0) * 1e3,
-            )
-        return step.replay().index_select(0, rows)
-
-
-class StaticStep:
-    """One block's decode step over the cache's rows [lo, lo + R), its shapes and tensors fixed
-    (DecodeGraphs' doc); `forward` is what a CUDA graph captures."""
-
-    def __init__(self, model: StageModel, lo: int, rows: int) -> None:
-        self.model = model
-        dev, R = model.device, rows
-        self.lo, self.R = lo, R
-        self.T = model.kv[0].shape[3] - 1  # the positions rows attend; index T is the scratch
-        long = {"dtype": torch.long, "device": dev}
-        self.lanes = torch.arange(lo, lo + R, **long)
-        self.span = torch.arange(self.T, **long)
-        self.pos = torch.zeros(R, **long)  # each row's new position (0: a row without an item)
-        self.write = torch.full((R,), self.T, **long)  # where each row's key and value go
-        self.mask = torch.zeros(R, 1, 1, self.T, dtype=model.dtype, device=dev)
-        # the rows' token ids (stage 0) or hidden states (R, C) (later stages)
-        self.x = (
-            torch.zeros(R, **long)
-            if model.first
-            else torch.zeros(R, model.hidden_size, dtype=model.dtype, device=dev)
-        )
-        # `forward` as a CUDA graph (`capture`)
-        self.graph: StepGraph | None = None
-
-    def load(self, items: list[Item], x: torch.Tensor) -> torch.Tensor:
-        """The step's inputs into this step's tensors, in place; returns the items' rows (B,)."""
-        dev = self.model.device
-        # one tensor made for both (each torch.tensor call costs microseconds a step)
-        rows, pos = torch.tensor(
-            [[it.lane - self.lo for it in items], [it.pos for it in items]], device=dev
-        )
-        self.pos.zero_().index_copy_(0, rows, pos)
-        self.write.fill_(self.T).index_copy_(0, rows, pos)
-        self.x.index_copy_(0, rows, x.to(dev, self.x.dtype))
-        # each row attends its cached positions up to its own (a row without one: position 0)
-        beyond = (self.span > self.pos.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, T)
-        self.mask.zero_().masked_fill_(beyond, -torch.inf)
-        return rows
-
-    def forward(self) -> torch.Tensor:
-        """The stage's layers over the R rows, as the eager decode step computes them: hidden
-        states (R, C), or logits (R, V) on the last stage."""
-        m, b = self.model, self.model.blocks
-        lo, R, T = self.lo, self.R, self.T
-        h = b.embed(self.x, self.pos) if m.first else self.x
-        rot = b.positions(self.pos, m.dtype)
-        for j, block in enumerate(m._blocks):
-            q, kv = block.qkv(h, rot)  # (R, n_head, D), (R, 2, n_kv_head, D)
-            cache = m.kv[j]  # (lanes, 2, n_kv_head, T + 1, D)
-            cache[self.lanes, :, :, self.write] = kv  # rows without an item: the scratch position
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # (R, n_head, 1, D)
-                cache[lo : lo + R, 0, :, :T],
-                cache[lo : lo + R, 1, :, :T],
-                attn_mask=self.mask,
-                scale=m.scales[j],
-                enable_gqa=m.gqa,
-            )
-            h = block.finish(h, o.reshape(R, m.width))
-        return b.head(h) if m.last else h
-
-    def capture(self) -> None:
-        """`forward` captured as a CUDA graph on the model's device (distlm.device's
-        `StepGraph`, after one run outside it that writes what the first replay does: the same
-        keys and values into the same places)."""
-        self.graph = StepGraph(self.model.device, self.forward)
-
-    def replay(self) -> torch.Tensor:
-        """`forward`'s output, by replaying its graph (`capture` first): valid until the next
-        replay, which writes the same tensor."""
-        if self.graph is None:
-            raise RuntimeError("StaticStep.replay before capture")
-        return self.graph.replay()
 
 
 def load_stage(

@@ -1,12 +1,12 @@
 """The ring of stages: a rank's link to the next and previous stage (where it sits is its
-distlm.dist.Topology, backend MPI), and the named, versioned messages that travel round it (MPI
+distlm.runtime.dist.Topology, backend MPI), and the named, versioned messages that travel round it (MPI
 point-to-point, every wait with a deadline).
 
     stage 0 --Work--> stage 1 --Work--> ... --Work--> last stage --Tokens--> stage 0
     Hello and Stop go round once each, at start (where each stage runs) and at the end (its stats).
 
 Each message goes out as the pair (RING_VERSION, message), pickled by mpi4py. The engine channel
-(messages.py) and the documents (distlm.documents) use msgpack and JSON because other programs
+(messages.py) and the documents (distlm.core.documents) use msgpack and JSON because other programs
 could read them; the ring links ranks of one MPI job only, and its Work messages carry hidden
 states as numpy arrays, which pickle protocol 5 moves without a copy through a JSON-like encoding.
 So the ring keeps pickle, and the version in front of every message is what catches ranks started
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from distlm import DistlmError
-from distlm.dist import Topology
 from distlm.inference.engine.pipeline_stage import Item, StageModel
-from distlm.inference.sampling import SamplingParams
+from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
+from distlm.runtime.dist import Topology
 
 RING_VERSION = 1  # 1: typed StageInfo / StageBrief / StageStats, Work.release
 TAG = 17

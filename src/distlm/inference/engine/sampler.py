@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from distlm import DistlmError
+from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Pick, PipelineError, Slot
-from distlm.inference.sampling import SamplingParams
-from distlm.log import get_logger
+from distlm.inference.sampling_params import SamplingParams
 
 log = get_logger(__name__)
 

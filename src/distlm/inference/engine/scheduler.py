@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from distlm.dist import Topology
 from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.engine.ring import (
     Backoff,
@@ -45,8 +44,9 @@ from distlm.inference.engine.ring import (
     to_wire,
 )
 from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage
-from distlm.inference.sampling import SamplingParams
+from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
+from distlm.runtime.dist import Topology
 
 # With decode graphs: how many decode micro-batches a ready prefill may wait for before it goes
 # (with every other prefill ready then). A mixed micro-batch is eager (~5 ms of launches for a
@@ -420,7 +420,7 @@ class Scheduler:
 def _launch_order(seq: Sequence) -> tuple[bool, int]:
     """A micro-batch's order: its decodes first, by lane, then its prefills. Lanes are reused as
     sequences end, so the order sequences come back in drifts from the lanes' order; in this one
-    the stage reads the decode rows' queries and cache rows as they lie (stage._Decode.aligned)
+    the stage reads the decode rows' queries and cache rows as they lie (micro_batch._Decode.aligned)
     instead of picking them by index in every layer."""
     return (not seq.tokens, seq.lane)
 

@@ -27,6 +27,8 @@ from typing import Self
 
 import zmq
 
+from distlm.core.io import pid_alive
+from distlm.core.log import get_logger
 from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.engine.ring import Pick, PipelineError
 from distlm.inference.engine.scheduler import Sequence, run_stage0
@@ -45,8 +47,6 @@ from distlm.inference.messages import (
     encode,
     encode_batch,
 )
-from distlm.io import pid_alive
-from distlm.log import get_logger
 from distlm.settings import MAX_SEED, EngineSettings
 
 log = get_logger(__name__)

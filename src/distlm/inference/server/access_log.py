@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import time
 
+from distlm.core.log import get_logger
 from distlm.inference.server.metrics import Metrics
-from distlm.log import get_logger
 
 access = get_logger("distlm.inference.access")
 

@@ -15,13 +15,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from distlm.core.log import get_logger
 from distlm.inference.server.client import EngineClient
 from distlm.inference.server.errors import ApiError, error_doc
 from distlm.inference.server.metrics import Metrics
 from distlm.inference.server.prepare import Job
 from distlm.inference.server.render import Answer
 from distlm.inference.server.responses import Usage
-from distlm.log import get_logger
 from distlm.settings import EngineSettings, ServeSettings
 
 log = get_logger(__name__)

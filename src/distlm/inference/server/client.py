@@ -12,6 +12,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from distlm.core.log import get_logger
 from distlm.inference.messages import (
     Cancel,
     ChannelError,
@@ -26,9 +27,8 @@ from distlm.inference.messages import (
     decode_all,
     encode,
 )
-from distlm.inference.sampling import SamplingParams
+from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.server.metrics import Metrics
-from distlm.log import get_logger
 
 log = get_logger(__name__)
 

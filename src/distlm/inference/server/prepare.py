@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from distlm.inference.messages import Ready
 from distlm.inference.prompts import RequestError
 from distlm.inference.request import prepare_request, sampling_settings
-from distlm.inference.sampling import SamplingParams
+from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.requests import (
     ChatCompletionRequest,

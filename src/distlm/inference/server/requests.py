@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from distlm.inference.prompts import RequestError
 from distlm.inference.request import HTTP_NAMES
-from distlm.inference.sampling import MAX_LOGPROBS
+from distlm.inference.sampling_params import MAX_LOGPROBS
 from distlm.inference.server.chat import chat_prompt, check_messages
 from distlm.inference.server.errors import ApiError, short
 

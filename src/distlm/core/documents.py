@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from distlm import DistlmError
-from distlm.io import digest, write_json
+from distlm.core.io import digest, write_json
 
 D = TypeVar("D", bound="Document")
 
@@ -77,7 +77,7 @@ class Document(BaseModel):
 
 
 def write_document(path: str | os.PathLike, doc: Document) -> None:
-    """Write `doc` atomically (distlm.io) with its format tag."""
+    """Write `doc` atomically (distlm.core.io) with its format tag."""
     write_json(path, doc.to_json())
 
 

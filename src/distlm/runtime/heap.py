@@ -1,8 +1,8 @@
 """A long-lived process's Python heap: its start-up objects kept out of the garbage collector's
 full collections. (The C heap of a CPU training rank, glibc keeping the memory it frees, is the
-device backend's: distlm.device.keep_freed_memory.)
+device backend's: distlm.runtime.host.keep_freed_memory.)
 
-    from distlm.heap import freeze_startup_heap
+    from distlm.runtime.heap import freeze_startup_heap
     freeze_startup_heap("serve engine, stage 0")   # once started: imports done, weights loaded
 
 What a process builds to start (torch's and transformers' modules, the model's Python objects, the
@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import time
 
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 
 log = get_logger(__name__)
 

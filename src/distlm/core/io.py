@@ -162,7 +162,7 @@ def remove_leftovers(folder: str | os.PathLike, name: str | None = None) -> list
             entry.unlink(missing_ok=True)
         removed.append(entry)
     if removed:
-        from distlm.log import get_logger
+        from distlm.core.log import get_logger
 
         get_logger(__name__).info(
             "removed %d leftovers of interrupted writes in %s: %s",

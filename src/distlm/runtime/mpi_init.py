@@ -1,6 +1,6 @@
 """Joining the MPI world: what the launcher's PMI and the MPI library can do, checked before MPI_Init.
 
-    from distlm.mpi_init import init_mpi
+    from distlm.runtime.mpi_init import init_mpi
     MPI = init_mpi()       # instead of `from mpi4py import MPI`: checks, then MPI_Init_thread
 
 A rank joins its world inside MPI_Init, through the launcher's PMI server (srun's slurmstepd,
@@ -51,7 +51,7 @@ from importlib import metadata
 from typing import Any
 
 from distlm import DistlmError
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 
 log = get_logger(__name__)
 

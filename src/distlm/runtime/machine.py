@@ -3,7 +3,7 @@
 The workflow reads this while it builds the DAG (no torch there: `distlm.settings`' contract), to
 refuse before the first job a config that asks for more GPUs than this machine has, with the
 key to change. Under SLURM the node that runs Snakemake usually has no GPU; there the check is
-the ranks' own (`distlm.device`), where they run.
+the ranks' own (`distlm.runtime.device`), where they run.
 
     visible_gpus()   # 0 on a machine without the NVIDIA driver; CUDA_VISIBLE_DEVICES honoured
     this_machine()   # Machine(gpus, gpu_memory, host_memory): what a config's ranks would get
@@ -69,7 +69,7 @@ def gpu_memory() -> int | None:
 
 
 # What `runtime.device`'s values (distlm.settings' DeviceSettings) ask of the machine, for the
-# settings' checks (no torch there); distlm.device resolves them for a rank, with torch.
+# settings' checks (no torch there); distlm.runtime.device resolves them for a rank, with torch.
 def may_use_gpu(device: str) -> bool:
     """Whether ranks of `runtime.device` `device` may run on GPUs (cuda, or auto on a GPU node)."""
     return device != "cpu"
@@ -94,7 +94,7 @@ def ranks_problem(
     --nproc-per-node=gpu), cannot run on `where`, which has `gpus` GPUs that CUDA can see; None
     when they can. The one rule of "the ranks fit the GPUs", asked where each launch path sees the
     GPUs: the workflow before any job (distlm.settings.ranks), the SLURM launcher on each node
-    (distlm.launch.srun) and every rank (distlm.device). The problem names `key`, the count that
+    (distlm.launch.srun) and every rank (distlm.runtime.device). The problem names `key`, the count that
     asked for the ranks, and `stage` when the count is not the key's value (the broadcast's
     ranks are its receivers and the sender); `seen` says what was looked at, `fix` adds a way out
     of a node without a GPU."""

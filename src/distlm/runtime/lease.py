@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import ClassVar, Self
 
 from distlm import DistlmError
-from distlm.documents import Document, DocumentError, read_document
-from distlm.io import new_temp_file, pid_alive
-from distlm.log import get_logger
+from distlm.core.documents import Document, DocumentError, read_document
+from distlm.core.io import new_temp_file, pid_alive
+from distlm.core.log import get_logger
 
 log = get_logger(__name__)
 

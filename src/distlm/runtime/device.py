@@ -23,20 +23,17 @@ rounding, and the CPU tests run both (tests/test_device.py).
 
 A rank refuses a config its node cannot run, naming the key: more ranks on the node than it has
 GPUs, `cuda` on a node without one, a precision the GPU lacks. The workflow refuses the same
-before its first job when it runs the jobs on this machine (`distlm.machine`); under SLURM the
+before its first job when it runs the jobs on this machine (`distlm.runtime.machine`); under SLURM the
 node that runs Snakemake has no GPU to ask, so the ranks' check is the one that counts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
-import platform
 import random
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -44,8 +41,9 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from distlm import DistlmError
-from distlm.log import get_logger
-from distlm.machine import host_share, ranks_problem
+from distlm.core.log import get_logger
+from distlm.runtime.host import keep_freed_memory
+from distlm.runtime.machine import host_share, ranks_problem
 
 log = get_logger(__name__)
 
@@ -65,7 +63,7 @@ def resolve_device(device: str) -> str:
 
 def check_ranks_fit(local_ranks: int, gpus: int, *, ranks_key: str, where: str) -> None:
     """More ranks on a node than it has GPUs is refused, naming the key that asked for them
-    (distlm.machine.ranks_problem, with what this rank's torch sees)."""
+    (distlm.runtime.machine.ranks_problem, with what this rank's torch sees)."""
     seen = (
         f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}, torch "
         f"{torch.__version__}, CUDA build {torch.version.cuda})"
@@ -227,7 +225,7 @@ class DeviceBackend:
     # the copy costs what the write saves, so it writes in the loop. Given only by tests.
     background_checkpoints: bool = None  # pyright: ignore[reportAssignmentType]
     # Whether the pipeline engine's decode steps run as static steps, one per block of cache
-    # rows, captured as CUDA graphs (distlm.inference.engine.pipeline_stage's `DecodeGraphs`): on
+    # rows, captured as CUDA graphs (distlm.inference.engine.graphs' `DecodeGraphs`): on
     # a GPU, where a decode step is bound by launching its kernels; on the CPU each kernel's own
     # time dominates and the eager step, sized to its items, does less. Given only by tests,
     # which run the static steps on the CPU (without a capture) to check their numerics.
@@ -397,7 +395,7 @@ class DeviceBackend:
     def memory(self, local_ranks: int) -> tuple[int, str]:
         """(bytes this rank has for itself, what they are, for an error): its GPU's, or on the
         CPU its share of the host's memory among the `local_ranks` ranks on it
-        (distlm.dist.Topology.local_world_size)."""
+        (distlm.runtime.dist.Topology.local_world_size)."""
         if self.is_gpu:
             return torch.cuda.get_device_properties(self.device).total_memory, (
                 f"its GPU ({gpu_name(self.device)})"
@@ -419,91 +417,6 @@ class DeviceBackend:
             f"{what}, precision {self.precision}, kernels {self.kernels}, "
             f"compile {'on' if self.compile else 'off'}"
         )
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on (its affinity: a SLURM step's or taskset's share)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def threads_per_rank(
-    env: Mapping[str, str],
-    cpus: int,
-    *,
-    local_ranks: int | None = None,
-    job_budget: bool = False,
-    reserve: int = 0,
-) -> int:
-    """Intra-op threads for one of the `local_ranks` ranks on a host (default: env's
-    LOCAL_WORLD_SIZE) whose process may use `cpus` cores; at least one.
-
-    OMP_NUM_THREADS is per process in torchrun's meaning (it sets 1 when it starts several
-    ranks), but Snakemake sets it to the rule's `threads`, the job's total, which torchrun passes
-    on to every rank: so it is only a ceiling on the rank's share of the cores. With `job_budget`
-    (mpiexec, which sets none of its own) it is the job's budget, the cores when unset, shared
-    equally by the ranks after `reserve` threads for another process of the job."""
-    local = local_ranks or int(env.get("LOCAL_WORLD_SIZE") or 1)
-    omp = env.get("OMP_NUM_THREADS")
-    if job_budget:
-        return max(1, ((int(omp) if omp else cpus) - reserve) // local)
-    share = max(1, cpus // local)
-    return min(int(omp), share) if omp else share
-
-
-# mallopt(3)'s parameters, and what keep_freed_memory sets them to
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_KEEP = (
-    ("M_MMAP_THRESHOLD", _M_MMAP_THRESHOLD, 1 << 30),  # blocks below 1 GiB from the heap
-    ("M_TRIM_THRESHOLD", _M_TRIM_THRESHOLD, (1 << 31) - 1),  # its free top kept (mallopt: an int)
-    ("M_TOP_PAD", _M_TOP_PAD, 64 << 20),  # and grown 64 MiB at a time
-)
-
-
-def keep_freed_memory(what: str) -> bool:
-    """Have glibc's malloc keep the memory this process frees for its next allocations instead
-    of handing it back to the kernel; True when glibc took every setting.
-
-    A training step frees and makes again tensors of the same sizes (activations, gradients, the
-    LM head's chunks of logits). By default glibc serves blocks from 128 KiB up (a threshold it
-    raises to the largest block freed, up to 32 MiB) with their own mmap, unmapped when freed,
-    and trims the heap's free top above twice that threshold: the next step's tensors fault their
-    pages in again, and the kernel zeroes each page. On the embedded default that was up to
-    ~2,600 page faults a rank a step (10 MiB; how many varies from run to run), ~1.7 us each;
-    with this, almost none, and the step's median ~3% shorter (docs/performance.md,
-    "Training"). It is what the environment variables MALLOC_MMAP_THRESHOLD_,
-    MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ set before a process starts, and what PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) gets from
-    jemalloc with its decay turned off. The process then holds its peak heap until it exits,
-    which a training rank reaches every step anyway; so training ranks call it, serving
-    processes (whose tensors a step are small, and whose load comes and goes) do not."""
-    libc, version = platform.libc_ver()
-    if platform.system() != "Linux" or libc != "glibc":
-        log.info(
-            "%s: the C library is not glibc (%s): freed memory goes back as it decides",
-            what,
-            f"{platform.system()}, {libc or 'unknown'}",
-        )
-        return False
-    mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    refused = [name for name, param, value in _KEEP if mallopt(param, value) != 1]
-    if refused:
-        log.warning(
-            "%s: glibc %s refused mallopt %s: freed memory may go back to the kernel and be "
-            "faulted in again",
-            what,
-            version,
-            ", ".join(refused),
-        )
-        return False
-    log.info(
-        "%s: glibc %s keeps freed memory for reuse (%s)",
-        what,
-        version,
-        ", ".join(f"{name} {value >> 20} MiB" for name, _, value in _KEEP),
-    )
-    return True
 
 
 def _node() -> str:

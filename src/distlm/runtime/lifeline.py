@@ -1,7 +1,7 @@
 """Ranks die with their launcher: a rank whose torchrun agent or MPI proxy is gone kills itself.
 
-    from distlm.lifeline import bind_to_launcher
-    bind_to_launcher()        # first thing in every rank (distlm.dist.distributed() does it)
+    from distlm.runtime.lifeline import bind_to_launcher
+    bind_to_launcher()        # first thing in every rank (distlm.runtime.dist.distributed() does it)
 
 Two mechanisms, because either alone has a gap:
 
@@ -16,7 +16,7 @@ Two mechanisms, because either alone has a gap:
 
 Either way the rank dies by SIGKILL within about `poll_s` seconds of its launcher: no orphaned rank
 trains on or writes outputs for a job that is gone. The leftovers of any write it had under way are
-removed at the next start (distlm.io.remove_leftovers).
+removed at the next start (distlm.core.io.remove_leftovers).
 
 `bind_to_launcher()` binds only a process started by a launcher (torchrun's TORCHELASTIC_RUN_ID,
 or an MPI rank's PMI/PMIx/Open MPI variables); a plain process (a test, a world of one) is left
@@ -38,7 +38,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from distlm.log import get_logger
+from distlm.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """Sweeps: many named runs over one base config, each job run once per distinct setting.
 
-    from distlm.sweep import plan_sweep
+    from distlm.dag.sweep import plan_sweep
     plan = plan_sweep(settings)       # None when the settings have no `sweep` section
     plan.runs["lr-0.001"].variants    # {"prepare_data": "3fa2c1d09b7e", "train": ..., ...}
 
@@ -10,7 +10,7 @@ settings' `sweep` section (distlm.settings.sweep.SweepSettings); every run's ove
 through `distlm.settings.validate.with_override`, the base config's validation, and an error
 names the run and the key, before any job starts.
 
-Sharing is derived from the stage declarations (`distlm.stages`), never per key: a job's *variant*
+Sharing is derived from the stage declarations (`distlm.dag.stages`), never per key: a job's *variant*
 is the sha256 of its job name, the config keys its stage reads (`STAGES[stage].keys`, for that
 run) and the variants of the jobs it consumes (`JOBS`). Runs whose variant of a job agree share
 that job. A variant depends on nothing but the run's own config, so:
@@ -41,14 +41,14 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from distlm.config import ConfigError
-from distlm.documents import Document
-from distlm.io import digest
+from distlm.core.documents import Document
+from distlm.core.io import digest
+from distlm.dag.config import ConfigError
+from distlm.dag.stages import JOBS, RESULTS, job_output
 from distlm.settings.root import Settings
 from distlm.settings.stage_configs import stage_params
 from distlm.settings.sweep import DOTTED_PATTERN, NAME_MAX, NAME_PATTERN, SweepSettings
 from distlm.settings.validate import deep_merge, validate, with_override
-from distlm.stages import JOBS, RESULTS, job_output
 
 VARIANTS = f"{RESULTS}/variants"  # one folder per job variant: results/variants/<variant>/...
 RUNS = f"{RESULTS}/runs"  # the per-run view the report writes: results/runs/<run>/...
@@ -171,7 +171,7 @@ def variant_path(path: str, variant: str | None) -> str:
 
 
 def output_path(job: str, output: str, variant: str | None) -> str:
-    """Path of output `output` of job `job` (distlm.stages.JOBS) in variant `variant`."""
+    """Path of output `output` of job `job` (distlm.dag.stages.JOBS) in variant `variant`."""
     return variant_path(job_output(job, output), variant)
 
 
@@ -182,7 +182,7 @@ class Run:
     name: str
     override: dict
     settings: Settings  # the base config's with the override merged over it, validated
-    variants: dict[str, str]  # job (distlm.stages.JOBS) -> variant
+    variants: dict[str, str]  # job (distlm.dag.stages.JOBS) -> variant
 
     @property
     def config(self) -> dict:

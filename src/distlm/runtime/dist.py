@@ -6,7 +6,7 @@
 
 Every stage's ranks are described by it: the torch.distributed stages' (broadcast, train, eval:
 a process group over gloo or nccl) and the inference pipeline's (MPI, a ring: `next`, `prev`,
-`is_last`; distlm.inference.engine). It holds the rank's device backend (distlm.device: device,
+`is_last`; distlm.inference.engine). It holds the rank's device backend (distlm.runtime.device: device,
 precision, autocast, synchronisation, events, graphs) and shares the host's threads among the
 ranks on it (`share_threads`).
 
@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.device import DeviceBackend, is_gpu, threads_per_rank, usable_cpus
-from distlm.lifeline import bind_to_launcher
-from distlm.log import get_logger
+from distlm.core.log import get_logger
+from distlm.runtime.device import DeviceBackend, is_gpu
+from distlm.runtime.host import threads_per_rank, usable_cpus
+from distlm.runtime.lifeline import bind_to_launcher
 
 log = get_logger(__name__)
 
@@ -44,7 +45,7 @@ class Topology:
     """Where this process sits: its rank among `world_size`, its place among the
     `local_world_size` ranks on its host, how the ranks talk (`backend`: gloo or nccl, a
     torch.distributed process group; MPI_RING, the pipeline's ring over MPI), and the device
-    backend it computes with (distlm.device: device, precision, autocast, synchronisation, graphs)."""
+    backend it computes with (distlm.runtime.device: device, precision, autocast, synchronisation, graphs)."""
 
     rank: int
     world_size: int
@@ -108,7 +109,7 @@ class Topology:
         sets 1 itself when it starts several ranks), and a GPU rank keeps torch's own count; under
         mpiexec (the pipeline, which sets none) it is the job's budget, less `reserve` threads for
         another process of the job on this host (serve: the API server beside stage 0)
-        (`distlm.device.threads_per_rank`). The thread count changes float sums, so a resumed run
+        (`distlm.runtime.host.threads_per_rank`). The thread count changes float sums, so a resumed run
         must see the same cores."""
         mpi = self.backend == MPI_RING
         if self.device_backend.is_gpu and not mpi:
@@ -177,8 +178,8 @@ def distributed(
     """Initialise the default process group from the torchrun environment; always tear it down.
 
     Outside torchrun (no RANK in the environment) this is a world of one on a private port.
-    A rank started by a launcher is bound to it first (distlm.lifeline): it dies with it. The
-    device backend (distlm.device) is decided before the group starts: a node with fewer GPUs
+    A rank started by a launcher is bound to it first (distlm.runtime.lifeline): it dies with it. The
+    device backend (distlm.runtime.device) is decided before the group starts: a node with fewer GPUs
     than ranks is refused naming `ranks_key`, a precision its GPU lacks naming `precision_key`.
     """
     bind_to_launcher()

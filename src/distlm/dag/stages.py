@@ -1,7 +1,7 @@
 """Stage contracts: each stage of the DAG declared once, with the config keys it reads, the files
 it writes and the document it reports.
 
-    from distlm.stages import STAGES, stage_config
+    from distlm.dag.stages import STAGES, stage_config
     STAGES["train"].keys                   # ("runtime", "train", "transfer"): TrainConfig's fields
     STAGES["train"].path("final")          # "results/train/final"
     stage_config(cfg, "train")             # the validated config cut down to exactly those keys
@@ -12,8 +12,8 @@ fields of its typed document (`distlm.settings.stage_configs`: a stage that read
 no field for it, so it never silently depends on it). The rules take their params (exactly a
 stage's keys) and output paths from here, the trainer and the report's readers take the same
 paths, and config/README.md's table "what reruns when you change a key" is generated from these
-declarations (`python -m distlm.stages --check` keeps it in sync). So a change to a sampling setting reruns
-inference and the report, and never training.
+declarations (distlm.dag.tables: `python -m distlm.dag.tables --check` keeps it in sync). So a
+change to a sampling setting reruns inference and the report, and never training.
 
 This module imports nothing heavy: the workflow reads it while it builds the DAG.
 """
@@ -21,10 +21,8 @@ This module imports nothing heavy: the workflow reads it while it builds the DAG
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 RESULTS = "results"
@@ -60,7 +58,7 @@ class Stage:
     home: str
     commands: tuple[str, ...]
     outputs: Mapping[str, Output]
-    # (output, type): the output holding the stage's report document and its distlm.documents type
+    # (output, type): the output holding the stage's report document and its distlm.core.documents type
     document: tuple[str, str] | None = None
     # what it reads of other jobs' outputs: its rule's input name -> (job, output); the job
     # "{model}" is the one that writes the {model} folder (MODELS), its output that folder. The
@@ -327,11 +325,11 @@ def stage_config(cfg: Mapping[str, Any], stage: str) -> dict:
     return stage_params(validate(cfg)[1], stage)
 
 
-# ----------------------------------------------------------------------------- rerun table
+# ----------------------------------------------------------------------------- what reruns
 
 
 # Top-level sections that are no stage's setting: `sweep` turns one config into named runs
-# (distlm.sweep; docs/sweeps.md), so it has no row in the rerun table.
+# (distlm.dag.sweep; docs/sweeps.md), so it has no row in the rerun table.
 NOT_STAGE_KEYS = ("sweep",)
 
 
@@ -360,127 +358,3 @@ def reruns(key: str) -> list[str]:
                 hit.add(job)
                 changed = True
     return [job for job in JOBS if job in hit]
-
-
-def _compact(keys: list[str], universe: list[str]) -> list[str]:
-    """Collapse keys that make up a whole subtree of `universe` into `prefix.*`."""
-    chosen = set(keys)
-    out: list[str] = []
-    done: set[str] = set()
-    for k in keys:
-        if k in done:
-            continue
-        parts = k.split(".")
-        best = k
-        for n in range(1, len(parts)):
-            prefix = ".".join(parts[:n]) + "."
-            subtree = [u for u in universe if u.startswith(prefix)]
-            if len(subtree) > 1 and all(u in chosen for u in subtree):
-                best = prefix + "*"
-                done.update(subtree)
-                break
-        if best == k:
-            done.add(k)
-        out.append(best)
-    return out
-
-
-def rerun_table(schema: Mapping[str, Any]) -> str:
-    """Markdown: for every config key, the jobs of `rule all` a change reruns."""
-    universe = schema_keys(schema)
-    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
-    for key in universe:
-        groups.setdefault((key.split(".")[0], tuple(reruns(key))), []).append(key)
-    lines = [
-        "| key | reruns |",
-        "| --- | --- |",
-    ]
-    for (_, jobs), keys in groups.items():
-        shown = ", ".join(f"`{k}`" for k in _compact(keys, universe))
-        lines.append(f"| {shown} | {', '.join(jobs) if jobs else 'nothing in `rule all`'} |")
-    return "\n".join(lines) + "\n"
-
-
-def stage_table() -> str:
-    """Markdown: each stage with its rule, the typed config of its keys, its home and the
-    commands its rule runs (docs/architecture.md, "The stages")."""
-    from distlm.settings.stage_configs import STAGE_CONFIGS
-
-    lines = [
-        "| stage | rule | keys | home | command | results/ |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for s in STAGES.values():
-        config = STAGE_CONFIGS[s.name]
-        keys = f"`{config.__name__}`: " + ", ".join(f"`{k}`" for k in s.keys)
-        commands = "<br>".join(
-            f"`python -m {c}`" if c.startswith("distlm.") else f"`{c}`" for c in s.commands
-        )
-        lines.append(
-            f"| {s.name} | `{s.rule}` | {keys} | `{s.home}` | {commands} | `{s.folder}/` |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-# The generated tables: file -> (marker name, the function that makes the table)
-GENERATED: dict[str, tuple[str, Any]] = {
-    "config/README.md": ("rerun-table", lambda: rerun_table(_schema())),
-    "docs/architecture.md": ("stage-table", stage_table),
-}
-
-
-def _schema() -> dict:
-    from distlm.settings.schema import settings_schema
-
-    return settings_schema()
-
-
-def _markers(name: str) -> tuple[str, str]:
-    return (
-        f"<!-- {name}: generated by `python -m distlm.stages --write`; do not edit -->",
-        f"<!-- /{name} -->",
-    )
-
-
-def with_table(text: str, table: str, *, name: str = "rerun-table", path: str = "") -> str:
-    """`text` with the text between the `name` table's markers replaced by `table`."""
-    begin, end = _markers(name)
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    if not pattern.search(text):
-        raise ValueError(f"{path or 'the file'} has no {begin!r} ... {end!r} block")
-    return pattern.sub(lambda _: f"{begin}\n{table}{end}", text)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m distlm.stages --check|--write`: the generated tables in sync: config/README.md's
-    rerun table and docs/architecture.md's stage table."""
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--write", action="store_true", help="rewrite the tables in their files")
-    p.add_argument("--check", action="store_true", help="exit 1 when a table is out of date")
-    p.add_argument("--root", type=Path, default=Path.cwd(), help="the checkout (default: .)")
-    args = p.parse_args(argv)
-    stale = []
-    for rel, (name, make) in GENERATED.items():
-        path = args.root / rel
-        text = path.read_text(encoding="utf-8")
-        table = make()
-        new = with_table(text, table, name=name, path=str(path))
-        if args.write:
-            if new != text:
-                path.write_text(new, encoding="utf-8")
-        elif args.check:
-            if new != text:
-                stale.append(f"{path}: the {name} is out of date")
-        else:
-            print(table)
-    if stale:
-        print("\n".join(stale) + "; run `python -m distlm.stages --write`", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
