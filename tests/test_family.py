@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from distlm.data import TokenBlocks
 from distlm.evaluate import evaluate_model
 from distlm.family import REGISTRY
 from distlm.family.llama import RopeScalingSettings
+from distlm.launch.torchrun import local_torchrun, stage_args, train_args
 from distlm.model import (
     family_of,
     init_config,
@@ -274,29 +274,22 @@ def torchrun(cfg: TrainConfig, inputs: dict, out: Path, *, restarts: int = 0, en
 
     cfg_path = out.parent / f"{out.name}.json"
     write_document(cfg_path, cfg)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={restarts}",
-        "--monitor-interval=0.2",
-        "-m",
-        "distlm.entry.train",
-        "--config",
-        str(cfg_path),
-        "--tokens",
-        str(inputs["tokens"]),
-        "--tokenizer",
-        str(inputs["tokenizer"]),
-        "--model",
-        str(inputs["model"]),
-        "--out",
-        str(out),
-        "--rank-log",
-        str(out / "logs" / "rank{rank}.log"),
-    ]
+    cmd = local_torchrun(
+        stage_args(
+            "train",
+            nproc=2,
+            max_restarts=restarts,
+            launcher=["--monitor-interval=0.2"],
+            args=train_args(
+                config=cfg_path,
+                tokens=inputs["tokens"],
+                tokenizer=inputs["tokenizer"],
+                model=inputs["model"],
+                out=out,
+                rank_log=out / "logs" / "rank{rank}.log",
+            ),
+        )
+    )
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
 

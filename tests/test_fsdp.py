@@ -44,6 +44,7 @@ from procs import alive, children
 from distlm.core.documents import write_document
 from distlm.dag.config import deep_merge, validate_config
 from distlm.dag.stages import stage_config
+from distlm.launch.torchrun import local_torchrun, stage_args, train_args
 from distlm.model import load_model_dir, read_meta
 from distlm.settings.train import TrainConfig
 from distlm.train import checkpoint as ck
@@ -74,12 +75,17 @@ def torchrun(cfg: TrainConfig, inputs: Path, out: Path, ranks: int, env=None, to
     cfg_path = out.parent / f"{out.name}-{ranks}.json"
     write_document(cfg_path, cfg)
     r = inputs / "results"
-    tokens = tokens or r / "data/tokens.h5"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={ranks}", "--monitor-interval=0.2", "-m", "distlm.entry.train"]
-    cmd += ["--config", str(cfg_path), "--tokens", str(tokens)]
-    cmd += ["--tokenizer", str(r / "data/tokenizer"), "--model", str(r / "model/base")]
-    cmd += ["--out", str(out), "--rank-log", str(out / "logs" / f"rank{{rank}}-{ranks}.log")]
+    args = train_args(
+        config=cfg_path,
+        tokens=tokens or r / "data/tokens.h5",
+        tokenizer=r / "data/tokenizer",
+        model=r / "model/base",
+        out=out,
+        rank_log=out / "logs" / f"rank{{rank}}-{ranks}.log",
+    )
+    cmd = local_torchrun(
+        stage_args("train", nproc=ranks, launcher=["--monitor-interval=0.2"], args=args)
+    )
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env)
 

@@ -43,48 +43,15 @@ def build_tiny_models(root: Path) -> dict[int, Path]:
     Weights are drawn wider than GPT-2's init so that greedy decoding does not settle on one
     repeated token and the equality tests compare varied sequences.
     """
-    from transformers import AutoTokenizer
+    from harness.synthetic import corpus_model_folder
 
-    from distlm.data import load_embedded, train_tokenizer
-    from distlm.model import (
-        init_config,
-        init_model,
-        state_dict_for_save,
-        write_model_dir,
-        write_pipeline_dir,
-    )
+    from distlm.model import write_pipeline_dir
 
     done = {s: root / f"s{s}" for s in (1, 2, 3)}
     if all((p / "shards" / "manifest.json").is_file() for p in done.values()):
         return done
-    tokdir = root / "tokenizer"
-    train_tokenizer([t for _, t in load_embedded()[:150]], 400, 2, tokdir)
-    tok = AutoTokenizer.from_pretrained(tokdir)
-    cfg = init_config(
-        init_settings(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0),
-        len(tok),
-        tok.eos_token_id,
-    )
-    model = init_model(cfg, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if ".ln" in name and name.endswith("weight") else 0.0
-            p.copy_(base + torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.1))
-    sd = state_dict_for_save(model)
-    write_model_dir(
-        root / "model",
-        state_dict=sd,
-        config=cfg,
-        tokenizer_dir=tokdir,
-        meta={
-            "created_by": "test",
-            "source": {"kind": "init", "seed": 0},
-            "config_digest": "0" * 64,
-            "data_config_digest": "0" * 64,
-            "dtype": "float32",
-        },
-    )
+    init = init_settings(n_positions=64, n_embd=32, n_layer=N_LAYER, n_head=2, dropout=0.0)
+    corpus_model_folder(root, init, texts=150, vocab=400, created_by="test", spread=0.3)
     for s, path in done.items():
         write_pipeline_dir(root / "model", path, stages=s)
     return done

@@ -16,6 +16,8 @@ import pytest
 from harness.synthetic import make_inputs
 from procs import alive, children
 
+from distlm.launch.torchrun import local_torchrun, stage_args, train_args
+
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 10.0
 
@@ -150,28 +152,22 @@ def test_torchrun_ranks_die_when_the_launcher_group_is_killed(tmp_path):
     )
     write_stage_config("train", stage_config(cfg, "train"), tmp_path / "train.json")
     out = tmp_path / "train"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "--monitor-interval=0.2",
-        "-m",
-        "distlm.entry.train",
-        "--config",
-        str(tmp_path / "train.json"),
-        "--tokens",
-        str(inputs["tokens"]),
-        "--tokenizer",
-        str(inputs["tokenizer"]),
-        "--model",
-        str(inputs["model"]),
-        "--out",
-        str(out),
-        "--rank-log",
-        str(out / "logs" / "rank{rank}.log"),
-    ]
+    cmd = local_torchrun(
+        stage_args(
+            "train",
+            nproc=2,
+            max_restarts=None,
+            launcher=["--monitor-interval=0.2"],
+            args=train_args(
+                config=tmp_path / "train.json",
+                tokens=inputs["tokens"],
+                tokenizer=inputs["tokenizer"],
+                model=inputs["model"],
+                out=out,
+                rank_log=out / "logs" / "rank{rank}.log",
+            ),
+        )
+    )
     launcher = subprocess.Popen(
         cmd,
         env=_env(),

@@ -27,7 +27,7 @@ from distlm.core.documents import ModelMeta, TokenMeta, write_document
 from distlm.core.io import digest
 from distlm.dag.config import validate_config
 from distlm.dag.stages import stage_config
-from distlm.launch.torchrun import local_torchrun, stage_args
+from distlm.launch.torchrun import local_torchrun, stage_args, train_args
 from distlm.model import load_model_dir, read_meta
 from distlm.runtime.device import DeviceBackend
 from distlm.runtime.host import threads_per_rank
@@ -398,11 +398,14 @@ def _torchrun_cmd(
             nproc=2,
             max_restarts=restarts,
             launcher=["--monitor-interval=0.2"],
-            args=[
-                *("--config", str(cfg_path), "--tokens", str(inputs["tokens"])),
-                *("--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"])),
-                *("--out", str(out), "--rank-log", str(out / "logs" / "rank{rank}.log")),
-            ],
+            args=train_args(
+                config=cfg_path,
+                tokens=inputs["tokens"],
+                tokenizer=inputs["tokenizer"],
+                model=inputs["model"],
+                out=out,
+                rank_log=out / "logs" / "rank{rank}.log",
+            ),
         )
     )
     return cmd, {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}

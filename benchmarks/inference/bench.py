@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).parent))  # peers.py: CTranslate2 and llama.cpp
+sys.path.insert(0, str(ROOT / "tests"))  # harness.synthetic: the seeded model folder
 
 
 def parse() -> argparse.Namespace:
@@ -96,42 +97,20 @@ def parse() -> argparse.Namespace:
 def seeded_model(folder: Path, args, **arch) -> Path:
     """A seeded model with a tokenizer trained on the embedded corpus: GPT-2 architecture, or
     what `arch` (more model.init keys: architecture llama, n_kv_head, ...) says, built and written
-    by the model stage's own functions."""
-    from distlm.data import load_embedded, train_tokenizer
-    from distlm.model import init_config, init_model, state_dict_for_save, write_model_dir
+    by the model stage's own functions (tests/harness/synthetic.py)."""
+    from harness.synthetic import corpus_model_folder
+
     from distlm.settings import init_settings
 
-    tokdir = folder / "tokenizer"
-    tok = train_tokenizer([t for _, t in load_embedded()], 4096, 2, tokdir)
-    if not isinstance(tok.eos_token_id, int):
-        raise SystemExit(f"tokenizer {tokdir}: eos_token_id {tok.eos_token_id!r} is not one id")
-    cfg = init_config(
-        init_settings(
-            n_positions=256,
-            n_embd=args.embd,
-            n_layer=args.layers,
-            n_head=args.heads,
-            dropout=0.0,
-            **arch,
-        ),
-        len(tok),
-        tok.eos_token_id,
+    init = init_settings(
+        n_positions=256,
+        n_embd=args.embd,
+        n_layer=args.layers,
+        n_head=args.heads,
+        dropout=0.0,
+        **arch,
     )
-    sd = state_dict_for_save(init_model(cfg, seed=0))
-    write_model_dir(
-        folder / "model",
-        state_dict=sd,
-        config=cfg,
-        tokenizer_dir=tokdir,
-        meta={
-            "created_by": "benchmark",
-            "source": {"kind": "init", "seed": 0},
-            "config_digest": "0" * 64,
-            "data_config_digest": "0" * 64,
-            "dtype": "float32",
-        },
-    )
-    return folder / "model"
+    return corpus_model_folder(folder, init, created_by="benchmark")
 
 
 def sharded(model: Path, stages: int, work: Path) -> Path:

@@ -214,25 +214,63 @@ def summarize(step_s: list[float], tokens_per_step: int) -> dict:
 # ----------------------------------------------------------------------------- worker side
 
 
+def _blocks_in_memory(tokens: str):
+    """The train split's blocks, all of them, as one (N, T) tensor (the references' data)."""
+    import torch
+
+    from distlm.data import TokenBlocks
+
+    blocks = TokenBlocks(tokens, "train")
+    data = torch.from_numpy(blocks[list(range(len(blocks)))])
+    blocks.close()
+    return data
+
+
+def _timed_steps(a, cfg: TrainConfig, topo, data, step_module, params, opt) -> None:
+    """The reference loops' steps, timed: a micro-batch drawn from `data` on each rank, forward
+    under the precision's autocast, backward, clipping where the stage clips, AdamW, zero_grad,
+    and the device synchronised so that each step's time is its own; rank 0 writes the result."""
+    import torch
+
+    t, dev = cfg.train, topo.device
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision_resolved)
+    g = torch.Generator().manual_seed(cfg.runtime.seed + topo.rank)
+    mb = t.micro_batch_size
+    stamps = [time.perf_counter()]
+    for _ in range(a.steps):
+        x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
+        with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
+            loss = step_module(x)
+        loss.backward()
+        if params is not None and t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        topo.device_backend.synchronize()  # per-step times need the step to have finished
+        stamps.append(time.perf_counter())
+    if topo.is_main:
+        _write_worker_result(
+            a,
+            step_s=[b - e for e, b in itertools.pairwise(stamps)],
+            tokens_per_step=mb * topo.world_size * data.shape[1],
+        )
+
+
 def bare_worker(a, cfg: TrainConfig) -> None:
     """A minimal DDP loop over the stage's model and loss (distlm's model, the standard loss):
-    forward, backward, fused AdamW, zero_grad, on in-memory blocks."""
+    forward, backward, fused AdamW, zero_grad (no clipping), on in-memory blocks."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from distlm.data import TokenBlocks
     from distlm.model import load_model_dir
     from distlm.runtime.dist import distributed
     from distlm.train.kernels import NextTokenLoss
 
     t, rt = cfg.train, cfg.runtime
     with distributed(backend=rt.backend, device=rt.device, timeout_s=600) as topo:
-        dev = topo.device
-        blocks = TokenBlocks(a.tokens, "train")
-        data = torch.from_numpy(blocks[list(range(len(blocks)))])
-        blocks.close()
-        model = load_model_dir(a.model, device=dev, dtype=torch.float32).train()
-        ddp = DDP(NextTokenLoss(model), device_ids=[dev.index] if dev.type == "cuda" else None)
+        data = _blocks_in_memory(a.tokens)
+        model = load_model_dir(a.model, device=topo.device, dtype=torch.float32).train()
+        ddp = DDP(NextTokenLoss(model), device_ids=topo.device_backend.ddp_device_ids)
         opt = torch.optim.AdamW(
             model.parameters(),
             lr=t.lr,
@@ -240,26 +278,7 @@ def bare_worker(a, cfg: TrainConfig) -> None:
             weight_decay=t.weight_decay,
             fused=True,
         )
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision_resolved)
-        g = torch.Generator().manual_seed(rt.seed + topo.rank)
-        mb = t.micro_batch_size
-        stamps = [time.perf_counter()]
-        for _ in range(a.steps):
-            x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
-            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
-                loss = ddp(x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)  # per-step times need the step to have finished
-            stamps.append(time.perf_counter())
-        if topo.is_main:
-            _write_worker_result(
-                a,
-                step_s=[b - e for e, b in itertools.pairwise(stamps)],
-                tokens_per_step=mb * topo.world_size * data.shape[1],
-            )
+        _timed_steps(a, cfg, topo, data, ddp, None, opt)
 
 
 def nanogpt_worker(a, cfg: TrainConfig) -> None:
@@ -270,42 +289,18 @@ def nanogpt_worker(a, cfg: TrainConfig) -> None:
     from nanogpt import GPT
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from distlm.data import TokenBlocks
     from distlm.runtime.dist import distributed
     from distlm.train.optim import param_groups
 
     t, rt = cfg.train, cfg.runtime
     with distributed(backend=rt.backend, device=rt.device, timeout_s=600) as topo:
-        dev = topo.device
-        blocks = TokenBlocks(a.tokens, "train")
-        data = torch.from_numpy(blocks[list(range(len(blocks)))])
-        blocks.close()
-        model = GPT.from_gpt2_folder(a.model).to(dev).train()
+        data = _blocks_in_memory(a.tokens)
+        model = GPT.from_gpt2_folder(a.model).to(topo.device).train()
         opt = torch.optim.AdamW(
             param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), fused=True
         )
         ddp = DDP(torch.compile(model), device_ids=topo.device_backend.ddp_device_ids)
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision_resolved)
-        g = torch.Generator().manual_seed(rt.seed + topo.rank)
-        mb = t.micro_batch_size
-        stamps = [time.perf_counter()]
-        for _ in range(a.steps):
-            x = data[torch.randint(0, len(data), (mb,), generator=g)].to(dev, non_blocking=True)
-            with torch.autocast(dev.type, dtype=amp, enabled=amp is not None):
-                loss = ddp(x)
-            loss.backward()
-            if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            topo.device_backend.synchronize()  # per-step times need the step to have finished
-            stamps.append(time.perf_counter())
-        if topo.is_main:
-            _write_worker_result(
-                a,
-                step_s=[b - e for e, b in itertools.pairwise(stamps)],
-                tokens_per_step=mb * topo.world_size * data.shape[1],
-            )
+        _timed_steps(a, cfg, topo, data, ddp, list(model.parameters()), opt)
 
 
 def hf_worker(a, cfg: TrainConfig, *, compile: bool = False) -> None:
@@ -598,16 +593,19 @@ def run_distlm(a, cfg_path: Path, inputs: dict, work: Path, n: int, name: str = 
     # what Snakemake gives the rule; torch.compile's caches are the stage's own, in its run
     # folder (none set in the environment): empty, as in a user's first run
     env = {**first_run(os.environ), "OMP_NUM_THREADS": str(a.nproc)}
-    from distlm.launch.torchrun import stage_args
+    from distlm.launch.torchrun import stage_args, train_args
 
     args = stage_args(
         "train",
         nproc=a.nproc,
-        args=[
-            *("--config", str(cfg_path), "--tokens", str(inputs["tokens"])),
-            *("--tokenizer", str(inputs["tokenizer"]), "--model", str(inputs["model"])),
-            *("--out", str(out), "--rank-log", str(work / f"{name}-{n}-rank{{rank}}.log")),
-        ],
+        args=train_args(
+            config=cfg_path,
+            tokens=inputs["tokens"],
+            tokenizer=inputs["tokenizer"],
+            model=inputs["model"],
+            out=out,
+            rank_log=work / f"{name}-{n}-rank{{rank}}.log",
+        ),
     )
     torchrun(a, args, env, work / f"{name}-{n}.log")
     paths = TrainPaths(

@@ -55,16 +55,22 @@ def build_inputs(work: Path) -> Path:
 
 def run(src: Path, wd: Path, out: Path, nproc: int) -> dict:
     """One start of the train stage with `src` first on PYTHONPATH; its ranks' records."""
+    from distlm.launch.torchrun import stage_args, train_args  # the command, this checkout's
+
     records = out / "records"
     shutil.rmtree(out, ignore_errors=True)
     env = process_env(records)
     env["PYTHONPATH"] = os.pathsep.join([str(src), env["PYTHONPATH"]])
     env["OMP_NUM_THREADS"] = str(nproc)  # Snakemake's: the rule's threads
     r = wd / "results"
-    cmd = ["torchrun", "--standalone", f"--nproc-per-node={nproc}", "-m", "distlm.entry.train"]
-    cmd += ["--config", str(r / "config" / "train.json"), "--tokens", str(r / "data/tokens.h5")]
-    cmd += ["--tokenizer", str(r / "data/tokenizer"), "--model", str(r / "model/base")]
-    cmd += ["--out", str(out / "train")]
+    args = train_args(
+        config=r / "config" / "train.json",
+        tokens=r / "data/tokens.h5",
+        tokenizer=r / "data/tokenizer",
+        model=r / "model/base",
+        out=out / "train",
+    )
+    cmd = ["torchrun", "--standalone", *stage_args("train", nproc=nproc, args=args)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=wd, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0

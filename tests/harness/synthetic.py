@@ -141,3 +141,51 @@ def checkpoint_state(step: int, identity=None):
         distlm_version="test",
         step=step,
     )
+
+
+def corpus_model_folder(
+    folder: Path,
+    init,
+    *,
+    texts: int | None = None,
+    vocab: int = 4096,
+    min_frequency: int = 2,
+    created_by: str,
+    spread: float | None = None,
+) -> Path:
+    """folder/model: a seeded model of `init` (model.init's settings) with a tokenizer trained on
+    the embedded corpus (its first `texts` documents; None: all), built and written by the model
+    stage's own functions (folder/tokenizer beside it). `spread`: the weights drawn again, wider
+    than the init's (a second seed), so that greedy decoding varies. What the inference tests
+    and benchmarks serve."""
+    import torch
+
+    from distlm.data import load_embedded, train_tokenizer
+
+    tokdir = folder / "tokenizer"
+    docs = load_embedded() if texts is None else load_embedded()[:texts]
+    tok = train_tokenizer([t for _, t in docs], vocab, min_frequency, tokdir)
+    if not isinstance(tok.eos_token_id, int):
+        raise SystemExit(f"tokenizer {tokdir}: eos_token_id {tok.eos_token_id!r} is not one id")
+    cfg = init_config(init, len(tok), tok.eos_token_id)
+    model = init_model(cfg, seed=0)
+    if spread is not None:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                base = 1.0 if ".ln" in name and name.endswith("weight") else 0.0
+                p.copy_(base + torch.randn(p.shape, generator=g) * (spread if p.dim() > 1 else 0.1))
+    write_model_dir(
+        folder / "model",
+        state_dict=state_dict_for_save(model),
+        config=cfg,
+        tokenizer_dir=tokdir,
+        meta={
+            "created_by": created_by,
+            "source": {"kind": "init", "seed": 0},
+            "config_digest": "0" * 64,
+            "data_config_digest": "0" * 64,
+            "dtype": "float32",
+        },
+    )
+    return folder / "model"

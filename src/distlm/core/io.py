@@ -436,6 +436,18 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def check_sha256(path: str | os.PathLike, expected: str, *, named_by: str, missing: str) -> None:
+    """A file that must be there with the sha256 a document names: a DistlmError naming the file
+    when it is not there (`missing`: what it is, and who names it) or holds other bytes
+    (`named_by`: the document, and where in it, that gives `expected`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DistlmError(f"{path}: {missing}")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise DistlmError(f"{path}: sha256 {actual} does not match {named_by}")
+
+
 def digest(obj: Any) -> str:
     """A stable sha256 of a JSON-able object (sorted keys): the identity of a config section."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)

@@ -15,7 +15,7 @@ import torch
 
 from distlm import DistlmError
 from distlm.core.documents import ModelMeta, read_document, write_document
-from distlm.core.io import atomic_dir, digest, nbytes, sha256_file, tree_bytes
+from distlm.core.io import atomic_dir, check_sha256, digest, nbytes, sha256_file, tree_bytes
 from distlm.core.log import get_logger
 from distlm.family import ModelArgs, family_of, model_args
 from distlm.family.transformer import Transformer
@@ -102,15 +102,13 @@ def verify_model_folder(folder: str | Path) -> ModelMeta:
     (model.source: local), which writes a verified one."""
     folder = Path(folder)
     meta = read_meta(folder)
-    weights = folder / WEIGHTS
-    if not weights.is_file():
-        raise DistlmError(f"{weights}: weights file not found (named by {folder / META})")
-    actual = sha256_file(weights)
-    if actual != meta.model_sha256:
-        raise DistlmError(
-            f"{weights}: sha256 {actual} does not match {folder / META} ({meta.model_sha256}); "
-            "the folder was changed after it was written: rerun the stage that wrote it"
-        )
+    check_sha256(
+        folder / WEIGHTS,
+        meta.model_sha256,
+        named_by=f"{folder / META} ({meta.model_sha256}); the folder was changed after it was "
+        "written: rerun the stage that wrote it",
+        missing=f"weights file not found (named by {folder / META})",
+    )
     return meta
 
 

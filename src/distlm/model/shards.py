@@ -17,7 +17,7 @@ from distlm.core.documents import (
     read_document,
     write_document,
 )
-from distlm.core.io import atomic_dir, sha256_file
+from distlm.core.io import atomic_dir, check_sha256, sha256_file
 from distlm.core.log import get_logger
 from distlm.family import family_of
 from distlm.family.builder import Family
@@ -220,13 +220,12 @@ def load_stage_shard(
         raise DistlmError(f"{folder / SHARDS / MANIFEST}: no stage {stage} (has {manifest.stages})")
     entry = entries[0]
     path = folder / SHARDS / entry.file
-    if not path.is_file():
-        raise DistlmError(f"stage shard not found: {path}")
-    actual = sha256_file(path)
-    if actual != entry.sha256:
-        raise DistlmError(
-            f"{path}: sha256 {actual} does not match the manifest's {entry.sha256} (stage {stage})"
-        )
+    check_sha256(
+        path,
+        entry.sha256,
+        named_by=f"the manifest's {entry.sha256} (stage {stage})",
+        missing=f"stage {stage}'s shard not found (named by {folder / SHARDS / MANIFEST})",
+    )
     tensors = load_safetensors(path, device=device)
     if sorted(tensors) != sorted(entry.tensors):
         raise DistlmError(f"{path}: tensors differ from the manifest's list for stage {stage}")

@@ -55,7 +55,14 @@ from distlm.core.documents import (
     read_document,
     write_document,
 )
-from distlm.core.io import atomic_dir, nbytes, remove_leftovers, remove_tree, sha256_file
+from distlm.core.io import (
+    atomic_dir,
+    check_sha256,
+    nbytes,
+    remove_leftovers,
+    remove_tree,
+    sha256_file,
+)
 from distlm.core.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
 
@@ -232,12 +239,12 @@ def _verify(ckpt: Checkpoint) -> None:
     kind = SHARDED if any(f.startswith(SHARDS + "/") for f in index.sha256) else WHOLE
     files = sorted({*FILES[kind], *index.sha256})
     for f in files:
-        p = ckpt.path / f
-        if not p.is_file():
-            raise DistlmError(f"{p}: missing from checkpoint")
-        actual = sha256_file(p)
-        if actual != index.sha256.get(f):
-            raise DistlmError(f"{p}: sha256 {actual} does not match checkpoint.json")
+        check_sha256(
+            ckpt.path / f,
+            index.sha256.get(f, "(none)"),
+            named_by="checkpoint.json",
+            missing="missing from checkpoint",
+        )
 
 
 def latest_good(ckpt_dir: str | Path) -> Checkpoint | None:
