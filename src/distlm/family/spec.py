@@ -199,9 +199,18 @@ class ConfigDoc:
         return v
 
 
-# the MLP activations distlm's blocks compute (transformers' ACT2FN names): GPT-2's gelu_new is the
-# tanh approximation, as gelu_pytorch_tanh (the same function to float rounding)
-ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu", "swish")
+# the MLP activations distlm's blocks compute, declared once: transformers' ACT2FN name -> the
+# torch.nn.functional function and its keywords that compute it (distlm.family.transformer's
+# `activation` makes it; the families' config mappings accept these names). GPT-2's gelu_new is
+# the tanh approximation, as gelu_pytorch_tanh (the same function to float rounding).
+ACTIVATIONS: dict[str, tuple[str, dict[str, str]]] = {
+    "gelu_new": ("gelu", {"approximate": "tanh"}),
+    "gelu_pytorch_tanh": ("gelu", {"approximate": "tanh"}),
+    "gelu": ("gelu", {}),
+    "relu": ("relu", {}),
+    "silu": ("silu", {}),
+    "swish": ("silu", {}),
+}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ every projection is an `nn.Linear`.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
-from distlm.family.spec import ModelArgs
+from distlm.family.spec import ACTIVATIONS, ModelArgs
 
 # ----------------------------------------------------------------------------- blocks
 
@@ -104,19 +105,11 @@ class Block(nn.Module):
         return self.finish(x, o.transpose(1, 2).flatten(2))  # (B, T, nh * D) -> (B, T, C)
 
 
-ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's: the tanh approximation
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
-
 def activation(name: str):
-    """The MLP's activation of transformers' ACT2FN name (config.json's), in one standard op."""
-    return ACTIVATIONS[name]
+    """The MLP's activation of transformers' ACT2FN name (config.json's), in one standard op, as
+    distlm.family.spec's ACTIVATIONS declares it."""
+    function, keywords = ACTIVATIONS[name]
+    return functools.partial(getattr(F, function), **keywords)
 
 
 # distlm's models are loaded, never initialised: their weights are allocated where they run and

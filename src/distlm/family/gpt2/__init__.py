@@ -82,7 +82,7 @@ def gpt2_args(doc: Mapping[str, Any], where: str) -> GPT2Args:
         context=c.integer("n_positions", default=1024),
         mlp_dim=c.integer("n_inner", default=4 * dim),
         norm_eps=c.number("layer_norm_epsilon", default=1e-5),
-        act=c.choice("activation_function", "gelu_new", ACTIVATIONS),
+        act=c.choice("activation_function", "gelu_new", tuple(ACTIVATIONS)),
         tied=c.flag("tie_word_embeddings", True),
         attn_dropout=c.number("attn_pdrop", default=0.1),
         resid_dropout=c.number("resid_pdrop", default=0.1),

@@ -306,7 +306,7 @@ def llama_args(
         context=context,
         mlp_dim=c.integer("intermediate_size", default=d["intermediate_size"]),
         norm_eps=c.number("rms_norm_eps", default=1e-6),
-        act=c.choice("hidden_act", "silu", ACTIVATIONS),
+        act=c.choice("hidden_act", "silu", tuple(ACTIVATIONS)),
         tied=c.flag("tie_word_embeddings", d["tie_word_embeddings"]),
         attn_dropout=c.number("attention_dropout", default=0.0),
         rope=rope_args(c, context),
