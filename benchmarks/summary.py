@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import operator
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -337,6 +338,24 @@ def machine(data: dict[str, Any]) -> str:
     return ", ".join(p for p in parts if p)
 
 
+def code_of(rel: str, data: dict[str, Any]) -> str:
+    """Which code gave a file's figures: the commit it records having measured (benchmarks/
+    provenance.py), or, for a file written before it recorded one, the commit that committed it
+    (the code measured is that commit's parent or older)."""
+    revision = str(data.get("revision") or "")
+    if revision:
+        sha, _, rest = revision.partition(" ")
+        return f"measured on {sha[:10]}" + (f" {rest}" if rest else "")
+    sha = subprocess.run(
+        ["git", "log", "-1", "--format=%h", "--abbrev=10", "--", rel],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return f"committed in {sha}, measured before it" if sha else "not committed yet"
+
+
 def render() -> str:
     rows = serving_rows() + batch_rows() + training_rows() + e2e_rows() + gpu_rows()
     header = ["what", "distlm against", "device", "measured", "goal", "", "from"]
@@ -363,7 +382,7 @@ def render() -> str:
             command = f"python benchmarks/e2e/run.py --configfile {data['config']}"
         elif command.split()[0].endswith(".py"):  # bench.py, bench_serve.py: their name only
             command = f"python {Path(rel).parent}/{command}"
-        lines.append(f"- `{rel}`: {date}, {machine(data)}; `{command}`")
+        lines.append(f"- `{rel}`: {date}, {machine(data)}, {code_of(rel, data)}; `{command}`")
     lines.append(END)
     return "\n".join(lines)
 

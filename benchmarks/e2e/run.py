@@ -49,6 +49,9 @@ import psutil
 from distlm.core.io import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py: the commit measured
+from provenance import git_revision
+
 FORMAT = "distlm-e2e-benchmark/1"
 MB = 1024 * 1024
 
@@ -232,16 +235,6 @@ def machine() -> dict:
         "torch": torch.__version__,
         "snakemake": snakemake.__version__,
     }
-
-
-def git_revision() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    rev = git("rev-parse", "HEAD")
-    return rev + (" (with uncommitted changes)" if git("status", "--porcelain") else "")
 
 
 def rel(path: Path) -> str:

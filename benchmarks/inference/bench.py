@@ -43,9 +43,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py: the commit measured
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).parent))  # peers.py: CTranslate2 and llama.cpp
 sys.path.insert(0, str(ROOT / "tests"))  # harness.synthetic: the seeded model folder
+from provenance import git_revision
 
 
 def parse() -> argparse.Namespace:
@@ -503,6 +505,7 @@ def main() -> None:
             "ratios": ratios,
             "targets_met": targets,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "revision": git_revision(),  # the code measured (benchmarks/provenance.py)
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "note": args.note,
         }

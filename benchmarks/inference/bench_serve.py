@@ -49,9 +49,12 @@ from pathlib import Path
 from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py: the commit measured
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/peer.py: `transformers serve`
 sys.path.insert(0, str(Path(__file__).parent))
+from provenance import git_revision
+
 # --arch llama: SmolLM2-135M's architecture (LlamaForCausalLM; 576 wide, 30 layers, 9 heads, 3 KV
 # heads, MLP 1536, tied embeddings, rope_theta 1e5) scaled to the seeded GPT-2's 6 x 384 (--layers,
 # --embd, --heads) so both serve models of about the same cost on 2 CPU cores: 6 heads of 64 as
@@ -481,6 +484,7 @@ def main() -> None:
         "ratios": ratios,
         "runs": runs,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "revision": git_revision(),  # the code measured (benchmarks/provenance.py)
         "note": args.note,
         # where distlm and the peer ran: the GPU's name (benchmarks/summary.py's device column)
         "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,

@@ -72,7 +72,9 @@ from distlm.core.documents import read_document
 from distlm.settings.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py: the commit measured
 sys.path.insert(0, str(ROOT / "tests"))  # tests/harness/synthetic.py: the tiny inputs
+from provenance import git_revision
 
 PRESETS = {
     # the embedded default: the workflow's own token blocks and base model (config/config.yaml)
@@ -854,6 +856,7 @@ def drive(a, work: Path) -> None:
         "command": "python benchmarks/train/bench_train.py " + " ".join(_public_argv(sys.argv[1:])),
         "note": a.note,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "revision": git_revision(),  # the code measured (benchmarks/provenance.py)
         "host": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
