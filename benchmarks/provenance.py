@@ -8,11 +8,13 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CODE = ("src", "workflow", "Snakefile", "profiles", "benchmarks", "pyproject.toml")
 
 
 def git_revision(root: Path = ROOT) -> str:
-    """The checkout's commit, with " (with uncommitted changes)" when its tree differs from it;
-    "" outside a git checkout."""
+    """The checkout's commit, with " (with uncommitted changes)" when its code differs from it
+    (the library, the workflow, the profiles, the benchmarks: not its documents); "" outside a
+    git checkout."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -22,4 +24,5 @@ def git_revision(root: Path = ROOT) -> str:
     rev = git("rev-parse", "HEAD")
     if not rev:
         return ""
-    return rev + (" (with uncommitted changes)" if git("status", "--porcelain") else "")
+    changed = git("status", "--porcelain", "--", *CODE)
+    return rev + (" (with uncommitted changes)" if changed else "")

@@ -5,8 +5,9 @@
 
 Each row is one goal of the speed issue (#31) or a peer figure reported beside them: the figure
 from its JSON file, the goal, and whether the figure meets it (computed here from the raw value,
-not from the rounded one shown). Below the table, each file's date, machine and command.
-docs/performance.md has the full tables, the profiles and what each run measured;
+not from the rounded one shown). Below the table, each file's date, machine, the code it measured
+and its command. docs/performance.md has the current figures, what bounds each and how to
+reproduce them; benchmarks/LOG.md the record of every run;
 tests/test_docs.py runs `--check`, so a re-measured JSON file without a re-rendered README fails
 the tests.
 """

@@ -16,7 +16,7 @@
 # budget spent, not asked for, nothing to run it on).
 #
 # The limits come from the H100 runs of 2026-11-27 at 794d75f (../shared/notes/gpu-h100-
-# 2026-11-27.md) and 2026-11-28 at efe8095 (docs/performance.md), plus a margin; where no run
+# 2026-11-27.md) and 2026-11-28 at efe8095 (benchmarks/LOG.md), plus a margin; where no run
 # measured a step, from what it runs. The steps come in this order: the figures never measured
 # since the model's rewrite first (training, then serving), then the correctness steps, which
 # have run on an H100 twice already (the 2026-11-28 call spent ~420 s on workflow and tests and cut

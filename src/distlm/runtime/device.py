@@ -17,7 +17,7 @@ Which kernels apply is the device's: on the CPU, the kernels tuned for it (the L
 its loss in cache-sized chunks, GPT-2's GELU in place; they save memory traffic a CPU is bound
 by); on CUDA, standard operations that `torch.compile` fuses, SDPA's flash kernels and
 maintained libraries. The CPU-tuned ones made the compiled GPU step 1.7x slower on an H100 and
-one of them (a 0-dim CPU constant) crashed CUDA (../docs/performance.md, "GPU"), so they are
+one of them (a 0-dim CPU constant) crashed CUDA (benchmarks/LOG.md, "GPU"), so they are
 chosen here, once, and never applied everywhere. Both sets compute the same functions to float
 rounding, and the CPU tests run both (tests/test_device.py).
 

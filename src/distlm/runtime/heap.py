@@ -10,7 +10,7 @@ tokenizer) lives as long as the process: hundreds of thousands of objects tracke
 collector. CPython's full (generation 2) collection walks all of them whenever enough new objects
 have survived the younger generations, and a serving process makes objects every step
 (requests, items, picks, messages): each such collection stalls every request in flight, which
-is the p99 latency (docs/performance.md, "Serving", has the pauses measured before and after).
+is the p99 latency (benchmarks/LOG.md, "Serving", has the pauses measured before and after).
 
 `gc.freeze()` moves every object alive at that point to a permanent generation that collections
 skip; what the process makes afterwards is collected as before (young objects, and full

@@ -65,7 +65,7 @@ def keep_freed_memory(what: str) -> bool:
     and trims the heap's free top above twice that threshold: the next step's tensors fault their
     pages in again, and the kernel zeroes each page. On the embedded default that was up to
     ~2,600 page faults a rank a step (10 MiB; how many varies from run to run), ~1.7 us each;
-    with this, almost none, and the step's median ~3% shorter (docs/performance.md,
+    with this, almost none, and the step's median ~3% shorter (benchmarks/LOG.md,
     "Training"). It is what the environment variables MALLOC_MMAP_THRESHOLD_,
     MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ set before a process starts, and what PyTorch's CPU launcher (`torch.backends.xeon.run_cpu`) gets from
     jemalloc with its decay turned off. The process then holds its peak heap until it exits,

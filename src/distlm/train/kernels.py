@@ -17,7 +17,7 @@ SDPA's `is_causal` over whole blocks (the model's own attention: flash or cuDNN 
   logits -> softmax -> gradient while they sit in cache, and the gradients of the hidden states
   and of the head's weight are made in the forward pass (backward only scales them). Measured on
   the embedded default (2 ranks x 1 thread, 8 x 128 tokens per rank), it takes about a fifth off
-  the step (docs/performance.md, "Training").
+  the step (benchmarks/LOG.md, "Training").
 """
 
 from __future__ import annotations
