@@ -26,3 +26,17 @@ def git_revision(root: Path = ROOT) -> str:
         return ""
     changed = git("status", "--porcelain", "--", *CODE)
     return rev + (" (with uncommitted changes)" if changed else "")
+
+
+def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(
+        description="Print the commit the benchmarks would record as measured (and whether the "
+        "checkout's code differs from it)."
+    ).parse_args()
+    print(git_revision() or "(not a git checkout)")
+
+
+if __name__ == "__main__":
+    main()
