@@ -10,7 +10,8 @@ from conftest import TINY
 
 from distlm import DistlmError
 from distlm.broadcast import run_broadcast_stage
-from distlm.core.documents import BroadcastReport, read_document
+from distlm.broadcast.documents import BroadcastReport
+from distlm.core.documents import read_document
 from distlm.dag.config import load_config
 from distlm.dag.stages import stage_config
 from distlm.model import WEIGHTS, load_safetensors, read_meta
@@ -97,7 +98,7 @@ def test_a_chunk_changed_on_its_way_to_the_device_is_named(monkeypatch):
     fails the verdict and names the bucket and the tensor."""
     import torch
 
-    import distlm.broadcast as stage
+    from distlm.broadcast import stage
     from distlm.runtime.device import DeviceBackend
     from distlm.settings import TransferSettings
 

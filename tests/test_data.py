@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 
 from distlm import DistlmError
-from distlm.core.documents import DataStats, read_document
+from distlm.core.documents import read_document
 from distlm.dag.config import deep_merge, validate_settings
 from distlm.data import TokenBlocks, load_embedded, prepare, read_tokens_meta
+from distlm.data.documents import DataStats
 
 SMALL = {
     "data": {"block_size": 32, "tokenizer": {"vocab_size": 512}},

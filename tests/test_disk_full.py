@@ -173,8 +173,8 @@ def test_token_file_and_plain_writes_on_a_full_disk(tmp_path):
     written when the space ran out."""
     import h5py
 
-    from distlm.core.documents import TokenMeta
     from distlm.data import write_tokens
+    from distlm.data.documents import TokenMeta
 
     ids = np.arange(400_000, dtype=np.int64) % 1000  # 1.6 MB as uint16
     meta = TokenMeta(

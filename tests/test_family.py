@@ -18,7 +18,7 @@ from harness.faults import fault_env
 from harness.synthetic import make_inputs
 
 from distlm import DistlmError
-from distlm.core.documents import ShardManifest, write_document
+from distlm.core.documents import write_document
 from distlm.core.io import read_json, write_json
 from distlm.dag.config import ConfigError, validate_config, validate_settings
 from distlm.dag.stages import stage_config
@@ -39,6 +39,7 @@ from distlm.model import (
     write_model_dir,
     write_pipeline_dir,
 )
+from distlm.model.documents import ShardManifest
 from distlm.runtime.dist import distributed
 from distlm.settings import init_settings
 from distlm.settings.eval import EvalConfig

@@ -13,9 +13,10 @@ import torch
 from conftest import ROOT, SINGLE, TINY, run_snakemake
 from harness.hub_folder import qwen3_shaped_folder, smollm2_shaped_folder
 
-from distlm.core.documents import EvalReport, read_document
+from distlm.core.documents import read_document
 from distlm.dag.sweep import SweepRun
 from distlm.data.sources import load_embedded
+from distlm.evaluate.documents import EvalReport
 from distlm.model import load_model_dir, read_args, read_manifest
 
 FAMILIES = ROOT / "tests" / "configs" / "tiny-families.yaml"

@@ -205,7 +205,8 @@ def test_background_sharded_checkpoints_hold_what_the_loop_saved(runs, workflow_
 
 def _index(c: ck.Checkpoint) -> dict[str, str]:
     """A checkpoint's files and their sha256, as its checkpoint.json holds them."""
-    from distlm.core.documents import CheckpointIndex, read_document
+    from distlm.core.documents import read_document
+    from distlm.train.documents import CheckpointIndex
 
     return read_document(c.path / "checkpoint.json", CheckpointIndex).sha256
 
@@ -231,8 +232,8 @@ def test_ddp_configs_digest_as_before_and_fsdp_is_a_run_of_its_own():
     """train.parallel and activation_checkpointing at their defaults are not dumped: a config
     without them has the train stage's params it had; a DDP run identity digests as before
     (its topology's four keys), an FSDP one holds the global batch alone (it reshards)."""
-    from distlm.core.documents import IdentityTopology
     from distlm.dag.config import validate_settings
+    from distlm.train.documents import IdentityTopology
 
     base = stage_config(validate_settings({}).model_dump(), "train")
     same = validate_settings(

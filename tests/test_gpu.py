@@ -145,7 +145,8 @@ def test_the_whole_workflow_finishes_on_the_device(gpu_run):
 
 
 def test_broadcast_on_the_device_says_what_it_measured(gpu_run):
-    from distlm.core.documents import BroadcastReport, read_document
+    from distlm.broadcast.documents import BroadcastReport
+    from distlm.core.documents import read_document
 
     rep = read_document(gpu_run.results / "broadcast/report.json", BroadcastReport)
     s = rep.stats

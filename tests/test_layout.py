@@ -22,11 +22,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "distlm"
 SHARED_ROLES = {
     "blocks.py": "a model family's blocks' math (family/<name>/blocks.py)",
     "model.py": "a model family's model and tensor names (family/<name>/model.py)",
-    "stage.py": "a workflow stage's function, in the stage's package (data/, model/)",
+    "stage.py": "a workflow stage's function, in the stage's package (data/, model/, broadcast/, evaluate/)",
     "errors.py": "the package's error types",
     "messages.py": "the package's typed, versioned wire messages",
     "metrics.py": "the package's metrics (its rows or its Prometheus series)",
     "state.py": "what the package's long-lived object holds (the trainer's, the API server's)",
+    "documents.py": "the versioned documents of a stage's home, or their base (core/)",
 }
 
 

@@ -14,18 +14,11 @@ import pytest
 import torch
 from conftest import run_snakemake
 
-from distlm.core.documents import (
-    BroadcastReport,
-    DataStats,
-    EvalReport,
-    InferenceTiming,
-    ProfileSummary,
-    ReceiverStats,
-    SplitEval,
-    SplitStats,
-    TransferStats,
-    write_document,
-)
+from distlm.broadcast.documents import BroadcastReport
+from distlm.core.documents import write_document
+from distlm.data.documents import DataStats, SplitStats
+from distlm.evaluate.documents import EvalReport, SplitEval
+from distlm.inference.documents import InferenceTiming
 from distlm.report import (
     FIGURES,
     ITEMS,
@@ -40,8 +33,10 @@ from distlm.report import (
 from distlm.report.inputs import collect
 from distlm.runtime.device import DeviceBackend
 from distlm.settings import ProfileSettings
+from distlm.train.documents import ProfileSummary
 from distlm.train.metrics import Metrics
 from distlm.train.profiling import StepProfiler
+from distlm.transfer.documents import ReceiverStats, TransferStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BENCH_HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"

@@ -23,7 +23,8 @@ import test_inference
 from conftest import ROOT, SLURM_CONFIG, TINY, run_snakemake
 from test_inference import write_config
 
-from distlm.core.documents import BroadcastReport, read_document
+from distlm.broadcast.documents import BroadcastReport
+from distlm.core.documents import read_document
 from distlm.runtime.dist import free_port
 
 pytestmark = pytest.mark.slurm

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from distlm import DistlmError, launch
-from distlm.core.documents import STOP_NOTICE_ENV, StopNotice
 from distlm.launch import requeue, slurm, srun
+from distlm.train.documents import STOP_NOTICE_ENV, StopNotice
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -23,12 +23,14 @@ from harness.faults import fault_env, inject
 from harness.synthetic import checkpoint_state, make_inputs, run_identity
 
 from distlm import DistlmError
-from distlm.core.documents import ModelMeta, TokenMeta, write_document
+from distlm.core.documents import write_document
 from distlm.core.io import digest
 from distlm.dag.config import validate_config
 from distlm.dag.stages import stage_config
+from distlm.data.documents import TokenMeta
 from distlm.launch.torchrun import local_torchrun, stage_args, train_args
 from distlm.model import load_model_dir, read_meta
+from distlm.model.documents import ModelMeta
 from distlm.runtime.device import DeviceBackend
 from distlm.runtime.host import threads_per_rank
 from distlm.settings import TrainSettings
@@ -453,7 +455,7 @@ def test_two_ranks_loss_falls_and_kill_resume_is_bit_identical(inputs, tmp_path)
 def _torchrun_as_launched(cfg: TrainConfig, inputs, out: Path, notice: Path) -> subprocess.Popen:
     """The stage's torchrun with SIGUSR1 ignored, as distlm-launch's srun task execs it (the
     agent must not die of the time-limit warning), telling its StopNotice to `notice`."""
-    from distlm.core.documents import STOP_NOTICE_ENV
+    from distlm.train.documents import STOP_NOTICE_ENV
 
     cmd, env = _torchrun_cmd(cfg, inputs, out, env={**os.environ})
     env[STOP_NOTICE_ENV] = str(notice)
@@ -486,7 +488,8 @@ def test_a_time_limit_warning_while_the_ranks_start_stops_them_at_the_first_step
     checkpoint and the StopNotice that the launcher requeues on; the rerun resumes there."""
     from procs import children
 
-    from distlm.core.documents import StopNotice, read_document
+    from distlm.core.documents import read_document
+    from distlm.train.documents import StopNotice
 
     out, notice = tmp_path / "train", tmp_path / "stop.json"
     proc = _torchrun_as_launched(train_cfg(), inputs, out, notice)

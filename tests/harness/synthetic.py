@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from distlm.core.documents import TokenMeta
 from distlm.core.io import digest
 from distlm.dag.stages import STAGES
 from distlm.data import write_tokens
+from distlm.data.documents import TokenMeta
 from distlm.model import init_config, init_model, state_dict_for_save, write_model_dir
 from distlm.settings import init_settings
 
@@ -101,7 +101,7 @@ def make_inputs(
 
 def run_identity(*, arch_digest: str = "a" * 64, max_steps: int = 10, lr: float = 0.1):
     """A training run's identity (distlm.train.identity) with fixed digests and sizes."""
-    from distlm.core.documents import (
+    from distlm.train.documents import (
         IdentityData,
         IdentityModel,
         IdentityOptim,
@@ -130,7 +130,7 @@ def run_identity(*, arch_digest: str = "a" * 64, max_steps: int = 10, lr: float 
 def checkpoint_state(step: int, identity=None):
     """A checkpoint's training state (the save path's document) with nothing but its step (and
     the harness's run identity)."""
-    from distlm.core.documents import CheckpointState
+    from distlm.train.documents import CheckpointState
 
     return CheckpointState(
         identity=identity or run_identity(),

@@ -16,27 +16,66 @@ encode), `tokens` (the HDF5 token file: write, read blocks, metadata), `stage` (
 `prepare`: all of it, and the stats document). Import from `distlm.data`.
 """
 
-from distlm.data.sources import (
-    EOS,
-    SPLITS,
-    Split,
-    load_embedded,
-    load_hub,
-    load_local,
-    load_splits,
-    read_local_file,
-    split_documents,
-)
-from distlm.data.stage import prepare
-from distlm.data.tokenizer import encode, load_tokenizer, model_tokenizer, train_tokenizer
-from distlm.data.tokens import (
-    FORMAT,
-    TokenBlocks,
-    check_tokens_file,
-    read_tokens_meta,
-    token_dtype,
-    write_tokens,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distlm.data.sources import (
+        EOS,
+        SPLITS,
+        Split,
+        load_embedded,
+        load_hub,
+        load_local,
+        load_splits,
+        read_local_file,
+        split_documents,
+    )
+    from distlm.data.stage import prepare
+    from distlm.data.tokenizer import encode, load_tokenizer, model_tokenizer, train_tokenizer
+    from distlm.data.tokens import (
+        FORMAT,
+        TokenBlocks,
+        check_tokens_file,
+        read_tokens_meta,
+        token_dtype,
+        write_tokens,
+    )
+
+# Imported when first asked for (PEP 562), so that a light module of this package (its documents)
+# can be imported without the rest: the report and distlm-launch read documents, and must not
+# import torch for them.
+_WHERE = {
+    "EOS": "distlm.data.sources",
+    "FORMAT": "distlm.data.tokens",
+    "SPLITS": "distlm.data.sources",
+    "Split": "distlm.data.sources",
+    "TokenBlocks": "distlm.data.tokens",
+    "check_tokens_file": "distlm.data.tokens",
+    "encode": "distlm.data.tokenizer",
+    "load_embedded": "distlm.data.sources",
+    "load_hub": "distlm.data.sources",
+    "load_local": "distlm.data.sources",
+    "load_splits": "distlm.data.sources",
+    "load_tokenizer": "distlm.data.tokenizer",
+    "model_tokenizer": "distlm.data.tokenizer",
+    "prepare": "distlm.data.stage",
+    "read_local_file": "distlm.data.sources",
+    "read_tokens_meta": "distlm.data.tokens",
+    "split_documents": "distlm.data.sources",
+    "token_dtype": "distlm.data.tokens",
+    "train_tokenizer": "distlm.data.tokenizer",
+    "write_tokens": "distlm.data.tokens",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EOS",

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from distlm import DistlmError
-from distlm.core.documents import DataStats, SplitStats, TokenMeta, write_document
+from distlm.core.documents import write_document
 from distlm.core.io import atomic_dir, digest
 from distlm.core.log import get_logger
+from distlm.data.documents import DataStats, SplitStats, TokenMeta
 from distlm.data.sources import SPLITS, Split, load_splits
 from distlm.data.tokenizer import encode, model_tokenizer, train_tokenizer
 from distlm.data.tokens import write_tokens

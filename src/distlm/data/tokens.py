@@ -11,9 +11,9 @@ import h5py
 import numpy as np
 
 from distlm import DistlmError
-from distlm.core.documents import TokenMeta
 from distlm.core.io import atomic_path
 from distlm.core.log import get_logger
+from distlm.data.documents import TokenMeta
 
 log = get_logger(__name__)
 

@@ -62,7 +62,6 @@ import sys
 from dataclasses import dataclass
 
 from distlm import DistlmError
-from distlm.core.documents import STOP_NOTICE_ENV
 from distlm.launch.requeue import notice_path, read_notice, requeue_decision, requeue_job
 from distlm.launch.slurm import LimitWarning, read_allocation, say
 from distlm.launch.srun import (
@@ -72,6 +71,7 @@ from distlm.launch.srun import (
     rendezvous_port,
     srun_command,
 )
+from distlm.train.documents import STOP_NOTICE_ENV
 
 
 @dataclass(frozen=True)

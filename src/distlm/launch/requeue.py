@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.core.documents import StopNotice, read_document
+from distlm.core.documents import read_document
 from distlm.launch.slurm import Allocation, say, scontrol
+from distlm.train.documents import StopNotice
 
 # After `scontrol requeue`, SLURM ends this allocation (SIGTERM to the batch script, then SIGKILL
 # after KillWait); the launcher waits for that rather than exiting first.

@@ -25,41 +25,94 @@ The package, by part (what each model family knows is `distlm.family`): `layout`
 `stage` (the model stage: `serialize`). Import from `distlm.model`.
 """
 
-from distlm.family import SUPPORTED, family_of
-from distlm.family.builder import Family
-from distlm.family.transformer import Transformer, check_tensors
-from distlm.model.folder import (
-    load_model_dir,
-    load_safetensors,
-    read_args,
-    read_config,
-    read_meta,
-    save_config,
-    save_safetensors,
-    verify_model_folder,
-    write_model_dir,
-)
-from distlm.model.layout import (
-    CONFIG,
-    DTYPES,
-    MANIFEST,
-    META,
-    MODEL_FORMAT,
-    PIPELINE_FORMAT,
-    SHARDS,
-    SHARDS_FORMAT,
-    WEIGHTS,
-)
-from distlm.model.shards import (
-    StagePlan,
-    load_shards,
-    load_stage_shard,
-    plan_stages,
-    read_manifest,
-    write_pipeline_dir,
-)
-from distlm.model.source import init_config, init_model, load_source, state_dict_for_save
-from distlm.model.stage import serialize
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distlm.family import SUPPORTED, family_of
+    from distlm.family.builder import Family
+    from distlm.family.transformer import Transformer, check_tensors
+    from distlm.model.folder import (
+        load_model_dir,
+        load_safetensors,
+        read_args,
+        read_config,
+        read_meta,
+        save_config,
+        save_safetensors,
+        verify_model_folder,
+        write_model_dir,
+    )
+    from distlm.model.layout import (
+        CONFIG,
+        DTYPES,
+        MANIFEST,
+        META,
+        MODEL_FORMAT,
+        PIPELINE_FORMAT,
+        SHARDS,
+        SHARDS_FORMAT,
+        WEIGHTS,
+    )
+    from distlm.model.shards import (
+        StagePlan,
+        load_shards,
+        load_stage_shard,
+        plan_stages,
+        read_manifest,
+        write_pipeline_dir,
+    )
+    from distlm.model.source import init_config, init_model, load_source, state_dict_for_save
+    from distlm.model.stage import serialize
+
+# Imported when first asked for (PEP 562), so that a light module of this package (its documents)
+# can be imported without the rest: the report and distlm-launch read documents, and must not
+# import torch for them.
+_WHERE = {
+    "CONFIG": "distlm.model.layout",
+    "DTYPES": "distlm.model.layout",
+    "MANIFEST": "distlm.model.layout",
+    "META": "distlm.model.layout",
+    "MODEL_FORMAT": "distlm.model.layout",
+    "PIPELINE_FORMAT": "distlm.model.layout",
+    "SHARDS": "distlm.model.layout",
+    "SHARDS_FORMAT": "distlm.model.layout",
+    "SUPPORTED": "distlm.family",
+    "WEIGHTS": "distlm.model.layout",
+    "Family": "distlm.family.builder",
+    "StagePlan": "distlm.model.shards",
+    "Transformer": "distlm.family.transformer",
+    "check_tensors": "distlm.family.transformer",
+    "family_of": "distlm.family",
+    "init_config": "distlm.model.source",
+    "init_model": "distlm.model.source",
+    "load_model_dir": "distlm.model.folder",
+    "load_safetensors": "distlm.model.folder",
+    "load_shards": "distlm.model.shards",
+    "load_source": "distlm.model.source",
+    "load_stage_shard": "distlm.model.shards",
+    "plan_stages": "distlm.model.shards",
+    "read_args": "distlm.model.folder",
+    "read_config": "distlm.model.folder",
+    "read_manifest": "distlm.model.shards",
+    "read_meta": "distlm.model.folder",
+    "save_config": "distlm.model.folder",
+    "save_safetensors": "distlm.model.folder",
+    "serialize": "distlm.model.stage",
+    "state_dict_for_save": "distlm.model.source",
+    "verify_model_folder": "distlm.model.folder",
+    "write_model_dir": "distlm.model.folder",
+    "write_pipeline_dir": "distlm.model.shards",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONFIG",

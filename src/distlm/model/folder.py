@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.core.documents import ModelMeta, read_document, write_document
+from distlm.core.documents import read_document, write_document
 from distlm.core.io import atomic_dir, check_sha256, digest, nbytes, sha256_file, tree_bytes
 from distlm.core.log import get_logger
 from distlm.family import ModelArgs, family_of, model_args
 from distlm.family.transformer import Transformer
+from distlm.model.documents import ModelMeta
 from distlm.model.layout import CONFIG, GENERATION_CONFIG, META, WEIGHTS
 
 log = get_logger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from distlm.core.documents import ModelMeta, PipelineMeta, ShardManifest
+from distlm.model.documents import ModelMeta, PipelineMeta, ShardManifest
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

@@ -10,17 +10,12 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.core.documents import (
-    PipelineMeta,
-    ShardEntry,
-    ShardManifest,
-    read_document,
-    write_document,
-)
+from distlm.core.documents import read_document, write_document
 from distlm.core.io import atomic_dir, check_sha256, sha256_file
 from distlm.core.log import get_logger
 from distlm.family import family_of
 from distlm.family.builder import Family
+from distlm.model.documents import PipelineMeta, ShardEntry, ShardManifest
 from distlm.model.folder import (
     copy_files,
     load_safetensors,

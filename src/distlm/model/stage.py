@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.core.documents import ModelMeta
 from distlm.family import model_args
+from distlm.model.documents import ModelMeta
 from distlm.model.folder import verify_model_folder, write_model_dir
 from distlm.model.layout import DTYPES, META
 from distlm.model.source import init_config, init_model, load_source, state_dict_for_save

@@ -19,18 +19,13 @@ from typing import Any, cast
 import pandas as pd
 
 from distlm import DistlmError
-from distlm.core.documents import (
-    BroadcastReport,
-    D,
-    DataStats,
-    DocumentError,
-    EvalReport,
-    InferenceSweep,
-    InferenceTiming,
-    ProfileSummary,
-    read_document,
-)
+from distlm.broadcast.documents import BroadcastReport
+from distlm.core.documents import D, DocumentError, read_document
 from distlm.dag.stages import BENCHMARKS, REPORT_READS, RESULTS, job_output
+from distlm.data.documents import DataStats
+from distlm.evaluate.documents import EvalReport
+from distlm.inference.documents import InferenceSweep, InferenceTiming
+from distlm.train.documents import ProfileSummary
 
 # Where each stage leaves its metrics, relative to the results folder (distlm.dag.stages.REPORT_READS).
 LAYOUT = {

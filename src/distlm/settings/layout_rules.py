@@ -25,8 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from distlm.core.documents import IdentityTopology
-
 if TYPE_CHECKING:
     from distlm.family.spec import ModelArgs
     from distlm.settings.train import BatchPlan, TrainSettings
@@ -106,9 +104,10 @@ class LayoutRule:
         """How a rank holds the model state over `world` ranks, for a message."""
         raise NotImplementedError
 
-    def identity_topology(self, plan: BatchPlan) -> IdentityTopology:
-        """The run identity's topology: what of the batch's cut a checkpoint of this layout must
-        share with the run that resumes it."""
+    def identity_topology(self, plan: BatchPlan) -> dict[str, int | str]:
+        """The run identity's topology (distlm.train.documents' `IdentityTopology`'s fields):
+        what of the batch's cut a checkpoint of this layout must share with the run that
+        resumes it."""
         raise NotImplementedError
 
     def problem(
@@ -156,14 +155,14 @@ class Replicated(LayoutRule):
     def holding(self, world: int) -> str:
         return "whole on every rank"
 
-    def identity_topology(self, plan: BatchPlan) -> IdentityTopology:
+    def identity_topology(self, plan: BatchPlan) -> dict[str, int | str]:
         # the whole cut: the identity of every DDP run before FSDP (a resume on the same ranks)
-        return IdentityTopology(
-            world_size=plan.world_size,
-            micro_batch=plan.micro_batch,
-            grad_accum=plan.grad_accum,
-            global_batch=plan.global_batch,
-        )
+        return {
+            "world_size": plan.world_size,
+            "micro_batch": plan.micro_batch,
+            "grad_accum": plan.grad_accum,
+            "global_batch": plan.global_batch,
+        }
 
 
 @dataclass(frozen=True)
@@ -192,9 +191,9 @@ class Sharded(LayoutRule):
     def holding(self, world: int) -> str:
         return f"sharded over the {world} ranks" if world > 1 else "sharded over 1 rank"
 
-    def identity_topology(self, plan: BatchPlan) -> IdentityTopology:
+    def identity_topology(self, plan: BatchPlan) -> dict[str, int | str]:
         # the global batch alone: sharded checkpoints reshard onto any number of ranks
-        return IdentityTopology(global_batch=plan.global_batch, parallel=self.name)
+        return {"global_batch": plan.global_batch, "parallel": self.name}
 
 
 RULES: dict[str, LayoutRule] = {r.name: r for r in (Replicated(), Sharded())}

@@ -31,6 +31,30 @@ Modules, by what a change touches:
     faults.py      test faults (NaN loss, kill after a step), off unless a test arms them
 """
 
-from distlm.train.trainer import Trainer, TrainingDiverged, TrainPaths, lr_at, run_training
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distlm.train.trainer import Trainer, TrainingDiverged, TrainPaths, lr_at, run_training
+
+# Imported when first asked for (PEP 562), so that a light module of this package (its documents)
+# can be imported without the rest: the report and distlm-launch read documents, and must not
+# import torch for them.
+_WHERE = {
+    "TrainPaths": "distlm.train.trainer",
+    "Trainer": "distlm.train.trainer",
+    "TrainingDiverged": "distlm.train.trainer",
+    "lr_at": "distlm.train.trainer",
+    "run_training": "distlm.train.trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["TrainPaths", "Trainer", "TrainingDiverged", "lr_at", "run_training"]

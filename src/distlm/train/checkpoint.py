@@ -48,13 +48,7 @@ from pathlib import Path
 import torch
 
 from distlm import DistlmError
-from distlm.core.documents import (
-    CheckpointIndex,
-    CheckpointState,
-    DocumentError,
-    read_document,
-    write_document,
-)
+from distlm.core.documents import DocumentError, read_document, write_document
 from distlm.core.io import (
     atomic_dir,
     check_sha256,
@@ -65,6 +59,7 @@ from distlm.core.io import (
 )
 from distlm.core.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
+from distlm.train.documents import CheckpointIndex, CheckpointState
 
 log = get_logger(__name__)
 

@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.core.documents import CheckpointState, RunIdentity
 from distlm.core.io import atomic_dir, nbytes
 from distlm.core.log import get_logger
 from distlm.train import checkpoint as ckpt
 from distlm.train.checkpoint_writer import CheckpointWriter, host_copy
+from distlm.train.documents import CheckpointState, RunIdentity
 
 if TYPE_CHECKING:
     from distlm.runtime.dist import Topology

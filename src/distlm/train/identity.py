@@ -26,17 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distlm import DistlmError
-from distlm.core.documents import (
-    IdentityData,
-    IdentityModel,
-    IdentityOptim,
-    ModelMeta,
-    RunIdentity,
-    TokenMeta,
-    read_document,
-    write_document,
-)
+from distlm.core.documents import read_document, write_document
 from distlm.core.log import get_logger
+from distlm.data.documents import TokenMeta
+from distlm.model.documents import ModelMeta
 from distlm.settings.layout_rules import layout_rule
 from distlm.train.checkpoint import (
     Checkpoint,
@@ -45,6 +38,13 @@ from distlm.train.checkpoint import (
     list_checkpoints,
     read_state,
     remove_checkpoint,
+)
+from distlm.train.documents import (
+    IdentityData,
+    IdentityModel,
+    IdentityOptim,
+    IdentityTopology,
+    RunIdentity,
 )
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def run_identity(
             train_blocks=train_blocks,
             seed=cfg.runtime.seed,
         ),
-        topology=layout_rule(t).identity_topology(plan),
+        topology=IdentityTopology.model_validate(layout_rule(t).identity_topology(plan)),
         optim=IdentityOptim(
             lr=t.lr,
             min_lr=t.min_lr,

@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from distlm.core.documents import ModelMeta, TokenMeta
 from distlm.core.log import get_logger
+from distlm.data.documents import TokenMeta
 from distlm.model import DTYPES, write_model_dir
+from distlm.model.documents import ModelMeta
 from distlm.settings.train import TrainConfig
 from distlm.train.metrics import Metrics
 from distlm.train.paths import TrainPaths

@@ -16,11 +16,12 @@ import contextlib
 from pathlib import Path
 from typing import Self
 
-from distlm.core.documents import ProfileSummary, ProfileWindow, write_document
+from distlm.core.documents import write_document
 from distlm.core.io import atomic_path, write_json, write_text
 from distlm.core.log import get_logger
 from distlm.runtime.device import DeviceBackend
 from distlm.settings import ProfileSettings
+from distlm.train.documents import ProfileSummary, ProfileWindow
 
 log = get_logger(__name__)
 

@@ -13,13 +13,13 @@ from typing import Any
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.core.documents import RunIdentity
 from distlm.core.io import remove_leftovers
 from distlm.core.log import get_logger
 from distlm.runtime.dist import Topology
 from distlm.settings import TrainSettings
 from distlm.train import checkpoint as ckpt_mod
 from distlm.train import identity as identity_mod
+from distlm.train.documents import RunIdentity
 from distlm.train.paths import TrainPaths
 from distlm.train.state import TrainState
 

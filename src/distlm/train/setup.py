@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from distlm import DistlmError
-from distlm.core.documents import ModelMeta, TokenMeta
 from distlm.core.log import get_logger
 from distlm.data import TokenBlocks, read_tokens_meta
+from distlm.data.documents import TokenMeta
 from distlm.family import ModelArgs
 from distlm.model import read_args, read_meta
+from distlm.model.documents import ModelMeta
 from distlm.runtime.dist import Topology
 from distlm.runtime.lease import Lease
 from distlm.settings.train import TrainConfig

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from distlm import DistlmError, __version__
-from distlm.core.documents import CheckpointState, RunIdentity
+from distlm.train.documents import CheckpointState, RunIdentity
 
 if TYPE_CHECKING:
     from distlm.family.transformer import Transformer

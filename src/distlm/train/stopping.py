@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from distlm import DistlmError
-from distlm.core.documents import STOP_NOTICE_ENV, StopNotice, write_document
+from distlm.core.documents import write_document
+from distlm.train.documents import STOP_NOTICE_ENV, StopNotice
 
 __all__ = ["STOP_NOTICE_ENV", "StopNotice", "write_stop_notice"]
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch.profiler import record_function as phase
 
 from distlm import DistlmError
-from distlm.core.documents import ModelMeta
 from distlm.core.log import get_logger, progress
+from distlm.model.documents import ModelMeta
 from distlm.runtime import stop_latch
 from distlm.runtime.dist import Topology
 from distlm.settings import TrainSettings

@@ -41,13 +41,44 @@ Where things are:
     errors.py     TransferError
 """
 
-from distlm.transfer.chain import TransferResult, broadcast_state_dict
-from distlm.transfer.checksum import Checksum
-from distlm.transfer.errors import TransferError
-from distlm.transfer.messages import PlanMessage
-from distlm.transfer.plan import ALIGN, Plan, check_template, make_plan
-from distlm.transfer.session import TransferSession
-from distlm.transfer.uccl import check_uccl, uccl_problems
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distlm.transfer.chain import TransferResult, broadcast_state_dict
+    from distlm.transfer.checksum import Checksum
+    from distlm.transfer.errors import TransferError
+    from distlm.transfer.messages import PlanMessage
+    from distlm.transfer.plan import ALIGN, Plan, check_template, make_plan
+    from distlm.transfer.session import TransferSession
+    from distlm.transfer.uccl import check_uccl, uccl_problems
+
+# Imported when first asked for (PEP 562), so that a light module of this package (its documents)
+# can be imported without the rest: the report and distlm-launch read documents, and must not
+# import torch for them.
+_WHERE = {
+    "ALIGN": "distlm.transfer.plan",
+    "Checksum": "distlm.transfer.checksum",
+    "Plan": "distlm.transfer.plan",
+    "PlanMessage": "distlm.transfer.messages",
+    "TransferError": "distlm.transfer.errors",
+    "TransferResult": "distlm.transfer.chain",
+    "TransferSession": "distlm.transfer.session",
+    "broadcast_state_dict": "distlm.transfer.chain",
+    "check_template": "distlm.transfer.plan",
+    "check_uccl": "distlm.transfer.uccl",
+    "make_plan": "distlm.transfer.plan",
+    "uccl_problems": "distlm.transfer.uccl",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ALIGN",

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlm.core.documents import TransferStats
 from distlm.runtime.device import synchronize
 from distlm.settings import TransferSettings
 from distlm.transfer import handshake, stream
+from distlm.transfer.documents import TransferStats
 from distlm.transfer.errors import TransferError
 from distlm.transfer.plan import make_plan
 from distlm.transfer.session import FaultHook, TransferSession

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from distlm.core.documents import ReceiverStats, TransferStats
+from distlm.transfer.documents import ReceiverStats, TransferStats
 from distlm.transfer.errors import TransferError
 from distlm.transfer.messages import (
     MetadataCheck,

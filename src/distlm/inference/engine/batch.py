@@ -13,9 +13,10 @@ import json
 import time
 
 from distlm import DistlmError
-from distlm.core.documents import InferenceTiming, Ttft, write_document
+from distlm.core.documents import write_document
 from distlm.core.io import atomic_path
 from distlm.core.log import get_logger
+from distlm.inference.documents import InferenceTiming, Ttft
 from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.prompts import RequestError, read_prompts

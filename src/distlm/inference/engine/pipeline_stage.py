@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
-from distlm.core.documents import ShardEntry
 from distlm.core.log import get_logger
 from distlm.family import ModelArgs, family_of
 from distlm.inference.engine.graphs import DecodeGraphs
 from distlm.inference.engine.micro_batch import Item, _attend_decode, _Plan
 from distlm.model import load_stage_shard, read_args, read_manifest
+from distlm.model.documents import ShardEntry
 from distlm.runtime.device import DeviceBackend
 
 __all__ = ["Item", "StageModel", "load_stage"]  # Item: the micro-batch's (engine/micro_batch.py)

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from distlm.core.documents import BroadcastReport, TransferStats, write_document
+from distlm.broadcast.documents import BroadcastReport
+from distlm.core.documents import write_document
 from distlm.core.log import get_logger
 from distlm.model import WEIGHTS, load_safetensors, verify_model_folder
 from distlm.runtime.device import DeviceBackend
 from distlm.settings import TransferSettings
 from distlm.settings.transfer import BroadcastConfig
 from distlm.transfer import Checksum, TransferError, broadcast_state_dict, make_plan
+from distlm.transfer.documents import TransferStats
 from distlm.transfer.plan import flat_bytes
 
 log = get_logger(__name__)

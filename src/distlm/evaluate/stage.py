@@ -33,10 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlm import DistlmError
-from distlm.core.documents import EvalReport, ModelMeta, SplitEval, TokenMeta, write_document
+from distlm.core.documents import write_document
 from distlm.core.io import sha256_file
 from distlm.core.log import get_logger, progress
+from distlm.data.documents import TokenMeta
+from distlm.evaluate.documents import EvalReport, SplitEval
 from distlm.family.transformer import Transformer
+from distlm.model.documents import ModelMeta
 from distlm.runtime.device import autocast
 from distlm.settings import EvalSettings
 from distlm.settings.eval import EvalConfig
