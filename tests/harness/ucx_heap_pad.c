@@ -7,7 +7,7 @@
  * the address and whatever follows it in the heap. Non-zero bytes hex-encode without run-length
  * compression, so every 511-byte segment becomes a PMI-1 put of about 1077 bytes, longer than the
  * 1024 bytes slurmstepd reads per request: the case a run meets when the heap after the address
- * holds few zero runs (src/distlm/mpi_init.py). mpich 4 (the address only) and the OFI netmod (no
+ * holds few zero runs (src/distlm/runtime/mpi_init.py). mpich 4 (the address only) and the OFI netmod (no
  * UCX) are not affected. Used by tests/test_mpi_init.py and benchmarks/slurm/pmi_repro.py.
  */
 #define _GNU_SOURCE
