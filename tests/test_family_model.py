@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from distlm import DistlmError
-from distlm.family import family_of, model_args
+from distlm.family import Cut, family_of, model_args
+from distlm.train.legacy import transformers_order
 
 VOCAB, CONTEXT = 96, 48
 # config.json of each shape, as transformers' config classes take them
@@ -223,9 +224,35 @@ def test_the_tensor_map_round_trips_and_knows_transformers_order(shape):
     mine = ours.hf_tensors()
     assert set(mine) == set(theirs)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
-    assert ours.hf_order() == list(theirs)  # their registration order
+    assert transformers_order(ours) == list(theirs)  # their registration order
     back = ours.tensor_map().from_hf(mine)
     assert all(torch.equal(back[n], p) for n, p in ours.named_parameters())
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, "llama-every-bias"])
+def test_each_model_holds_exactly_its_tables_parameters(shape):
+    """A family's table (distlm.family.table) declares its parameters once: the model built from
+    any args, whole or cut into pipeline stages, holds exactly the table's parameters, in its
+    order and shapes, so the parameter count derived from the table is the model's."""
+    doc = (
+        {**SHAPES["llama-gqa-untied"], "attention_bias": True, "mlp_bias": True}
+        if shape == "llama-every-bias"
+        else SHAPES[shape]
+    )
+    args = model_args({**doc, "vocab_size": VOCAB}, shape)
+    fam = family_of(args)
+    table = fam.spec.tensors
+    for cut in (None, Cut(0, 1, first=True, last=False), Cut(1, 2, first=False, last=True)):
+        model = fam.build(args, cut, device="meta")
+        held = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        assert held == list(table.shapes(args, cut).items()), (shape, cut)
+    whole = fam.build(args, device="meta")
+    assert args.parameters() == sum(p.numel() for p in whole.parameters())
+    assert args.block_parameters() == sum(p.numel() for p in whole.layers["0"].parameters())
+    assert all(
+        table.is_first(h) or table.is_last(h) or table.layer_of(h) is not None
+        for h in whole.hf_tensors()
+    )
 
 
 @pytest.mark.parametrize(
@@ -316,8 +343,8 @@ def test_a_pipeline_stage_is_a_range_of_the_same_blocks():
     _hf, whole = models("llama-gqa-untied")
     args = whole.args
     fam = family_of(args)
-    first = fam.build(args, start=0, end=1, first=True, last=False)
-    last = fam.build(args, start=1, end=2, first=False, last=True)
+    first = fam.build(args, Cut(0, 1, first=True, last=False))
+    last = fam.build(args, Cut(1, 2, first=False, last=True))
     tensors = whole.hf_tensors()
     for stage in (first, last):
         mine = stage.hf_tensors()

@@ -80,7 +80,7 @@ def test_stage_chain_greedy_and_prompt_logprobs_match_transformers(family_models
     for stages in (1, 2, 3):
         folder = family_models(case)[stages]
         models = [load_stage(folder, s, world=stages) for s in range(stages)]
-        assert sum(m.end - m.start for m in models) == N_LAYER
+        assert sum(len(m.cut.layers) for m in models) == N_LAYER
         assert models[0].n_kv_head == CASES[case]["n_kv_head"]
         items = [Item(k, k, 0, len(i)) for k, i in enumerate(ids)]
         x = torch.tensor([t for i in ids for t in i])

@@ -218,7 +218,7 @@ def test_shard_digest_mismatch_is_refused(tiny_models, tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert load_stage(bad, 0, world=2).first
+    assert load_stage(bad, 0, world=2).cut.first
     with pytest.raises(
         DistlmError, match=r"stage-01.safetensors: sha256 .* does not match the manifest"
     ):
@@ -232,7 +232,7 @@ def test_stage_chain_packed_matches_generate(tiny_models, hf_reference, stages):
     """All prompts packed in one micro-batch, passed through the S stage modules in turn."""
     tok = hf_reference.tokenizer
     models = [load_stage(tiny_models[stages], s, world=stages) for s in range(stages)]
-    assert [m.end - m.start for m in models] and sum(m.end - m.start for m in models) == N_LAYER
+    assert [len(m.cut.layers) for m in models] and sum(len(m.cut.layers) for m in models) == N_LAYER
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     n_new = 12
     items = [Item(k, k, 0, len(i)) for k, i in enumerate(ids)]

@@ -181,7 +181,7 @@ def test_balance_by_bytes():
     cut = {"family": family_of(args), "tied": family_of(args).tied(args)}
     plans = plan_stages(sd, 12, 3, **cut)
     sizes = [p.nbytes for p in plans]
-    assert [p.layer_end - p.layer_start for p in plans] == [2, 8, 2]
+    assert [p.cut.end - p.cut.start for p in plans] == [2, 8, 2]
     assert max(sizes) / min(sizes) < 1.2
     with pytest.raises(DistlmError, match="13 stages for a model with 12 layers"):
         plan_stages(sd, 12, 13, **cut)

@@ -488,7 +488,7 @@ def model_dims(model_dir: Path) -> dict:
     wpe = getattr(model.embedding, "wpe", None)  # GPT-2's learned positions
     no_pos = n - (wpe.weight.numel() if wpe is not None else 0)
     # an untied input embedding is a lookup, no matmul (a tied one is the LM head's weight)
-    lookup = 0 if args.tied else model.embedding_weight().numel()
+    lookup = 0 if args.tied else model.get_parameter(model.table.embedding_param).numel()
     dims = {
         "architecture": args.model_type,
         "parameters": n,

@@ -1,30 +1,38 @@
 """Model families: the registry, one line a family, and the one lookup every stage asks.
 
-    spec = REGISTRY["llama"]                 # FamilySpec: name, classes, init settings, tensors
+    spec = REGISTRY["llama"]                 # FamilySpec: name, classes, init settings, table
     args = model_args(config_json, where)    # config.json (a dict) -> ModelArgs (no torch)
     fam = family_of(args)                    # or family_of("llama"): its model (imports torch)
     model = fam.build(args, device="cuda")   # distlm's model (distlm.family.transformer)
     model.load_hf(tensors, where)            # its weights, in transformers' names
     fam.tensors.layer_of("model.layers.3.mlp.up_proj.weight")  # 3: the pipeline cut
 
-A family is a folder here (`gpt2/`, `llama/`, `qwen3/`): its spec and config mapping in
+A family is a folder here (`gpt2/`, `llama/`): its spec, config mapping and tensor table in
 `__init__.py` (no torch: the settings build `model.init` from it while the workflow plans the
-DAG), its blocks' math in `blocks.py`, its model and the map between its tensor names and
-transformers' in `model.py`. Adding one is a folder and a line below; nothing outside these
-folders names a family.
+DAG; the table, `distlm.family.table`, declares each parameter once, and its names, its map to
+transformers' names and the parameter count are derived from it), its blocks' math in
+`blocks.py`, its model (the blocks put together) in `model.py`. Adding one is a folder and a
+line below; nothing outside these folders names a family.
+
+One rule places a family: one whose blocks are its own is a folder; one that runs another's
+blocks, and differs in config keys, defaults, biases or norms those blocks already know, is a
+variant in that folder (Qwen2 and Qwen3 are Llama's: `llama/qwen.py`). A variant is a spec and a
+config mapping, no model code.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from distlm import DistlmError
 from distlm.family.gpt2 import GPT2
-from distlm.family.llama import LLAMA, QWEN2
-from distlm.family.qwen3 import QWEN3
-from distlm.family.spec import FamilySpec, InitSettings, ModelArgs, TensorNames
+from distlm.family.llama import LLAMA
+from distlm.family.llama.qwen import QWEN2, QWEN3
+from distlm.family.spec import FamilySpec, InitSettings, ModelArgs
+from distlm.family.table import Cut, TensorTable
 
 if TYPE_CHECKING:
     from distlm.family.builder import Family
@@ -59,18 +67,28 @@ def family_of(what, *, where: str = "model") -> Family:
     """The family of a model_type, ModelArgs or transformers config: its model (`Family`, with
     torch)."""
     model_type = what if isinstance(what, str) else getattr(what, "model_type", None)
-    module, _, name = spec_of(model_type, where=where).model.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return _family(spec_of(model_type, where=where).name)
+
+
+@functools.cache
+def _family(name: str) -> Family:
+    # the model (torch) is imported when first asked for, by name: the settings read this
+    # registry while the workflow plans the DAG, without torch
+    spec = REGISTRY[name]
+    module, _, cls = spec.model.partition(":")
+    family = importlib.import_module("distlm.family.builder").Family
+    return family(spec, getattr(importlib.import_module(module), cls))
 
 
 __all__ = [
     "DEFAULT",
     "REGISTRY",
     "SUPPORTED",
+    "Cut",
     "FamilySpec",
     "InitSettings",
     "ModelArgs",
-    "TensorNames",
+    "TensorTable",
     "family_of",
     "model_args",
     "spec_of",

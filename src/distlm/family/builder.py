@@ -1,11 +1,11 @@
 """`Family`: one model family with torch: distlm's model of it (`distlm.family.transformer`),
 built from its `ModelArgs`, and transformers' classes for the model stage's side (a seeded init,
-config.json). Each family's folder makes one (`distlm/family/<name>/model.py`, its `FAMILY`);
-`distlm.family.family_of` finds it from a config, its args or a model_type.
+config.json). `distlm.family.family_of` makes one from a config, its args or a model_type: its
+spec and the model class the spec names (`distlm/family/<folder>/model.py`).
 
     fam = family_of(args)                    # or family_of("llama")
     model = fam.build(args, device=dev)      # distlm's model; its weights come from load_hf
-    stage = fam.build(args, start=4, end=8, first=False, last=True)   # a pipeline stage
+    stage = fam.build(args, Cut(4, 8, first=False, last=True))        # a pipeline stage
     config = fam.init_config(init, vocab_size, eos_token_id)          # model.init's config.json
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from distlm.family.spec import FamilySpec, InitSettings, ModelArgs, TensorNames
+from distlm.family.spec import FamilySpec, InitSettings, ModelArgs
+from distlm.family.table import Cut, TensorTable
 from distlm.family.transformer import Transformer
 
 
@@ -35,7 +36,7 @@ class Family:
         return self.spec.architecture
 
     @property
-    def tensors(self) -> TensorNames:
+    def tensors(self) -> TensorTable:
         return self.spec.tensors
 
     def args(self, doc: dict[str, Any], where: str) -> ModelArgs:
@@ -46,20 +47,16 @@ class Family:
     def build(
         self,
         args: ModelArgs,
+        cut: Cut | None = None,
         *,
-        start: int = 0,
-        end: int | None = None,
-        first: bool = True,
-        last: bool = True,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> Transformer:
-        """distlm's model of `args` (blocks [start, end) with the embeddings when `first` and the
-        head when `last`) on `device` (`meta` for its shapes alone), its parameters allocated but
+        """distlm's model of `args` (or what `cut` holds of it: a pipeline stage) on `device` (`meta` for its shapes alone), its parameters allocated but
         not set: load them (`Transformer.load_hf`) or receive them. Nothing is initialised that
         would then be overwritten."""
         with torch.device(device):
-            model = self.model(args, start=start, end=end, first=first, last=last)
+            model = self.model(args, cut)
         return model if dtype == torch.float32 else model.to(dtype)
 
     def tied(self, args: ModelArgs) -> dict[str, str]:

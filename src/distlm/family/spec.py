@@ -1,12 +1,12 @@
 """What a model family is, without torch: its name, transformers' classes, its `model.init`
 settings as a typed model, its config mapping (config.json -> `ModelArgs`, what distlm's model is
-built from) and its checkpoint's tensor names (the pipeline cut).
+built from) and its tensor table (distlm.family.table: its parameters, their transformers names,
+the parameter count and the pipeline cut).
 
 The registry (`distlm.family.REGISTRY`) holds one `FamilySpec` a family; each family's folder
-(`distlm/family/<name>/`) holds its spec and config mapping (`__init__.py`, read by the settings
-while the workflow builds the DAG) and, with torch, its blocks (`blocks.py`: the model's math)
-and its model (`model.py`: the blocks put together, and the map between its tensor names and
-transformers').
+(`distlm/family/<name>/`) holds its spec, config mapping and table (`__init__.py`, read by the
+settings while the workflow builds the DAG) and, with torch, its blocks (`blocks.py`: the
+model's math) and its model (`model.py`: the blocks put together).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pydantic import Field
 
 from distlm import DistlmError
 from distlm.core.section import ONLY_WHEN_SET, Real, Section
+from distlm.family.table import TensorTable
 
 
 class InitSettings(Section):
@@ -78,33 +79,6 @@ class InitSettings(Section):
         return []
 
 
-@dataclass(frozen=True)
-class TensorNames:
-    """A checkpoint's tensors by name: which belong to stage 0, to decoder layer i, to the last
-    stage (the pipeline cut), and what a tied LM head is."""
-
-    layers: str  # prefix of decoder layer i's tensors, before "i."
-    embeddings: tuple[str, ...]  # prefixes of stage 0's tensors
-    final: tuple[str, ...]  # prefixes of the last stage's tensors (final norm, head)
-    embedding: str  # the input embedding's weight (what a tied lm_head.weight is)
-    head: str = "lm_head.weight"
-
-    def layer_of(self, name: str) -> int | None:
-        """The decoder layer a tensor belongs to; None for embeddings, final norm and head."""
-        if not name.startswith(self.layers):
-            return None
-        index = name[len(self.layers) :].split(".", 1)[0]
-        return int(index) if index.isdigit() else None
-
-    def is_first(self, name: str) -> bool:
-        """An embedding tensor: held by stage 0."""
-        return name.startswith(self.embeddings)
-
-    def is_last(self, name: str) -> bool:
-        """Final norm or LM head: held by the last stage."""
-        return name.startswith(self.final)
-
-
 # ----------------------------------------------------------------------------- model args
 
 
@@ -139,13 +113,18 @@ class ModelArgs:
         raise NotImplementedError(self.model_type)
 
     def parameters(self) -> int:
-        """How many parameters the model has (a tied head counted once)."""
-        raise NotImplementedError(self.model_type)
+        """How many parameters the model has (a tied head counted once): its family's table's."""
+        return self._table().parameters(self)
 
     def block_parameters(self) -> int:
         """How many parameters one of its blocks has (every block has as many): what a sharded
         layout gathers whole at a time (distlm.settings.layout_rules)."""
-        raise NotImplementedError(self.model_type)
+        return self._table().block_parameters(self)
+
+    def _table(self) -> TensorTable:
+        from distlm.family import spec_of
+
+        return spec_of(self.model_type).tensors
 
 
 class ConfigDoc:
@@ -221,8 +200,8 @@ class FamilySpec:
     architecture: str  # config.json's `architectures`: the transformers class that loads it
     config_name: str  # the transformers config class (the model stage writes config.json with it)
     init: type[InitSettings]  # its model.init settings
-    tensors: TensorNames
-    model: str  # where its model (torch) is: "distlm.family.<folder>.model:<name>"
+    tensors: TensorTable  # its parameters, declared once (distlm.family.table)
+    model: str  # its model class (torch): "distlm.family.<folder>.model:<class>"
     description: str  # one line, for model.init.architecture's help
     # the config mapping: config.json (a mapping; the file's name for errors) -> its ModelArgs
     args: Callable[[Mapping[str, Any], str], ModelArgs] = field(repr=False)

@@ -6,7 +6,7 @@ a pipeline stage runs a range of its blocks.
     model.load_hf(tensors, where)                      # transformers' names and layouts
     logits = model(ids)                                # (B, T) -> (B, T, V)
     h = model(ids, head=False)                         # the final norm's output (B, T, C)
-    stage = family.build(args, start=4, end=8, first=False, last=True)   # a pipeline stage
+    stage = family.build(args, Cut(4, 8, first=False, last=True))   # a pipeline stage
 
 A block's math comes in two halves around attention (`Block.project`, `Block.finish`), so that
 training's attention (SDPA's `is_causal` over whole blocks: flash or cuDNN on CUDA) and the
@@ -31,15 +31,16 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
+from distlm.family import spec_of
 from distlm.family.spec import ACTIVATIONS, ModelArgs
+from distlm.family.table import Cut, Rule
 
 # ----------------------------------------------------------------------------- blocks
 
@@ -154,39 +155,30 @@ class RMSNorm(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A family's decoder, or the range [start, end) of its blocks (a pipeline stage):
-    embeddings when `first`, the final norm and the LM head when `last`. Blocks are held by their
-    index in the whole model (`layers["7"]`), so a tensor's name is the same however the model
-    is cut (torchtitan's pipeline stages name them so)."""
+    """A family's decoder, or what a `Cut` of it holds (a pipeline stage: blocks [start, end),
+    embeddings when `first`, the final norm and the LM head when `last`). Blocks are held by
+    their index in the whole model (`layers["7"]`), so a tensor's name is the same however the
+    model is cut (torchtitan's pipeline stages name them so). Its parameters are its family's
+    table's (`distlm.family.table`): their names, shapes and transformers' names."""
 
     linear_logits = True  # logits = hidden @ lm_head.weight.T (training's fused head applies)
 
-    def __init__(
-        self,
-        args: ModelArgs,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        first: bool = True,
-        last: bool = True,
-    ) -> None:
+    def __init__(self, args: ModelArgs, cut: Cut | None = None) -> None:
         super().__init__()
-        end = args.n_layers if end is None else end
-        if not 0 <= start < end <= args.n_layers:
-            raise DistlmError(f"blocks [{start}, {end}) of a model of {args.n_layers}")
         self.args = args
-        self.start, self.end, self.first, self.last = start, end, first, last
-        if first:
+        self.cut = (cut or Cut.whole(args.n_layers)).check(args.n_layers)
+        self.table = spec_of(args.model_type).tensors
+        if self.cut.first:
             self.embedding = self.make_embedding()
-        self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(start, end)})
-        if last:
+        self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in self.cut.layers})
+        if self.cut.last:
             self.norm = self.make_norm()
             self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         self._tie()
 
     def _tie(self) -> None:
-        if self.args.tied and self.first and self.last:  # the head is the input embedding
-            self.lm_head.weight = self.embedding_weight()
+        if self.args.tied and self.cut.both_ends:  # the head is the input embedding
+            self.lm_head.weight = self.get_parameter(self.table.embedding_param)
 
     def _apply(self, fn, recurse=True):
         # moving a module makes its parameters anew, one module at a time (from the meta device
@@ -203,10 +195,6 @@ class Transformer(nn.Module):
         raise NotImplementedError
 
     def make_norm(self) -> nn.Module:
-        raise NotImplementedError
-
-    def embedding_weight(self) -> nn.Parameter:
-        """The input embedding's weight (what a tied head is)."""
         raise NotImplementedError
 
     def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -228,15 +216,6 @@ class Transformer(nn.Module):
         """Logits of final (normed) hidden states (..., C) -> (..., V): the LM head. A family
         whose logits are more (a soft cap, a scale) says so here and sets linear_logits False."""
         return self.lm_head(h)
-
-    def tensor_rules(self) -> list[Rule]:
-        """The map between this family's tensor names and transformers' (`TensorMap`)."""
-        raise NotImplementedError
-
-    def hf_order(self) -> list[str]:
-        """transformers' parameters in its model's order (its `named_parameters()`): how a
-        checkpoint of distlm before its own model numbered the optimizer's state."""
-        raise NotImplementedError
 
     # -- running it ----------------------------------------------------------------------------
     def checkpoint_blocks(self, on: bool) -> None:
@@ -275,7 +254,8 @@ class Transformer(nn.Module):
     # -- transformers' names -------------------------------------------------------------------
     def tensor_map(self) -> TensorMap:
         """The map between this model's parameters and transformers' tensors."""
-        return TensorMap(self.tensor_rules(), [n for n, _ in self.named_parameters()])
+        rules = self.table.rules(self.args)
+        return TensorMap(rules, [n for n, _ in self.named_parameters()])
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters under transformers' names and layouts (views where they can be; a
@@ -289,9 +269,8 @@ class Transformer(nn.Module):
         values are cast to each parameter's dtype. A tied head's own copy (what a pipeline shard
         holding both ends carries) must equal the embedding it is, and is not loaded twice."""
         mine = self.hf_tensors()
-        head = next(r.hf[0] for r in self.tensor_rules() if r.ours == "lm_head.weight")
-        if head in tensors and head not in mine and self.args.tied and self.first and self.last:
-            embedding = self.tensor_map().hf_names(self._embedding_name())[0]
+        head, embedding = self.table.head, self.table.embedding
+        if head in tensors and head not in mine and self.args.tied and self.cut.both_ends:
             if embedding in tensors and not torch.equal(tensors[head], tensors[embedding]):
                 raise DistlmError(f"{where}: tied tensor {head!r} differs from {embedding!r}")
             tensors = {k: v for k, v in tensors.items() if k != head}
@@ -299,10 +278,6 @@ class Transformer(nn.Module):
         for name, value in self.tensor_map().from_hf(tensors).items():
             p = self.get_parameter(name)
             p.copy_(value.to(p.dtype))
-
-    def _embedding_name(self) -> str:
-        weight = self.embedding_weight()
-        return next(n for n, p in self.named_parameters() if p is weight)
 
 
 def check_tensors(
@@ -324,19 +299,6 @@ def check_tensors(
 
 
 # ----------------------------------------------------------------------------- names
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One of distlm's tensors and the transformers tensors it is: the same (`same`), transposed
-    (`t`: transformers' Conv1D holds a linear layer's weight as (in, out)), or theirs
-    concatenated along the first dimension (`cat`, of `sizes` rows each: fused projections).
-    Names may hold `{i}`, a block's index."""
-
-    ours: str
-    hf: tuple[str, ...]
-    kind: Literal["same", "t", "cat"] = "same"
-    sizes: tuple[int, ...] = ()
 
 
 _INDEX = re.compile(r"\.(\d+)\.")

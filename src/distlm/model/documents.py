@@ -8,6 +8,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from distlm.core.documents import Document
+from distlm.family.table import Cut
 
 # ----------------------------------------------------------------------------- model folders
 
@@ -62,6 +63,11 @@ class ShardEntry(BaseModel):
     tensors: list[str]
     bytes: int
     sha256: str
+
+    @property
+    def cut(self) -> Cut:
+        """What of the model this stage holds (distlm.family's `Cut`)."""
+        return Cut(*self.layers, first=self.has_embeddings, last=self.has_head)
 
 
 class ShardManifest(Document):

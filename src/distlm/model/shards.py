@@ -13,7 +13,7 @@ from distlm import DistlmError
 from distlm.core.documents import read_document, write_document
 from distlm.core.io import atomic_dir, check_sha256, sha256_file
 from distlm.core.log import get_logger
-from distlm.family import family_of
+from distlm.family import Cut, family_of
 from distlm.family.builder import Family
 from distlm.model.documents import PipelineMeta, ShardEntry, ShardManifest
 from distlm.model.folder import (
@@ -36,16 +36,13 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: decoder layers [layer_start, layer_end) and the tensors it holds
-    (the first stage the embeddings, the last the final norm and the head)."""
+    """One pipeline stage: what it holds of the model (`cut`: decoder layers [start, end), the
+    first stage the embeddings, the last the final norm and the head) and those tensors."""
 
     stage: int
-    layer_start: int
-    layer_end: int
+    cut: Cut
     tensors: tuple[str, ...]
     nbytes: int
-    has_embeddings: bool
-    has_head: bool
 
 
 def plan_stages(
@@ -123,9 +120,7 @@ def plan_stages(
         if s == S - 1:
             names = names + head + copies
         plans.append(
-            StagePlan(
-                s, i, j, tuple(names), cost(s, i, j), has_embeddings=s == 0, has_head=s == S - 1
-            )
+            StagePlan(s, Cut(i, j, first=s == 0, last=s == S - 1), tuple(names), cost(s, i, j))
         )
     return plans
 
@@ -167,9 +162,9 @@ def write_pipeline_dir(model_dir: str | Path, out_dir: str | Path, *, stages: in
                 ShardEntry(
                     stage=p.stage,
                     file=fname,
-                    layers=(p.layer_start, p.layer_end),
-                    has_embeddings=p.has_embeddings,
-                    has_head=p.has_head,
+                    layers=(p.cut.start, p.cut.end),
+                    has_embeddings=p.cut.first,
+                    has_head=p.cut.last,
                     tensors=list(p.tensors),
                     bytes=p.nbytes,
                     sha256=sha256_file(tmp / SHARDS / fname),

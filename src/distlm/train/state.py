@@ -182,7 +182,9 @@ def load_named_optimizer_state(
     """Load an optimizer.pt (`named_optimizer_state`'s, or a checkpoint's of distlm before its
     own model: torch's state by index over transformers' parameters) into `optimizer`."""
     if saved.get("format") != OPTIMIZER_FORMAT:
-        saved = _named_from_indexed(model, saved, where)
+        from distlm.train.legacy import named_from_indexed
+
+        saved = named_from_indexed(model, saved, OPTIMIZER_FORMAT, where)
     tmap = model.tensor_map()
     names = {id(p): n for n, p in model.named_parameters()}
     state: dict[int, dict[str, Any]] = {}
@@ -224,26 +226,3 @@ def _laid_out_as(param: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
     if moment.stride() == param.stride():
         return moment
     return torch.empty_like(param, dtype=moment.dtype, device=moment.device).copy_(moment)
-
-
-def _named_from_indexed(model: Transformer, saved: dict, where: str) -> dict:
-    """A checkpoint's optimizer state of distlm before its own model (it trained transformers'
-    modules): torch's state by index, the indices numbering transformers' parameters in its
-    model's order, the matrices (decayed) first, then the rest (`param_groups`'s groups) ->
-    `named_optimizer_state`'s form."""
-    shapes = {k: v.shape for k, v in model.hf_tensors().items()}
-    order = model.hf_order()
-    decay = [n for n in order if len(shapes[n]) >= 2]
-    rest = [n for n in order if len(shapes[n]) < 2]
-    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
-    if sizes != [len(decay), len(rest)]:
-        raise DistlmError(
-            f"{where}: optimizer state of {sizes} parameters a group, this model has "
-            f"{[len(decay), len(rest)]}"
-        )
-    by_index = [*decay, *rest]
-    groups = []
-    for g, names in zip(saved["param_groups"], (decay, rest), strict=True):
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-    state = {by_index[int(i)]: s for i, s in saved["state"].items()}
-    return {"format": OPTIMIZER_FORMAT, "state": state, "param_groups": groups}

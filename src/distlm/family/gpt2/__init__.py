@@ -16,8 +16,8 @@ from distlm.family.spec import (
     FamilySpec,
     InitSettings,
     ModelArgs,
-    TensorNames,
 )
+from distlm.family.table import LM_HEAD, TensorTable, embedding, linear, norm
 
 
 class GPT2Init(InitSettings):
@@ -51,16 +51,6 @@ class GPT2Args(ModelArgs):
             "n_layer": self.n_layers,
             "n_head": self.n_heads,
         }
-
-    def block_parameters(self) -> int:
-        C, M = self.dim, self.mlp_dim
-        return 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * M + M) + (M * C + C)
-
-    def parameters(self) -> int:
-        C = self.dim
-        head = 0 if self.tied else self.vocab_size * C
-        blocks = self.n_layers * self.block_parameters()
-        return (self.vocab_size + self.context) * C + blocks + 2 * C + head
 
 
 def gpt2_args(doc: Mapping[str, Any], where: str) -> GPT2Args:
@@ -110,18 +100,36 @@ def gpt2_init_doc(init: InitSettings, vocab_size: int, eos_token_id: int | None)
     }
 
 
+def _width(a: GPT2Args) -> int:
+    return a.dim
+
+
+_H = "transformer.h.{i}."  # transformers' decoder layer i
+# GPT-2's parameters in its model's order; transformers' Conv1D layers hold each linear layer's
+# weight transposed ("t")
+TENSORS = TensorTable(
+    (
+        embedding("embedding.wte.weight", "transformer.wte.weight", lambda a: a.vocab_size),
+        embedding("embedding.wpe.weight", "transformer.wpe.weight", lambda a: a.context),
+        norm("layers.{i}.ln_1", _H + "ln_1", _width, bias=True),
+        linear("layers.{i}.attn.qkv", _H + "attn.c_attn", lambda a: 3 * a.dim, _width, kind="t"),
+        linear("layers.{i}.attn.proj", _H + "attn.c_proj", _width, _width, kind="t"),
+        norm("layers.{i}.ln_2", _H + "ln_2", _width, bias=True),
+        linear("layers.{i}.mlp.fc", _H + "mlp.c_fc", lambda a: a.mlp_dim, _width, kind="t"),
+        linear("layers.{i}.mlp.proj", _H + "mlp.c_proj", _width, lambda a: a.mlp_dim, kind="t"),
+        norm("norm", "transformer.ln_f", _width, bias=True),
+        LM_HEAD,
+    ),
+    embedding="embedding.wte.weight",
+)
+
 GPT2 = FamilySpec(
     name="gpt2",
     architecture="GPT2LMHeadModel",
     config_name="GPT2Config",
     init=GPT2Init,
-    tensors=TensorNames(
-        layers="transformer.h.",
-        embeddings=("transformer.wte.", "transformer.wpe."),
-        final=("transformer.ln_f.", "lm_head."),
-        embedding="transformer.wte.weight",
-    ),
-    model="distlm.family.gpt2.model:FAMILY",
+    tensors=TENSORS,
+    model="distlm.family.gpt2.model:GPT2Model",
     description="GPT2LMHeadModel",
     args=gpt2_args,
     init_doc=gpt2_init_doc,

@@ -1,8 +1,7 @@
-"""The Llama family: Llama (`LlamaForCausalLM`: SmolLM2, TinyLlama, Llama 3.2) and Qwen2
-(`Qwen2ForCausalLM`: Llama with biases on the query, key and value projections; Qwen2.5). Rotary
-positions (with `rope_scaling` such as Llama 3.2's `llama3`), RMSNorm, a gated SiLU MLP,
-grouped-query attention, tied or untied embeddings. Their specs and config mapping (no torch);
-their blocks are `blocks.py`, their model and tensor names `model.py`."""
+"""The Llama family (`LlamaForCausalLM`: SmolLM2, TinyLlama, Llama 3.2): rotary positions (with
+`rope_scaling` such as Llama 3.2's `llama3`), RMSNorm, a gated SiLU MLP, grouped-query attention,
+tied or untied embeddings. Its spec, config mapping and tensor table (no torch); its variants
+Qwen2 and Qwen3 are `qwen.py`; their blocks are `blocks.py`, their model `model.py`."""
 
 from __future__ import annotations
 
@@ -21,8 +20,11 @@ from distlm.family.spec import (
     FamilySpec,
     InitSettings,
     ModelArgs,
-    TensorNames,
 )
+from distlm.family.table import LM_HEAD, TensorTable, embedding, linear, norm
+
+# the model every family of this folder runs (its blocks know each variant's biases and norms)
+MODEL = "distlm.family.llama.model:LlamaModel"
 
 # model.init's defaults of the keys the Llama family has and GPT-2 lacks (config/README.md)
 ROPE_THETA = 10000.0
@@ -105,16 +107,6 @@ class LlamaInit(InitSettings):
         return problems
 
 
-class Qwen2Init(LlamaInit):
-    """`model.init` of Qwen2: Llama's keys (its q, k and v biases come with the architecture)."""
-
-    architecture: Literal["qwen2"] = Field(  # pyright: ignore[reportIncompatibleVariableOverride]
-        default="qwen2",
-        description="qwen2 (Qwen2ForCausalLM: Llama with query/key/value biases).",
-        **ONLY_WHEN_SET,
-    )
-
-
 # ----------------------------------------------------------------------------- config mapping
 
 # rotary scalings distlm's blocks compute (transformers' ROPE_INIT_FUNCTIONS of the same names)
@@ -170,18 +162,6 @@ class LlamaArgs(ModelArgs):
         if self.qk_norm:  # Qwen3's head width is a key of its own
             sig["head_dim"] = self.head_dim
         return sig
-
-    def block_parameters(self) -> int:
-        C, M, D = self.dim, self.mlp_dim, self.head_dim
-        qkv = (self.n_heads + 2 * self.n_kv_heads) * D
-        attn = C * qkv + qkv * self.qkv_bias + self.n_heads * D * C + C * self.o_bias
-        mlp = 3 * C * M + (2 * M + C) * self.mlp_bias
-        return attn + mlp + 2 * C + 2 * D * self.qk_norm
-
-    def parameters(self) -> int:
-        C = self.dim
-        head = 0 if self.tied else self.vocab_size * C
-        return self.vocab_size * C + self.n_layers * self.block_parameters() + C + head
 
 
 def rope_args(c: ConfigDoc, context: int) -> RopeArgs:
@@ -294,8 +274,7 @@ def llama_args(
     if model_type != "llama":
         check_full_attention(c, n_layers)
     attention_bias = c.flag("attention_bias", False)
-    cls = Qwen3Args if qk_norm else LlamaArgs
-    return cls(
+    return LlamaArgs(
         model_type=model_type,
         vocab_size=c.integer("vocab_size", default=d["vocab_size"]),
         dim=dim,
@@ -315,24 +294,6 @@ def llama_args(
         mlp_bias=c.flag("mlp_bias", False),
         qk_norm=qk_norm,
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Qwen3Args(LlamaArgs):
-    """Qwen3's: the Llama family's with query/key norm (its signature names head_dim)."""
-
-
-# Qwen2Config's and Qwen3Config's defaults where LlamaConfig's differ
-QWEN_DEFAULTS = {
-    "vocab_size": 151936,
-    "intermediate_size": 22016,
-    "max_position_embeddings": 32768,
-}
-
-
-def qwen2_args(doc: Mapping[str, Any], where: str) -> LlamaArgs:
-    """config.json of Qwen2 -> LlamaArgs: q, k and v always have biases."""
-    return llama_args(doc, where, model_type="qwen2", defaults=QWEN_DEFAULTS, qkv_bias=True)
 
 
 def llama_init_doc(init: LlamaInit, vocab_size: int, eos_token_id: int | None) -> dict:
@@ -364,31 +325,76 @@ def llama_init_doc(init: LlamaInit, vocab_size: int, eos_token_id: int | None) -
     return doc
 
 
-TENSORS = TensorNames(
-    layers="model.layers.",
-    embeddings=("model.embed_tokens.",),
-    final=("model.norm.", "lm_head."),
-    embedding="model.embed_tokens.weight",
+def _qk_norm(a: LlamaArgs) -> bool:
+    return a.qk_norm
+
+
+def _width(a: LlamaArgs) -> int:
+    return a.dim
+
+
+def _qkv(a: LlamaArgs) -> tuple[int, int, int]:
+    return (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
+
+
+_L = "model.layers.{i}."  # transformers' decoder layer i
+_A = _L + "self_attn."
+# the Llama family's parameters in its model's order (Qwen2's and Qwen3's too: their args say
+# which biases and norms a model has); q|k|v and gate|up are each one of distlm's projections,
+# transformers' projections concatenated ("cat")
+TENSORS = TensorTable(
+    (
+        embedding("embedding.weight", "model.embed_tokens.weight", lambda a: a.vocab_size),
+        norm("layers.{i}.attn_norm", _L + "input_layernorm", _width),
+        linear(
+            "layers.{i}.attn.qkv",
+            tuple(f"{_A}{x}_proj" for x in "qkv"),
+            lambda a: sum(_qkv(a)),
+            _width,
+            bias=lambda a: a.qkv_bias,
+            kind="cat",
+            sizes=_qkv,
+        ),
+        linear(
+            "layers.{i}.attn.o",
+            _A + "o_proj",
+            _width,
+            lambda a: a.n_heads * a.head_dim,
+            bias=lambda a: a.o_bias,
+        ),
+        norm("layers.{i}.attn.q_norm", _A + "q_norm", lambda a: a.head_dim, when=_qk_norm),
+        norm("layers.{i}.attn.k_norm", _A + "k_norm", lambda a: a.head_dim, when=_qk_norm),
+        norm("layers.{i}.mlp_norm", _L + "post_attention_layernorm", _width),
+        linear(
+            "layers.{i}.mlp.gate_up",
+            (_L + "mlp.gate_proj", _L + "mlp.up_proj"),
+            lambda a: 2 * a.mlp_dim,
+            _width,
+            bias=lambda a: a.mlp_bias,
+            kind="cat",
+            sizes=lambda a: (a.mlp_dim, a.mlp_dim),
+        ),
+        linear(
+            "layers.{i}.mlp.down",
+            _L + "mlp.down_proj",
+            _width,
+            lambda a: a.mlp_dim,
+            bias=lambda a: a.mlp_bias,
+        ),
+        norm("norm", "model.norm", _width),
+        LM_HEAD,
+    ),
+    embedding="embedding.weight",
 )
+
 LLAMA = FamilySpec(
     name="llama",
     architecture="LlamaForCausalLM",
     config_name="LlamaConfig",
     init=LlamaInit,
     tensors=TENSORS,
-    model="distlm.family.llama.model:LLAMA_FAMILY",
+    model=MODEL,
     description="LlamaForCausalLM: SmolLM2, TinyLlama, Llama 3.2",
     args=llama_args,
-    init_doc=llama_init_doc,  # pyright: ignore[reportArgumentType] (its init settings')
-)
-QWEN2 = FamilySpec(
-    name="qwen2",
-    architecture="Qwen2ForCausalLM",
-    config_name="Qwen2Config",
-    init=Qwen2Init,
-    tensors=TENSORS,
-    model="distlm.family.llama.model:QWEN2_FAMILY",
-    description="Qwen2ForCausalLM: Llama with query/key/value biases (Qwen2.5)",
-    args=qwen2_args,
     init_doc=llama_init_doc,  # pyright: ignore[reportArgumentType] (its init settings')
 )

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from distlm.core.log import get_logger
+from distlm.family.table import Cut
 from distlm.runtime.device import StepGraph
 
 if TYPE_CHECKING:
@@ -25,8 +26,7 @@ class CachedStage(Protocol):
     attention's constants, its KV cache, where it runs."""
 
     stage: int
-    first: bool  # holds the embeddings: its inputs are token ids
-    last: bool  # holds the head: its outputs are logits
+    cut: Cut  # first: holds the embeddings (its inputs are token ids); last: the head (logits)
     hidden_size: int
     width: int  # attention's output a token
     gqa: bool
@@ -168,7 +168,7 @@ class StaticStep:
         # the rows' token ids (stage 0) or hidden states (R, C) (later stages)
         self.x = (
             torch.zeros(R, **long)
-            if model.first
+            if model.cut.first
             else torch.zeros(R, model.hidden_size, dtype=model.dtype, device=dev)
         )
         # `forward` as a CUDA graph (`capture`)
@@ -194,7 +194,7 @@ class StaticStep:
         states (R, C), or logits (R, V) on the last stage."""
         m, b = self.model, self.model.blocks
         lo, R, T = self.lo, self.R, self.T
-        h = b.embed(self.x, self.pos) if m.first else self.x
+        h = b.embed(self.x, self.pos) if m.cut.first else self.x
         rot = b.positions(self.pos, m.dtype)
         for j, block in enumerate(m._blocks):
             q, kv = block.qkv(h, rot)  # (R, n_head, D), (R, 2, n_kv_head, D)
@@ -209,7 +209,7 @@ class StaticStep:
                 enable_gqa=m.gqa,
             )
             h = block.finish(h, o.reshape(R, m.width))
-        return b.head(h) if m.last else h
+        return b.head(h) if m.cut.last else h
 
     def capture(self) -> None:
         """`forward` captured as a CUDA graph on the model's device (distlm.runtime.device's

@@ -56,18 +56,8 @@ class StageModel(nn.Module):
         super().__init__()
         self.args = args
         self.stage = entry.stage
-        self.start, self.end = entry.layers
-        self.first = entry.has_embeddings
-        self.last = entry.has_head
-        self.blocks = family_of(args).build(
-            args,
-            start=self.start,
-            end=self.end,
-            first=self.first,
-            last=self.last,
-            device=device,
-            dtype=dtype,
-        )
+        self.cut = entry.cut  # blocks [start, end), embeddings (first), head (last)
+        self.blocks = family_of(args).build(args, self.cut, device=device, dtype=dtype)
         self._blocks = self.blocks.blocks  # the block modules, indexed without a call
         self.hidden_size = args.dim  # C
         self.n_head, self.n_kv_head, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -194,7 +184,7 @@ class StageModel(nn.Module):
                 return out
             self.graphs = None  # its capture failed (logged): the eager steps from now on
         plan = _Plan(items, dev, self.dtype)
-        if self.first:
+        if self.cut.first:
             x = blocks.embed(x.to(dev), plan.positions)  # (N, C)
         else:
             x = x.to(dev, self.dtype)  # (N, C)
@@ -204,7 +194,7 @@ class StageModel(nn.Module):
             x = block.finish(x, self._attend(j, plan, q, kv))
         for it in items:
             self.length[it.lane] = it.pos + it.n
-        if not self.last:
+        if not self.cut.last:
             return x
         if not every and x.shape[0] == len(items):  # one token each: every row is a last one
             return blocks.head(x)  # (B, V)
@@ -302,10 +292,10 @@ def load_stage(
         "pipeline stage %d on %s: layers %d-%d%s%s, %.1f MB%s",
         stage,
         device,
-        model.start,
-        model.end - 1,
-        ", embeddings" if model.first else "",
-        ", head" if model.last else "",
+        model.cut.start,
+        model.cut.end - 1,
+        ", embeddings" if model.cut.first else "",
+        ", head" if model.cut.last else "",
         sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6,
         "; decode steps replayed as CUDA graphs" if model.graphs and hw.capture_graphs else "",
     )

@@ -255,7 +255,7 @@ def stage_info(model: StageModel) -> StageInfo:
         stage=model.stage,
         host=socket.gethostname(),
         pid=os.getpid(),
-        layers=(model.start, model.end),
+        layers=(model.cut.start, model.cut.end),
         threads=torch.get_num_threads(),
         device=str(model.device),
     )
