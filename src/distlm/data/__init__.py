@@ -18,8 +18,9 @@ encode), `tokens` (the HDF5 token file: write, read blocks, metadata), `stage` (
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from distlm.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from distlm.data.sources import (
@@ -71,10 +72,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)
 
 
 __all__ = [

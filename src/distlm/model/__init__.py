@@ -27,8 +27,9 @@ The package, by part (what each model family knows is `distlm.family`): `layout`
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from distlm.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from distlm.family import SUPPORTED, family_of
@@ -108,10 +109,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)
 
 
 __all__ = [

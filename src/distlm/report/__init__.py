@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distlm.core.lazy import lazy_names
 from distlm.report.items import FIGURES, ITEMS, SECTIONS, SUMMARY, TABLES, Item, category, outputs
 
 if TYPE_CHECKING:  # for the type checker: at run time they load lazily (below)
@@ -33,12 +34,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'distlm.report' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

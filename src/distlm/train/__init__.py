@@ -33,8 +33,9 @@ Modules, by what a change touches:
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from distlm.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from distlm.train.trainer import Trainer, TrainingDiverged, TrainPaths, lr_at, run_training
@@ -51,10 +52,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)
 
 
 __all__ = ["TrainPaths", "Trainer", "TrainingDiverged", "lr_at", "run_training"]

@@ -43,8 +43,9 @@ Where things are:
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from distlm.core.lazy import lazy_names
 
 if TYPE_CHECKING:
     from distlm.transfer.chain import TransferResult, broadcast_state_dict
@@ -74,10 +75,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _WHERE)
 
 
 __all__ = [
