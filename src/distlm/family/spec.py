@@ -88,6 +88,8 @@ class ModelArgs:
     family's config mapping (`FamilySpec.args`) with transformers' defaults for absent keys. The
     keys every family has; a family's subclass adds its own."""
 
+    # the family's parameters, declared once (distlm.family.table); each family's subclass sets it
+    TABLE: ClassVar[TensorTable]
     model_type: str  # config.json's model_type: the family
     vocab_size: int  # V
     dim: int  # C, the residual stream's width
@@ -113,18 +115,13 @@ class ModelArgs:
         raise NotImplementedError(self.model_type)
 
     def parameters(self) -> int:
-        """How many parameters the model has (a tied head counted once): its family's table's."""
-        return self._table().parameters(self)
+        """How many parameters the model has (a tied head counted once): its table's."""
+        return self.TABLE.parameters(self)
 
     def block_parameters(self) -> int:
         """How many parameters one of its blocks has (every block has as many): what a sharded
         layout gathers whole at a time (distlm.settings.layout_rules)."""
-        return self._table().block_parameters(self)
-
-    def _table(self) -> TensorTable:
-        from distlm.family import spec_of
-
-        return spec_of(self.model_type).tensors
+        return self.TABLE.block_parameters(self)
 
 
 class ConfigDoc:

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
-from distlm.family import spec_of
 from distlm.family.spec import ACTIVATIONS, ModelArgs
 from distlm.family.table import Cut, Rule
 
@@ -167,7 +166,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.cut = (cut or Cut.whole(args.n_layers)).check(args.n_layers)
-        self.table = spec_of(args.model_type).tensors
+        self.table = args.TABLE
         if self.cut.first:
             self.embedding = self.make_embedding()
         self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in self.cut.layers})

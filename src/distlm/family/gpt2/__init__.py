@@ -29,9 +29,35 @@ class GPT2Init(InitSettings):
     DUMPS_ARCHITECTURE: ClassVar[bool] = False  # the default family: a config need not name it
 
 
+def _width(a: GPT2Args) -> int:
+    return a.dim
+
+
+_H = "transformer.h.{i}."  # transformers' decoder layer i
+# GPT-2's parameters in its model's order; transformers' Conv1D layers hold each linear layer's
+# weight transposed ("t")
+TENSORS = TensorTable(
+    (
+        embedding("embedding.wte.weight", "transformer.wte.weight", lambda a: a.vocab_size),
+        embedding("embedding.wpe.weight", "transformer.wpe.weight", lambda a: a.context),
+        norm("layers.{i}.ln_1", _H + "ln_1", _width, bias=True),
+        linear("layers.{i}.attn.qkv", _H + "attn.c_attn", lambda a: 3 * a.dim, _width, kind="t"),
+        linear("layers.{i}.attn.proj", _H + "attn.c_proj", _width, _width, kind="t"),
+        norm("layers.{i}.ln_2", _H + "ln_2", _width, bias=True),
+        linear("layers.{i}.mlp.fc", _H + "mlp.c_fc", lambda a: a.mlp_dim, _width, kind="t"),
+        linear("layers.{i}.mlp.proj", _H + "mlp.c_proj", _width, lambda a: a.mlp_dim, kind="t"),
+        norm("norm", "transformer.ln_f", _width, bias=True),
+        LM_HEAD,
+    ),
+    embedding="embedding.wte.weight",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPT2Args(ModelArgs):
     """GPT-2's architecture: ModelArgs and its dropouts and attention scales."""
+
+    TABLE: ClassVar[TensorTable] = TENSORS
 
     resid_dropout: float = 0.0  # after each block's attention and MLP (resid_pdrop)
     embd_dropout: float = 0.0  # after the embeddings (embd_pdrop)
@@ -99,29 +125,6 @@ def gpt2_init_doc(init: InitSettings, vocab_size: int, eos_token_id: int | None)
         "tie_word_embeddings": init.tie_embeddings is not False,  # null = tied
     }
 
-
-def _width(a: GPT2Args) -> int:
-    return a.dim
-
-
-_H = "transformer.h.{i}."  # transformers' decoder layer i
-# GPT-2's parameters in its model's order; transformers' Conv1D layers hold each linear layer's
-# weight transposed ("t")
-TENSORS = TensorTable(
-    (
-        embedding("embedding.wte.weight", "transformer.wte.weight", lambda a: a.vocab_size),
-        embedding("embedding.wpe.weight", "transformer.wpe.weight", lambda a: a.context),
-        norm("layers.{i}.ln_1", _H + "ln_1", _width, bias=True),
-        linear("layers.{i}.attn.qkv", _H + "attn.c_attn", lambda a: 3 * a.dim, _width, kind="t"),
-        linear("layers.{i}.attn.proj", _H + "attn.c_proj", _width, _width, kind="t"),
-        norm("layers.{i}.ln_2", _H + "ln_2", _width, bias=True),
-        linear("layers.{i}.mlp.fc", _H + "mlp.c_fc", lambda a: a.mlp_dim, _width, kind="t"),
-        linear("layers.{i}.mlp.proj", _H + "mlp.c_proj", _width, lambda a: a.mlp_dim, kind="t"),
-        norm("norm", "transformer.ln_f", _width, bias=True),
-        LM_HEAD,
-    ),
-    embedding="embedding.wte.weight",
-)
 
 GPT2 = FamilySpec(
     name="gpt2",

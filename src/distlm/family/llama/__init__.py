@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -136,10 +136,75 @@ class RopeArgs:
     truncate: bool = True  # yarn
 
 
+def _qk_norm(a: LlamaArgs) -> bool:
+    return a.qk_norm
+
+
+def _width(a: LlamaArgs) -> int:
+    return a.dim
+
+
+def _qkv(a: LlamaArgs) -> tuple[int, int, int]:
+    return (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
+
+
+_L = "model.layers.{i}."  # transformers' decoder layer i
+_A = _L + "self_attn."
+# the Llama family's parameters in its model's order (Qwen2's and Qwen3's too: their args say
+# which biases and norms a model has); q|k|v and gate|up are each one of distlm's projections,
+# transformers' projections concatenated ("cat")
+TENSORS = TensorTable(
+    (
+        embedding("embedding.weight", "model.embed_tokens.weight", lambda a: a.vocab_size),
+        norm("layers.{i}.attn_norm", _L + "input_layernorm", _width),
+        linear(
+            "layers.{i}.attn.qkv",
+            tuple(f"{_A}{x}_proj" for x in "qkv"),
+            lambda a: sum(_qkv(a)),
+            _width,
+            bias=lambda a: a.qkv_bias,
+            kind="cat",
+            sizes=_qkv,
+        ),
+        linear(
+            "layers.{i}.attn.o",
+            _A + "o_proj",
+            _width,
+            lambda a: a.n_heads * a.head_dim,
+            bias=lambda a: a.o_bias,
+        ),
+        norm("layers.{i}.attn.q_norm", _A + "q_norm", lambda a: a.head_dim, when=_qk_norm),
+        norm("layers.{i}.attn.k_norm", _A + "k_norm", lambda a: a.head_dim, when=_qk_norm),
+        norm("layers.{i}.mlp_norm", _L + "post_attention_layernorm", _width),
+        linear(
+            "layers.{i}.mlp.gate_up",
+            (_L + "mlp.gate_proj", _L + "mlp.up_proj"),
+            lambda a: 2 * a.mlp_dim,
+            _width,
+            bias=lambda a: a.mlp_bias,
+            kind="cat",
+            sizes=lambda a: (a.mlp_dim, a.mlp_dim),
+        ),
+        linear(
+            "layers.{i}.mlp.down",
+            _L + "mlp.down_proj",
+            _width,
+            lambda a: a.mlp_dim,
+            bias=lambda a: a.mlp_bias,
+        ),
+        norm("norm", "model.norm", _width),
+        LM_HEAD,
+    ),
+    embedding="embedding.weight",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaArgs(ModelArgs):
     """The Llama family's architecture: ModelArgs, rotary positions, which projections have
     biases, and Qwen3's query/key norm."""
+
+    TABLE: ClassVar[TensorTable] = TENSORS
 
     rope: RopeArgs
     qkv_bias: bool = False  # q, k and v projections (Qwen2's always; attention_bias elsewhere)
@@ -324,68 +389,6 @@ def llama_init_doc(init: LlamaInit, vocab_size: int, eos_token_id: int | None) -
         doc["use_sliding_window"] = False
     return doc
 
-
-def _qk_norm(a: LlamaArgs) -> bool:
-    return a.qk_norm
-
-
-def _width(a: LlamaArgs) -> int:
-    return a.dim
-
-
-def _qkv(a: LlamaArgs) -> tuple[int, int, int]:
-    return (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)
-
-
-_L = "model.layers.{i}."  # transformers' decoder layer i
-_A = _L + "self_attn."
-# the Llama family's parameters in its model's order (Qwen2's and Qwen3's too: their args say
-# which biases and norms a model has); q|k|v and gate|up are each one of distlm's projections,
-# transformers' projections concatenated ("cat")
-TENSORS = TensorTable(
-    (
-        embedding("embedding.weight", "model.embed_tokens.weight", lambda a: a.vocab_size),
-        norm("layers.{i}.attn_norm", _L + "input_layernorm", _width),
-        linear(
-            "layers.{i}.attn.qkv",
-            tuple(f"{_A}{x}_proj" for x in "qkv"),
-            lambda a: sum(_qkv(a)),
-            _width,
-            bias=lambda a: a.qkv_bias,
-            kind="cat",
-            sizes=_qkv,
-        ),
-        linear(
-            "layers.{i}.attn.o",
-            _A + "o_proj",
-            _width,
-            lambda a: a.n_heads * a.head_dim,
-            bias=lambda a: a.o_bias,
-        ),
-        norm("layers.{i}.attn.q_norm", _A + "q_norm", lambda a: a.head_dim, when=_qk_norm),
-        norm("layers.{i}.attn.k_norm", _A + "k_norm", lambda a: a.head_dim, when=_qk_norm),
-        norm("layers.{i}.mlp_norm", _L + "post_attention_layernorm", _width),
-        linear(
-            "layers.{i}.mlp.gate_up",
-            (_L + "mlp.gate_proj", _L + "mlp.up_proj"),
-            lambda a: 2 * a.mlp_dim,
-            _width,
-            bias=lambda a: a.mlp_bias,
-            kind="cat",
-            sizes=lambda a: (a.mlp_dim, a.mlp_dim),
-        ),
-        linear(
-            "layers.{i}.mlp.down",
-            _L + "mlp.down_proj",
-            _width,
-            lambda a: a.mlp_dim,
-            bias=lambda a: a.mlp_bias,
-        ),
-        norm("norm", "model.norm", _width),
-        LM_HEAD,
-    ),
-    embedding="embedding.weight",
-)
 
 LLAMA = FamilySpec(
     name="llama",
