@@ -110,7 +110,6 @@ def linear(
     """A linear layer's weight (out, in) and, when it has one, its bias (out,): `ours` and `hf`
     name the layer (".weight" and ".bias" are added)."""
     names = (hf,) if isinstance(hf, str) else hf
-    when = None if bias is True else (lambda a: False) if bias is False else bias
     weight = Param(
         f"{ours}.weight",
         tuple(f"{h}.weight" for h in names),
@@ -118,15 +117,19 @@ def linear(
         kind,
         sizes,
     )
-    b = Param(
-        f"{ours}.bias",
-        tuple(f"{h}.bias" for h in names),
-        lambda a: (out(a),),
-        "cat" if kind == "cat" else "same",
-        sizes,
-        when,
+    if bias is False:
+        return (weight,)
+    return (
+        weight,
+        Param(
+            f"{ours}.bias",
+            tuple(f"{h}.bias" for h in names),
+            lambda a: (out(a),),
+            "cat" if kind == "cat" else "same",
+            sizes,
+            None if bias is True else bias,  # a bias the args may leave out
+        ),
     )
-    return (weight,) if bias is False else (weight, b)
 
 
 def norm(
