@@ -4,6 +4,7 @@ the start-up heap's freeze (in a process of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import subprocess
@@ -21,8 +22,10 @@ from distlm.inference.engine.sampler import Sampler, SamplingError, pick_token
 from distlm.inference.engine.scheduler import Sequence
 from distlm.inference.messages import (
     VERSION,
+    Attach,
     Cancel,
     ChannelError,
+    Control,
     Error,
     Finish,
     Health,
@@ -35,6 +38,8 @@ from distlm.inference.messages import (
     decode_all,
     encode,
     encode_batch,
+    pipe_frame,
+    read_pipe_frame,
 )
 from distlm.inference.prompts import RequestError
 from distlm.inference.request import sampling_settings
@@ -57,6 +62,7 @@ hf_reference = test_inference.hf_reference
 
 def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
     msgs = [
+        Attach(pid=7),
         Submit(rid=1, prompts=[[1, 2], [3]], n=2, params=SamplingParams(4, seed=MAX_SEED)),
         Cancel(rid=1),
         Cancel(rid=1, index=3),
@@ -76,11 +82,23 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
         Finish(rid=1, index=0, reason="length", tokens=4),
         Error(rid=None, index=None, status=503, message="gone"),
         Health(active=1, waiting=0, lanes_busy=1, stages=[StageBrief(0, 0.1, 0.0, 0.2)]),
+        Control(state="stopping", reason="SIGTERM"),
+        Control(state="failed", reason="the pipeline job ended", error=True),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
         assert decode_all(encode(m)) == [m]
     assert decode_all(encode_batch(msgs)) == msgs  # one engine step's messages, in order
+
+    async def down_a_pipe(frames: bytes) -> list:  # the supervisor's word to an API process
+        reader = asyncio.StreamReader()
+        reader.feed_data(frames)
+        reader.feed_eof()
+        return [await read_pipe_frame(reader) for _ in range(3)]
+
+    frames = pipe_frame(msgs[-1]) + pipe_frame(msgs[-2])
+    assert asyncio.run(down_a_pipe(frames)) == [msgs[-1], msgs[-2], None]  # None: the pipe ended
+    assert asyncio.run(down_a_pipe(frames[:-3]))[1] is None  # a frame cut short: the end too
     with pytest.raises(ChannelError, match="batch: expected a list"):
         decode_all(msgpack.packb([VERSION, "batch", [["cancel"]]]))
     with pytest.raises(ChannelError, match="version 99"):

@@ -730,6 +730,7 @@ def test_port_taken_and_token_sources_name_the_config_keys(tmp_path, monkeypatch
                 EngineSettings(),
                 launch=["true"],
                 engine_args=[],
+                api_args=[],
                 model_dir=tmp_path,
                 host="127.0.0.1",
                 port=port,
@@ -771,3 +772,92 @@ def test_access_log_one_line_per_request_with_status_and_timings(server):
         re.search(r"POST /v1/completions 200 \d+\.\d+s rid=\d+ tokens=3 ttft_s=", ln)
         for ln in lines
     )
+
+
+def _api_processes(supervisor_pid: int) -> list[int]:
+    """The pids of the API server processes the supervisor started."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == supervisor_pid and b"\0--api\0" in cmd:
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+@pytest.mark.slow  # its own server
+def test_two_api_server_processes_same_answers_summed_metrics_and_one_killed(
+    tiny_models, tmp_path, hf_reference
+):
+    s = start_server(tiny_models[2], 2, tmp_path, serve={"api_servers": 2}, lanes=4, timeout_s=30)
+    try:
+        tok = hf_reference.tokenizer
+        want = [tok.decode(hf_reference(p, 6), skip_special_tokens=True) for p in PROMPTS[:4]]
+        body = {"max_tokens": 6, "temperature": 0}
+
+        def ask(i: int, stream: bool = False):
+            status, doc = s.request(
+                "POST", "/v1/completions", {**body, "prompt": PROMPTS[i % 4], "stream": stream}
+            )
+            assert status == 200, doc
+            if not stream:
+                return doc["choices"][0]["text"]
+            return "".join(
+                json.loads(line[6:])["choices"][0]["text"]
+                for line in doc.splitlines()
+                if line.startswith("data: {")
+            )
+
+        before = s.metrics()
+        with ThreadPoolExecutor(8) as pool:  # each request its own connection
+            texts = list(pool.map(ask, range(24)))
+            streamed = list(pool.map(lambda i: ask(i, True), range(8)))
+        assert texts == [want[i % 4] for i in range(24)]
+        assert streamed == [want[i % 4] for i in range(8)]
+        after = s.metrics()  # from whichever process takes it: the sums over both
+        route = 'distlm_requests_total{route="/v1/completions",status="200"}'
+        assert after[route] - before.get(route, 0) == 32
+        assert (
+            after["distlm_generation_tokens_total"]
+            - before.get("distlm_generation_tokens_total", 0)
+            == 32 * 6
+        )
+        log = s.log.read_text()
+        for k in (1, 2):  # each process serves, and says so in its own lines
+            assert re.search(rf"api{k}.*API server process {k} \(start 1\) serving", log), log[
+                -3000:
+            ]
+        served = {k for k in (1, 2) if re.search(rf"api{k}.*POST /v1/completions 200", log)}
+        assert served, log[-3000:]
+
+        # one API process killed: the supervisor starts it again; the other answers meanwhile
+        pids = _api_processes(s.proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signal.SIGKILL)
+        assert [ask(i) for i in range(4)] == want
+        deadline = time.monotonic() + 60
+        while len(set(_api_processes(s.proc.pid)) - {pids[0]}) < 2:
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while "(start 2) serving" not in s.log.read_text():
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "died (exit code -9); starting it again" in s.log.read_text()
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, range(16))) == [want[i % 4] for i in range(16)]
+        final = s.metrics()  # the dead process's counts stay in the sums
+        assert final[route] - before.get(route, 0) == 32 + 4 + 16
+        assert s.lanes_free()
+        # a stop ends both processes and the job; exit code 0
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0, s.log.read_text()[-3000:]
+        assert _api_processes(s.proc.pid) == []
+    finally:
+        stop_server(s)

@@ -33,12 +33,13 @@
 #   train-fsdp      -          150 s   bench_train.py --preset gpt2 --parallel fsdp: the stage under
 #                                      train.parallel fsdp beside ddp, GPT-2 small's shape, 100 steps
 #                                      each: MFU, rank 0's state and peak memory under each
-#   serve           129 s      170 s   benchmarks/inference/bench_serve.py: distlm serve, with decode
-#                                      graphs and without (inference.cuda_graphs false), beside
-#                                      `transformers serve --continuous-batching`, 16 and 64 clients,
-#                                      2 repeats of 10 s a level (129 s was 3 servers, 1 x 8 s), on
-#                                      the workflow's trained folder, or without one on a folder of
-#                                      its own (serve-model: GPT-2 small's shape, seeded, ~30 s)
+#   serve           129 s      330 s   benchmarks/inference/bench_serve.py: distlm serve with 1 and
+#                                      with 4 API server processes (serve.api_servers) beside
+#                                      `transformers serve --continuous-batching`, 16, 64 and 256
+#                                      clients, 2 repeats of 10 s a level (129 s was 3 servers,
+#                                      2 levels, 1 x 8 s), on the workflow's trained folder, or
+#                                      without one on a folder of its own (serve-model: GPT-2
+#                                      small's shape, seeded, ~30 s)
 #   infer           29 s       80 s    benchmarks/inference/bench.py --batch-only: the one-stage
 #                                      pipeline, 32 prompts in flight, beside batched `generate`
 #                                      (the same folder as serve)
@@ -237,8 +238,8 @@ bench_model() {
 # -- serving: distlm against transformers serve on the GPU ---------------------------------------
 run_serve() {
   bench_model || return
-  step serve 170 $py benchmarks/inference/bench_serve.py --device cuda \
-    --model "$model" --stages 1 --servers peer,distlm,distlm-eager --clients 16,64 \
+  step serve 330 $py benchmarks/inference/bench_serve.py --device cuda \
+    --model "$model" --stages 1 --servers peer,distlm --api-servers 1,4 --clients 16,64,256 \
     --repeats 2 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
     --out "$out/serve-results-gpu.json"
 }

@@ -9,6 +9,8 @@ architecture, or with `--arch llama` the Llama-family shape of LLAMA below) and 
 order that rotates over --repeats:
   * distlm-sS: `distlm.entry.serve --launcher "mpiexec -n S"`, the rule's way: the API
     server (uvicorn) and the S-stage MPI pipeline with --lanes lanes, for each S of --stages;
+    distlm-sS-aA with A API server processes (serve.api_servers), for each A of --api-servers
+    other than 1;
   * distlm-eager-sS (asked for as distlm-eager): the same with inference.cuda_graphs false, a
     GPU's decode steps eager (the CPU's are either way): what the graphs buy, in one run;
   * peer: `transformers serve MODEL --continuous-batching --device D` (paged attention and
@@ -73,6 +75,9 @@ def parse() -> argparse.Namespace:
 
     p.add_argument("--lanes", type=int, default=EngineSettings().lanes, help="inference.lanes")
     p.add_argument("--threads", type=int, default=2, help="thread budget of each server")
+    p.add_argument(
+        "--api-servers", default="1", help="distlm's serve.api_servers to measure, e.g. 1,2,4"
+    )
     p.add_argument("--clients", default="1,4,16")
     p.add_argument(
         "--requests", type=int, default=2, help="requests per client (at least 8 per level)"
@@ -337,6 +342,7 @@ def main() -> None:
 
     levels = [int(c) for c in args.clients.split(",")]
     stage_counts = [int(x) for x in args.stages.split(",")]
+    api_counts = [int(x) for x in args.api_servers.split(",")]
     prompts = read_prompts(PROMPTS)
     with tempfile.TemporaryDirectory(prefix="distlm-bench-serve-") as tmp:
         work = Path(tmp)
@@ -355,7 +361,11 @@ def main() -> None:
                 names += [f"{name}-{t}" for t in args.gguf.split(",")]
                 continue
             if name in ("distlm", "distlm-eager"):  # distlm-eager: inference.cuda_graphs false
-                names += [f"{name}-s{n}" for n in stage_counts]
+                names += [
+                    f"{name}-s{n}" + (f"-a{a}" if a != 1 else "")
+                    for n in stage_counts
+                    for a in api_counts
+                ]
             else:
                 names.append(name)
         runs: dict[str, list[list[dict]]] = {n: [] for n in names}
@@ -390,9 +400,17 @@ def main() -> None:
                     cmd = transformers_serve_command(model, port=port, device=args.device)
                     env = transformers_serve_env(args.threads)
                 else:
-                    server, stages = name.rsplit("-s", 1)
+                    server, variant = name.rsplit("-s", 1)
+                    stages, _, api = variant.partition("-a")
                     cmd = distlm_command(
-                        work, model, int(stages), port, args, levels, eager=server == "distlm-eager"
+                        work,
+                        model,
+                        int(stages),
+                        port,
+                        args,
+                        levels,
+                        eager=server == "distlm-eager",
+                        api_servers=int(api or 1),
                     )
                 rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels, env)
                 runs[name].append(rows)
@@ -535,10 +553,19 @@ def llama_versions(args) -> dict:
 
 
 def distlm_command(
-    work: Path, model: Path, stages: int, port: int, args, levels, *, eager: bool = False
+    work: Path,
+    model: Path,
+    stages: int,
+    port: int,
+    args,
+    levels,
+    *,
+    eager: bool = False,
+    api_servers: int = 1,
 ) -> list[str]:
     """serve.py's command line for an S-stage pipeline folder of `model`, config as the rule
-    writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured)."""
+    writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured);
+    `api_servers`: serve.api_servers."""
     from bench import sharded
 
     from distlm.dag.config import validate_config
@@ -558,10 +585,11 @@ def distlm_command(
                 "port": port,
                 "max_tokens": args.max_tokens,
                 "max_queued_sequences": 4 * max(levels),
+                "api_servers": api_servers,
             },
         }
     )
-    cfg_path = work / f"serve-s{stages}{'-eager' if eager else ''}.json"
+    cfg_path = work / f"serve-s{stages}-a{api_servers}{'-eager' if eager else ''}.json"
     write_stage_config("serve", stage_config(cfg, "serve"), cfg_path)
     return [
         sys.executable,

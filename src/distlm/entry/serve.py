@@ -3,14 +3,17 @@
     python -m distlm.entry.serve --launcher "mpiexec -n S" --config results/config/serve.json \
         --model results/train/final [--host 127.0.0.1] [--port 8000]
 
-This process is the API server (distlm.inference.server.supervisor): it listens on --host/--port (default
-serve.host/port), starts the pipeline with the launcher and talks to stage 0 over ZeroMQ. With
+This process is the API server's supervisor (distlm.inference.server.supervisor): it listens on
+--host/--port (default serve.host/port), starts serve.api_servers HTTP processes on that socket
+and the pipeline with the launcher; each talks to stage 0 over ZeroMQ. With
 --engine (what the API server passes to the launcher) every rank runs its stage and stage 0 runs
-the engine (distlm.inference.engine.serve).
+the engine (distlm.inference.engine.serve); with --api (what the supervisor starts
+serve.api_servers times) the process is one HTTP server (distlm.inference.server.api_process).
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 from distlm.core.documents import read_document
 from distlm.core.log import setup_logging
@@ -34,9 +37,17 @@ def main() -> None:
     parser.add_argument(
         "--engine", action="store_true", help="run a pipeline rank (set by the API server)"
     )
-    parser.add_argument("--requests", help="engine: the API server's request socket")
-    parser.add_argument("--events", help="engine: the API server's event socket")
+    parser.add_argument(
+        "--api", action="store_true", help="run an API server process (set by the supervisor)"
+    )
+    parser.add_argument("--channel", help="engine, api: the folder of the engine channels")
+    parser.add_argument(
+        "--api-servers", type=int, default=1, help="engine: the API server processes"
+    )
     parser.add_argument("--api-pid", type=int, help="engine: stop when this process is gone")
+    parser.add_argument("--index", type=int, help="api: this process's channel")
+    parser.add_argument("--incarnation", type=int, help="api: this process's starts so far")
+    parser.add_argument("--fd", type=int, help="api: the listening socket")
     args = parser.parse_args()
     cfg = read_document(args.config, ServeConfig)
 
@@ -48,15 +59,33 @@ def main() -> None:
             cfg.inference,
             device=cfg.runtime.device,
             model_dir=args.model,
-            requests=args.requests,
-            events=args.events,
+            channel=args.channel,
+            api_servers=args.api_servers,
             api_pid=args.api_pid,
         )
         sys.exit(0)
 
+    if args.api:
+        from distlm.inference.server.api_process import ApiProcess
+        from distlm.inference.server.supervisor import read_token
+
+        setup_logging(rank=f"api{args.index}")
+        sys.exit(
+            ApiProcess(
+                cfg.serve,
+                cfg.inference,
+                model_dir=Path(args.model),
+                channel=args.channel,
+                index=args.index,
+                incarnation=args.incarnation,
+                fd=args.fd,
+                token=read_token(cfg.serve),
+            ).run()
+        )
+
     if args.launcher is None:
         parser.error("--launcher is required (or --engine, inside the MPI job)")
-    setup_logging(rank="api")
+    setup_logging(rank="supervisor")
     from distlm.inference.server.supervisor import run_api_server
 
     sys.exit(

@@ -12,13 +12,21 @@ ChannelError instead of being guessed at.
 Versioning as documents do it (distlm.core.documents), one number for the whole channel, since both
 ends ship together: bump VERSION when a message changes shape.
 
-    API server -> engine:  Submit, Cancel, Shutdown
+    API server -> engine:  Attach, Submit, Cancel, Shutdown
     engine -> API server:  Ready, Prompt, Token, Finish, Error, Health
+    supervisor -> API server process:  Control (on the process's stdin, `pipe_frame`)
+
+Each API server process has a channel of its own (`endpoints(folder, k)`: k = 0 is the
+supervisor, which watches the engine and submits nothing; 1..serve.api_servers serve HTTP), so
+stage 0 knows whose request it runs and sends its events there alone; Ready, Health and a
+pipeline's Error go to every channel.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgpack
 from pydantic import ConfigDict, TypeAdapter, ValidationError
@@ -29,7 +37,8 @@ from distlm.inference.stats import StageBrief, StageInfo
 
 # 2: Prompt (the prompt's log-probabilities, echo with logprobs)
 # 3: typed fields: Submit.params SamplingParams, Ready.pipeline StageInfo, Health.stages StageBrief
-VERSION = 3
+# 4: a channel per API server process: Attach; the supervisor's Control
+VERSION = 4
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 
@@ -38,6 +47,16 @@ class ChannelError(DistlmError):
 
 
 # ----------------------------------------------------------------------------- API server -> engine
+
+
+@dataclass(frozen=True)
+class Attach:
+    """An API server process (re)started on its channel: stage 0 cancels what the channel's
+    previous process had open (its clients went with it) and answers Ready on the channel."""
+
+    __pydantic_config__ = _CHECKED
+
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -155,10 +174,40 @@ class Health:
     stages: list[StageBrief] = field(default_factory=list)  # each stage's, as stage 0 last saw
 
 
-Message = Submit | Cancel | Shutdown | Ready | Prompt | Token | Finish | Error | Health
+# ----------------------------------------------------------------------------- supervisor -> API server
+
+
+@dataclass(frozen=True)
+class Control:
+    """The supervisor's word to an API server process: `stopping` (new requests get 503, open
+    ones go on) or `failed` (every open and new request gets 503 with `reason`; the process
+    exits once they are answered). `error`: False for a requested stop (logged as information)."""
+
+    __pydantic_config__ = _CHECKED
+
+    state: Literal["stopping", "failed"]
+    reason: str
+    error: bool = True
+
+
+Message = (
+    Attach | Submit | Cancel | Shutdown | Ready | Prompt | Token | Finish | Error | Health | Control
+)
 _KINDS: dict[str, type] = {
     c.__name__.lower(): c
-    for c in (Submit, Cancel, Shutdown, Ready, Prompt, Token, Finish, Error, Health)
+    for c in (
+        Attach,
+        Submit,
+        Cancel,
+        Shutdown,
+        Ready,
+        Prompt,
+        Token,
+        Finish,
+        Error,
+        Health,
+        Control,
+    )
 }
 
 
@@ -224,3 +273,29 @@ def _message(kind, fields) -> Message:
         raise ChannelError(
             f"{kind}: fields {sorted(fields)}: {where}: {err['msg']} ({e.error_count()} errors)"
         ) from None
+
+
+def endpoints(folder: str, process: int) -> tuple[str, str]:
+    """The channel of API server process `process` (0: the supervisor): its requests socket and
+    its events socket, IPC in the server's private folder. The API process binds both."""
+    return f"ipc://{folder}/requests-{process}", f"ipc://{folder}/events-{process}"
+
+
+_LENGTH = struct.Struct("!I")
+
+
+def pipe_frame(msg: Message) -> bytes:
+    """A message as it goes down a pipe: its length (4 bytes), then its frame."""
+    frame = encode(msg)
+    return _LENGTH.pack(len(frame)) + frame
+
+
+async def read_pipe_frame(reader) -> Message | None:
+    """The next message of a pipe (an asyncio.StreamReader); None at its end."""
+    import asyncio
+
+    try:
+        head = await reader.readexactly(_LENGTH.size)
+        return decode(await reader.readexactly(_LENGTH.unpack(head)[0]))
+    except asyncio.IncompleteReadError:
+        return None

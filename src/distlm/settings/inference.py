@@ -141,6 +141,15 @@ class ServeSettings(ServePipelineSettings):
     port: int = Field(
         default=8000, ge=0, le=65535, description="Port (--port overrides it for one run)."
     )
+    api_servers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "HTTP processes on the one listening socket, each with its own channel to stage 0 "
+            "(at most the host's cores)."
+        ),
+    )
     token_env: EnvName | None = Field(
         default=None, description="Name of an environment variable holding the bearer token."
     )

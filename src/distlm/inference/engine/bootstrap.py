@@ -84,14 +84,15 @@ def mpi_pipeline(
     model_dir: str | Path,
     *,
     device: str = "cpu",
-    serve: bool = False,
+    api_servers: int = 0,
 ) -> Iterator[Pipeline]:
     """Start this rank's stage; on any error log it and MPI_Abort, so no rank waits for ever.
 
     `device` is runtime.device: cpu, cuda (one GPU per rank on a host) or auto; never a fallback.
-    `serve`: the API server runs beside stage 0, so the ranks on its host leave it one thread
-    of the budget (on 2 cores, a one-stage engine with 1 thread served 10-30% more tokens than
-    with 2, whose threads took turns on the cores with the API server's).
+    `api_servers`: serve mode's API server processes (0: batch inference). They run beside
+    stage 0, so the ranks on its host leave them a thread each of the budget (on 2 cores, a
+    one-stage engine with 1 thread served 10-30% more tokens than with 2, whose threads took
+    turns on the cores with the API server's).
     """
     from distlm.runtime.device import DeviceBackend
     from distlm.runtime.heap import freeze_startup_heap
@@ -116,12 +117,12 @@ def mpi_pipeline(
             device,
             local_rank=local_rank,
             local_ranks=local_size,
-            ranks_key="serve.stages" if serve else "inference.stages",
+            ranks_key="serve.stages" if api_servers else "inference.stages",
             share_gpus=True,  # stages talk over MPI: more stages than GPUs take them in turn
             graphs=settings.cuda_graphs,
         )
         topo = Topology(rank, stages, local_rank, MPI_RING, hw, local_world_size=local_size)
-        topo.share_threads(reserve=1 if serve and with_first else 0)
+        topo.share_threads(reserve=api_servers if with_first else 0)
         stats = StageStats(stage=rank)
         log.info("pipeline stage %d of %d: %s", rank, stages, hw.describe())
         model = load_stage(model_dir, rank, world=stages, hw=hw)

@@ -1,17 +1,19 @@
 """Stage 0's engine in serve mode: requests from the API server over ZeroMQ into the scheduler.
 
     mpiexec -n S python -m distlm.entry.serve --engine --config results/config/serve.json \
-        --model results/train/final --requests ipc:///tmp/x/requests --events ipc:///tmp/x/events \
-        --api-pid PID
+        --model results/train/final --channel /tmp/distlm-serve-x --api-servers 2 --api-pid PID
 
-The API server (distlm.inference.server.supervisor) starts this with the launcher; nobody else
-needs to. Stage 0 serves no HTTP: it pulls Submit / Cancel / Shutdown from the `requests` socket
-and pushes Ready, Token, Finish, Error and Health to the `events` socket (distlm.inference.messages).
-One thread does everything, so the MPI calls, the scheduler and the sockets never race.
+The API server's supervisor (distlm.inference.server.supervisor) starts this with the launcher;
+nobody else needs to. Stage 0 serves no HTTP. Each API server process has a channel of its own
+(messages.endpoints: 0 is the supervisor's, 1..N the HTTP processes'): stage 0 pulls Attach /
+Submit / Cancel / Shutdown from each, and pushes a request's Token, Prompt, Finish and Error to
+the channel it came from; Ready, Health and a pipeline failure go to every channel
+(distlm.inference.messages). One thread does everything, so the MPI calls, the scheduler and the
+sockets never race.
 
-Stage 0 stops in order on Shutdown or SIGINT/SIGTERM, and on its own when the API server's process
-is gone. When the pipeline fails (a stage died or hangs), it sends Error(rid=None) so the API server
-answers 503, and the job ends (MPI_Abort).
+Stage 0 stops in order on Shutdown or SIGINT/SIGTERM, and on its own when the supervisor's process
+is gone. When the pipeline fails (a stage died or hangs), it sends Error(rid=None) so the API
+servers answer 503, and the job ends (MPI_Abort).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_worker
 from distlm.inference.engine.ring import Pick, PipelineError
 from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.messages import (
+    Attach,
     Cancel,
     ChannelError,
     Error,
@@ -46,6 +49,7 @@ from distlm.inference.messages import (
     decode,
     encode,
     encode_batch,
+    endpoints,
 )
 from distlm.settings import MAX_SEED, EngineSettings
 
@@ -60,40 +64,58 @@ _LINGER_MS = 2000  # how long closing the events socket may take to deliver the 
 
 
 class Channel:
-    """The engine's two sockets; closed (with a bounded linger) on every exit path."""
+    """The engine's sockets, a PULL and a PUSH per API server process (0: the supervisor);
+    closed (with a bounded linger) on every exit path."""
 
-    def __init__(self, requests: str, events: str) -> None:
+    def __init__(self, folder: str, api_servers: int) -> None:
         self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, _LINGER_MS)
-        self.push.setsockopt(zmq.SNDHWM, 0)  # never block stage 0: the API server bounds the load
-        self.pull.connect(requests)
-        self.push.connect(events)
+        self.pulls: list[zmq.Socket] = []
+        self.pushes: list[zmq.Socket] = []
         self.poller = zmq.Poller()
-        self.poller.register(self.pull, zmq.POLLIN)
-        self.pending: list = []  # sent by flush(), one frame per engine step
+        for k in range(api_servers + 1):
+            requests, events = endpoints(folder, k)
+            pull, push = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, _LINGER_MS)
+            push.setsockopt(zmq.SNDHWM, 0)  # never block stage 0: the API servers bound the load
+            pull.connect(requests)
+            push.connect(events)
+            self.poller.register(pull, zmq.POLLIN)
+            self.pulls.append(pull)
+            self.pushes.append(push)
+        self.source = {pull: k for k, pull in enumerate(self.pulls)}
+        # sent by flush(), one frame per engine step and channel
+        self.pending: list[list] = [[] for _ in self.pushes]
 
-    def send(self, msg) -> None:
-        """Queue a message; flush() sends what one engine step produced as one frame."""
-        self.pending.append(msg)
+    def send(self, msg, to: int | None = None) -> None:
+        """Queue a message for channel `to` (None: every channel); flush() sends what one engine
+        step produced as one frame a channel."""
+        for k in range(len(self.pending)) if to is None else (to,):
+            self.pending[k].append(msg)
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        msgs, self.pending = self.pending, []
-        self.push.send(encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs))
+        for k, msgs in enumerate(self.pending):
+            if msgs:
+                self.pending[k] = []
+                self.pushes[k].send(encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs))
 
-    def recv(self, timeout_ms: int = 0):
-        """The next request, or None when none arrives within timeout_ms."""
-        if not self.poller.poll(timeout_ms):
-            return None
-        return decode(self.pull.recv())
+    def recv(self, timeout_ms: int = 0) -> list[tuple[int, object]]:
+        """The requests that arrive within timeout_ms, one from each channel that has one:
+        [(channel, message)]; a frame that is not a message is logged and dropped."""
+        out = []
+        for sock, _ in self.poller.poll(timeout_ms):
+            frame = sock.recv()
+            try:
+                out.append((self.source[sock], decode(frame)))
+            except ChannelError as e:  # the API servers are the only senders: a bug, say so
+                log.error("engine channel %d: %s (dropped)", self.source[sock], e)
+        return out
 
     def close(self) -> None:
         self.flush()
-        self.pull.close(linger=0)
-        self.push.close()
+        for pull in self.pulls:
+            pull.close(linger=0)
+        for push in self.pushes:
+            push.close()
         self.ctx.term()
 
     def __enter__(self) -> Self:
@@ -119,8 +141,10 @@ class Engine:
         self.settings = settings
         self.ch = channel
         self.api_pid = api_pid
-        self.requests: dict[int, list[Sequence]] = {}  # rid -> its sequences
-        self.where: dict[int, tuple[int, int]] = {}  # sequence id -> (rid, index)
+        # a request is (channel, rid): each API server process numbers its own
+        self.requests: dict[tuple[int, int], list[Sequence]] = {}  # request -> its sequences
+        # sequence id -> (channel, rid, index); channel None: its API process is gone (muted)
+        self.where: dict[int, tuple[int | None, int, int]] = {}
         self.stopping: str | None = None
         self._checked = self._health_at = time.monotonic()  # API server looked for, Health sent
 
@@ -168,12 +192,12 @@ class Engine:
             raise
 
     def _poll(self) -> bool:
-        """Before each step: whether the API server lives, Health when due, the requests waiting."""
+        """Before each step: whether the supervisor lives, Health when due, the requests waiting."""
         now = time.monotonic()
         if self.api_pid is not None and now - self._checked > _API_CHECK_S:
             self._checked = now
             if not pid_alive(self.api_pid):
-                self.stopping = f"the API server (pid {self.api_pid}) is gone"
+                self.stopping = f"the API server's supervisor (pid {self.api_pid}) is gone"
                 return False
         if now - self._health_at > HEALTH_EVERY_S:
             self._health_at = now
@@ -206,30 +230,52 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def _take(self, timeout_ms: int) -> bool:
-        """Handle every request waiting on the channel; whether there was one."""
+        """Handle every request waiting on the channels; whether there was one."""
         took = False
         while True:
-            try:
-                msg = self.ch.recv(timeout_ms if not took else 0)
-            except ChannelError as e:  # the API server is the only sender: a bug, say so
-                log.error("engine channel: %s (dropped)", e)
-                continue
-            if msg is None:
+            got = self.ch.recv(timeout_ms if not took else 0)
+            if not got:
                 return took
             took = True
-            if isinstance(msg, Submit):
-                self._submit(msg)
-            elif isinstance(msg, Cancel):
-                for seq in self.requests.get(msg.rid, ()):
-                    if msg.index is None or self.where.get(seq.id, (0, -1))[1] == msg.index:
-                        self.sched.cancel(seq)
-            elif isinstance(msg, Shutdown):
-                self.stopping = msg.reason
-                return took
-            else:
-                log.error("engine channel: unexpected %s from the API server", type(msg).__name__)
+            for source, msg in got:
+                if isinstance(msg, Submit):
+                    self._submit(source, msg)
+                elif isinstance(msg, Cancel):
+                    for seq in self.requests.get((source, msg.rid), ()):
+                        if msg.index is None or self.where.get(seq.id, (0, 0, -1))[2] == msg.index:
+                            self.sched.cancel(seq)
+                elif isinstance(msg, Attach):
+                    self._attach(source, msg)
+                elif isinstance(msg, Shutdown):
+                    self.stopping = msg.reason
+                    return took
+                else:
+                    log.error(
+                        "engine channel %d: unexpected %s from the API server",
+                        source,
+                        type(msg).__name__,
+                    )
 
-    def _submit(self, msg: Submit) -> None:
+    def _attach(self, source: int, msg: Attach) -> None:
+        """An API server process (re)started on channel `source`: its predecessor's sequences
+        are cancelled, their events muted (their clients are gone), and it gets Ready."""
+        gone = [key for key in self.requests if key[0] == source]
+        for key in gone:
+            for seq in self.requests.pop(key):
+                if seq.id in self.where:
+                    self.where[seq.id] = (None, *self.where[seq.id][1:])
+                    self.sched.cancel(seq)
+        if gone:
+            log.info(
+                "API server channel %d: process %d attached; %d requests of its predecessor "
+                "cancelled",
+                source,
+                msg.pid,
+                len(gone),
+            )
+        self.ch.send(self.ready(), to=source)
+
+    def _submit(self, source: int, msg: Submit) -> None:
         params = msg.params
         seqs = []
         for i, ids in enumerate(msg.prompts):
@@ -248,41 +294,49 @@ class Engine:
                     on_done=self._done,
                     on_prompt=self._prompt,
                 )
-                self.where[seq.id] = (msg.rid, i * msg.n + j)
+                self.where[seq.id] = (source, msg.rid, i * msg.n + j)
                 group.append(seq)
             group[0].siblings = group[1:]
             seqs.extend(group)
             self.sched.submit(group[0])
-        self.requests[msg.rid] = seqs
+        self.requests[(source, msg.rid)] = seqs
 
     def _token(self, seq: Sequence, pick: Pick) -> None:
-        rid, index = self.where[seq.id]
+        source, rid, index = self.where[seq.id]
+        if source is None:
+            return
         top = None if pick.top is None else list(pick.top)
-        self.ch.send(Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top))
+        self.ch.send(
+            Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top), source
+        )
 
     def _prompt(self, seq: Sequence, pick: Pick) -> None:
-        rid, index = self.where[seq.id]
-        if pick.prompt is None:  # the scheduler calls this only for a pick that carries it
-            return
+        source, rid, index = self.where[seq.id]
+        if source is None or pick.prompt is None:  # the scheduler calls this only for a pick
+            return  # that carries it
         self.ch.send(
             Prompt(
                 rid=rid,
                 index=index,
                 logprobs=[None, *(lp for lp, _ in pick.prompt)],
                 top=[None, *(list(top) for _, top in pick.prompt)],
-            )
+            ),
+            source,
         )
 
     def _done(self, seq: Sequence) -> None:
-        rid, index = self.where.pop(seq.id)
+        source, rid, index = self.where.pop(seq.id)
+        if source is None:
+            return
         if seq.finish_reason == "error":
-            self.ch.send(Error(rid=rid, index=index, status=500, message=seq.error or "failed"))
+            msg = Error(rid=rid, index=index, status=500, message=seq.error or "failed")
         else:
             reason = seq.finish_reason or "stop"  # set before on_done runs
-            self.ch.send(Finish(rid=rid, index=index, reason=reason, tokens=len(seq.tokens)))
-        seqs = self.requests.get(rid, [])
+            msg = Finish(rid=rid, index=index, reason=reason, tokens=len(seq.tokens))
+        self.ch.send(msg, source)
+        seqs = self.requests.get((source, rid), [])
         if all(s.finish_reason is not None for s in seqs):
-            self.requests.pop(rid, None)
+            self.requests.pop((source, rid), None)
 
 
 def run_engine(
@@ -290,18 +344,18 @@ def run_engine(
     *,
     model_dir: str | Path,
     device: str,
-    requests: str,
-    events: str,
+    channel: str,
+    api_servers: int,
     api_pid: int | None,
 ) -> None:
     """Serve mode inside the MPI job: every rank calls this; stage 0 runs the engine."""
-    with mpi_pipeline(settings, model_dir, device=device, serve=True) as pipe:
+    with mpi_pipeline(settings, model_dir, device=device, api_servers=api_servers) as pipe:
         if not pipe.topo.is_main:
             # Ctrl-C reaches every rank; only stage 0 acts on it, and stops the others in order.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not run_workers(pipe):
             return
-        with Channel(requests, events) as ch:
+        with Channel(channel, api_servers) as ch:
             Engine(pipe, settings, ch, api_pid=api_pid).run()
             stats = pipe.stage0.stop()
         log.info("engine stopped; per-stage time: %s", json.dumps(stats))

@@ -7,7 +7,8 @@ its sampling checked; a chat's messages rendered by the chat template, chat.py),
 stage 0 (client.py) and answered (answer.py, render.py, in the route's shape: shapes.py). A bad
 request gets a 4xx OpenAI-style error naming the field.
 
-The process around this (job supervision, uvicorn, signals) is `distlm.inference.server.supervisor`.
+The process around this (uvicorn, the supervisor's word) is `distlm.inference.server.worker`; the
+supervisor that starts these processes and the job is `distlm.inference.server.supervisor`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,6 +27,7 @@ from distlm.inference.prompts import RequestError
 from distlm.inference.server.access_log import escape
 from distlm.inference.server.answer import run_completion
 from distlm.inference.server.errors import ApiError, error_doc, from_request
+from distlm.inference.server.metrics import exposition
 from distlm.inference.server.prepare import Job, Preparing, prepare_chat, prepare_completion
 from distlm.inference.server.requests import read_body
 from distlm.inference.server.responses import Health, ModelCard, ModelList
@@ -105,7 +106,7 @@ def build_app(st: ServeState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         _need_auth(st, request)
-        return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def answer(request: Request, prepare: Callable[[Preparing, bytes], Job]):
         """The one request path of both POST routes; `prepare` makes the route's job."""

@@ -1,11 +1,12 @@
-"""The API server's end of the engine channel (ZeroMQ): submit, cancel, and the engine's events
-dispatched to the request they belong to."""
+"""An API server process's end of its engine channel (ZeroMQ): attach, submit, cancel, and the
+engine's events dispatched to the request they belong to."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Protocol
 
@@ -14,6 +15,7 @@ import zmq.asyncio
 
 from distlm.core.log import get_logger
 from distlm.inference.messages import (
+    Attach,
     Cancel,
     ChannelError,
     Error,
@@ -40,14 +42,22 @@ class Sink(Protocol):
     def put_nowait(self, item, /) -> None: ...
 
 
-class EngineClient:
-    """The API server's end of the engine channel: it binds, stage 0 connects.
+_ATTACH_RETRY_S = 0.02  # until stage 0 has connected to this channel
 
-    A reader task dispatches Token / Finish / Error to the request they belong to (its Sink);
-    Health updates the gauges. `fail()` ends every open request with a 503 and refuses new ones.
+
+class EngineClient:
+    """An API server process's end of its engine channel (messages.endpoints): it binds, stage 0
+    connects. Requests are numbered from `rid_base`, which the supervisor makes different for
+    each start of the process, so events meant for a predecessor are never taken for its own.
+
+    Once started it sends Attach until stage 0 takes it; stage 0 answers Ready, and only a Ready
+    after the Attach makes the channel ready (stage 0 then reads this channel too). A reader task
+    dispatches Token / Finish / Error to the request they belong to (its Sink); Health updates
+    the gauges. `fail()` ends every open request with a 503 and refuses new ones.
     """
 
-    def __init__(self, requests_addr: str, events_addr: str, metrics: Metrics) -> None:
+    def __init__(self, channel: tuple[str, str], metrics: Metrics, *, rid_base: int = 0) -> None:
+        requests_addr, events_addr = channel
         self.ctx = zmq.asyncio.Context()
         # requests go out on a plain socket, sent at once and never blocking (no high-water
         # mark: the queue limits bound them): zmq.asyncio's send machinery cost the API server
@@ -67,21 +77,38 @@ class EngineClient:
         self.health: Health | None = None
         self.queues: dict[int, Sink] = {}  # rid -> where its events go
         self.open_seqs: dict[int, int] = {}  # rid -> sequences not yet ended
-        self._rid = 0
+        self._rid = rid_base
+        self.attached = False
         self._reader: asyncio.Task | None = None
+        self._attach: asyncio.Task | None = None
 
     @property
     def outstanding(self) -> int:
         return sum(self.open_seqs.values())
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name="engine-reader")
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read(), name="engine-reader")
+        self._attach = loop.create_task(self._attaching(), name="engine-attach")
+
+    async def _attaching(self) -> None:
+        """Attach, sent once stage 0 has connected (a PUSH without a peer refuses a message)."""
+        frame = encode(Attach(pid=os.getpid()))
+        while self.failed is None:
+            try:
+                self.push.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                await asyncio.sleep(_ATTACH_RETRY_S)
+                continue
+            self.attached = True
+            return
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._attach):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
@@ -111,6 +138,8 @@ class EngineClient:
             self.health, self.health_at = msg, time.monotonic()
             self.metrics.health(msg)
         elif isinstance(msg, Ready):
+            if not self.attached:  # stage 0's word at its start: wait for the answer to Attach
+                return
             self.ready, self.health_at = msg, time.monotonic()
             self.ready_event.set()
             self.metrics.up.set(1)

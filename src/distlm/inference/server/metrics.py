@@ -1,14 +1,39 @@
-"""The API server's Prometheus series (its own registry), fed by requests and the engine's Health."""
+"""The API server's Prometheus series, fed by requests and the engine's Health.
+
+The supervisor starts the API server processes with PROMETHEUS_MULTIPROC_DIR (MULTIPROC_ENV) set
+to a private folder: each process writes its values there, and `/metrics` in any of them gives
+the sums over all of them (prometheus_client's multiprocess mode, as gunicorn deployments run
+it). Counters and histograms add up; the engine's gauges (queue, lanes, stages), which every
+process hears alike, show the most recent value; the open sequences add up over the processes
+alive.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from distlm.inference.messages import Health
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
+
+
+def exposition() -> bytes:
+    """/metrics: the series of every API server process (each writes them to MULTIPROC_ENV's
+    folder, which the supervisor sets before starting it)."""
+    folder = os.environ.get(MULTIPROC_ENV)
+    if not folder:
+        raise RuntimeError(f"{MULTIPROC_ENV} is not set: the supervisor starts API processes")
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, folder)
+    return generate_latest(registry)
+
 
 class Metrics:
-    """The Prometheus series of one API server (its own registry)."""
+    """The Prometheus series of one API server process (its own registry; the values go to the
+    shared folder, see `exposition`)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -42,26 +67,51 @@ class Metrics:
         self.sequences = Counter(
             "distlm_sequences", "Sequences ended, by finish reason", ["reason"], registry=r
         )
-        self.queue = Gauge("distlm_queue_depth", "Sequences waiting for a lane", registry=r)
-        self.lanes = Gauge("distlm_lanes_busy", "Pipeline lanes holding a sequence", registry=r)
-        self.open = Gauge(
-            "distlm_sequences_open", "Sequences submitted and not yet ended", registry=r
+        engine = "mostrecent"  # the engine's word, which every API process hears alike
+        self.queue = Gauge(
+            "distlm_queue_depth",
+            "Sequences waiting for a lane",
+            registry=r,
+            multiprocess_mode=engine,
         )
-        self.up = Gauge("distlm_engine_up", "1 while the pipeline answers", registry=r)
+        self.lanes = Gauge(
+            "distlm_lanes_busy",
+            "Pipeline lanes holding a sequence",
+            registry=r,
+            multiprocess_mode=engine,
+        )
+        self.open = Gauge(
+            "distlm_sequences_open",
+            "Sequences submitted and not yet ended",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.up = Gauge(
+            "distlm_engine_up",
+            "1 while the pipeline answers",
+            registry=r,
+            multiprocess_mode=engine,
+        )
         self.compute = Gauge(
-            "distlm_stage_compute_seconds", "Forward-pass seconds per stage", ["stage"], registry=r
+            "distlm_stage_compute_seconds",
+            "Forward-pass seconds per stage",
+            ["stage"],
+            registry=r,
+            multiprocess_mode=engine,
         )
         self.cache = Gauge(
             "distlm_stage_kv_cache_bytes",
             "Bytes of KV cache a stage holds (0 when no lane holds a sequence)",
             ["stage"],
             registry=r,
+            multiprocess_mode=engine,
         )
         self.wait = Gauge(
             "distlm_stage_wait_seconds",
             "Seconds a stage waited for its previous stage",
             ["stage"],
             registry=r,
+            multiprocess_mode=engine,
         )
 
     def health(self, h: Health) -> None:

@@ -1,24 +1,30 @@
-"""The API server process: uvicorn serving `distlm.inference.server.app`, and the MPI job it
-supervises.
+"""The API server's supervisor: the listening socket, serve.api_servers HTTP processes on it
+(distlm.inference.server.api_process) and the MPI job, from start to exit code.
 
     python -m distlm.entry.serve --launcher "mpiexec -n 2" --config results/config/serve.json \
         --model results/train/final
 
-One process outside the MPI job listens on serve.host:port, binds the engine channel (two IPC
-sockets in a private temporary folder), and starts the pipeline with the launcher; stage 0 connects
-and sends Ready. Until then requests get 503 ("starting"). Afterwards:
-  * the job ends (a rank killed: the launcher ends every rank) -> open requests and new ones get
-    503, and this process exits with the job's exit code;
+This process, outside the MPI job, listens on serve.host:port and hands the socket to the API
+processes (the kernel gives each connection to one of them), makes a private folder for the
+engine channels (messages.endpoints: its own, 0, and one per API process) and starts the pipeline
+with the launcher. It serves no HTTP; on its own channel it hears stage 0's Ready, Health and
+failures. Afterwards:
+  * the job ends (a rank killed: the launcher ends every rank) -> the API processes answer 503
+    to open requests and new ones, and this process exits with the job's exit code;
   * stage 0 reports a failure (a stage hangs) or stops sending Health -> the same, after the job
     is stopped;
-  * SIGTERM / SIGINT -> Shutdown to stage 0, which stops the pipeline in order; exit code 0.
-Stage 0 in turn stops when this process is gone.
+  * an API process dies -> it is started again on its channel (stage 0 cancels what it had
+    open); one that dies RESTARTS times within RESTART_WINDOW_S ends the server as a failure;
+  * SIGTERM / SIGINT -> new requests get 503, Shutdown to stage 0, which stops the pipeline in
+    order; exit code 0.
+Stage 0 in turn stops when this process is gone, and so do the API processes (their stdin closes).
 
-Connection limits are uvicorn's (limit_concurrency, keep-alive, h11's header size) plus a header
-deadline and a lingering close (inference/server/transport.py's GuardedH11Protocol). An idle connection costs a socket
-and a timer on the event loop, so the limits are thousands (serve.max_connections) and the
-open-file limit is raised to its hard limit at start (raise_nofile); when the process is out of
-descriptors all the same, EMFILE on accept is asyncio's: logged, accept resumes.
+Connection limits are uvicorn's in each API process (limit_concurrency, keep-alive, h11's header
+size) plus a header deadline and a lingering close (inference/server/transport.py's
+GuardedH11Protocol). An idle connection costs a socket and a timer on the event loop, so the
+limits are thousands (serve.max_connections) and the open-file limit is raised to its hard limit
+at start (raise_nofile; the API processes inherit it); when a process is out of descriptors all
+the same, EMFILE on accept is asyncio's: logged, accept resumes.
 """
 
 from __future__ import annotations
@@ -35,31 +41,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import uvicorn
-
 from distlm import DistlmError
 from distlm.core.log import get_logger
-from distlm.inference.server.access_log import AccessLog
-from distlm.inference.server.app import build_app
+from distlm.inference.messages import Control, endpoints, pipe_frame
+from distlm.inference.server.api_process import ANSWER_S
 from distlm.inference.server.client import EngineClient
-from distlm.inference.server.metrics import Metrics
-from distlm.inference.server.state import ServeState
-from distlm.inference.server.transport import GuardedH11Protocol, raise_nofile
-from distlm.runtime.heap import freeze_startup_heap
+from distlm.inference.server.metrics import MULTIPROC_ENV, Metrics
+from distlm.inference.server.transport import raise_nofile
 from distlm.settings import EngineSettings, ServeSettings
 
 log = get_logger(__name__)
 
-_ANSWER_S = 5.0  # after the job ended: how long open requests get to receive their 503
 _POLL_S = 0.05
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the supervisor decides how to stop."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
+RESTARTS = 5  # an API process that dies this often ...
+RESTART_WINDOW_S = 60.0  # ... within this many seconds ends the server
 
 
 def check_default_max_tokens(max_new_tokens: int, limit: int) -> None:
@@ -96,16 +91,89 @@ def read_token(serve: ServeSettings) -> str | None:
     return tokens[0] if tokens else None
 
 
-def _setup_server_logs() -> None:
-    """uvicorn's and asyncio's messages (accept errors such as EMFILE) through distlm's handlers."""
-    import logging
+class ApiProcesses:
+    """The API server processes: started, told the supervisor's word, restarted when they die."""
 
-    handlers = logging.getLogger("distlm").handlers
-    for name in ("uvicorn", "uvicorn.error", "asyncio"):
-        lg = logging.getLogger(name)
-        lg.handlers = list(handlers)
-        lg.propagate = False
-        lg.setLevel(logging.INFO)
+    def __init__(self, count: int, cmd: list[str], sock: socket.socket, folder: Path) -> None:
+        self.cmd, self.sock, self.folder = cmd, sock, folder
+        self.metrics = folder / "metrics"  # prometheus_client's multiprocess folder
+        self.metrics.mkdir()
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.starts = [0] * count
+        self.deaths: list[list[float]] = [[] for _ in range(count)]
+
+    def start(self, k: int) -> None:
+        """API process k (channel k + 1), its start counted (its requests' numbers derive from it)."""
+        self.starts[k] += 1
+        args = [
+            *self.cmd,
+            "--channel",
+            str(self.folder),
+            "--index",
+            str(k + 1),
+            "--incarnation",
+            str(self.starts[k]),
+            "--fd",
+            str(self.sock.fileno()),
+        ]
+        self.procs[k] = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            pass_fds=(self.sock.fileno(),),
+            env={**os.environ, MULTIPROC_ENV: str(self.metrics)},
+        )
+
+    def check(self) -> str | None:
+        """Restart the processes that died; why the server must end, when one dies too often."""
+        from prometheus_client.multiprocess import mark_process_dead
+
+        for k, proc in enumerate(self.procs):
+            rc = None if proc is None else proc.poll()
+            if proc is None or rc is None:
+                continue
+            mark_process_dead(proc.pid, str(self.metrics))  # its open sequences: none now
+            now = time.monotonic()
+            deaths = self.deaths[k] = [t for t in self.deaths[k] if now - t < RESTART_WINDOW_S]
+            deaths.append(now)
+            if len(deaths) >= RESTARTS:
+                self.procs[k] = None
+                return (
+                    f"API server process {k + 1} (pid {proc.pid}) died {len(deaths)} times "
+                    f"within {RESTART_WINDOW_S:g} s (last exit code {rc})"
+                )
+            log.error(
+                "API server process %d (pid %d) died (exit code %d); starting it again",
+                k + 1,
+                proc.pid,
+                rc,
+            )
+            self.start(k)
+        return None
+
+    def tell(self, msg: Control) -> None:
+        """The supervisor's word to every live API process (one that cannot hear it is ending)."""
+        frame = pipe_frame(msg)
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None and proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.write(frame)
+                    proc.stdin.flush()
+
+    async def end(self, timeout_s: float) -> None:
+        """Wait for them to exit (after `failed`), then kill what is left."""
+        deadline = time.monotonic() + timeout_s
+        live = [p for p in self.procs if p is not None]
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        for p in live:
+            if p.poll() is None:
+                log.error("API server process pid %d did not exit; killing it", p.pid)
+                p.kill()
+            if p.stdin is not None:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
 
 
 class Supervisor:
@@ -118,6 +186,7 @@ class Supervisor:
         *,
         launch: list[str],
         engine_args: list[str],
+        api_args: list[str],
         model_dir: Path,
         host: str,
         port: int,
@@ -126,6 +195,13 @@ class Supervisor:
         self.serve, self.inference = serve, inference
         check_default_max_tokens(inference.max_new_tokens, serve.max_tokens)
         self.launch, self.engine_args = launch, engine_args
+        self.api_args = api_args
+        cores = os.cpu_count() or 1
+        if serve.api_servers > cores:
+            raise DistlmError(
+                f"serve.api_servers: {serve.api_servers} API server processes on a host of "
+                f"{cores} cores; at most {cores}"
+            )
         self.model_dir = model_dir
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = 2 * self.inference.timeout_s + 30
@@ -155,70 +231,44 @@ class Supervisor:
             self.sock.close()
 
     async def _main(self, tmp: Path) -> int:
-        from distlm.data import load_tokenizer
-
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signalled, sig)
-        metrics = Metrics()
-        engine = EngineClient(f"ipc://{tmp}/requests", f"ipc://{tmp}/events", metrics)
+        # the supervisor's own channel (0): Ready, Health and failures; it submits nothing
+        engine = EngineClient(endpoints(str(tmp), 0), Metrics())
         engine.start()
-        st = ServeState.build(
-            self.serve,
-            self.inference,
-            model_id=self.model_dir.resolve().name,
-            tokenizer=load_tokenizer(self.model_dir),
-            engine=engine,
-            metrics=metrics,
-            token=self.token,
-        )
-        freeze_startup_heap("API server")  # the tokenizer and the app built: before requests
-        GuardedH11Protocol.header_timeout_s = self.serve.header_timeout_s
-        GuardedH11Protocol.linger_s = self.serve.linger_s
-        GuardedH11Protocol.linger_bytes = self.serve.linger_bytes
-        config = uvicorn.Config(
-            AccessLog(build_app(st), metrics),
-            http=GuardedH11Protocol,
-            lifespan="off",
-            access_log=False,
-            log_config=None,
-            server_header=False,
-            limit_concurrency=self.serve.max_connections,
-            timeout_keep_alive=self.serve.keep_alive_timeout_s,
-            h11_max_incomplete_event_size=self.serve.max_header_bytes,
-            backlog=self.serve.backlog,
-        )
-        _setup_server_logs()
-        server = _Server(config)
-        serving = asyncio.ensure_future(server.serve(sockets=[self.sock]))
+        self.api = ApiProcesses(self.serve.api_servers, self.api_args, self.sock, tmp)
+        for k in range(self.serve.api_servers):
+            self.api.start(k)
         cmd = [
             *self.launch,
             *self.engine_args,
-            "--requests",
-            f"ipc://{tmp}/requests",
-            "--events",
-            f"ipc://{tmp}/events",
+            "--channel",
+            str(tmp),
+            "--api-servers",
+            str(self.serve.api_servers),
             "--api-pid",
             str(os.getpid()),
         ]
         log.info(
-            "API server on http://%s:%d; starting the pipeline: %s", *self.address, shlex.join(cmd)
+            "listening on http://%s:%d with %d API server processes; starting the pipeline: %s",
+            *self.address,
+            self.serve.api_servers,
+            shlex.join(cmd),
         )
         # its own session: a Ctrl-C at the terminal reaches this process only, which stops the
         # job in order
         self.child = await asyncio.to_thread(subprocess.Popen, cmd, start_new_session=True)
         try:
-            rc = await self._supervise(st)
+            rc = await self._supervise(engine)
         finally:
             if self.child.poll() is None:
                 await self._kill_job()
-            st.state = "stopping" if st.engine.failed is None else "failed"
-            if not st.engine.failed:
-                engine.fail(self.stop_reason or "the server is shutting down", error=False)
-            await self._wait_answered(engine)
-            server.should_exit = True
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(serving, timeout=_ANSWER_S + 5)
+            if engine.failed is None:
+                reason = self.stop_reason or "the server is shutting down"
+                engine.fail(reason, error=False)
+                self.api.tell(Control(state="failed", reason=reason, error=False))
+            await self.api.end(ANSWER_S + 10)
             await engine.close()
         return rc if rc >= 0 else 128 - rc  # killed by signal N: 128 + N, as a shell says
 
@@ -226,8 +276,8 @@ class Supervisor:
         log.info("%s: stopping", signal.Signals(sig).name)
         self.stop_reason = "the server is shutting down"
 
-    async def _supervise(self, st: ServeState) -> int:
-        engine, child = st.engine, self._job()
+    async def _supervise(self, engine: EngineClient) -> int:
+        child = self._job()
         deadline = time.monotonic() + self.start_timeout_s
         while engine.ready is None:
             if self.stop_reason:
@@ -239,6 +289,10 @@ class Supervisor:
                 )
             if engine.failed:
                 return self._failed(engine, await self._job_end(), engine.failed)
+            died = self.api.check()
+            if died is not None:
+                await self._kill_job()
+                return self._failed(engine, 1, died)
             if time.monotonic() > deadline:
                 await self._kill_job()
                 return self._failed(
@@ -253,7 +307,6 @@ class Supervisor:
                 f"{here}; the engine channel is IPC, so rank 0 must run on this host "
                 "(the launcher's first host)"
             )
-        st.state = "ready"
         log.info(
             "pipeline ready: stage 0 (pid %d), %d stages, %d lanes; serving on http://%s:%d",
             engine.ready.pid,
@@ -268,13 +321,17 @@ class Supervisor:
                 return self._failed(engine, rc, f"the pipeline job ended (exit code {rc})")
             if engine.failed:
                 return self._failed(engine, await self._job_end(), engine.failed)
+            died = self.api.check()
+            if died is not None:
+                await self._kill_job()
+                return self._failed(engine, 1, died)
             if time.monotonic() - engine.health_at > silent_s:
                 reason = f"stage 0 sent nothing for {silent_s:g} s: it hangs"
                 engine.fail(reason)
                 await self._kill_job()
                 return self._failed(engine, 1, reason)
             await asyncio.sleep(_POLL_S)
-        st.state = "stopping"
+        self.api.tell(Control(state="stopping", reason=self.stop_reason))
         log.info("asking stage 0 (pid %d) to stop the pipeline", engine.ready.pid)
         engine.shutdown(self.stop_reason)
         try:
@@ -294,6 +351,7 @@ class Supervisor:
 
     def _failed(self, engine: EngineClient, rc: int, reason: str) -> int:
         engine.fail(reason)
+        self.api.tell(Control(state="failed", reason=reason))
         log.error("%s; answering 503", reason)
         return rc or 1
 
@@ -325,13 +383,6 @@ class Supervisor:
                 os.killpg(child.pid, signal.SIGKILL)
             return await self._wait_child(10)
 
-    async def _wait_answered(self, engine: EngineClient) -> None:
-        deadline = time.monotonic() + _ANSWER_S
-        while engine.queues and time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_S)
-        if engine.queues:
-            log.error("%d requests still open after %g s; closing", len(engine.queues), _ANSWER_S)
-
 
 def run_api_server(
     serve: ServeSettings,
@@ -360,6 +411,16 @@ def run_api_server(
             "-m",
             module,
             "--engine",
+            "--config",
+            str(config),
+            "--model",
+            str(model_dir),
+        ],
+        api_args=[
+            sys.executable,
+            "-m",
+            module,
+            "--api",
             "--config",
             str(config),
             "--model",
