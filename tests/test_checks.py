@@ -197,8 +197,8 @@ def test_the_gpu_check_plans_every_figure_in_calls_of_nine_minutes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     steps = {s["step"]: s for s in summary["steps"]}
     planned = [s["step"] for s in summary["steps"] if s.get("why") == "dry run"]
-    figures = ["train", "train-smollm2", "train-fsdp", "serve", "infer", "workflow", "tests"]
-    assert planned == ["install", *figures]
+    figures = ["train", "train-smollm2", "train-fsdp", "serve", "serve-profile", "infer"]
+    assert planned == ["install", *figures, "workflow", "tests"]
     assert steps["uccl"]["why"].startswith("no uccl wheel")
     assert steps["extra"]["why"].startswith("not asked for")
     budget = int(re.search(r"BUDGET_S:-(\d+)", (ROOT / "benchmarks/gpu/run.sh").read_text())[1])
@@ -208,6 +208,8 @@ def test_the_gpu_check_plans_every_figure_in_calls_of_nine_minutes(tmp_path):
         serve[serve.index("--repeats") + 1] == "2"
         and float(serve[serve.index("--seconds") + 1]) >= 10
     )
+    assert "256" in serve[serve.index("--clients") + 1].split(",")  # #63: 256 clients on a GPU
+    assert len(serve[serve.index("--api-servers") + 1].split(",")) >= 2
     for s in summary["steps"]:
         argv = s["command"]
         if "snakemake" in argv:

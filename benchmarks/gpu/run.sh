@@ -39,7 +39,11 @@
 #                                      clients, 2 repeats of 10 s a level (129 s was 3 servers,
 #                                      2 levels, 1 x 8 s), on the workflow's trained folder, or
 #                                      without one on a folder of its own (serve-model: GPT-2
-#                                      small's shape, seeded, ~30 s)
+#                                      small's shape, seeded, ~30 s); per level each process's
+#                                      CPU and stage 0's wall, host and device (CUDA events) time
+#                                      a micro-batch; then serve-profile (60 s): py-spy on the API
+#                                      process and stage 0 at 64 clients (profile_serve.py), into
+#                                      the same file
 #   infer           29 s       80 s    benchmarks/inference/bench.py --batch-only: the one-stage
 #                                      pipeline, 32 prompts in flight, beside batched `generate`
 #                                      (the same folder as serve)
@@ -241,7 +245,11 @@ run_serve() {
   step serve 330 $py benchmarks/inference/bench_serve.py --device cuda \
     --model "$model" --stages 1 --servers peer,distlm --api-servers 1,4 --clients 16,64,256 \
     --repeats 2 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh" \
-    --out "$out/serve-results-gpu.json"
+    --out "$out/serve-results-gpu.json" || return
+  # py-spy on the API server process and stage 0 at 64 clients, into the same file
+  step serve-profile 60 $py benchmarks/inference/profile_serve.py --device cuda \
+    --model "$model" --clients 64 --seconds 8 --warmup 5 --note "benchmarks/gpu/run.sh" \
+    --out "$work/serve-profile-gpu.json" --merge-into "$out/serve-results-gpu.json"
 }
 
 # -- batch inference: the pipeline against batched `generate`, on the trained folder -----------

@@ -26,8 +26,10 @@ order that rotates over --repeats:
 All get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
 others' torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
 tokens back to back for --seconds per level (at least --requests each); per level: completion
-tokens / wall time, and the p50 / p99 of the requests' end-to-end latency. Reported: each, and
-ratios of every distlm over each other server. Greedy texts must equal `generate`'s (the
+tokens / wall time, and the p50 / p99 of the requests' end-to-end latency, and where the time went
+(`where_time_went`: each process's CPU by role, the benchmark client's own, and distlm's
+micro-batches with their wall, host and device milliseconds each, the device's from CUDA events).
+Reported: each, and ratios of every distlm over each other server. Greedy texts must equal `generate`'s (the
 baseline's, or without it `generate` run here); the other servers' are compared and counted
 (their batched kernels may break near-ties).
 """
@@ -299,6 +301,109 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
+def processes(pid: int) -> dict[str, list]:
+    """The server's processes by role: distlm's supervisor, API server processes (`--api`) and
+    pipeline ranks (`--engine`), the launcher's own; another server's are all "server"."""
+    import psutil
+
+    top = psutil.Process(pid)
+    out: dict[str, list] = {}
+    for p in [top, *top.children(recursive=True)]:
+        try:
+            argv = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        python = bool(argv) and Path(argv[0]).name.startswith("python")
+        if SERVE not in argv:
+            role = "server"
+        elif "--api" in argv:
+            role = "api"
+        elif "--engine" in argv:
+            role = "engine" if python else "launcher"
+        else:
+            role = "supervisor" if p is top else "launcher"
+        out.setdefault(role, []).append(p)
+    return out
+
+
+def cpu_seconds(procs: list) -> float:
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def stage_figures(port: int) -> dict[str, dict[str, float]]:
+    """distlm's per-stage counters from /metrics: micro-batches, host (compute) and device
+    seconds of the forward passes, by stage."""
+    names = {
+        "distlm_stage_micro_batches": "micro_batches",
+        "distlm_stage_compute_seconds": "compute_s",
+        "distlm_stage_device_seconds": "device_s",
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in names and rest.startswith('stage="'):
+            stage = rest[7:].partition('"')[0]
+            out.setdefault(stage, {})[names[name]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def where_time_went(name: str, pid: int, port: int, run) -> dict:
+    """One level (`run()`'s row) with where its time went: each role's CPU in cores busy (CPU
+    seconds / wall: 1.0 is a core all the time), the benchmark client's own, and for distlm each
+    stage's micro-batches and their wall, host and device milliseconds each (wall: the level's
+    wall time / micro-batches, so host + what is not the forward pass)."""
+    import resource
+
+    procs = processes(pid)
+    cpu0 = {role: cpu_seconds(ps) for role, ps in procs.items()}
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    figures0 = {}
+    deadline = time.monotonic() + 10  # the stages' figures come with stage 0's Health (0.5 s)
+    while name.startswith("distlm") and not figures0 and time.monotonic() < deadline:
+        figures0 = stage_figures(port)
+        time.sleep(0 if figures0 else 0.1)
+    row = run()
+    wall = row["wall_s"]
+    mine = resource.getrusage(resource.RUSAGE_SELF)
+    row["cpu_cores"] = {
+        **{role: round((cpu_seconds(ps) - cpu0[role]) / wall, 3) for role, ps in procs.items()},
+        "client": round((mine.ru_utime + mine.ru_stime - me.ru_utime - me.ru_stime) / wall, 3),
+    }
+    if figures0:
+        stages = []
+        for stage, now in sorted(stage_figures(port).items()):
+            was = figures0.get(stage, {})
+            steps = now.get("micro_batches", 0) - was.get("micro_batches", 0)
+            each = {
+                k: round(1e3 * (now.get(k, 0) - was.get(k, 0)) / max(steps, 1), 3)
+                for k in ("compute_s", "device_s")
+            }
+            stages.append(
+                {
+                    "stage": int(stage),
+                    "micro_batches": int(steps),
+                    "wall_ms_each": round(1e3 * wall / max(steps, 1), 3),
+                    "host_ms_each": each["compute_s"],
+                    "device_ms_each": each["device_s"],
+                }
+            )
+        row["stages"] = stages
+    return row
+
+
 def measure(
     name: str, cmd: list[str], port: int, work: Path, args, prompts, levels, env: dict
 ) -> tuple[list, dict]:
@@ -318,7 +423,14 @@ def measure(
             for p in prompts
         }  # also the warm-up
         rows = [
-            level(port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens, args.seconds)
+            where_time_went(
+                name,
+                proc.pid,
+                port,
+                lambda c=c: level(
+                    port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens, args.seconds
+                ),
+            )
             for c in levels
         ]
     finally:
@@ -419,8 +531,12 @@ def main() -> None:
                     json.dumps(
                         [
                             {
-                                k: round(r[k], 3)
-                                for k in ("clients", "tokens_per_s", "p50_s", "p99_s")
+                                **{
+                                    k: round(r[k], 3)
+                                    for k in ("clients", "tokens_per_s", "p50_s", "p99_s")
+                                },
+                                "cpu_cores": r["cpu_cores"],
+                                **({"stages": r["stages"]} if "stages" in r else {}),
                             }
                             for r in rows
                         ]

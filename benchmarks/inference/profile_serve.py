@@ -4,6 +4,8 @@ per token and per decode step, and what it is spent on, sampled with py-spy.
     python benchmarks/inference/profile_serve.py --model results/train/final --clients 64
     python benchmarks/inference/profile_serve.py --clients 64 --src ../before/src   # another checkout
 
+(An older checkout whose config has fewer keys runs its own copy of this script, cd'ed into it.)
+
 It starts `distlm serve` as bench_serve.py does (the rule's command: the API server and a
 one-stage MPI pipeline with --lanes lanes, OMP_NUM_THREADS 1 a process), sends N clients'
 non-streamed greedy completions back to back, and once they run steady it samples both
@@ -12,7 +14,8 @@ their CPU time and the tokens /metrics counts. Each sample's stack is put in the
 its frames match (BUCKETS: the model's forward pass, sampling, the scheduler, the engine
 channel's messages, ZeroMQ; the server's HTTP, JSON, its request handling, detokenization,
 metrics, asyncio), so the JSON gives each process's CPU seconds per token and per decode step
-(tokens / lanes busy), and each bucket's share.
+(tokens / lanes busy), each bucket's share, and the functions most samples were in (`top`:
+the innermost frame, "function (file:line)", of each sample).
 
 On a GPU a 91M model's decode step at 64 lanes is a CUDA graph of a few milliseconds, so the
 host's share is what bounds serving (docs/performance.md, "Serving"); on the CPU the forward
@@ -77,8 +80,9 @@ BUCKETS = {
 }
 
 
-def engine_pid(server_pid: int) -> int:
-    """The pid of stage 0 (the MPI job's `--engine` rank) under the API server."""
+def child_pid(server_pid: int, flag: str) -> int | None:
+    """The pid of the Python process under the server whose command line has `flag`: stage 0
+    (`--engine`, the MPI job's rank) or an API server process (`--api`); None when none comes."""
     import psutil
 
     deadline = time.monotonic() + 60
@@ -86,12 +90,12 @@ def engine_pid(server_pid: int) -> int:
         for p in psutil.Process(server_pid).children(recursive=True):
             try:
                 argv = p.cmdline()
-                if "--engine" in argv and Path(argv[0]).name.startswith("python"):
+                if flag in argv and Path(argv[0]).name.startswith("python"):
                     return p.pid  # not the launcher's (mpiexec's) own, which names it too
             except psutil.NoSuchProcess:
                 continue
         time.sleep(0.5)
-    raise SystemExit("no stage 0 (`--engine`) process under the API server")
+    return None
 
 
 def cpu_s(pid: int) -> float:
@@ -129,6 +133,16 @@ def buckets(raw: Path, rules: list[tuple[str, str]]) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+def top(raw: Path, n: int = 15) -> dict[str, float]:
+    """The share of the samples whose innermost frame is each function, the n largest."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, k = line.rpartition(" ")
+        counts[stack.rsplit(";", 1)[-1]] += int(k)
+    total = sum(counts.values()) or 1
+    return {f: round(c / total, 3) for f, c in counts.most_common(n)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--model", type=Path, help="model folder (default: bench.py's seeded model)")
@@ -141,13 +155,20 @@ def main() -> None:
     p.add_argument("--src", type=Path, default=ROOT / "src", help="the distlm to run")
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile-serve.json"))
     p.add_argument("--note", default="")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="runtime.device")
+    p.add_argument(
+        "--merge-into",
+        type=Path,
+        help="also put the result under `profile` in this JSON (benchmarks/gpu/run.sh: the serve "
+        "step's results, one file back from the device)",
+    )
     a = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from bench import prompts, seeded_model
     from bench_serve import distlm_command, level, stop, wait_up
 
     work = Path(tempfile.mkdtemp(prefix="distlm-profile-serve-"))
-    args = argparse.Namespace(device="cpu", lanes=a.lanes, max_tokens=a.max_tokens)
+    args = argparse.Namespace(device=a.device, lanes=a.lanes, max_tokens=a.max_tokens)
     model = a.model or seeded_model(
         work, argparse.Namespace(arch="gpt2", layers=6, embd=384, heads=6)
     )
@@ -161,7 +182,12 @@ def main() -> None:
         )
     try:
         wait_up(proc, port, log)
-        engine = engine_pid(proc.pid)
+        engine = child_pid(proc.pid, "--engine")
+        if engine is None:
+            raise SystemExit("no stage 0 (`--engine`) process under the server")
+        # the API server process under the supervisor (serve.api_servers 1); a checkout before
+        # 2026-11-28's api_servers (--src) has none: its API server is the process itself
+        api = child_pid(proc.pid, "--api")
         texts = prompts(str(ROOT / "config" / "prompts.txt"), a.clients)
         load = threading.Thread(
             target=level,
@@ -170,7 +196,8 @@ def main() -> None:
         )
         load.start()
         time.sleep(a.warmup)
-        pids = {"server": proc.pid, "engine": engine}
+        pids = {"server": api or proc.pid, "engine": engine}
+        supervisor_cpu0 = cpu_s(proc.pid) if api else None
         cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
         tok0, t0 = metric(port, "distlm_generation_tokens_total"), time.perf_counter()
         spies = {k: sample(pid, a.seconds, a.rate, work / f"{k}.txt") for k, pid in pids.items()}
@@ -181,6 +208,7 @@ def main() -> None:
         tokens = metric(port, "distlm_generation_tokens_total") - tok0
         wall = time.perf_counter() - t0
         cpu = {k: cpu_s(pid) - cpu0[k] for k, pid in pids.items()}
+        supervisor_cpu = None if supervisor_cpu0 is None else cpu_s(proc.pid) - supervisor_cpu0
         for k, s in spies.items():
             if s.wait(timeout=a.seconds + 60) != 0:
                 raise SystemExit(f"py-spy on the {k} (pid {pids[k]}) failed")
@@ -191,6 +219,7 @@ def main() -> None:
     steps = tokens / max(busy, 1.0)
     result: dict = {
         "what": f"host time of distlm serve at {a.clients} clients, {a.lanes} lanes, one stage",
+        "device": a.device,
         "command": " ".join(["python", "benchmarks/inference/profile_serve.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "src": str(a.src),
@@ -200,6 +229,7 @@ def main() -> None:
         "lanes_busy_mean": round(busy, 1),
         "decode_steps_per_s": round(steps / wall, 1),
         "processes": {},
+        "supervisor_cpu_s": None if supervisor_cpu is None else round(supervisor_cpu, 2),
         "note": a.note,
     }
     for k in pids:
@@ -210,8 +240,13 @@ def main() -> None:
             "cpu_us_per_token": round(1e6 * cpu[k] / max(tokens, 1), 1),
             "cpu_ms_per_decode_step": round(1e3 * cpu[k] / max(steps, 1), 2),
             "share": {b: round(n / total, 3) for b, n in share.items()},
+            "top": top(work / f"{k}.txt"),
         }
     a.out.write_text(json.dumps(result, indent=2) + "\n")
+    if a.merge_into is not None:
+        doc = json.loads(a.merge_into.read_text())
+        doc["profile"] = result
+        a.merge_into.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(result, indent=1))
 
 

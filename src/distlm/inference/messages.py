@@ -37,7 +37,8 @@ from distlm.inference.stats import StageBrief, StageInfo
 
 # 2: Prompt (the prompt's log-probabilities, echo with logprobs)
 # 3: typed fields: Submit.params SamplingParams, Ready.pipeline StageInfo, Health.stages StageBrief
-# 4: a channel per API server process: Attach; the supervisor's Control
+# 4: a channel per API server process: Attach; the supervisor's Control; StageBrief's device_s
+#    and micro_batches (in Health)
 VERSION = 4
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 

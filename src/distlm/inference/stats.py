@@ -41,14 +41,21 @@ class StageBrief:
     send_s: float
     recv_wait_s: float
     cache_bytes: int = 0  # the KV cache the stage holds now (0 when every lane is free)
+    device_s: float = 0.0  # the device's time in the forward passes (StageStats.device_s)
+    micro_batches: int = 0
 
 
 @dataclass
 class StageStats:
-    """Where a stage's time went: forward passes, sends, and waiting for the previous stage."""
+    """Where a stage's time went: forward passes, sends, and waiting for the previous stage.
+
+    `compute_s` is the host's wall time around the forward passes (sampling on the last stage
+    included); `device_s` the device's own time in them (runtime.device's DeviceClock: CUDA
+    events on a GPU; on the CPU the same spans' wall time)."""
 
     stage: int
     compute_s: float = 0.0
+    device_s: float = 0.0
     send_s: float = 0.0
     recv_wait_s: float = 0.0
     micro_batches: int = 0
@@ -63,7 +70,13 @@ class StageStats:
     def brief(self) -> StageBrief:
         """What /metrics shows per stage (cumulative seconds)."""
         return StageBrief(
-            self.stage, self.compute_s, self.send_s, self.recv_wait_s, self.cache_bytes
+            self.stage,
+            self.compute_s,
+            self.send_s,
+            self.recv_wait_s,
+            self.cache_bytes,
+            self.device_s,
+            self.micro_batches,
         )
 
     def to_dict(self) -> dict:

@@ -34,6 +34,7 @@ import dataclasses
 import os
 import random
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -179,6 +180,38 @@ class CopiesDone:
 
     def synchronize(self) -> None:
         self._event.synchronize()
+
+
+class DeviceClock:
+    """The device time of spans of work (a stage's forward passes): on a GPU, CUDA events read
+    once the device has passed them, so timing never waits for it; on the CPU, whose work is the
+    host's own, each span's wall time. `stop` gives the seconds of the spans finished since the
+    last call (on a GPU one may still be running: it is counted at a later call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._gpu = is_gpu(device)
+        self._t0 = 0.0
+        self._start: Any = None
+        self._open: list[tuple[Any, Any]] = []  # a GPU's spans not yet read: (start, end)
+
+    def start(self) -> None:
+        if self._gpu:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self._gpu:
+            return time.perf_counter() - self._t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._open.append((self._start, end))
+        done = 0.0
+        while self._open and self._open[0][1].query():
+            start, end = self._open.pop(0)
+            done += start.elapsed_time(end) / 1e3
+        return done
 
 
 class StepGraph:

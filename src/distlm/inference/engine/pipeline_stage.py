@@ -31,7 +31,7 @@ from distlm.inference.engine.graphs import DecodeGraphs
 from distlm.inference.engine.micro_batch import Item, _attend_decode, _Plan
 from distlm.model import load_stage_shard, read_args, read_manifest
 from distlm.model.documents import ShardEntry
-from distlm.runtime.device import DeviceBackend
+from distlm.runtime.device import DeviceBackend, DeviceClock
 
 __all__ = ["Item", "StageModel", "load_stage"]  # Item: the micro-batch's (engine/micro_batch.py)
 
@@ -79,6 +79,7 @@ class StageModel(nn.Module):
     def _note_placement(self) -> None:
         p = next(self.parameters())
         self._device, self._dtype = p.device, p.dtype
+        self.clock = DeviceClock(p.device)  # the device's time in this stage's forward passes
 
     def _apply(self, fn, recurse=True):
         # .to() / .float() / .cuda() all come here: note where the weights now are, once,

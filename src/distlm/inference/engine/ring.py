@@ -33,7 +33,9 @@ from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 from distlm.runtime.dist import Topology
 
-RING_VERSION = 1  # 1: typed StageInfo / StageBrief / StageStats, Work.release
+# 1: typed StageInfo / StageBrief / StageStats, Work.release
+# 2: StageBrief's device_s and micro_batches
+RING_VERSION = 2
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
 _NAP_S = 5e-4  # the longest sleep between polls while messages come often

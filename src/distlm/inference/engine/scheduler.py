@@ -331,11 +331,13 @@ class Scheduler:
         x = torch.tensor(ids, dtype=torch.long)
         picks: list[Pick] = []
         hidden: torch.Tensor | None = None
+        self.model.clock.start()
         if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
             picks = last_stage(self.model, self.sampler, slots, x)
         else:
             hidden = self.model(items, x)
         fork_caches(self.model, slots)
+        self.stats.device_s += self.model.clock.stop()
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.micro_batches += 1
         self.stats.items += len(items)

@@ -51,11 +51,13 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
                 items = [sl.item for sl in msg.slots]
                 t0 = time.perf_counter()
                 x = from_wire(msg.payload)
+                model.clock.start()
                 if last:
                     picks = last_stage(model, sampler, msg.slots, x)
                 else:
                     hidden = model(items, x)
                 fork_caches(model, msg.slots)
+                stats.device_s += model.clock.stop()
                 stats.compute_s += time.perf_counter() - t0
                 stats.micro_batches += 1
                 stats.items += len(items)

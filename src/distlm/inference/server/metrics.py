@@ -113,6 +113,20 @@ class Metrics:
             registry=r,
             multiprocess_mode=engine,
         )
+        self.device = Gauge(
+            "distlm_stage_device_seconds",
+            "The device's seconds in a stage's forward passes (CUDA events; CPU: their wall time)",
+            ["stage"],
+            registry=r,
+            multiprocess_mode=engine,
+        )
+        self.steps = Gauge(
+            "distlm_stage_micro_batches",
+            "Micro-batches a stage has run (forward passes)",
+            ["stage"],
+            registry=r,
+            multiprocess_mode=engine,
+        )
 
     def health(self, h: Health) -> None:
         self.queue.set(h.waiting)
@@ -121,3 +135,5 @@ class Metrics:
             self.compute.labels(str(st.stage)).set(st.compute_s)
             self.wait.labels(str(st.stage)).set(st.recv_wait_s)
             self.cache.labels(str(st.stage)).set(st.cache_bytes)
+            self.device.labels(str(st.stage)).set(st.device_s)
+            self.steps.labels(str(st.stage)).set(st.micro_batches)
