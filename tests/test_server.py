@@ -663,7 +663,8 @@ def test_killed_stage_gives_503_and_a_nonzero_exit(tiny_models, tmp_path):
             assert "the pipeline job ended (exit code" in err["error"]["message"]
             assert err["error"]["type"] == "service_unavailable"
             status, text = stream.result()  # the 200 went out with the stream's start
-            assert status == 200 and '"type": "service_unavailable"' in text
+            events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+            assert status == 200 and events[-1]["error"]["type"] == "service_unavailable", text
             assert "[DONE]" not in text
         assert s.proc.wait(timeout=60) != 0  # the API server exits with the job's exit code
     finally:
@@ -796,7 +797,16 @@ def test_two_api_server_processes_same_answers_summed_metrics_and_one_killed(
     tiny_models, tmp_path, hf_reference
 ):
     s = start_server(tiny_models[2], 2, tmp_path, serve={"api_servers": 2}, lanes=4, timeout_s=30)
+
+    def logged(pattern: str) -> None:
+        deadline = time.monotonic() + 60
+        while not re.search(pattern, s.log.read_text()):
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            time.sleep(0.2)
+
     try:
+        for k in (1, 2):  # each process serves once stage 0 answered its channel, and says so
+            logged(rf"api{k}.*API server process {k} \(start 1\) serving")
         tok = hf_reference.tokenizer
         want = [tok.decode(hf_reference(p, 6), skip_special_tokens=True) for p in PROMPTS[:4]]
         body = {"max_tokens": 6, "temperature": 0}
@@ -828,32 +838,50 @@ def test_two_api_server_processes_same_answers_summed_metrics_and_one_killed(
             - before.get("distlm_generation_tokens_total", 0)
             == 32 * 6
         )
-        log = s.log.read_text()
-        for k in (1, 2):  # each process serves, and says so in its own lines
-            assert re.search(rf"api{k}.*API server process {k} \(start 1\) serving", log), log[
-                -3000:
-            ]
-        served = {k for k in (1, 2) if re.search(rf"api{k}.*POST /v1/completions 200", log)}
-        assert served, log[-3000:]
 
-        # one API process killed: the supervisor starts it again; the other answers meanwhile
+        log = s.log.read_text()
+        assert all(re.search(rf"api{k}.*POST /v1/completions 200", log) for k in (1, 2))
+
+        # one API process killed while requests run (stage 1 stopped holds them in the
+        # pipeline): its clients lose their connections, the other's get their answers, the
+        # supervisor starts it again, and stage 0 cancels what the dead one had open
+        stage1 = s.health()["pipeline"][1]["pid"]
         pids = _api_processes(s.proc.pid)
         assert len(pids) == 2, pids
-        os.kill(pids[0], signal.SIGKILL)
+
+        def held(i: int) -> str | None:
+            try:
+                return ask(i)
+            except OSError:  # its process was killed (connection reset or closed)
+                return None
+
+        os.kill(stage1, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                running = [pool.submit(held, i) for i in range(8)]
+                deadline = time.monotonic() + 30
+                while s.health()["lanes_busy"] < 4:
+                    assert time.monotonic() < deadline, "the requests never reached the pipeline"
+                    time.sleep(0.1)
+                os.kill(pids[0], signal.SIGKILL)
+                logged(r"API server process \d \(start 2\) serving")
+                os.kill(stage1, signal.SIGCONT)
+                got = [f.result(timeout=60) for f in running]
+        finally:
+            os.kill(stage1, signal.SIGCONT)
+        assert all(g is None or g == want[i % 4] for i, g in enumerate(got)), got
+        log = s.log.read_text()
+        assert "died (exit code -9); starting it again" in log
+        if None in got:  # the dead process had requests open: stage 0 cancelled them
+            assert re.search(r"requests of its predecessor cancelled", log), log[-3000:]
+        assert s.lanes_free()
+        assert len(set(_api_processes(s.proc.pid)) - {pids[0]}) == 2
         assert [ask(i) for i in range(4)] == want
-        deadline = time.monotonic() + 60
-        while len(set(_api_processes(s.proc.pid)) - {pids[0]}) < 2:
-            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
-            time.sleep(0.2)
-        deadline = time.monotonic() + 60
-        while "(start 2) serving" not in s.log.read_text():
-            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
-            time.sleep(0.2)
-        assert "died (exit code -9); starting it again" in s.log.read_text()
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(ask, range(16))) == [want[i % 4] for i in range(16)]
         final = s.metrics()  # the dead process's counts stay in the sums
-        assert final[route] - before.get(route, 0) == 32 + 4 + 16
+        answered = sum(g is not None for g in got)
+        assert final[route] - before.get(route, 0) == 32 + answered + 4 + 16
         assert s.lanes_free()
         # a stop ends both processes and the job; exit code 0
         s.proc.send_signal(signal.SIGTERM)

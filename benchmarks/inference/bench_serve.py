@@ -218,7 +218,11 @@ def run_baseline(args) -> None:
 
 
 def post(port: int, body: dict) -> tuple[float, int, str]:
-    """(seconds, completion tokens, text) of one non-streamed completion."""
+    """(seconds, completion tokens, text) of one completion; with `stream` in the body, its
+    server-sent events read to `[DONE]` (the tokens from the usage chunk it asks for)."""
+    stream = bool(body.get("stream"))
+    if stream:
+        body = {**body, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -228,15 +232,31 @@ def post(port: int, body: dict) -> tuple[float, int, str]:
     conn.close()
     if r.status != 200:
         raise RuntimeError(f"port {port}: HTTP {r.status}: {data[:300]!r}")
-    doc = json.loads(data)
-    return seconds, doc["usage"]["completion_tokens"], doc["choices"][0]["text"]
+    if not stream:
+        doc = json.loads(data)
+        return seconds, doc["usage"]["completion_tokens"], doc["choices"][0]["text"]
+    events = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+    usage = [e["usage"] for e in events if e.get("usage")]
+    if not usage or not data.rstrip().endswith(b"data: [DONE]"):
+        raise RuntimeError(
+            f"port {port}: a stream without its usage chunk or [DONE]: {data[-300:]!r}"
+        )
+    text = "".join(c["text"] for e in events for c in e.get("choices") or ())
+    return seconds, usage[-1]["completion_tokens"], text
 
 
 def level(
-    port: int, prompts: list[str], clients: int, per_client: int, max_tokens: int, seconds: float
+    port: int,
+    prompts: list[str],
+    clients: int,
+    per_client: int,
+    max_tokens: int,
+    seconds: float,
+    *,
+    stream: bool = False,
 ) -> dict:
     """`clients` clients, each sending requests back to back: at least `per_client` each, and
-    until `seconds` have passed."""
+    until `seconds` have passed; `stream`: streamed completions."""
     from distlm.runtime.heap import freeze_startup_heap
 
     start = time.perf_counter()
@@ -248,6 +268,7 @@ def level(
                 "prompt": prompts[(c * per_client + i) % len(prompts)],
                 "max_tokens": max_tokens,
                 "temperature": 0,
+                **({"stream": True} if stream else {}),
             }
             out.append(post(port, body))
             i += 1
@@ -678,10 +699,11 @@ def distlm_command(
     *,
     eager: bool = False,
     api_servers: int = 1,
+    serve: dict | None = None,
 ) -> list[str]:
     """serve.py's command line for an S-stage pipeline folder of `model`, config as the rule
     writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured);
-    `api_servers`: serve.api_servers."""
+    `api_servers`: serve.api_servers; `serve`: more serve keys."""
     from bench import sharded
 
     from distlm.dag.config import validate_config
@@ -702,6 +724,7 @@ def distlm_command(
                 "max_tokens": args.max_tokens,
                 "max_queued_sequences": 4 * max(levels),
                 "api_servers": api_servers,
+                **(serve or {}),
             },
         }
     )

@@ -133,6 +133,37 @@ def buckets(raw: Path, rules: list[tuple[str, str]]) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+def fit_config(path: Path, src: Path) -> None:
+    """The serve config as another checkout (--src) reads it: the `serve` keys it does not know
+    left out when they hold their defaults (what that checkout does); else an error."""
+    known = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import json; from distlm.settings.inference import ServeSettings; "
+                    "print(json.dumps(list(ServeSettings.model_fields)))"
+                ),
+            ],
+            env={**os.environ, "PYTHONPATH": str(src.resolve())},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    from distlm.settings.inference import ServeSettings
+
+    doc = json.loads(path.read_text())
+    serve = doc["serve"]
+    for key in [k for k in serve if k not in known]:
+        default = ServeSettings.model_fields[key].default
+        if serve[key] != default:
+            raise SystemExit(f"--src {src} has no serve.{key}; asked for {serve[key]!r}")
+        del serve[key]
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def top(raw: Path, n: int = 15) -> dict[str, float]:
     """The share of the samples whose innermost frame is each function, the n largest."""
     counts: collections.Counter[str] = collections.Counter()
@@ -156,6 +187,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile-serve.json"))
     p.add_argument("--note", default="")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="runtime.device")
+    p.add_argument("--stream", action="store_true", help="streamed completions")
+    p.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     p.add_argument(
         "--merge-into",
         type=Path,
@@ -173,7 +206,11 @@ def main() -> None:
         work, argparse.Namespace(arch="gpt2", layers=6, embd=384, heads=6)
     )
     port = 18000 + os.getpid() % 1000
-    cmd = distlm_command(work, model, 1, port, args, [a.clients])
+    cmd = distlm_command(
+        work, model, 1, port, args, [a.clients], serve={"stream_interval": a.stream_interval}
+    )
+    if a.src.resolve() != (ROOT / "src").resolve():
+        fit_config(Path(cmd[cmd.index("--config") + 1]), a.src)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(a.src.resolve())}
     log = work / "serve.log"
     with open(log, "w") as f:
@@ -192,6 +229,7 @@ def main() -> None:
         load = threading.Thread(
             target=level,
             args=(port, texts, a.clients, 1, a.max_tokens, a.warmup + a.seconds + 4),
+            kwargs={"stream": a.stream},
             daemon=True,
         )
         load.start()
@@ -218,7 +256,8 @@ def main() -> None:
     busy = sum(lanes) / max(1, len(lanes))
     steps = tokens / max(busy, 1.0)
     result: dict = {
-        "what": f"host time of distlm serve at {a.clients} clients, {a.lanes} lanes, one stage",
+        "what": f"host time of distlm serve at {a.clients} clients, {a.lanes} lanes, one stage"
+        + (f", streamed (serve.stream_interval {a.stream_interval})" if a.stream else ""),
         "device": a.device,
         "command": " ".join(["python", "benchmarks/inference/profile_serve.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -174,6 +174,12 @@ class ServeSettings(ServePipelineSettings):
     max_connections: int = Field(
         default=10000, ge=1, description="Concurrent connections; more get 503."
     )
+    stream_interval: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="A stream chunk goes out once a choice has this many new tokens (or ends).",
+    )
     max_queued_sequences: int = Field(
         default=64,
         ge=0,

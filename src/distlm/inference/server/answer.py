@@ -1,21 +1,27 @@
 """Answering a prepared request (completions or chat: the job's shape says how the answer looks):
 submitted to the engine, then one JSON answer or a stream of server-sent events; a client gone or
-a deadline passed cancels the request's sequences."""
+a deadline passed cancels the request's sequences.
+
+The engine channel's reader applies each event to its request's answer as it takes it (a sink:
+_Collect, _Follow), so a handler wakes once when its answer is done (stream false), or once per
+engine step at most when a stream chunk is due (a choice has `serve.stream_interval` tokens not
+yet sent, or ended), and then writes one chunk per choice changed in one write. Answers and chunks
+are serialized by pydantic's Rust serializer (model_dump_json), not through Python dicts."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from distlm.core.log import get_logger
+from distlm.inference.messages import Token
 from distlm.inference.server.client import EngineClient
 from distlm.inference.server.errors import ApiError, error_doc
 from distlm.inference.server.metrics import Metrics
@@ -30,7 +36,7 @@ log = get_logger(__name__)
 @dataclass(frozen=True)
 class Answering:
     """What answering a prepared request needs: the engine, the room in its queue and the
-    request deadline, the model's name, the tokenizer and the metrics."""
+    request deadline, the model's name, the tokenizer, the metrics and the stream interval."""
 
     engine: EngineClient
     room: int  # sequences open at once: inference.lanes + serve.max_queued_sequences
@@ -38,6 +44,7 @@ class Answering:
     model_id: str
     tokenizer: Any  # a transformers tokenizer
     metrics: Metrics
+    stream_interval: int = 1  # serve.stream_interval
 
     @classmethod
     def of(
@@ -57,6 +64,7 @@ class Answering:
             model_id,
             tokenizer,
             metrics,
+            serve.stream_interval,
         )
 
 
@@ -78,10 +86,10 @@ async def run_completion(st: Answering, request: Request, job: Job):
     info["rid"] = rid
     deadline = time.monotonic() + st.request_timeout_s
     if job.stream:
-        queue: asyncio.Queue = asyncio.Queue()
-        engine.submit(rid, job.ids, job.n, job.params, queue)
+        follow = _Follow(answer, st.stream_interval)
+        engine.submit(rid, job.ids, job.n, job.params, follow)
         return StreamingResponse(
-            _stream(st, answer, queue, deadline, info),
+            _stream(st, answer, follow, deadline, info),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -99,10 +107,6 @@ async def _within(deadline: float, what: str, awaitable):
         raise ApiError(
             504, f"{what} not done within the request timeout (serve.request_timeout_s)"
         ) from None
-
-
-async def _next(queue: asyncio.Queue, deadline: float, what: str):
-    return await _within(deadline, what, queue.get())
 
 
 async def _disconnected(request: Request) -> None:
@@ -149,6 +153,51 @@ class _Collect:
             self.done.set_result(None)
 
 
+class _Follow:
+    """A streamed request's sink: the engine channel's reader applies each event to the answer
+    as it takes it, and wakes the handler when a chunk is due: a choice has `interval` tokens not
+    yet sent, ended, or got its prompt's log-probabilities, or the pipeline failed. The reader
+    takes a whole engine step's frame before the handler runs, so the handler wakes once a step
+    at most, whatever the number of choices or tokens."""
+
+    def __init__(self, answer: Answer, interval: int) -> None:
+        self.answer, self.interval = answer, interval
+        self.changed: dict[int, None] = {}  # choices changed since the last chunk, in order
+        self.unsent = [0] * len(answer.choices)  # their tokens not yet in a chunk
+        self.failure: BaseException | None = None
+        self.due = asyncio.Event()
+
+    def put_nowait(self, msg, /) -> None:
+        if self.failure is not None:
+            return
+        try:
+            changed = self.answer.event(msg)
+        except Exception as e:  # the pipeline failed (ApiError 503), or a bug: the stream ends
+            self.failure = e
+            self.due.set()
+            return
+        for i in changed:
+            self.changed[i] = None
+            if isinstance(msg, Token):
+                self.unsent[i] += 1
+            c = self.answer.choices[i]
+            if (
+                not isinstance(msg, Token)
+                or c.reason is not None
+                or (self.unsent[i] >= self.interval)
+            ):
+                self.due.set()
+
+    def take(self) -> list[int]:
+        """The choices changed since the last chunk (the handler writes them now)."""
+        out = list(self.changed)
+        self.changed.clear()
+        for i in out:
+            self.unsent[i] = 0
+        self.due.clear()
+        return out
+
+
 async def _complete(
     st: Answering, request: Request, answer: Answer, collect: _Collect, deadline, info
 ):
@@ -178,10 +227,10 @@ async def _complete(
         model=st.model_id,
         choices=[shape.choice(answer, c.index) for c in answer.choices],
     )
-    return JSONResponse(out.model_dump(mode="json"))
+    return Response(out.model_dump_json(), media_type="application/json")
 
 
-async def _stream(st: Answering, answer: Answer, queue, deadline, info):
+async def _stream(st: Answering, answer: Answer, follow: _Follow, deadline, info):
     """Server-sent events; a client gone mid-stream cancels the request (generator closed)."""
     job = answer.job
     shape = job.shape
@@ -195,32 +244,40 @@ async def _stream(st: Answering, answer: Answer, queue, deadline, info):
         return _sse(chunk)
 
     try:
-        for i in range(len(answer.choices)):
-            first = shape.opening(answer, i)  # chat: the role; completions: an echoed prompt
-            if first is not None:
-                yield sse([first])
-        # echo with logprobs: a choice's prompt goes out with its log-probabilities, after its
-        # prefill (the engine's Prompt event)
-        while answer.left:
-            try:
-                changed = answer.event(await _next(queue, deadline, "the stream"))
-            except ApiError as e:
-                if e.status == 504:
+        # chat: each choice's role first; completions: an echoed prompt (not scored: a scored
+        # one goes out with its log-probabilities after its prefill, the engine's Prompt event)
+        openings = [shape.opening(answer, i) for i in range(len(answer.choices))]
+        if any(o is not None for o in openings):
+            yield b"".join(sse([o]) for o in openings if o is not None)
+        while True:
+            if not follow.due.is_set():
+                if not answer.left:
+                    break
+                try:
+                    await _within(deadline, "the stream", follow.due.wait())
+                except ApiError as e:  # 504
                     info["cancelled"] = "timed out"
                     st.engine.cancel(answer.rid)
-                yield _sse(error_doc(e.status, e.message))
+                    yield _sse(error_doc(e.status, e.message))
+                    finished = True
+                    return
+            if follow.failure is not None:
+                if not isinstance(follow.failure, ApiError):
+                    raise follow.failure
+                yield _sse(error_doc(follow.failure.status, follow.failure.message))
                 finished = True
                 return
-            for i in changed:
+            out = []
+            for i in follow.take():
                 c = answer.choices[i]
                 if c.error is not None:
-                    yield _sse(error_doc(500, f"choice {i}: {c.error}"))
+                    out.append(_sse(error_doc(500, f"choice {i}: {c.error}")))
                     continue
                 if c.prompt is not None and not answer.prompt_sent[i]:
                     answer.prompt_sent[i] = True
-                    lp = shape.logprobs(answer, i, prompt=True)
+                    lp = shape.logprobs(answer, i, prompt=True, tokens=False)
                     text = job.prompts[answer.prompt_index(i)]
-                    yield sse([shape.piece(answer, i, text, None, lp)])
+                    out.append(sse([shape.piece(answer, i, text, None, lp)]))
                 text = answer.delta(i)
                 if text is None:
                     continue
@@ -229,10 +286,11 @@ async def _stream(st: Answering, answer: Answer, queue, deadline, info):
                     lp = shape.logprobs(answer, i, answer.lp_sent[i])
                     answer.lp_sent[i] = len(c.tokens)
                 if c.reason is not None or text or lp:
-                    yield sse([shape.piece(answer, i, text, c.reason, lp)])
-        if job.include_usage:
-            yield sse([], usage=answer.usage())
-        yield b"data: [DONE]\n\n"
+                    out.append(sse([shape.piece(answer, i, text, c.reason, lp)]))
+            if out:
+                yield b"".join(out)  # one write for what this step changed
+        tail = sse([], usage=answer.usage()) if job.include_usage else b""
+        yield tail + b"data: [DONE]\n\n"
         finished = True
     finally:
         if not finished:  # the client went away (the generator was closed): free the lanes
@@ -243,5 +301,5 @@ async def _stream(st: Answering, answer: Answer, queue, deadline, info):
 
 
 def _sse(answer: BaseModel) -> bytes:
-    # json.dumps, as the events were written before the answers were typed: the same bytes
-    return f"data: {json.dumps(answer.model_dump(mode='json'))}\n\n".encode()
+    """One server-sent event: the model as compact JSON (pydantic's Rust serializer)."""
+    return b"data: " + answer.model_dump_json().encode() + b"\n\n"

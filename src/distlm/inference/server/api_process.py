@@ -128,11 +128,17 @@ class ApiProcess:
             backlog=self.serve.backlog,
         )
         _setup_server_logs()
+        obey = asyncio.ensure_future(self._obey(st))
+        ready = asyncio.ensure_future(self._ready(st))
+        if self.incarnation > 1:
+            # started again while the pipeline serves: take connections once stage 0 answers
+            # this channel, not answer them 503 meanwhile (at the first start, "starting" is
+            # the truth: the pipeline itself is starting)
+            await asyncio.wait([obey, ready], return_when=asyncio.FIRST_COMPLETED)
         server = _Server(config)
         serving = asyncio.ensure_future(server.serve(sockets=[self.sock]))
-        ready = asyncio.ensure_future(self._ready(st))
         try:
-            await self._obey(st)
+            await obey
             await self._wait_answered(engine)
         finally:
             ready.cancel()

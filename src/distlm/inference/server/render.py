@@ -1,6 +1,14 @@
 """One request's answer as the engine's events arrive, for either route: each choice's tokens,
 text, stop strings, log-probabilities and the usage. How it looks (completions or chat) is the
-job's shape (shapes.py)."""
+job's shape (shapes.py).
+
+A choice's text, where it is needed as tokens arrive (to stream it, or to find stop strings), is
+decoded incrementally: the tokenizers library's DecodeStream turns each new token into the text
+it adds, holding back an incomplete UTF-8 character (vLLM's and TGI's way; decoding the whole text
+after every token costs O(n^2)). At the choice's end the text is decoded once whole, so it is the
+tokenizer's decode exactly (a last incomplete character included). A tokenizer whose decode
+differs from its pieces joined (a slow one, or one that cleans up spaces after decoding:
+`clean_up_tokenization_spaces`) decodes the whole text each time instead."""
 
 from __future__ import annotations
 
@@ -8,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 from distlm.inference.messages import Error, Finish, Prompt, Token
 from distlm.inference.server.errors import ApiError
@@ -28,6 +38,15 @@ class Choice:
     reason: str | None = None
     error: str | None = None
     t_last: float = 0.0
+    decoder: DecodeStream | None = None  # its text so far, decoded incrementally
+
+
+def decodes_incrementally(tokenizer: Any) -> bool:
+    """Whether a DecodeStream's pieces joined are this tokenizer's decode: a fast tokenizer
+    (transformers' `backend_tokenizer`) that does not clean up spaces after decoding."""
+    return getattr(tokenizer, "backend_tokenizer", None) is not None and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    )
 
 
 class Answer:
@@ -60,6 +79,10 @@ class Answer:
         # the text is needed as tokens arrive only to find stop strings or to stream it; else it
         # is decoded once, at the end (a decode of the whole text after every token is O(n^2))
         self.live = bool(job.stops) or job.stream
+        self.backend = tokenizer.backend_tokenizer if decodes_incrementally(tokenizer) else None
+        if self.live and self.backend is not None:
+            for c in self.choices:
+                c.decoder = DecodeStream(skip_special_tokens=True)
 
     def prompt_index(self, index: int) -> int:
         return index // self.n
@@ -88,7 +111,12 @@ class Answer:
             c.logprobs.append(msg.logprob)
             c.top.append(msg.top)
             if self.live:
-                self.texts[c.index] = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                if c.decoder is not None:
+                    piece = c.decoder.step(self.backend, msg.token)
+                    if piece:
+                        self.texts[c.index] += piece
+                else:
+                    self.texts[c.index] = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
                 self._stop_strings(c)
                 if c.reason is not None:
                     self.cancel(self.rid, c.index)
@@ -96,6 +124,8 @@ class Answer:
             if c.reason is None:
                 c.reason = "stop" if msg.reason == "stop" else msg.reason
                 self.left -= 1
+                if c.decoder is not None:  # the tokenizer's decode exactly, once, at the end
+                    self.texts[c.index] = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
         elif isinstance(msg, Error) and c.reason is None:
             c.reason, c.error = "error", msg.message
             self.left -= 1
@@ -132,13 +162,15 @@ class Answer:
         return out
 
     def scored(
-        self, index: int, since: int = 0, *, prompt: bool = False
+        self, index: int, since: int = 0, *, prompt: bool = False, tokens: bool = True
     ) -> tuple[list[int], list[float | None], list[list | None]]:
         """A choice's tokens from `since` on, their log-probabilities and alternatives
         ([(token id, logprob), ...]); `prompt`: the prompt's tokens first (echo with logprobs;
-        the first one's log-probability and alternatives None)."""
+        the first one's log-probability and alternatives None); `tokens` False: the prompt's
+        alone (a stream's prompt chunk)."""
         c = self.choices[index]
-        ids, lps, tops = c.tokens[since:], c.logprobs[since:], c.top[since:]
+        end = len(c.tokens) if tokens else since
+        ids, lps, tops = c.tokens[since:end], c.logprobs[since:end], c.top[since:end]
         if prompt and c.prompt is not None:
             ids = self.job.ids[self.prompt_index(index)] + ids
             lps, tops = c.prompt.logprobs + lps, c.prompt.top + tops

@@ -53,7 +53,7 @@ class Answer(Protocol):
     def usage(self) -> Usage: ...
 
     def scored(
-        self, index: int, since: int = 0, *, prompt: bool = False
+        self, index: int, since: int = 0, *, prompt: bool = False, tokens: bool = True
     ) -> tuple[list[int], list[float | None], list[list | None]]: ...
 
 
@@ -83,9 +83,16 @@ class Shape(Protocol):
         ...
 
     def logprobs(
-        self, answer: Answer, index: int, since: int = 0, *, prompt: bool = False
+        self,
+        answer: Answer,
+        index: int,
+        since: int = 0,
+        *,
+        prompt: bool = False,
+        tokens: bool = True,
     ) -> BaseModel | None:
-        """The logprobs object of a choice's tokens from `since` on (None: not asked for)."""
+        """The logprobs object of a choice's tokens from `since` on (None: not asked for);
+        `prompt`: the prompt's first; `tokens` False: the prompt's alone."""
         ...
 
     def chunk(
@@ -153,7 +160,13 @@ class CompletionShape:
         )
 
     def logprobs(
-        self, answer: Answer, index: int, since: int = 0, *, prompt: bool = False
+        self,
+        answer: Answer,
+        index: int,
+        since: int = 0,
+        *,
+        prompt: bool = False,
+        tokens: bool = True,
     ) -> Logprobs | None:
         """OpenAI's logprobs object for the tokens from `since` on; `prompt`: the echoed prompt's
         tokens first (the first one's log-probability and alternatives null, as OpenAI and vLLM
@@ -162,7 +175,7 @@ class CompletionShape:
         if job.params.logprobs is None:
             return None
         c, tok = answer.choices[index], answer.tokenizer
-        ids, lps, tops = answer.scored(index, since, prompt=prompt)
+        ids, lps, tops = answer.scored(index, since, prompt=prompt, tokens=tokens)
         offset = 0
         if not (prompt and c.prompt is not None) and job.echo:
             offset = len(job.prompts[answer.prompt_index(index)])  # after the echoed prompt
@@ -225,7 +238,13 @@ class ChatShape:
         )
 
     def logprobs(
-        self, answer: Answer, index: int, since: int = 0, *, prompt: bool = False
+        self,
+        answer: Answer,
+        index: int,
+        since: int = 0,
+        *,
+        prompt: bool = False,
+        tokens: bool = True,
     ) -> ChatLogprobs | None:
         if answer.job.params.logprobs is None:
             return None
