@@ -111,7 +111,7 @@ class Answer:
             c.logprobs.append(msg.logprob)
             c.top.append(msg.top)
             if self.live:
-                if c.decoder is not None:
+                if c.decoder is not None and self.backend is not None:
                     piece = c.decoder.step(self.backend, msg.token)
                     if piece:
                         self.texts[c.index] += piece
