@@ -889,3 +889,40 @@ def test_two_api_server_processes_same_answers_summed_metrics_and_one_killed(
         assert _api_processes(s.proc.pid) == []
     finally:
         stop_server(s)
+
+
+def test_more_api_servers_than_cores_is_refused_and_a_process_dying_over_and_over_ends_it(
+    tmp_path,
+):
+    import socket
+
+    from distlm.inference.server.supervisor import RESTARTS, ApiProcesses, Supervisor
+    from distlm.settings import EngineSettings, ServeSettings
+
+    cores = os.cpu_count() or 1
+    with pytest.raises(DistlmError, match=rf"serve.api_servers: {cores + 1} .* at most {cores}"):
+        Supervisor(
+            ServeSettings(api_servers=cores + 1),
+            EngineSettings(),
+            launch=["true"],
+            engine_args=[],
+            api_args=[],
+            model_dir=tmp_path,
+            host="127.0.0.1",
+            port=0,
+            start_timeout_s=1,
+        )
+    # an API process that exits at once is started again, until it has died RESTARTS times
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        procs = ApiProcesses(1, [sys.executable, "-c", "raise SystemExit(3)"], sock, tmp_path)
+        procs.start(0)
+        reasons = []
+        deadline = time.monotonic() + 60
+        while not reasons:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            reason = procs.check()
+            if reason is not None:
+                reasons.append(reason)
+        assert procs.starts == [RESTARTS]
+        assert f"died {RESTARTS} times within 60 s (last exit code 3)" in reasons[0]
