@@ -67,65 +67,46 @@ class Metrics:
         self.sequences = Counter(
             "distlm_sequences", "Sequences ended, by finish reason", ["reason"], registry=r
         )
-        engine = "mostrecent"  # the engine's word, which every API process hears alike
-        self.queue = Gauge(
-            "distlm_queue_depth",
-            "Sequences waiting for a lane",
-            registry=r,
-            multiprocess_mode=engine,
-        )
-        self.lanes = Gauge(
-            "distlm_lanes_busy",
-            "Pipeline lanes holding a sequence",
-            registry=r,
-            multiprocess_mode=engine,
-        )
-        self.open = Gauge(
-            "distlm_sequences_open",
-            "Sequences submitted and not yet ended",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
+
+        def engine(name: str, doc: str, *labels: str) -> Gauge:
+            """A gauge of the engine's word, which every API process hears alike (multiprocess
+            mode: the most recent value)."""
+            return Gauge(name, doc, list(labels), registry=r, multiprocess_mode="mostrecent")
+
+        self.queue = engine("distlm_queue_depth", "Sequences waiting for a lane")
+        self.lanes = engine("distlm_lanes_busy", "Pipeline lanes holding a sequence")
         self.up = Gauge(
             "distlm_engine_up",
             "1 while the pipeline answers",
             registry=r,
-            multiprocess_mode=engine,
+            multiprocess_mode="livemax",  # 1 while a live process hears stage 0
         )
-        self.compute = Gauge(
-            "distlm_stage_compute_seconds",
-            "Forward-pass seconds per stage",
-            ["stage"],
+        for gauge in (self.queue, self.lanes, self.up):  # shown before the first Health
+            gauge.set(0)
+        self.open = Gauge(
+            "distlm_sequences_open",
+            "Sequences submitted and not yet ended",
             registry=r,
-            multiprocess_mode=engine,
+            multiprocess_mode="livesum",  # each process's own, over the processes alive
         )
-        self.cache = Gauge(
+        self.compute = engine(
+            "distlm_stage_compute_seconds", "Forward-pass seconds per stage", "stage"
+        )
+        self.cache = engine(
             "distlm_stage_kv_cache_bytes",
             "Bytes of KV cache a stage holds (0 when no lane holds a sequence)",
-            ["stage"],
-            registry=r,
-            multiprocess_mode=engine,
+            "stage",
         )
-        self.wait = Gauge(
-            "distlm_stage_wait_seconds",
-            "Seconds a stage waited for its previous stage",
-            ["stage"],
-            registry=r,
-            multiprocess_mode=engine,
+        self.wait = engine(
+            "distlm_stage_wait_seconds", "Seconds a stage waited for its previous stage", "stage"
         )
-        self.device = Gauge(
+        self.device = engine(
             "distlm_stage_device_seconds",
             "The device's seconds in a stage's forward passes (CUDA events; CPU: their wall time)",
-            ["stage"],
-            registry=r,
-            multiprocess_mode=engine,
+            "stage",
         )
-        self.steps = Gauge(
-            "distlm_stage_micro_batches",
-            "Micro-batches a stage has run (forward passes)",
-            ["stage"],
-            registry=r,
-            multiprocess_mode=engine,
+        self.steps = engine(
+            "distlm_stage_micro_batches", "Micro-batches a stage has run (forward passes)", "stage"
         )
 
     def health(self, h: Health) -> None:
