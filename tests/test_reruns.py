@@ -180,6 +180,8 @@ for _k, _v in {
     "linger_s": 2,
     "linger_bytes": 1024,
     "request_timeout_s": 60,
+    "api_servers": 2,
+    "stream_interval": 4,
     "stages": 2,  # its own shards (rule serve_shard), outside rule all
 }.items():
     MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)  # serve is not in rule all

@@ -66,6 +66,8 @@ def test_chat_greedy_equals_completions_on_the_rendered_prompt(chat_server):
     want = c.completions.create(model="s1", prompt=ids, max_tokens=9, temperature=0, logprobs=3)
     (choice,) = r.choices
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.system_fingerprint == want.system_fingerprint  # the same weights answered both
+    assert r.system_fingerprint.startswith("fp_")
     assert choice.message.role == "assistant" and choice.message.content == want.choices[0].text
     assert choice.finish_reason == want.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == want.usage.prompt_tokens == len(ids)

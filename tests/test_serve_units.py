@@ -76,6 +76,7 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
             lanes=4,
             stages=2,
             pipeline=[StageInfo(0, "h", 1, (0, 2), 1, "cpu")],
+            weights="ab" * 32,
         ),
         Token(rid=1, index=0, token=5, logprob=-0.5, top=[(5, -0.5), (7, -1.0)]),
         Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [(3, -0.1)]]),

@@ -3,6 +3,7 @@ client and plain HTTP. Hostile clients and the soak are in test_serve_hostile.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -250,6 +251,13 @@ def test_openai_client_greedy_matches_generate_and_streams(server, hf_reference)
     )
     assert len(chunks) >= 2 and "".join(ch.choices[0].text for ch in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
+    # every answer names the weights that produced it: the served model.safetensors' sha256
+    manifest = json.loads((server.folder / "shards" / "manifest.json").read_text())
+    h = server.health()
+    assert h["weights"] == manifest["model_sha256"]
+    assert h["system_fingerprint"] == "fp_" + manifest["model_sha256"][:16]
+    assert r.system_fingerprint == h["system_fingerprint"]
+    assert {ch.system_fingerprint for ch in chunks} == {h["system_fingerprint"]}
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
     # a list of prompts: one choice each
     r = c.completions.create(model="s2", prompt=PROMPTS[:3], max_tokens=5, temperature=0)
@@ -775,21 +783,45 @@ def test_access_log_one_line_per_request_with_status_and_timings(server):
     )
 
 
-def _api_processes(supervisor_pid: int) -> list[int]:
-    """The pids of the API server processes the supervisor started."""
-    out = []
+def _processes() -> dict[int, tuple[int, str, bytes]]:
+    """Every process: pid -> (parent pid, state, command line)."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(entry.name)] = (int(stat[1]), stat[0], (entry / "cmdline").read_bytes())
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == supervisor_pid and b"\0--api\0" in cmd:
-            out.append(int(entry.name))
-    return sorted(out)
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    procs = _processes()
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, _, _) in procs.items():
+            if ppid == parent and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (a zombie has ended)."""
+    procs = _processes()
+    return {p for p in pids if p in procs and procs[p][1] != "Z"}
+
+
+def _api_processes(supervisor_pid: int) -> list[int]:
+    """The pids of the API server processes the supervisor started."""
+    return sorted(
+        pid
+        for pid, (ppid, state, cmd) in _processes().items()
+        if ppid == supervisor_pid and state != "Z" and b"\0--api\0" in cmd
+    )
 
 
 @pytest.mark.slow  # its own server
@@ -946,3 +978,35 @@ def test_more_api_servers_than_cores_is_refused_and_a_process_dying_over_and_ove
                 reasons.append(reason)
         assert procs.starts == [RESTARTS]
         assert f"died {RESTARTS} times within 60 s (last exit code 3)" in reasons[0]
+
+
+@pytest.mark.slow  # its own server
+def test_a_killed_supervisor_leaves_no_process_behind(tiny_models, tmp_path):
+    """SIGKILL to the supervisor alone (a lost terminal, an OOM kill): its API processes see
+    their stdin close and exit, stage 0 sees its pid gone and stops the pipeline; nothing of the
+    server keeps running."""
+    s = start_server(tiny_models[2], 2, tmp_path, serve={"api_servers": 2}, lanes=4, timeout_s=30)
+    family: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(_api_processes(s.proc.pid)) < 2 or "(start 1) serving" not in s.log.read_text():
+            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
+            time.sleep(0.2)
+        s.ok()
+        family = _descendants(s.proc.pid)
+        ranks = {p for p, (_, _, cmd) in _processes().items() if p in family and b"--engine" in cmd}
+        assert len(_api_processes(s.proc.pid)) == 2 and len(ranks) >= 2, family
+        os.kill(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while _alive(family):
+            assert time.monotonic() < deadline, (_alive(family), s.log.read_text()[-3000:])
+            time.sleep(0.2)
+        log = s.log.read_text()
+        assert "the API server's supervisor is gone" in log
+        assert re.search(r"stopping \(the API server's supervisor \(pid \d+\) is gone\)", log)
+    finally:
+        for pid in _alive(family):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stop_server(s)

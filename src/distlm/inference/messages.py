@@ -39,7 +39,8 @@ from distlm.inference.stats import StageBrief, StageInfo
 # 3: typed fields: Submit.params SamplingParams, Ready.pipeline StageInfo, Health.stages StageBrief
 # 4: a channel per API server process: Attach; the supervisor's Control; StageBrief's device_s
 #    and micro_batches (in Health)
-VERSION = 4
+# 5: Ready.weights
+VERSION = 5
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 
@@ -111,6 +112,12 @@ class Ready:
     lanes: int
     stages: int
     pipeline: list[StageInfo]
+    weights: str  # the served weights' sha256 (the shard manifest's model_sha256)
+
+    @property
+    def fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint` of every answer: which weights produced it."""
+        return f"fp_{self.weights[:16]}"
 
 
 @dataclass(frozen=True)

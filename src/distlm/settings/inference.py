@@ -172,7 +172,7 @@ class ServeSettings(ServePipelineSettings):
         default=64, ge=1, le=4300, description="A JSON number with more characters gets 400."
     )
     max_connections: int = Field(
-        default=10000, ge=1, description="Concurrent connections; more get 503."
+        default=10000, ge=1, description="Concurrent connections an API process; more get 503."
     )
     stream_interval: int = Field(
         default=1,

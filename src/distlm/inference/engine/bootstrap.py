@@ -56,6 +56,7 @@ class Pipeline:
     context: int = 0
     eos_token_id: int | None = None
     infos: list[StageInfo] = field(default_factory=list)
+    weights: str = ""  # the served weights' sha256 (the shard manifest's model_sha256)
 
     @property
     def stage0(self) -> Scheduler:
@@ -133,8 +134,10 @@ def mpi_pipeline(
         pipe = Pipeline(topo, model, ring, stats)
         if topo.is_main:
             from distlm.data import load_tokenizer
+            from distlm.model import read_manifest
 
             pipe.tokenizer = load_tokenizer(model_dir)
+            pipe.weights = read_manifest(model_dir).model_sha256
             pipe.context = model.context
             pipe.eos_token_id = pipe.tokenizer.eos_token_id
             pipe.scheduler = Scheduler(

@@ -159,6 +159,7 @@ class Engine:
             lanes=self.settings.lanes,
             stages=self.pipe.topo.world_size,
             pipeline=self.pipe.infos,
+            weights=self.pipe.weights,
         )
 
     def run(self) -> None:

@@ -81,7 +81,18 @@ async def run_completion(st: Answering, request: Request, job: Job):
     t0 = time.perf_counter()
     st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
     rid = engine.new_rid()
-    answer = Answer(job, rid, t0, tokenizer=st.tokenizer, metrics=st.metrics, cancel=engine.cancel)
+    ready = engine.ready  # a route takes a request only once stage 0 said Ready
+    if ready is None:
+        raise ApiError(503, "the pipeline is unavailable: the pipeline is starting")
+    answer = Answer(
+        job,
+        rid,
+        t0,
+        tokenizer=st.tokenizer,
+        metrics=st.metrics,
+        cancel=engine.cancel,
+        fingerprint=ready.fingerprint,
+    )
     info = request.scope.setdefault("distlm", {})
     info["rid"] = rid
     deadline = time.monotonic() + st.request_timeout_s
@@ -226,6 +237,7 @@ async def _complete(
         created=int(time.time()),
         model=st.model_id,
         choices=[shape.choice(answer, c.index) for c in answer.choices],
+        system_fingerprint=answer.fingerprint,
     )
     return Response(out.model_dump_json(), media_type="application/json")
 
@@ -239,7 +251,12 @@ async def _stream(st: Answering, answer: Answer, follow: _Follow, deadline, info
 
     def sse(choices: list, usage: Usage | None = None) -> bytes:
         chunk = shape.chunk(
-            id=cid, created=int(time.time()), model=st.model_id, choices=choices, usage=usage
+            id=cid,
+            created=int(time.time()),
+            model=st.model_id,
+            choices=choices,
+            system_fingerprint=answer.fingerprint,
+            usage=usage,
         )
         return _sse(chunk)
 

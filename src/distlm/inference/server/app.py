@@ -94,6 +94,8 @@ def build_app(st: ServeState) -> FastAPI:
                     "waiting": h.waiting if h else 0,
                     "lanes_busy": h.lanes_busy if h else 0,
                     "open": st.engine.outstanding,
+                    "weights": r.weights,
+                    "system_fingerprint": r.fingerprint,
                 }
             )
         return _json(doc)

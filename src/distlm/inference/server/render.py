@@ -53,7 +53,8 @@ class Answer:
     """One request's choices as the engine's events arrive; text, stops and logprobs.
 
     It needs the tokenizer (text), the metrics (time to first token, inter-token latency,
-    tokens) and `cancel(rid, index)`, to stop a choice whose stop string has arrived."""
+    tokens), `cancel(rid, index)`, to stop a choice whose stop string has arrived, and the
+    served weights' fingerprint, which the answer names."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class Answer:
         tokenizer: Any,  # a transformers tokenizer
         metrics: Metrics,
         cancel: Callable[[int, int], None],
+        fingerprint: str,
     ) -> None:
         self.job, self.rid, self.t0 = job, rid, t0
+        self.fingerprint = fingerprint  # the weights that produce it (Ready.fingerprint)
         self.tokenizer, self.metrics, self.cancel = tokenizer, metrics, cancel
         self.n = job.n
         self.choices = [Choice(i) for i in range(len(job.prompts) * self.n)]

@@ -66,6 +66,9 @@ class Completion(_Answer):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    system_fingerprint: str = Field(
+        description="the weights that produced it: `fp_` and the start of their sha256"
+    )
     warnings: list[str] | None = _absent_when_none("prompts cut to fit the context")
 
 
@@ -85,6 +88,9 @@ class CompletionChunk(_Answer):
     created: int
     model: str
     choices: list[ChunkChoice]
+    system_fingerprint: str = Field(
+        description="the weights that produced it: `fp_` and the start of their sha256"
+    )
     usage: Usage | None = _absent_when_none("the last chunk, with stream_options.include_usage")
 
 
@@ -132,6 +138,9 @@ class ChatCompletion(_Answer):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str = Field(
+        description="the weights that produced it: `fp_` and the start of their sha256"
+    )
 
 
 class ChatDelta(_Answer):
@@ -156,6 +165,9 @@ class ChatCompletionChunk(_Answer):
     created: int
     model: str
     choices: list[ChatChunkChoice]
+    system_fingerprint: str = Field(
+        description="the weights that produced it: `fp_` and the start of their sha256"
+    )
     usage: Usage | None = _absent_when_none("the last chunk, with stream_options.include_usage")
 
 
@@ -184,3 +196,5 @@ class Health(_Answer):
     waiting: int | None = _absent_when_none("sequences waiting for a lane")
     lanes_busy: int | None = _absent_when_none("lanes holding a sequence")
     open: int | None = _absent_when_none("sequences submitted and not yet ended")
+    weights: str | None = _absent_when_none("the served weights' sha256 (model.safetensors)")
+    system_fingerprint: str | None = _absent_when_none("what every answer names the weights by")

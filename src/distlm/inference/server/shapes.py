@@ -67,7 +67,14 @@ class Shape(Protocol):
         ...
 
     def document(
-        self, answer: Answer, *, id: str, created: int, model: str, choices: list
+        self,
+        answer: Answer,
+        *,
+        id: str,
+        created: int,
+        model: str,
+        choices: list,
+        system_fingerprint: str,
     ) -> BaseModel:
         """The whole answer (stream false)."""
         ...
@@ -96,7 +103,14 @@ class Shape(Protocol):
         ...
 
     def chunk(
-        self, *, id: str, created: int, model: str, choices: list, usage: Usage | None = None
+        self,
+        *,
+        id: str,
+        created: int,
+        model: str,
+        choices: list,
+        system_fingerprint: str,
+        usage: Usage | None = None,
     ) -> BaseModel:
         """One stream chunk (the usage chunk has no choices)."""
         ...
@@ -119,7 +133,14 @@ class CompletionShape:
         )
 
     def document(
-        self, answer: Answer, *, id: str, created: int, model: str, choices: list
+        self,
+        answer: Answer,
+        *,
+        id: str,
+        created: int,
+        model: str,
+        choices: list,
+        system_fingerprint: str,
     ) -> Completion:
         warnings = [
             f"prompt {i}: dropped its first {cut} tokens to fit the context "
@@ -133,6 +154,7 @@ class CompletionShape:
             model=model,
             choices=choices,
             usage=answer.usage(),
+            system_fingerprint=system_fingerprint,
             warnings=warnings or None,
         )
 
@@ -196,9 +218,23 @@ class CompletionShape:
         )
 
     def chunk(
-        self, *, id: str, created: int, model: str, choices: list, usage: Usage | None = None
+        self,
+        *,
+        id: str,
+        created: int,
+        model: str,
+        choices: list,
+        system_fingerprint: str,
+        usage: Usage | None = None,
     ) -> CompletionChunk:
-        return CompletionChunk(id=id, created=created, model=model, choices=choices, usage=usage)
+        return CompletionChunk(
+            id=id,
+            created=created,
+            model=model,
+            choices=choices,
+            system_fingerprint=system_fingerprint,
+            usage=usage,
+        )
 
 
 def _utf8(word: str) -> list[int]:
@@ -220,10 +256,22 @@ class ChatShape:
         )
 
     def document(
-        self, answer: Answer, *, id: str, created: int, model: str, choices: list
+        self,
+        answer: Answer,
+        *,
+        id: str,
+        created: int,
+        model: str,
+        choices: list,
+        system_fingerprint: str,
     ) -> ChatCompletion:
         return ChatCompletion(
-            id=id, created=created, model=model, choices=choices, usage=answer.usage()
+            id=id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=answer.usage(),
+            system_fingerprint=system_fingerprint,
         )
 
     def opening(self, answer: Answer, index: int) -> ChatChunkChoice:
@@ -264,8 +312,20 @@ class ChatShape:
         return ChatLogprobs(content=content)
 
     def chunk(
-        self, *, id: str, created: int, model: str, choices: list, usage: Usage | None = None
+        self,
+        *,
+        id: str,
+        created: int,
+        model: str,
+        choices: list,
+        system_fingerprint: str,
+        usage: Usage | None = None,
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=id, created=created, model=model, choices=choices, usage=usage
+            id=id,
+            created=created,
+            model=model,
+            choices=choices,
+            system_fingerprint=system_fingerprint,
+            usage=usage,
         )
