@@ -136,7 +136,7 @@ def _finish(st: Answering, answer: Answer, info: dict) -> None:
     st.metrics.e2e.observe(time.perf_counter() - answer.t0)
 
 
-_GONE = object()  # on a request's queue: its client went away
+_GONE = object()  # to a request's sink: its client went away
 
 
 class _Collect:

@@ -205,7 +205,7 @@ class Supervisor:
         self.model_dir = model_dir
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = 2 * self.inference.timeout_s + 30
-        self.token = read_token(serve)
+        read_token(serve)  # a bad token source stops the server before anything starts
         before, now = raise_nofile()
         log.info(
             "open-file limit %d (was %d); serve.max_connections %d",
