@@ -206,7 +206,7 @@ def test_background_sharded_checkpoints_hold_what_the_loop_saved(runs, workflow_
 def _index(c: ck.Checkpoint) -> dict[str, str]:
     """A checkpoint's files and their sha256, as its checkpoint.json holds them."""
     from distlm.core.documents import read_document
-    from distlm.train.documents import CheckpointIndex
+    from distlm.model.documents import CheckpointIndex
 
     return read_document(c.path / "checkpoint.json", CheckpointIndex).sha256
 

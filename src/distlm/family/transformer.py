@@ -278,6 +278,26 @@ class Transformer(nn.Module):
             p = self.get_parameter(name)
             p.copy_(value.to(p.dtype))
 
+    @torch.no_grad()
+    def staged_hf(self, tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+        """transformers-named tensors made ready to become this model's parameters, beside them
+        (a live update's staging: `load_staged` then copies them in): names and shapes checked
+        as `load_hf` checks them, each in its parameter's layout, dtype and device."""
+        mine = self.hf_tensors()
+        check_tensors(tensors, {k: v.shape for k, v in mine.items()}, where)
+        out = {}
+        for name, value in self.tensor_map().from_hf(tensors).items():
+            p = self.get_parameter(name)
+            out[name] = value.to(device=p.device, dtype=p.dtype, copy=True)
+        return out
+
+    @torch.no_grad()
+    def load_staged(self, staged: Mapping[str, torch.Tensor]) -> None:
+        """Copy `staged_hf`'s tensors into the parameters, in place: what holds the parameters
+        (a CUDA graph) sees the new values."""
+        for name, value in staged.items():
+            self.get_parameter(name).copy_(value)
+
 
 def check_tensors(
     tensors: Mapping[str, torch.Tensor], expected: Mapping[str, Iterable[int]], where: str

@@ -12,8 +12,8 @@ ChannelError instead of being guessed at.
 Versioning as documents do it (distlm.core.documents), one number for the whole channel, since both
 ends ship together: bump VERSION when a message changes shape.
 
-    API server -> engine:  Attach, Submit, Cancel, Shutdown
-    engine -> API server:  Ready, Prompt, Token, Finish, Error, Health
+    API server -> engine:  Attach, Submit, Cancel, Shutdown, Update
+    engine -> API server:  Ready, Prompt, Token, Finish, Error, Health, Updated
     supervisor -> API server process:  Control (on the process's stdin, `pipe_frame`)
 
 Each API server process has a channel of its own (`endpoints(folder, k)`: k = 0 is the
@@ -40,12 +40,18 @@ from distlm.inference.stats import StageBrief, StageInfo
 # 4: a channel per API server process: Attach; the supervisor's Control; StageBrief's device_s
 #    and micro_batches (in Health)
 # 5: Ready.weights
-VERSION = 5
+# 6: Update, Updated (live weight updates); Ready.last_update
+VERSION = 6
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 
 class ChannelError(DistlmError):
     """A frame on the engine channel that is not a message of this version."""
+
+
+def fingerprint(weights: str) -> str:
+    """OpenAI's `system_fingerprint` of every answer: which weights (their digest) produced it."""
+    return f"fp_{weights[:16]}"
 
 
 # ----------------------------------------------------------------------------- API server -> engine
@@ -95,7 +101,35 @@ class Shutdown:
     reason: str = "the server is shutting down"
 
 
+@dataclass(frozen=True)
+class Update:
+    """Load new weights from `path` (a model folder, a pipeline folder or a whole training
+    checkpoint, on the stages' filesystem) into the running pipeline; in-flight requests follow
+    `policy` (wait: they end on the old weights while new ones queue; abort: they end now with
+    finish reason "abort"). Stage 0 answers Updated."""
+
+    __pydantic_config__ = _CHECKED
+
+    rid: int
+    path: str
+    policy: Literal["wait", "abort"] = "wait"
+
+
 # ----------------------------------------------------------------------------- engine -> API server
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """An update that switched the weights: where from, and what it cost."""
+
+    __pydantic_config__ = _CHECKED
+
+    source: str
+    kind: str  # model folder, pipeline folder, training checkpoint
+    weights: str  # the weights' digest after it
+    seconds: float  # from the request to every stage serving them
+    bytes: int  # staged, over every stage
+    at: float  # when it ended (Unix time)
 
 
 @dataclass(frozen=True)
@@ -112,12 +146,12 @@ class Ready:
     lanes: int
     stages: int
     pipeline: list[StageInfo]
-    weights: str  # the served weights' sha256 (the shard manifest's model_sha256)
+    weights: str  # the served weights' digest (the shard manifest's model_sha256, or an update's)
+    last_update: UpdateRecord | None = None
 
     @property
     def fingerprint(self) -> str:
-        """OpenAI's `system_fingerprint` of every answer: which weights produced it."""
-        return f"fp_{self.weights[:16]}"
+        return fingerprint(self.weights)
 
 
 @dataclass(frozen=True)
@@ -182,6 +216,23 @@ class Health:
     stages: list[StageBrief] = field(default_factory=list)  # each stage's, as stage 0 last saw
 
 
+@dataclass(frozen=True)
+class Updated:
+    """How Update `rid` ended: `status` 200 (`changed` False: those weights were served
+    already), 400 (refused or not staged: the old weights serve on, `message` says why) or 409
+    (another update is in progress). `weights`: the digest served after it."""
+
+    __pydantic_config__ = _CHECKED
+
+    rid: int
+    status: int
+    message: str
+    weights: str
+    changed: bool
+    seconds: float
+    bytes: int
+
+
 # ----------------------------------------------------------------------------- supervisor -> API server
 
 
@@ -199,7 +250,19 @@ class Control:
 
 
 Message = (
-    Attach | Submit | Cancel | Shutdown | Ready | Prompt | Token | Finish | Error | Health | Control
+    Attach
+    | Submit
+    | Cancel
+    | Shutdown
+    | Update
+    | Ready
+    | Prompt
+    | Token
+    | Finish
+    | Error
+    | Health
+    | Updated
+    | Control
 )
 _KINDS: dict[str, type] = {
     c.__name__.lower(): c
@@ -208,12 +271,14 @@ _KINDS: dict[str, type] = {
         Submit,
         Cancel,
         Shutdown,
+        Update,
         Ready,
         Prompt,
         Token,
         Finish,
         Error,
         Health,
+        Updated,
         Control,
     )
 }

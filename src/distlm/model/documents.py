@@ -1,5 +1,7 @@
-"""The model stage's documents: a model folder's metadata (`ModelMeta`, distlm.json), a pipeline
-folder's (`PipelineMeta`) and its shards' manifest (`ShardManifest`)."""
+"""The documents of folders that hold weights: a model folder's metadata (`ModelMeta`,
+distlm.json), a pipeline folder's (`PipelineMeta`) and its shards' manifest (`ShardManifest`), and
+a training checkpoint's index (`CheckpointIndex`: training writes it, a live update of the server
+reads it, so it sits here, below both)."""
 
 from __future__ import annotations
 
@@ -82,3 +84,15 @@ class ShardManifest(Document):
     model_sha256: str
     tied: dict[str, str]
     shards: list[ShardEntry]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointIndex(Document):
+    """checkpoint.json of a training checkpoint, written last: the sha256 of every other file."""
+
+    KIND: ClassVar[str] = "distlm-checkpoint"
+    VERSION: ClassVar[int] = 1
+    step: int
+    sha256: dict[str, str]

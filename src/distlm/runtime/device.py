@@ -163,6 +163,18 @@ def stream_synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def free_bytes(device: torch.device) -> int:
+    """Memory that can still be taken on `device`: the GPU's free memory (the caching
+    allocator's reserve, already the process's, counted as taken), the host's MemAvailable."""
+    if is_gpu(device):
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """`dtype`'s autocast on `device` (nothing for None: fp32)."""
     if dtype is None:

@@ -59,7 +59,8 @@ from distlm.core.io import (
 )
 from distlm.core.log import get_logger
 from distlm.model import load_safetensors, save_safetensors
-from distlm.train.documents import CheckpointIndex, CheckpointState
+from distlm.model.documents import CheckpointIndex
+from distlm.train.documents import CheckpointState
 
 log = get_logger(__name__)
 

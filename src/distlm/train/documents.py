@@ -13,15 +13,6 @@ from distlm.core.io import digest
 # ----------------------------------------------------------------------------- checkpoints
 
 
-class CheckpointIndex(Document):
-    """checkpoint.json of a training checkpoint, written last: the sha256 of every other file."""
-
-    KIND: ClassVar[str] = "distlm-checkpoint"
-    VERSION: ClassVar[int] = 1
-    step: int
-    sha256: dict[str, str]
-
-
 # A number as the settings hold it: 2 stays the int 2 (a plain `float` would make it 2.0), so an
 # identity read back dumps, and digests (its run folder's name), exactly as it was written.
 class IdentityModel(Part):

@@ -56,7 +56,9 @@ class Pipeline:
     context: int = 0
     eos_token_id: int | None = None
     infos: list[StageInfo] = field(default_factory=list)
-    weights: str = ""  # the served weights' sha256 (the shard manifest's model_sha256)
+    weights: str = ""  # the served weights' digest (the shard manifest's model_sha256 at start)
+    tied: dict[str, str] = field(default_factory=dict)  # a tied copy -> its source (manifest's)
+    tensors: set[str] = field(default_factory=set)  # every stage's tensors (the manifest's)
 
     @property
     def stage0(self) -> Scheduler:
@@ -137,7 +139,9 @@ def mpi_pipeline(
             from distlm.model import read_manifest
 
             pipe.tokenizer = load_tokenizer(model_dir)
-            pipe.weights = read_manifest(model_dir).model_sha256
+            manifest = read_manifest(model_dir)
+            pipe.weights, pipe.tied = manifest.model_sha256, dict(manifest.tied)
+            pipe.tensors = {t for s in manifest.shards for t in s.tensors}
             pipe.context = model.context
             pipe.eos_token_id = pipe.tokenizer.eos_token_id
             pipe.scheduler = Scheduler(

@@ -4,6 +4,10 @@ point-to-point, every wait with a deadline).
 
     stage 0 --Work--> stage 1 --Work--> ... --Work--> last stage --Tokens--> stage 0
     Hello and Stop go round once each, at start (where each stage runs) and at the end (its stats).
+    A live update of the weights (engine/update.py): Stage goes round (each stage starts staging
+    its part), each stage's Staged rides the next Work / Tokens past it, then Swap goes round
+    (each stage switches, or drops what it staged). Messages keep their order, so a Swap falls
+    between the same two micro-batches on every stage.
 
 Each message goes out as the pair (RING_VERSION, message), pickled by mpi4py. The engine channel
 (messages.py) and the documents (distlm.core.documents) use msgpack and JSON because other programs
@@ -31,11 +35,13 @@ from distlm import DistlmError
 from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
+from distlm.model.weights import WeightFiles
 from distlm.runtime.dist import Topology
 
 # 1: typed StageInfo / StageBrief / StageStats, Work.release
 # 2: StageBrief's device_s and micro_batches
-RING_VERSION = 2
+# 3: Stage, Swap; Work.staged, Tokens.staged (live weight updates)
+RING_VERSION = 3
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
 _NAP_S = 5e-4  # the longest sleep between polls while messages come often
@@ -211,6 +217,36 @@ class Stop:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """Round the ring: each stage starts staging its part of update `update`'s weights (read,
+    verified, built beside the served ones, in a thread) and passes this on at once."""
+
+    update: int
+    source: WeightFiles
+    tied: dict[str, str]  # a tied copy -> its source (the running pipeline's manifest)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A stage's word on its staging of `update`: `error` None when its part is ready."""
+
+    update: int
+    stage: int
+    error: str | None
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Round the ring: each stage switches to update `update`'s staged weights (`commit`), or
+    drops them; between the micro-batch before this message and the one after, on every stage."""
+
+    update: int
+    commit: bool
+
+
+@dataclass(frozen=True)
 class Work:
     """A micro-batch (empty: a heartbeat) and the previous stage's output for it."""
 
@@ -220,6 +256,7 @@ class Work:
     # lanes whose sequences ended since the last message: each stage frees their KV cache (and
     # the last stage their sampling state) before it runs this micro-batch
     release: tuple[int, ...] = ()
+    staged: tuple[Staged, ...] = ()  # stages' words on an update's staging, as they pass
 
 
 @dataclass(frozen=True)
@@ -228,10 +265,11 @@ class Tokens:
 
     picks: tuple[Pick, ...]
     stats: tuple[StageBrief, ...] = ()
+    staged: tuple[Staged, ...] = ()
 
 
-RingMessage = Hello | Stop | Work | Tokens
-RING_KINDS = (Hello, Stop, Work, Tokens)
+RingMessage = Hello | Stop | Work | Tokens | Stage | Swap
+RING_KINDS = (Hello, Stop, Work, Tokens, Stage, Swap)
 
 
 def open_envelope(got, *, rank: int, prev: int) -> RingMessage:

@@ -37,7 +37,10 @@ from distlm.inference.engine.ring import (
     PipelineError,
     Ring,
     Slot,
+    Stage,
+    Staged,
     Stop,
+    Swap,
     Tokens,
     Work,
     stage_info,
@@ -74,6 +77,7 @@ class Sequence:
     finish_reason: str | None = None  # stop, length, cancelled, error
     error: str | None = None
     cancelled: bool = False
+    cancel_reason: str = "cancelled"  # its finish reason once cancelled ("abort": an update's)
     siblings: list[Sequence] = field(default_factory=list)
     forks: list[Sequence] = field(default_factory=list)
     t_submit: float = 0.0
@@ -148,6 +152,11 @@ class Scheduler:
         # decodes and prefills in micro-batches of their own: where decode steps are graphs
         self.separate = model.graphs is not None
         self.prefill_wait = 0  # decode micro-batches launched while a prefill was ready
+        # a live update (engine/update.py): while set, a waiting sequence for which it is true
+        # does not start; what comes back round the ring of an update's messages goes to `on_ring`
+        self.hold: Callable[[Sequence], bool] | None = None
+        self.on_ring: Callable[[Stage | Swap], None] | None = None
+        self.words: list[Staged] = []  # stages' words on an update's staging, as they came
 
     # -- public
 
@@ -161,18 +170,19 @@ class Scheduler:
             sib.t_submit = seq.t_submit
         self.waiting.append(seq)
 
-    def cancel(self, seq: Sequence) -> None:
-        """Stop a sequence: at once when it is not in the ring, else when its token comes back."""
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Stop a sequence: at once when it is not in the ring, else when its token comes back;
+        it finishes with `reason`."""
         if seq.finish_reason is not None:
             return
-        seq.cancelled = True
+        seq.cancelled, seq.cancel_reason = True, reason
         for queue in (self.waiting, self.ready):
             if seq in queue:
                 queue.remove(seq)
                 if queue is self.waiting:  # its siblings have not found lanes: they queue now
                     self.waiting.extendleft(reversed(seq.siblings))
                     seq.siblings = []
-                self._finish(seq, "cancelled")
+                self._finish(seq, reason)
                 return
 
     @property
@@ -189,10 +199,14 @@ class Scheduler:
         while self.ring is not None and self.inflight and self.ring.ready():
             self._reply(self.ring.take())
             did = True
+        held: list[Sequence] = []
         while self.launching and self.waiting and self.free:
             seq = self.waiting.popleft()
             if seq.cancelled:
-                self._finish(seq, "cancelled")
+                self._finish(seq, seq.cancel_reason)
+                continue
+            if self.hold is not None and self.hold(seq):
+                held.append(seq)
                 continue
             self._admit(seq)
             self.ready.append(seq)
@@ -206,6 +220,7 @@ class Scheduler:
                     left.append(sib)
             self.waiting.extendleft(reversed(left))
             seq.siblings = []
+        self.waiting.extendleft(reversed(held))
         if self.launching and self.ready and self.inflight < self.topo.world_size:
             batch = self._pick()
             batch.sort(key=_launch_order)
@@ -226,6 +241,21 @@ class Scheduler:
         if self.released or time.monotonic() - self.last_send > every_s:
             self._send_work((), None)
 
+    def ping(self) -> None:
+        """An empty micro-batch round the ring now, when none is in flight: it carries the
+        stages' words on an update's staging back (an idle ring has nothing else to carry them)."""
+        if self.ring is not None and not self.inflight:
+            self._send_work((), None)
+
+    def send_ring(self, msg: Stage | Swap) -> None:
+        """An update's message round the ring (it comes back to `on_ring`)."""
+        if self.ring is None:
+            raise PipelineError("stage 0: a one-stage pipeline sends nothing")
+        if self.inflight == 0:
+            self.progress_at = time.monotonic()
+        self.ring.send(msg)
+        self.inflight += 1
+
     def hello(self) -> list[StageInfo]:
         """Each stage adds where it runs (host, pid, layers); stage 0 gets the list back."""
         infos = (stage_info(self.model),)
@@ -244,7 +274,7 @@ class Scheduler:
             return [self.stats.to_dict()]
         ring.send(Stop((replace(self.stats),)))
         msg = ring.recv()
-        while isinstance(msg, Tokens):  # a heartbeat still on its way
+        while isinstance(msg, (Tokens, Stage, Swap)):  # a heartbeat or an update on its way
             msg = ring.recv()
         if not isinstance(msg, Stop):
             raise PipelineError(f"stage 0: expected Stop back, got {type(msg).__name__}")
@@ -362,10 +392,16 @@ class Scheduler:
         self.last_send = time.monotonic()
 
     def _reply(self, msg) -> None:
+        if isinstance(msg, (Stage, Swap)) and self.on_ring is not None:
+            self.inflight -= 1
+            self.progress_at = time.monotonic()
+            self.on_ring(msg)
+            return
         if not isinstance(msg, Tokens):
             raise PipelineError(f"stage 0: unexpected {type(msg).__name__} from the last stage")
         self.inflight -= 1
         self.progress_at = time.monotonic()
+        self.words.extend(msg.staged)
         for st in msg.stats:
             self.stage_stats[st.stage] = st
         self._picks(msg.picks)
@@ -403,7 +439,7 @@ class Scheduler:
         ):
             reason = "length"
         elif seq.cancelled:
-            reason = "cancelled"
+            reason = seq.cancel_reason
         if reason is None:
             self.ready.append(seq)
         else:

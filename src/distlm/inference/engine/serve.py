@@ -11,6 +11,11 @@ the channel it came from; Ready, Health and a pipeline failure go to every chann
 (distlm.inference.messages). One thread does everything, so the MPI calls, the scheduler and the
 sockets never race.
 
+An Update (new weights from a folder) is stage 0's Updater's (engine/update.py): it stages the
+weights on every stage while the engine serves on, holds new requests back by the update's
+policy, switches every stage between two steps, tells every channel the new weights (Ready) and
+answers Updated to the process that asked.
+
 Stage 0 stops in order on Shutdown or SIGINT/SIGTERM, and on its own when the supervisor's process
 is gone. When the pipeline fails (a stage died or hangs), it sends Error(rid=None) so the API
 servers answer 503, and the job ends (MPI_Abort).
@@ -34,6 +39,7 @@ from distlm.core.log import get_logger
 from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_workers
 from distlm.inference.engine.ring import Pick, PipelineError
 from distlm.inference.engine.scheduler import Sequence, run_stage0
+from distlm.inference.engine.update import ABORT, Outcome, Updater
 from distlm.inference.messages import (
     Attach,
     Cancel,
@@ -46,6 +52,9 @@ from distlm.inference.messages import (
     Shutdown,
     Submit,
     Token,
+    Update,
+    Updated,
+    UpdateRecord,
     decode,
     encode,
     encode_batch,
@@ -60,6 +69,7 @@ _API_CHECK_S = 1.0  # how often stage 0 looks whether the API server's process s
 # how long an idle stage 0 waits on the channel at a time: a request wakes it at once, so this
 # only spaces the idle loop's checks (heartbeat, Health, the API server's process)
 _IDLE_WAIT_MS = 50
+_PING_EVERY_S = 0.005  # while an update waits for the stages' words, an idle ring carries them
 _LINGER_MS = 2000  # how long closing the events socket may take to deliver the last messages
 
 
@@ -147,6 +157,22 @@ class Engine:
         self.where: dict[int, tuple[int | None, int, int]] = {}
         self.stopping: str | None = None
         self._checked = self._health_at = time.monotonic()  # API server looked for, Health sent
+        self.last_update: UpdateRecord | None = None
+        self._pinged = 0.0
+        ring = self.sched.send_ring if pipe.ring is not None else None
+        self.updater = Updater(
+            pipe.model,
+            stages=pipe.topo.world_size,
+            tied=pipe.tied,
+            expected=pipe.tensors,
+            ring_send=ring,
+            hold=lambda on: setattr(self.sched, "hold", self._not_started if on else None),
+            cancel_open=self._abort_open,
+            idle=lambda: not self.sched.active,
+            switched=lambda weights: setattr(self.pipe, "weights", weights),
+            done=self._updated,
+        )
+        self.sched.on_ring = self.updater.echoed
 
     def ready(self) -> Ready:
         tok = self.pipe.tokenizer
@@ -160,6 +186,7 @@ class Engine:
             stages=self.pipe.topo.world_size,
             pipeline=self.pipe.infos,
             weights=self.pipe.weights,
+            last_update=self.last_update,
         )
 
     def run(self) -> None:
@@ -173,7 +200,7 @@ class Engine:
 
         def idle() -> None:
             self.sched.heartbeat(heartbeat_s)
-            self._take(_IDLE_WAIT_MS)
+            self._take(1 if self.updater.busy else _IDLE_WAIT_MS)
 
         try:
             run_stage0(
@@ -203,7 +230,15 @@ class Engine:
         if now - self._health_at > HEALTH_EVERY_S:
             self._health_at = now
             self.ch.send(self.health())
-        return self._take(0)
+        took = self._take(0)
+        if self.updater.busy:
+            if self.sched.words:
+                self.updater.heard(self.sched.words)
+                self.sched.words.clear()
+            if self.updater.poll() and now - self._pinged > _PING_EVERY_S:
+                self._pinged = now
+                self.sched.ping()
+        return took
 
     def _failed(self, reason: str) -> None:
         """The pipeline is gone: free every lane here, and one Error(rid=None) for all requests."""
@@ -247,6 +282,12 @@ class Engine:
                             self.sched.cancel(seq)
                 elif isinstance(msg, Attach):
                     self._attach(source, msg)
+                elif isinstance(msg, Update):
+                    out = self.updater.begin(
+                        (source, msg.rid), msg.path, msg.policy, self.pipe.weights
+                    )
+                    if out is not None:
+                        self._updated(out, (source, msg.rid))
                 elif isinstance(msg, Shutdown):
                     self.stopping = msg.reason
                     return took
@@ -275,6 +316,50 @@ class Engine:
                 len(gone),
             )
         self.ch.send(self.ready(), to=source)
+
+    # ------------------------------------------------------------------ updates
+
+    def _not_started(self, seq: Sequence) -> bool:
+        """While an update drains: whether `seq` waits (none of its request's sequences has
+        started: a request runs on one set of weights, all its choices)."""
+        where = self.where.get(seq.id)
+        if where is None:
+            return False
+        return not any(s.t_admit for s in self.requests.get((where[0], where[1]), ()))  # type: ignore[arg-type]
+
+    def _abort_open(self) -> None:
+        """Policy abort: every request with a sequence running ends now, finish reason abort."""
+        for seqs in list(self.requests.values()):  # a request that ends leaves the dict
+            if any(s.t_admit for s in seqs):
+                for seq in seqs:
+                    self.sched.cancel(seq, ABORT)
+
+    def _updated(self, out: Outcome, to: tuple[int, int]) -> None:
+        """An update ended: on a switch, every channel hears the new weights (before any token
+        they produce); the process that asked hears how it went."""
+        if out.changed:
+            self.last_update = UpdateRecord(
+                source=out.source,
+                kind=out.kind,
+                weights=out.weights,
+                seconds=out.seconds,
+                bytes=out.bytes,
+                at=time.time(),
+            )
+            self.ch.send(self.ready())
+        channel, rid = to
+        self.ch.send(
+            Updated(
+                rid=rid,
+                status=out.status,
+                message=out.message,
+                weights=out.weights,
+                changed=out.changed,
+                seconds=out.seconds,
+                bytes=out.bytes,
+            ),
+            channel,
+        )
 
     def _submit(self, source: int, msg: Submit) -> None:
         params = msg.params

@@ -2,7 +2,9 @@
 
 The last stage picks each sequence's next token (sampler.last_stage) and sends the picks back to
 stage 0 as Tokens. Lanes stage 0 freed arrive with a Work message (Work.release) and are freed
-here before its micro-batch runs.
+here before its micro-batch runs. A live update's Stage starts this stage's staging (in a thread,
+engine/update.py) and goes on at once; the staging's word rides the next Work or Tokens past this
+stage; Swap switches to the staged weights, or drops them, and goes on.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from distlm.inference.engine.ring import (
     Pick,
     PipelineError,
     Ring,
+    Stage,
     Stop,
+    Swap,
     Tokens,
     Work,
     from_wire,
@@ -26,6 +30,7 @@ from distlm.inference.engine.ring import (
     to_wire,
 )
 from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage, release_lanes
+from distlm.inference.engine.update import Staging
 from distlm.inference.stats import StageStats
 
 
@@ -33,9 +38,19 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
     """A later stage: forward what arrives, pass it on (or the picked tokens back); until stop."""
     sampler = Sampler()
     last = ring.topo.is_last
+    staging: Staging | None = None
     while True:
         msg = ring.recv()
-        if isinstance(msg, Hello):
+        if isinstance(msg, Stage):
+            staging = Staging(model, msg)
+            ring.send(msg)
+        elif isinstance(msg, Swap):
+            if staging is None:
+                raise PipelineError(f"stage {ring.topo.rank}: Swap of an update it never staged")
+            staging.finish(msg)
+            staging = None
+            ring.send(msg)
+        elif isinstance(msg, Hello):
             ring.send(Hello((*msg.infos, stage_info(model))))
             stats.reset()  # count the steady state, not the wait for the others to load
         elif isinstance(msg, Stop):
@@ -63,10 +78,14 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
                 stats.items += len(items)
             stats.cache_bytes = model.cached_bytes()
             seen = (*msg.stats, stats.brief())
+            word = staging.take_word() if staging is not None else None
+            staged = msg.staged if word is None else (*msg.staged, word)
             if last:
-                ring.send(Tokens(tuple(picks), seen))
+                ring.send(Tokens(tuple(picks), seen, staged))
             else:
                 wire = to_wire(hidden) if hidden is not None else None
-                ring.send(Work(msg.slots, wire, seen, msg.release), wire[1].nbytes if wire else 0)
+                ring.send(
+                    Work(msg.slots, wire, seen, msg.release, staged), wire[1].nbytes if wire else 0
+                )
         else:
             raise PipelineError(f"stage {ring.topo.rank}: unexpected {type(msg).__name__}")

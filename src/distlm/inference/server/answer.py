@@ -91,7 +91,7 @@ async def run_completion(st: Answering, request: Request, job: Job):
         tokenizer=st.tokenizer,
         metrics=st.metrics,
         cancel=engine.cancel,
-        fingerprint=ready.fingerprint,
+        fingerprint=lambda: (engine.ready or ready).fingerprint,
     )
     info = request.scope.setdefault("distlm", {})
     info["rid"] = rid
@@ -262,10 +262,11 @@ async def _stream(st: Answering, answer: Answer, follow: _Follow, deadline, info
 
     try:
         # chat: each choice's role first; completions: an echoed prompt (not scored: a scored
-        # one goes out with its log-probabilities after its prefill, the engine's Prompt event)
+        # one goes out with its log-probabilities after its prefill, the engine's Prompt event).
+        # They go out with the first event, whose weights every chunk names (a request held back
+        # by a live update runs on the weights after it).
         openings = [shape.opening(answer, i) for i in range(len(answer.choices))]
-        if any(o is not None for o in openings):
-            yield b"".join(sse([o]) for o in openings if o is not None)
+        opening = [o for o in openings if o is not None]
         while True:
             if not follow.due.is_set():
                 if not answer.left:
@@ -285,6 +286,9 @@ async def _stream(st: Answering, answer: Answer, follow: _Follow, deadline, info
                 finished = True
                 return
             out = []
+            if opening:
+                out.append(b"".join(sse([o]) for o in opening))
+                opening = []
             for i in follow.take():
                 c = answer.choices[i]
                 if c.error is not None:

@@ -26,6 +26,8 @@ from distlm.inference.messages import (
     Shutdown,
     Submit,
     Token,
+    Update,
+    Updated,
     decode_all,
     encode,
 )
@@ -145,6 +147,10 @@ class EngineClient:
             self.metrics.up.set(1)
         elif isinstance(msg, Error) and msg.rid is None:
             self.fail(msg.message)
+        elif isinstance(msg, Updated):
+            q = self.queues.get(msg.rid)
+            if q is not None:
+                q.put_nowait(msg)
         elif isinstance(msg, (Prompt, Token, Finish, Error)):
             if isinstance(msg, (Finish, Error)) and msg.rid in self.open_seqs:
                 self.open_seqs[msg.rid] -= 1
@@ -197,6 +203,12 @@ class EngineClient:
         self.open_seqs[rid] = len(prompts) * n
         self.metrics.open.set(self.outstanding)
         self._send(Submit(rid=rid, prompts=prompts, n=n, params=params))
+
+    def send_update(self, rid: int, msg: Update, sink: Sink) -> None:
+        """Send a weight update to stage 0; its Updated (or the pipeline's failure) goes to
+        `sink`."""
+        self.queues[rid] = sink
+        self._send(msg)
 
     def cancel(self, rid: int, index: int | None = None) -> None:
         if self.failed is None and rid in self.open_seqs:

@@ -67,6 +67,18 @@ class Metrics:
         self.sequences = Counter(
             "distlm_sequences", "Sequences ended, by finish reason", ["reason"], registry=r
         )
+        self.updates = Counter(
+            "distlm_weight_updates",
+            "Weight updates asked for, by outcome (switched, unchanged, failed, timeout)",
+            ["outcome"],
+            registry=r,
+        )
+        self.update_seconds = Histogram(
+            "distlm_weight_update_seconds",
+            "Weight updates that switched: from the request to every stage serving the new weights",
+            buckets=latency,
+            registry=r,
+        )
 
         def engine(name: str, doc: str, *labels: str) -> Gauge:
             """A gauge of the engine's word, which every API process hears alike (multiprocess

@@ -53,8 +53,10 @@ class Answer:
     """One request's choices as the engine's events arrive; text, stops and logprobs.
 
     It needs the tokenizer (text), the metrics (time to first token, inter-token latency,
-    tokens), `cancel(rid, index)`, to stop a choice whose stop string has arrived, and the
-    served weights' fingerprint, which the answer names."""
+    tokens), `cancel(rid, index)`, to stop a choice whose stop string has arrived, and
+    `fingerprint()`, the served weights' fingerprint, which the answer names: read at the
+    request's first event, since a request held back by a live update runs on the weights
+    after it (stage 0 tells every channel the new weights before any event they produce)."""
 
     def __init__(
         self,
@@ -65,10 +67,12 @@ class Answer:
         tokenizer: Any,  # a transformers tokenizer
         metrics: Metrics,
         cancel: Callable[[int, int], None],
-        fingerprint: str,
+        fingerprint: Callable[[], str],
     ) -> None:
         self.job, self.rid, self.t0 = job, rid, t0
-        self.fingerprint = fingerprint  # the weights that produce it (Ready.fingerprint)
+        self._fingerprint = fingerprint
+        self.fingerprint = fingerprint()  # the weights that produce it, from its first event
+        self.heard = False  # an event of the engine arrived
         self.tokenizer, self.metrics, self.cancel = tokenizer, metrics, cancel
         self.n = job.n
         self.choices = [Choice(i) for i in range(len(job.prompts) * self.n)]
@@ -95,6 +99,9 @@ class Answer:
         if isinstance(msg, Error) and (msg.rid is None or msg.index is None):
             raise ApiError(503, f"the pipeline is unavailable: {msg.message}")
         assert msg.index is not None  # an Error with a rid names its choice (messages.Error)
+        if not self.heard:
+            self.heard = True
+            self.fingerprint = self._fingerprint()
         c = self.choices[msg.index]
         now = time.perf_counter()
         m = self.metrics

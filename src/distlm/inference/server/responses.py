@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from distlm.inference.messages import UpdateRecord
 from distlm.inference.stats import StageInfo
 
 
@@ -196,5 +197,8 @@ class Health(_Answer):
     waiting: int | None = _absent_when_none("sequences waiting for a lane")
     lanes_busy: int | None = _absent_when_none("lanes holding a sequence")
     open: int | None = _absent_when_none("sequences submitted and not yet ended")
-    weights: str | None = _absent_when_none("the served weights' sha256 (model.safetensors)")
+    weights: str | None = _absent_when_none("the served weights' digest (their file's sha256)")
     system_fingerprint: str | None = _absent_when_none("what every answer names the weights by")
+    last_update: UpdateRecord | None = _absent_when_none(
+        "the last update that switched the weights: source, kind, weights, seconds, bytes, at"
+    )

@@ -1,0 +1,280 @@
+"""Live weight updates under load: clients keep sending greedy completions (streamed and not)
+while the server takes updates from disk, alternately two sets of weights, each from a model
+folder and from a pipeline folder; what users see of it.
+
+    python benchmarks/inference/bench_update.py --model results/train/final \
+        --other results/model/base --clients 64 --updates 5 \
+        --out benchmarks/inference/update-results.json
+
+The server is rule serve's (`distlm.entry.serve`, serve.stages --stages) on --model; the update
+route (POST /update_weights_from_disk, policy --policy) alternates --other and --model, every
+other update from a pipeline folder cut from it. Reported: failed requests (any non-200, any
+stream without [DONE]); answers whose chunks name more than one set of weights, or weights other
+than the two; greedy texts against `generate` on the weights each answer names (an aborted one: a
+prefix); the end-to-end p99 of the requests that ran while no update did (steady) and of those
+that overlapped an update (from the request to the route's answer), and their ratio (issue #65's
+CPU goal: at most 2x); each update's seconds and bytes as the route answers them. The device the
+figures come from is named (runtime.device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import git_revision
+
+ROUTE = "/update_weights_from_disk"
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the served model folder (weights A)")
+    ap.add_argument(
+        "--other",
+        required=True,
+        help="a model folder of other weights (B) of --model's architecture, or `perturbed`: "
+        "--model's weights plus seeded noise, written beside the run",
+    )
+    ap.add_argument("--stages", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--policy", default="wait", choices=("wait", "abort"))
+    ap.add_argument("--steady-s", type=float, default=10.0, help="load before the first update")
+    ap.add_argument("--between-s", type=float, default=4.0, help="load between two updates")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--lanes", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
+def request(port: int, body: dict) -> dict:
+    """One completion: its times, status, the fingerprints it names, text and finish reason."""
+    t0 = time.perf_counter()
+    out = {"t0": t0, "prompt": body["prompt"], "status": 0, "fps": [], "text": "", "reason": None}
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        data = r.read()
+        conn.close()
+        out["status"] = r.status
+        if r.status == 200 and body.get("stream"):
+            events = [
+                json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")
+            ]
+            if not data.rstrip().endswith(b"data: [DONE]"):
+                out["status"] = -1
+            out["fps"] = sorted({e["system_fingerprint"] for e in events})
+            out["text"] = "".join(c["text"] for e in events for c in e["choices"])
+            reasons = [
+                c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]
+            ]
+            out["reason"] = reasons[-1] if reasons else None
+        elif r.status == 200:
+            doc = json.loads(data)
+            out["fps"] = [doc["system_fingerprint"]]
+            out["text"] = doc["choices"][0]["text"]
+            out["reason"] = doc["choices"][0]["finish_reason"]
+    except (OSError, ValueError, KeyError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["t1"] = time.perf_counter()
+    return out
+
+
+def perturbed(model: Path, out: Path) -> Path:
+    """--model's weights plus seeded noise (0.1 of each tensor's spread), as a model folder."""
+    import torch
+
+    from distlm.model import load_safetensors, read_meta, write_model_dir
+
+    sd = load_safetensors(model / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    noisy = {
+        k: (v.float() + 0.1 * v.float().std().nan_to_num() * torch.randn(v.shape, generator=g)).to(
+            v.dtype
+        )
+        for k, v in sd.items()
+    }
+    meta = read_meta(model).model_dump()
+    keep = ("created_by", "source", "config_digest", "data_config_digest", "dtype")
+    tok = out.parent / "tokenizer"
+    tok.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():  # the tokenizer's files: everything but weights and documents
+        if f.is_file() and f.name not in ("model.safetensors", "distlm.json", "config.json"):
+            (tok / f.name).write_bytes(f.read_bytes())
+    write_model_dir(
+        out, state_dict=noisy, config_from=model, tokenizer_dir=tok, meta={k: meta[k] for k in keep}
+    )
+    return out
+
+
+def p99(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))] if xs else None
+
+
+def main() -> None:
+    args = parse()
+    import bench_serve as bs
+    from bench import sharded
+
+    from distlm.inference.messages import fingerprint
+    from distlm.inference.prompts import read_prompts
+    from distlm.model import read_meta
+    from distlm.runtime.dist import free_port
+
+    work = Path(tempfile.mkdtemp(prefix="bench-update-"))
+    model = Path(args.model).resolve()
+    other = perturbed(model, work / "other") if args.other == "perturbed" else Path(args.other)
+    other = other.resolve()
+    prompts = read_prompts(ROOT / "config" / "prompts.txt")[:8]
+    weights = {"A": read_meta(model).model_sha256, "B": read_meta(other).model_sha256}
+    fp = {fingerprint(w): k for k, w in weights.items()}
+    ref = {
+        k: bs.generate_texts(folder, prompts, args.max_tokens)
+        for k, folder in (("A", model), ("B", other))
+    }
+    sources = [
+        other,
+        model,
+        sharded(other, 2, work / "B"),
+        sharded(model, 2, work / "A"),
+    ]
+    port = free_port()
+    ns = argparse.Namespace(device=args.device, lanes=args.lanes, max_tokens=args.max_tokens)
+    cmd = bs.distlm_command(work, model, args.stages, port, ns, [args.clients])
+    log = work / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+        )
+    results: list[dict] = []
+    updates: list[dict] = []
+    stop = threading.Event()
+
+    def client(c: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = {
+                "prompt": prompts[(c + i) % len(prompts)],
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                **({"stream": True} if (c + i) % 2 else {}),
+            }
+            results.append(request(port, body))
+            i += 1
+
+    try:
+        bs.wait_up(proc, port, log)
+        threads = [
+            threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)
+        ]
+        t_load = time.perf_counter()
+        for t in threads:
+            t.start()
+        time.sleep(args.steady_s)
+        for k in range(args.updates):
+            src = sources[k % len(sources)]
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+            t0 = time.perf_counter()
+            conn.request(
+                "POST",
+                ROUTE,
+                json.dumps({"model_path": str(src), "policy": args.policy}),
+                {"Content-Type": "application/json"},
+            )
+            r = conn.getresponse()
+            answer = json.loads(r.read())
+            t1 = time.perf_counter()
+            updates.append(
+                {
+                    "source": str(src),
+                    "status": r.status,
+                    "t0": t0,
+                    "t1": t1,
+                    "wall_s": t1 - t0,
+                    **answer,
+                }
+            )
+            print(
+                f"update {k + 1}: {r.status} {answer.get('message')} in {t1 - t0:.3f} s", flush=True
+            )
+            time.sleep(args.between_s)
+        stop.set()
+        for t in threads:
+            t.join(timeout=600)
+    finally:
+        stop.set()
+        bs.stop(proc)
+    warm = [r for r in results if r["t0"] > t_load + 2.0]  # past the first requests' warm-up
+    failed = [r for r in results if r["status"] != 200 or "error" in r]
+    mixed = [
+        r for r in results if r["status"] == 200 and (len(r["fps"]) != 1 or r["fps"][0] not in fp)
+    ]
+    wrong = [
+        r
+        for r in results
+        if r["status"] == 200
+        and len(r["fps"]) == 1
+        and r["fps"][0] in fp
+        and not _matches(r, ref[fp[r["fps"][0]]][r["prompt"]])
+    ]
+    windows = [(u["t0"], u["t1"]) for u in updates]
+    during = [
+        r["t1"] - r["t0"] for r in warm if any(r["t0"] < b and r["t1"] > a for a, b in windows)
+    ]
+    steady = [
+        r["t1"] - r["t0"] for r in warm if not any(r["t0"] < b and r["t1"] > a for a, b in windows)
+    ]
+    doc = {
+        "what": "live weight updates under load (bench_update.py)",
+        "git": git_revision(),
+        "device": args.device,
+        "host": platform.node(),
+        "args": vars(args),
+        "requests": len(results),
+        "failed": len(failed),
+        "failures": [r.get("error") or r["status"] for r in failed[:5]],
+        "mixed_or_unknown_weights": len(mixed),
+        "greedy_differs": len(wrong),
+        "aborted": sum(r["reason"] == "abort" for r in results),
+        "p99_steady_s": p99(steady),
+        "p99_during_update_s": p99(during),
+        "requests_during_update": len(during),
+        "p99_ratio": (p99(during) or 0) / (p99(steady) or 1),
+        "updates": [{k: v for k, v in u.items() if k not in ("t0", "t1")} for u in updates],
+    }
+    print(json.dumps({k: v for k, v in doc.items() if k != "updates"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _matches(r: dict, text: str) -> bool:
+    """A greedy answer is its weights' `generate` text (an aborted one, a prefix of it)."""
+    return text.startswith(r["text"]) if r["reason"] == "abort" else text == r["text"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,449 @@
+"""Live weight updates (POST /update_weights_from_disk): the folders they take and refuse, one
+stage's staging, and a real server updated while clients use it: every answer from one set of
+weights, greedy output equal to `generate` on the weights it names, all-or-nothing across stages,
+the policies, and a stage killed mid-update."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import test_inference
+import torch
+from test_inference import PROMPTS
+from test_server import TOKEN, start_server, stop_server
+
+from distlm import DistlmError
+from distlm.core.documents import write_document
+from distlm.model import load_safetensors, read_meta, write_model_dir, write_pipeline_dir
+from distlm.model.documents import CheckpointIndex
+from distlm.model.weights import read_tensors, weight_files
+
+tiny_models = test_inference.tiny_models
+ROUTE = "/update_weights_from_disk"
+
+
+@pytest.fixture(scope="session")
+def folders(tiny_models) -> dict[str, Path]:
+    """The served weights A (`model`, and the pipeline folders cut from it), other weights B of
+    the same architecture as a model folder (`other`) and a 2-stage pipeline folder (`other-s2`),
+    A as a whole training checkpoint (`ckpt`), B's pipeline folder with stage 1's shard
+    changed after it was written (`tampered`), and B with the final norm's weight of another
+    shape (`misshapen`: its names and config are the model's)."""
+    root = tiny_models[1].parent
+    out = {
+        "model": root / "model",
+        "other": root / "other",
+        "other-s2": root / "other-s2",
+        "ckpt": root / "run" / "step-00000001",
+        "tampered": root / "tampered-s2",
+        "misshapen": root / "misshapen",
+        "s2": tiny_models[2],
+    }
+    if out["tampered"].is_dir():
+        return out
+    sd = load_safetensors(out["model"] / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    other = {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+    meta = read_meta(out["model"]).model_dump()
+    keep = ("created_by", "source", "config_digest", "data_config_digest", "dtype")
+    write_model_dir(
+        out["other"],
+        state_dict=other,
+        config_from=out["model"],
+        tokenizer_dir=root / "tokenizer",
+        meta={k: meta[k] for k in keep},
+    )
+    write_pipeline_dir(out["other"], out["other-s2"], stages=2)
+    norm = next(k for k in other if k.endswith("ln_f.weight"))
+    write_model_dir(
+        out["misshapen"],
+        state_dict={**other, norm: other[norm][: other[norm].shape[0] // 2]},
+        config_from=out["model"],
+        tokenizer_dir=root / "tokenizer",
+        meta={k: meta[k] for k in keep},
+    )
+    out["ckpt"].mkdir(parents=True)
+    shutil.copy(out["model"] / "model.safetensors", out["ckpt"] / "model.safetensors")
+    write_document(
+        out["ckpt"] / "checkpoint.json",
+        CheckpointIndex(step=1, sha256={"model.safetensors": meta["model_sha256"]}),
+    )
+    shutil.copytree(out["other-s2"], out["tampered"])
+    shard = out["tampered"] / "shards" / "stage-01.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-4:] = bytes(b ^ 0xFF for b in data[-4:])  # same size, other bytes
+    shard.write_bytes(bytes(data))
+    return out
+
+
+# ----------------------------------------------------------------------------- the folders
+
+
+def test_the_three_folders_and_their_digests(folders):
+    model, other = read_meta(folders["model"]), read_meta(folders["other"])
+    assert weight_files(folders["model"]).digest == model.model_sha256
+    assert weight_files(folders["ckpt"]).digest == model.model_sha256
+    assert weight_files(folders["other-s2"]).digest == other.model_sha256 != model.model_sha256
+    kinds = {weight_files(folders[k]).kind for k in ("model", "ckpt", "other-s2")}
+    assert kinds == {"model folder", "training checkpoint", "pipeline folder"}
+    src = weight_files(folders["other-s2"])
+    names = set(src.tensors)
+    manifest = json.loads((folders["other-s2"] / "shards" / "manifest.json").read_text())
+    assert names == {t for s in manifest["shards"] for t in s["tensors"]}
+    src.check_names(names, manifest["tied"])
+    # one stage's tensors come from its own shard only, equal to what the folder holds
+    stage1 = manifest["shards"][1]["tensors"]
+    got = read_tensors(src, stage1, manifest["tied"])
+    whole = load_safetensors(folders["other"] / "model.safetensors")
+    for name in stage1:
+        ref = whole.get(name, whole.get(manifest["tied"].get(name, "")))
+        assert torch.equal(got[name], ref), name
+
+
+def test_folders_refused_naming_the_file_or_the_tensor(folders, tmp_path):
+    with pytest.raises(DistlmError, match="not an absolute path"):
+        weight_files("results/train/final")
+    with pytest.raises(DistlmError, match="no such folder"):
+        weight_files(tmp_path / "nope")
+    with pytest.raises(DistlmError, match="not a model folder.*pipeline folder.*checkpoint"):
+        weight_files(tmp_path)
+    # a sharded (fsdp) checkpoint: torch.distributed.checkpoint shards, named as such
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    write_document(
+        sharded / "checkpoint.json", CheckpointIndex(step=2, sha256={"shards/__0_0.distcp": "0"})
+    )
+    with pytest.raises(DistlmError, match="sharded \\(fsdp\\).*final folder"):
+        weight_files(sharded)
+    # a truncated weights file: its header names bytes the file does not have
+    cut = tmp_path / "cut"
+    shutil.copytree(folders["model"], cut)
+    f = cut / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(DistlmError, match="model.safetensors: tensor .* outside the file"):
+        weight_files(cut)
+    # a file changed after its document was written: refused when read, naming it
+    src = weight_files(folders["tampered"])
+    with pytest.raises(DistlmError, match="stage-01.safetensors: sha256 .* does not match"):
+        read_tensors(src, list(src.tensors), {})
+    # names: one missing, one of another model
+    src = weight_files(folders["model"])
+    names = set(src.tensors)
+    with pytest.raises(DistlmError, match="tensor 'extra.weight' of the running model is missing"):
+        src.check_names(names | {"extra.weight"}, {})
+    some = min(names)
+    with pytest.raises(DistlmError, match=f"tensor '{some}' is no part of the running model"):
+        src.check_names(names - {some}, {})
+
+
+def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
+    """One stage's staging (engine/update.py), without a server: a wrong shape is refused naming
+    the tensor and leaves the weights as they were; the right ones, copied in, give the logits of
+    a stage loaded afresh from them."""
+    from distlm.inference.engine.pipeline_stage import Item, load_stage
+    from distlm.inference.engine.ring import Stage, Swap
+    from distlm.inference.engine.update import Staging
+
+    stage = load_stage(folders["s2"], 1, world=2)
+    fresh = load_stage(folders["other-s2"], 1, world=2)
+    tied = json.loads((folders["s2"] / "shards" / "manifest.json").read_text())["tied"]
+    before = {k: v.clone() for k, v in stage.state_dict().items()}
+    x = torch.randn(5, stage.hidden_size)
+
+    def logits(m):
+        out = m([Item(0, 0, 0, 5)], x)
+        m.release(0)
+        return out
+
+    bad = weight_files(folders["misshapen"])
+    name = next(n for n in bad.tensors if n.endswith("ln_f.weight"))
+    s = Staging(stage, Stage(1, bad, tied))
+    while not s.done():
+        time.sleep(0.01)
+    assert s.word is not None and s.word.error is not None
+    assert name in s.word.error and "shape" in s.word.error
+    s.finish(Swap(1, commit=False))
+    assert all(torch.equal(v, before[k]) for k, v in stage.state_dict().items())
+
+    s = Staging(stage, Stage(2, weight_files(folders["other-s2"]), tied))
+    while not s.done():
+        time.sleep(0.01)
+    assert s.word is not None and s.word.error is None and s.word.bytes > 0
+    assert torch.equal(logits(stage), logits(load_stage(folders["s2"], 1, world=2)))
+    s.finish(Swap(2, commit=True))
+    assert torch.equal(logits(stage), logits(fresh))
+
+
+def test_who_may_update():
+    from distlm.inference.server.errors import ApiError
+    from distlm.inference.server.updates import loopback, may_update
+
+    assert loopback("127.0.0.1") and loopback("::1") and loopback("localhost")
+    assert not loopback("0.0.0.0") and not loopback("10.0.0.2") and not loopback("example.org")
+    may_update(SimpleNamespace(token="t", serve=SimpleNamespace(host="0.0.0.0")))
+    may_update(SimpleNamespace(token=None, serve=SimpleNamespace(host="127.0.0.1")))
+    with pytest.raises(ApiError, match="need a bearer token") as e:
+        may_update(SimpleNamespace(token=None, serve=SimpleNamespace(host="0.0.0.0")))
+    assert e.value.status == 403
+
+
+# ----------------------------------------------------------------------------- a real server
+
+
+def _greedy(folder: Path, prompt: str, n: int) -> str:
+    """`generate`'s greedy text on a folder's weights, loaded afresh."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def _stream(server, body: dict, timeout: float = 60, started=None) -> list[dict]:
+    """A streamed completion's chunks (its [DONE] checked); `started` is set at the first."""
+    req = urllib.request.Request(
+        server.base + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200
+        for line in r:
+            line = line.strip()
+            if not line:
+                continue
+            assert line.startswith(b"data: "), line
+            if line == b"data: [DONE]":
+                return chunks
+            chunks.append(json.loads(line[6:]))
+            if started is not None:
+                started.set()
+    raise AssertionError("the stream ended without [DONE]")
+
+
+@pytest.mark.slow
+@pytest.mark.with_slurm
+def test_updates_under_load_one_set_of_weights_an_answer(folders, tmp_path):
+    """16 clients, greedy, streamed and not, while the 2-stage server takes 5 updates (model
+    folder, pipeline folder, training checkpoint, with both policies) and two that fail on
+    stage 1 alone (a file changed, a tensor of another shape): no request fails, every answer (every chunk of a stream) names one set of
+    weights, and its tokens are `generate`'s on the weights it names."""
+    model, other = read_meta(folders["model"]), read_meta(folders["other"])
+    fp = {"fp_" + model.model_sha256[:16]: "model", "fp_" + other.model_sha256[:16]: "other"}
+    n = 12
+    prompts = PROMPTS[:4]
+    ref = {(w, p): _greedy(folders[w], p, n) for w in ("model", "other") for p in prompts}
+    server = start_server(
+        folders["s2"], 2, tmp_path, serve={"max_queued_sequences": 64, "max_tokens": n}
+    )
+    stop = threading.Event()
+    answers: list[tuple[str, str, str, str]] = []
+    failures: list[str] = []
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            prompt = prompts[(k + i) % len(prompts)]
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+            try:
+                if (k + i) % 2:
+                    chunks = _stream(server, body)
+                    fps = {c["system_fingerprint"] for c in chunks}
+                    if len(fps) != 1:
+                        failures.append(f"a stream named {fps}")
+                        continue
+                    text = "".join(ch["text"] for c in chunks for ch in c["choices"])
+                    reason = [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1]
+                    answers.append((fps.pop(), prompt, text, reason))
+                else:
+                    status, b = server.request("POST", "/v1/completions", body)
+                    if status != 200:
+                        failures.append(f"{status}: {b}")
+                        continue
+                    ch = b["choices"][0]
+                    answers.append(
+                        (b["system_fingerprint"], prompt, ch["text"], ch["finish_reason"])
+                    )
+            except Exception as e:
+                failures.append(f"{type(e).__name__}: {e}")
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        steps = [  # (folder, policy, the weights served after it: None, refused)
+            ("tampered", "wait", None),  # stage 0 stages, stage 1's file is refused: no switch
+            ("other", "wait", "other"),
+            ("ckpt", "abort", "model"),
+            ("misshapen", "abort", None),  # stage 1's norm of another shape: no switch
+            ("other-s2", "wait", "other"),
+            ("model", "abort", "model"),
+            ("other", "wait", "other"),
+        ]
+        served = "model"
+        for source, policy, then in steps:
+            status, b = server.request(
+                "POST", ROUTE, {"model_path": str(folders[source]), "policy": policy}
+            )
+            if then is None:
+                assert status == 400 and not b["success"] and not b["changed"], b
+                assert "stage 1" in b["message"] or "stage-01" in b["message"], b
+                assert "unchanged" in b["message"], b
+            else:
+                assert status == 200 and b["success"] and b["changed"], b
+                served = then
+            assert fp[b["system_fingerprint"]] == served
+            time.sleep(0.7)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    try:
+        assert not failures, failures[:5]
+        assert len(answers) > 100
+        named = {fp[f] for f, *_ in answers}
+        assert named == {"model", "other"}
+        reasons = {r for *_, r in answers}
+        assert "abort" in reasons and reasons <= {"abort", "length", "stop"}, reasons
+        for f, prompt, text, reason in answers:
+            w = fp[f]
+            if reason == "abort":  # ended by an update: what it has begins its weights' text
+                assert ref[w, prompt].startswith(text), (w, prompt, text)
+            else:
+                assert text == ref[w, prompt], (w, prompt, text)
+        h = server.health()
+        assert h["system_fingerprint"] == "fp_" + other.model_sha256[:16]
+        assert h["last_update"]["source"] == str(folders["other"])
+        assert h["last_update"]["bytes"] > 0
+        m = server.metrics()
+        assert m['distlm_weight_updates_total{outcome="switched"}'] == 5
+        assert m['distlm_weight_updates_total{outcome="failed"}'] == 2
+        assert m["distlm_weight_update_seconds_count"] == 5
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.slow
+@pytest.mark.with_slurm
+def test_hostile_update_requests_and_a_stage_killed_mid_update(folders, tmp_path):
+    """Bad bodies get a 4xx naming the field; no token, 401. Then a stage killed while an update
+    waits for a stream to end: every open request and the update get 503, the job ends, and a
+    server started again serves its own weights, never a mix."""
+    model = read_meta(folders["model"])
+    server = start_server(folders["s2"], 2, tmp_path, serve={"max_tokens": 50})
+    try:
+        for body, status, fragment in [
+            (b"{", 400, "not valid JSON"),
+            ({"model_path": "/x", "policy": "keep"}, 400, "policy"),
+            ({"model_path": "/x", "extra": 1}, 400, "extra: unknown field"),
+            ({"policy": "wait"}, 400, "model_path: required"),
+            ({"model_path": 7}, 400, "model_path"),
+            ({"model_path": "relative/path"}, 400, "not an absolute path"),
+            ({"model_path": str(folders["model"] / "config.json")}, 400, "no such folder"),
+            (b"x" * 5000, 413, "serve.max_request_bytes"),
+        ]:
+            got, b = server.request("POST", ROUTE, body)
+            assert got == status, (body, b)
+            text = json.dumps(b)
+            assert fragment in text, (fragment, b)
+        assert server.request("POST", ROUTE, {"model_path": "/x"}, token=None)[0] == 401
+        server.ok()
+
+        # a stage killed while the update drains (policy wait, a long stream running)
+        got: dict = {}
+
+        def long_stream() -> None:
+            try:
+                got["chunks"] = _stream(
+                    server, {"prompt": PROMPTS[0], "max_tokens": 50, "temperature": 0}
+                )
+            except Exception as e:
+                got["error"] = e
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        stage1 = _stage_pid(server, 1)
+        update: dict = {}
+
+        def run_update() -> None:
+            update["answer"] = server.request(
+                "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "wait"}
+            )
+
+        u = threading.Thread(target=run_update)
+        u.start()
+        time.sleep(0.05)
+        os.kill(stage1, signal.SIGKILL)
+        u.join(timeout=120)
+        t.join(timeout=120)
+        status, b = update["answer"]
+        assert status in (200, 503), b  # the update may have switched before the kill
+        server.proc.wait(timeout=120)
+        assert server.proc.returncode != 0
+    finally:
+        stop_server(server)
+    again = start_server(folders["s2"], 2, tmp_path / "again")
+    try:
+        assert again.health()["system_fingerprint"] == "fp_" + model.model_sha256[:16]
+        again.ok()
+    finally:
+        stop_server(again)
+
+
+@pytest.mark.slow
+@pytest.mark.with_slurm
+def test_abort_on_one_stage_ends_the_running_requests_and_serves_on(folders, tiny_models, tmp_path):
+    """Policy abort on a one-stage server (stage 0 is also the last: the running sequences end
+    at once, not when their tokens come back): each running stream ends, 200, finish reason
+    abort, on the old weights; the server serves the new ones."""
+    model, other = read_meta(folders["model"]), read_meta(folders["other"])
+    server = start_server(tiny_models[1], 1, tmp_path, serve={"max_tokens": 60})
+    try:
+        streams: list = []
+        started = [threading.Event() for _ in range(8)]
+
+        def run(k: int) -> None:
+            body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 60, "temperature": 0}
+            streams.append(_stream(server, body, started=started[k]))
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(timeout=60)
+        status, b = server.request(
+            "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "abort"}
+        )
+        assert status == 200 and b["changed"], b
+        for t in threads:
+            t.join(timeout=60)
+        assert len(streams) == 8
+        for chunks in streams:
+            assert {c["system_fingerprint"] for c in chunks} == {"fp_" + model.model_sha256[:16]}
+        reasons = [[ch["finish_reason"] for c in s for ch in c["choices"]][-1] for s in streams]
+        assert "abort" in reasons, reasons
+        status, b = server.request("POST", "/v1/completions", {"prompt": "A", "max_tokens": 3})
+        assert status == 200 and b["system_fingerprint"] == "fp_" + other.model_sha256[:16]
+    finally:
+        stop_server(server)
+
+
+def _stage_pid(server, stage: int) -> int:
+    for info in server.health()["pipeline"]:
+        if info["stage"] == stage:
+            return int(info["pid"])
+    raise AssertionError(f"no stage {stage} in /health")
