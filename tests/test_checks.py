@@ -197,7 +197,8 @@ def test_the_gpu_check_plans_every_figure_in_calls_of_nine_minutes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     steps = {s["step"]: s for s in summary["steps"]}
     planned = [s["step"] for s in summary["steps"] if s.get("why") == "dry run"]
-    figures = ["train", "train-smollm2", "train-fsdp", "serve", "serve-profile", "infer"]
+    serving = ["serve", "serve-profile", "serve-update"]
+    figures = ["train", "train-smollm2", "train-fsdp", *serving, "infer"]
     assert planned == ["install", *figures, "workflow", "tests"]
     assert steps["uccl"]["why"].startswith("no uccl wheel")
     assert steps["extra"]["why"].startswith("not asked for")

@@ -43,7 +43,8 @@
 #                                      CPU and stage 0's wall, host and device (CUDA events) time
 #                                      a micro-batch; then serve-profile (60 s): py-spy on the API
 #                                      process and stage 0 at 64 clients (profile_serve.py), into
-#                                      the same file
+#                                      the same file; then serve-update (60 s): 5 live weight
+#                                      updates at 64 clients (bench_update.py), into the same file
 #   infer           29 s       80 s    benchmarks/inference/bench.py --batch-only: the one-stage
 #                                      pipeline, 32 prompts in flight, beside batched `generate`
 #                                      (the same folder as serve)
@@ -250,6 +251,12 @@ run_serve() {
   step serve-profile 60 $py benchmarks/inference/profile_serve.py --device cuda \
     --model "$model" --clients 64 --seconds 8 --warmup 5 --note "benchmarks/gpu/run.sh" \
     --out "$work/serve-profile-gpu.json" --merge-into "$out/serve-results-gpu.json"
+  # #65: live weight updates at 64 clients (5 from disk: the folder and seeded other weights
+  # of its shape, each as a model folder and a pipeline folder), what each update took
+  step serve-update 60 $py benchmarks/inference/bench_update.py --device cuda \
+    --model "$model" --other perturbed --clients 64 --updates 5 --steady-s 5 --between-s 2 \
+    --max-tokens 32 --threads 4 --out "$work/update-results-gpu.json" \
+    --merge-into "$out/serve-results-gpu.json"
 }
 
 # -- batch inference: the pipeline against batched `generate`, on the trained folder -----------

@@ -60,6 +60,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--merge-into",
+        default=None,
+        help="a results file (bench_serve.py's) to add these figures to, as its `update`",
+    )
     return ap.parse_args()
 
 
@@ -149,7 +154,7 @@ def main() -> None:
     weights = {"A": read_meta(model).model_sha256, "B": read_meta(other).model_sha256}
     fp = {fingerprint(w): k for k, w in weights.items()}
     ref = {
-        k: bs.generate_texts(folder, prompts, args.max_tokens)
+        k: bs.generate_texts(folder, prompts, args.max_tokens, args.device)
         for k, folder in (("A", model), ("B", other))
     }
     sources = [
@@ -269,6 +274,10 @@ def main() -> None:
     print(json.dumps({k: v for k, v in doc.items() if k != "updates"}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.merge_into and Path(args.merge_into).is_file():
+        into = json.loads(Path(args.merge_into).read_text())
+        into["update"] = doc
+        Path(args.merge_into).write_text(json.dumps(into, indent=1) + "\n")
 
 
 def _matches(r: dict, text: str) -> bool:
