@@ -54,8 +54,10 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class Header:
-    """One tensor as a safetensors header describes it: dtype, shape, byte range in the data."""
+    """One tensor as a safetensors header describes it: its name there, dtype, shape, and its
+    byte range in the file."""
 
+    name: str
     dtype: str
     shape: tuple[int, ...]
     start: int
@@ -80,17 +82,26 @@ class WeightFiles:
     def nbytes(self) -> int:
         return sum(h.end - h.start for _, h in self.tensors.values())
 
-    def check_names(self, expected: Iterable[str], tied: Mapping[str, str]) -> None:
-        """Every tensor of the running model (`expected`: every stage's names) is here and
-        nothing else is; the error names the tensor (each stage checks its tensors' shapes as it
-        stages them). A tied copy (`tied`: copy -> its source: the last stage's head) may be
-        absent: its source stands for it."""
-        expected = set(expected)
-        for name in sorted(expected):
-            if name not in self.tensors and tied.get(name) not in self.tensors:
+    def held(self, names: Iterable[str], tied: Mapping[str, str]) -> dict[str, tuple[str, Header]]:
+        """Where each of `names` is held: (file, header); a tied copy (`tied`: copy -> its
+        source, the last stage's head) by its source when the folder has no copy of its own.
+        A name held nowhere is missing: the error names it."""
+        out = {}
+        for name in names:
+            held = self.tensors.get(name) or self.tensors.get(tied.get(name, ""))
+            if held is None:
                 raise DistlmError(
                     f"{self.folder}: tensor {name!r} of the running model is missing ({self.kind})"
                 )
+            out[name] = held
+        return out
+
+    def check_names(self, expected: Iterable[str], tied: Mapping[str, str]) -> None:
+        """Every tensor of the running model (`expected`: every stage's names) is here and
+        nothing else is; the error names the tensor (each stage checks its tensors' shapes as it
+        stages them)."""
+        expected = set(expected)
+        self.held(sorted(expected), tied)
         extra = sorted(set(self.tensors) - expected - set(tied.values()))
         if extra:
             raise DistlmError(
@@ -195,7 +206,7 @@ def _header(fd, f: str) -> dict[str, Header]:
             count *= s
         if not (0 <= b <= e and base + e <= size and e - b == count * _itemsize(dtype)):
             raise DistlmError(f"{f}: tensor {name!r}: its bytes lie outside the file (truncated?)")
-        out[str(name)] = Header(dtype, shape, base + b, base + e)
+        out[str(name)] = Header(str(name), dtype, shape, base + b, base + e)
     return out
 
 
@@ -209,12 +220,7 @@ def read_tensors(
     """The tensors `names` (transformers' names: one pipeline stage's; a tied copy read from its
     source), in host memory. Every file that holds one is checked against its sha256 first,
     through the open file it is then read from."""
-    want: dict[str, tuple[str, str]] = {}  # name -> (file, the name it has there)
-    for name in names:
-        held = name if name in src.tensors else tied.get(name, "")
-        if held not in src.tensors:
-            raise DistlmError(f"{src.folder}: tensor {name!r} is missing ({src.kind})")
-        want[name] = (src.tensors[held][0], held)
+    want = {n: (f, h.name) for n, (f, h) in src.held(names, tied).items()}  # (file, its name)
     out: dict[str, torch.Tensor] = {}
     for f in sorted({f for f, _ in want.values()}):
         with _open(f) as fd:
@@ -229,7 +235,8 @@ def read_tensors(
                 buf = bytearray(h.end - h.start)
                 if os.preadv(fd.fileno(), [buf], h.start) != len(buf):
                     raise DistlmError(f"{f}: tensor {held!r}: the file ended early")
-                t = torch.frombuffer(buf, dtype=_DTYPES[h.dtype]) if buf else torch.empty(0)
+                dtype = _DTYPES[h.dtype]
+                t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
                 out[name] = t.reshape(h.shape)
     return out
 

@@ -63,13 +63,10 @@ class Staging:
         try:
             names = list(m.blocks.hf_tensors())
             need = sum(p.numel() * p.element_size() for p in m.blocks.parameters())
-            held = {
-                source.tensors.get(n, source.tensors.get(tied.get(n, ""), ("", None)))[1]
-                for n in names
-            }
-            reads = sum(h.end - h.start for h in held if h is not None)
-            if m.device.type == "cpu":
-                need += reads  # the tensors as read, beside their copy in the model's dtype
+            if (
+                m.device.type == "cpu"
+            ):  # the tensors as read, beside their copy in the model's dtype
+                need += sum(h.end - h.start for _, h in source.held(names, tied).values())
             free = free_bytes(m.device)
             if need + _MEMORY_MARGIN > free:
                 raise DistlmError(
@@ -124,7 +121,6 @@ class Outcome:
     """How an update ended: what stage 0 tells the API process that asked, and /health."""
 
     update: int
-    ok: bool
     status: int  # 200, 400 (refused, or not staged), 409 (another update is in progress)
     message: str
     source: str
@@ -175,7 +171,6 @@ class Updater:
         def refused(message: str, *, kind: str = "", status: int = 400) -> Outcome:
             return Outcome(
                 self.n,
-                status == 200,
                 status,
                 message,
                 path,
@@ -283,7 +278,6 @@ class Updater:
         self.done(
             Outcome(
                 r.update,
-                r.commit,
                 200 if r.commit else 400,
                 msg,
                 r.src.folder,
