@@ -41,7 +41,7 @@ ROUTE = "/update_weights_from_disk"
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--model", required=True, help="the served model folder (weights A)")
     ap.add_argument(
         "--other",
