@@ -34,6 +34,8 @@ END = "<!-- /performance -->"
 SERVE = "benchmarks/inference/serve-results.json"
 PEERS = "benchmarks/inference/serve-results-peers.json"
 BATCH = "benchmarks/inference/results.json"
+UPDATE = "benchmarks/inference/update-results.json"
+UPDATE_P99 = 2.0  # issue #65: p99 during a live update at most 2x the steady p99, 0 failures
 TRAIN = "benchmarks/train/results-cpu.json"
 TRAIN_GPT2 = "benchmarks/train/results-cpu-gpt2.json"
 E2E = "benchmarks/e2e/results-gpt2-small-cpu.json"
@@ -363,8 +365,27 @@ def code_of(rel: str, data: dict[str, Any]) -> str:
     return f"committed in {sha}, measured before it" if sha else "not committed yet"
 
 
+def update_rows() -> list[Row]:
+    """Live weight updates under load (bench_update.py): no failure, no answer from mixed
+    weights, no greedy answer other than `generate`'s, and the p99 during an update."""
+    d = load(UPDATE)
+    clean = d["failed"] == 0 and d["mixed_or_unknown_weights"] == 0 and d["greedy_differs"] == 0
+    return [
+        Row(
+            f"serving, live weight updates ({d['args']['updates']} from disk, policy "
+            f"{d['args']['policy']}), {d['args']['clients']} clients: p99 during an update",
+            "the same server's steady p99",
+            f"{ratio(d['p99_ratio'], UPDATE_P99)}; {d['failed']} failed, "
+            f"{d['mixed_or_unknown_weights']} mixed",
+            f"≤ {UPDATE_P99:g}x, 0 failed",
+            clean and d["p99_ratio"] <= UPDATE_P99,
+            UPDATE,
+        )
+    ]
+
+
 def render() -> str:
-    rows = serving_rows() + batch_rows() + training_rows() + e2e_rows() + gpu_rows()
+    rows = serving_rows() + update_rows() + batch_rows() + training_rows() + e2e_rows() + gpu_rows()
     header = ["what", "distlm against", "device", "measured", "goal", "", "from"]
     lines = [
         BEGIN,

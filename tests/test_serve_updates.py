@@ -150,8 +150,8 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
     the tensor and leaves the weights as they were; the right ones, copied in, give the logits of
     a stage loaded afresh from them."""
     from distlm.inference.engine.pipeline_stage import Item, load_stage
-    from distlm.inference.engine.ring import Stage, Swap
-    from distlm.inference.engine.update import Staging
+    from distlm.inference.engine.ring import Prepare, Swap
+    from distlm.inference.engine.update import NewWeights
 
     stage = load_stage(folders["s2"], 1, world=2)
     fresh = load_stage(folders["other-s2"], 1, world=2)
@@ -166,7 +166,7 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
 
     bad = weight_files(folders["misshapen"])
     name = next(n for n in bad.tensors if n.endswith("ln_f.weight"))
-    s = Staging(stage, Stage(1, bad, tied))
+    s = NewWeights(stage, Prepare(1, bad, tied))
     while not s.done():
         time.sleep(0.01)
     assert s.word is not None and s.word.error is not None
@@ -174,7 +174,7 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
     s.finish(Swap(1, commit=False))
     assert all(torch.equal(v, before[k]) for k, v in stage.state_dict().items())
 
-    s = Staging(stage, Stage(2, weight_files(folders["other-s2"]), tied))
+    s = NewWeights(stage, Prepare(2, weight_files(folders["other-s2"]), tied))
     while not s.done():
         time.sleep(0.01)
     assert s.word is not None and s.word.error is None and s.word.bytes > 0

@@ -253,11 +253,23 @@ def main() -> None:
     steady = [
         r["t1"] - r["t0"] for r in warm if not any(r["t0"] < b and r["t1"] > a for a, b in windows)
     ]
+    import torch
+    import transformers
+
     doc = {
         "what": "live weight updates under load (bench_update.py)",
-        "git": git_revision(),
-        "device": args.device,
-        "host": platform.node(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "revision": git_revision(),  # the code measured (benchmarks/provenance.py)
+        # the GPU's name, or cpu (benchmarks/summary.py's device column)
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "load_avg": os.getloadavg(),
+        },
         "args": vars(args),
         "requests": len(results),
         "failed": len(failed),

@@ -22,12 +22,15 @@ engine/  the pipeline (inside the MPI job)
     bootstrap.py   starting a rank: threads, its shard, the ring, MPI_Abort on any failure
     batch.py       the inference stage: a prompt file in, generations and timing out
     serve.py       serve mode inside the job: stage 0 takes requests over ZeroMQ
+    update.py      a live weight update: each stage's new weights made ready beside the served
+                   ones, then every stage switched between two micro-batches, or none
 
 server/  the API server (one process outside the job)
     supervisor.py  the process: uvicorn, the MPI job it starts and watches, signals
     transport.py   uvicorn's h11 with a header deadline and a lingering close; the open-file limit
     app.py         FastAPI routes: /v1/completions, /v1/chat/completions (one request path),
-                   /v1/models, /health, /metrics
+                   /v1/models, /health, /metrics, /update_weights_from_disk
+    updates.py     the update route: its body, who may, waiting for the engine's answer
     state.py       what the routes hold, and the narrow objects of the two steps below
     requests.py    the completions and chat request models, body limits, JSON guards
     chat.py        a chat's messages checked and rendered by the folder's chat template

@@ -22,7 +22,9 @@ stages: config.json, the tokenizer, distlm.json (the source folder and its sha25
 
 The package, by part (what each model family knows is `distlm.family`): `layout` (file names, formats), `source` (the model stage's side: config, seeded init, hub or local source, through transformers),
 `folder` (model folders: write, load, verify), `shards` (pipeline folders: plan, write, load),
-`stage` (the model stage: `serialize`). Import from `distlm.model`.
+`stage` (the model stage: `serialize`), `weights` (a folder's weights as a running server takes
+them: which file holds which tensor, each file's sha256, one stage's tensors read; imported as
+`distlm.model.weights`). Import the rest from `distlm.model`.
 """
 
 from __future__ import annotations

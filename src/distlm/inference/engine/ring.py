@@ -4,8 +4,8 @@ point-to-point, every wait with a deadline).
 
     stage 0 --Work--> stage 1 --Work--> ... --Work--> last stage --Tokens--> stage 0
     Hello and Stop go round once each, at start (where each stage runs) and at the end (its stats).
-    A live update of the weights (engine/update.py): Stage goes round (each stage starts staging
-    its part), each stage's Staged rides the next Work / Tokens past it, then Swap goes round
+    A live update of the weights (engine/update.py): Prepare goes round (each stage starts staging
+    its part), each stage's Prepared rides the next Work / Tokens past it, then Swap goes round
     (each stage switches, or drops what it staged). Messages keep their order, so a Swap falls
     between the same two micro-batches on every stage.
 
@@ -40,7 +40,7 @@ from distlm.runtime.dist import Topology
 
 # 1: typed StageInfo / StageBrief / StageStats, Work.release
 # 2: StageBrief's device_s and micro_batches
-# 3: Stage, Swap; Work.staged, Tokens.staged (live weight updates)
+# 3: Prepare, Swap; Work.staged, Tokens.staged (live weight updates)
 RING_VERSION = 3
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
@@ -217,7 +217,7 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Stage:
+class Prepare:
     """Round the ring: each stage starts staging its part of update `update`'s weights (read,
     verified, built beside the served ones, in a thread) and passes this on at once."""
 
@@ -227,7 +227,7 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class Staged:
+class Prepared:
     """A stage's word on its staging of `update`: `error` None when its part is ready."""
 
     update: int
@@ -256,7 +256,7 @@ class Work:
     # lanes whose sequences ended since the last message: each stage frees their KV cache (and
     # the last stage their sampling state) before it runs this micro-batch
     release: tuple[int, ...] = ()
-    staged: tuple[Staged, ...] = ()  # stages' words on an update's staging, as they pass
+    staged: tuple[Prepared, ...] = ()  # stages' words on an update's staging, as they pass
 
 
 @dataclass(frozen=True)
@@ -265,11 +265,11 @@ class Tokens:
 
     picks: tuple[Pick, ...]
     stats: tuple[StageBrief, ...] = ()
-    staged: tuple[Staged, ...] = ()
+    staged: tuple[Prepared, ...] = ()
 
 
-RingMessage = Hello | Stop | Work | Tokens | Stage | Swap
-RING_KINDS = (Hello, Stop, Work, Tokens, Stage, Swap)
+RingMessage = Hello | Stop | Work | Tokens | Prepare | Swap
+RING_KINDS = (Hello, Stop, Work, Tokens, Prepare, Swap)
 
 
 def open_envelope(got, *, rank: int, prev: int) -> RingMessage:

@@ -35,10 +35,10 @@ from distlm.inference.engine.ring import (
     Hello,
     Pick,
     PipelineError,
+    Prepare,
+    Prepared,
     Ring,
     Slot,
-    Stage,
-    Staged,
     Stop,
     Swap,
     Tokens,
@@ -155,8 +155,8 @@ class Scheduler:
         # a live update (engine/update.py): while set, a waiting sequence for which it is true
         # does not start; what comes back round the ring of an update's messages goes to `on_ring`
         self.hold: Callable[[Sequence], bool] | None = None
-        self.on_ring: Callable[[Stage | Swap], None] | None = None
-        self.words: list[Staged] = []  # stages' words on an update's staging, as they came
+        self.on_ring: Callable[[Prepare | Swap], None] | None = None
+        self.words: list[Prepared] = []  # stages' words on an update's staging, as they came
 
     # -- public
 
@@ -247,7 +247,7 @@ class Scheduler:
         if self.ring is not None and not self.inflight:
             self._send_work((), None)
 
-    def send_ring(self, msg: Stage | Swap) -> None:
+    def send_ring(self, msg: Prepare | Swap) -> None:
         """An update's message round the ring (it comes back to `on_ring`)."""
         if self.ring is None:
             raise PipelineError("stage 0: a one-stage pipeline sends nothing")
@@ -274,7 +274,7 @@ class Scheduler:
             return [self.stats.to_dict()]
         ring.send(Stop((replace(self.stats),)))
         msg = ring.recv()
-        while isinstance(msg, (Tokens, Stage, Swap)):  # a heartbeat or an update on its way
+        while isinstance(msg, (Tokens, Prepare, Swap)):  # a heartbeat or an update on its way
             msg = ring.recv()
         if not isinstance(msg, Stop):
             raise PipelineError(f"stage 0: expected Stop back, got {type(msg).__name__}")
@@ -392,7 +392,7 @@ class Scheduler:
         self.last_send = time.monotonic()
 
     def _reply(self, msg) -> None:
-        if isinstance(msg, (Stage, Swap)) and self.on_ring is not None:
+        if isinstance(msg, (Prepare, Swap)) and self.on_ring is not None:
             self.inflight -= 1
             self.progress_at = time.monotonic()
             self.on_ring(msg)

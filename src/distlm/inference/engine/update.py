@@ -3,9 +3,9 @@ ones it serves, then all switch between the same two micro-batches, or none does
 
     API process --Update--> stage 0 (its channel)
     stage 0 checks the folder (distlm.model.weights: its documents, its tensors' names, the
-        architecture), starts staging its own part and sends Stage round the ring
+        architecture), starts staging its own part and sends Prepare round the ring
     each stage stages in a thread (its files' sha256, its tensors read, shapes checked, built on
-        its device; the memory counted first); its word (Staged) rides the next message past it
+        its device; the memory counted first); its word (Prepared) rides the next message past it
     all staged: the policy. `wait`: no request starts; the running ones end on the old weights.
         `abort`: the running requests end now, finish reason "abort". No sequence is ever
         produced by two sets of weights.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from distlm import DistlmError
 from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
-from distlm.inference.engine.ring import Stage, Staged, Swap
+from distlm.inference.engine.ring import Prepare, Prepared, Swap
 from distlm.model.weights import WeightFiles, args_of, read_tensors, weight_files
 from distlm.runtime.device import free_bytes, stream_synchronize
 
@@ -43,13 +43,13 @@ ABORT = "abort"  # the finish reason of a sequence ended by an update (policy ab
 _MEMORY_MARGIN = 256 << 20  # what staging leaves free on the device, beyond its own need
 
 
-class Staging:
-    """One stage's part of update `update`, staged in a thread: `word` is its Staged once done."""
+class NewWeights:
+    """One stage's part of update `update`, staged in a thread: `word` is its Prepared once done."""
 
-    def __init__(self, model: StageModel, msg: Stage) -> None:
+    def __init__(self, model: StageModel, msg: Prepare) -> None:
         self.model, self.update = model, msg.update
         self.staged: dict | None = None
-        self.word: Staged | None = None
+        self.word: Prepared | None = None
         self.told = False  # its word went to stage 0
         self._thread = threading.Thread(
             target=self._run, args=(msg.source, msg.tied), name=f"staging-{msg.update}", daemon=True
@@ -86,12 +86,12 @@ class Staging:
         if error is not None:
             self.staged = None
             log.warning("%s: update %d not staged: %s", where, self.update, error)
-        self.word = Staged(self.update, m.stage, error, nbytes, time.perf_counter() - t0)
+        self.word = Prepared(self.update, m.stage, error, nbytes, time.perf_counter() - t0)
 
     def done(self) -> bool:
         return self.word is not None
 
-    def take_word(self) -> Staged | None:
+    def take_word(self) -> Prepared | None:
         """Its word, once, when done (what rides the next message past this stage)."""
         if self.word is None or self.told:
             return None
@@ -145,7 +145,7 @@ class Updater:
         stages: int,
         tied: dict[str, str],
         expected: set[str],
-        ring_send: Callable[[Stage | Swap], None] | None,
+        ring_send: Callable[[Prepare | Swap], None] | None,
         hold: Callable[[bool], None],
         cancel_open: Callable[[], None],
         idle: Callable[[], bool],
@@ -196,9 +196,9 @@ class Updater:
         if src.digest == weights:
             return refused("these weights are already served", kind=src.kind, status=200)
         self.run = _Run(self.n, to, src, policy, t0, weights)
-        self.run.mine = Staging(self.model, Stage(self.n, src, self.tied))
+        self.run.mine = NewWeights(self.model, Prepare(self.n, src, self.tied))
         if self.ring_send is not None:
-            self.ring_send(Stage(self.n, src, self.tied))
+            self.ring_send(Prepare(self.n, src, self.tied))
         log.info("update %d: staging %s (%s), policy %s", self.n, src.folder, src.kind, policy)
         return None
 
@@ -246,7 +246,7 @@ class Updater:
             self._end(r)
         return False
 
-    def echoed(self, msg: Stage | Swap) -> None:
+    def echoed(self, msg: Prepare | Swap) -> None:
         """An update's message came back round the ring; a Swap: every stage has done it."""
         if isinstance(msg, Swap) and self.run is not None and msg.update == self.run.update:
             self.run.echoed = True
@@ -305,8 +305,8 @@ class _Run:
     ) -> None:
         self.update, self.to, self.src, self.policy, self.t0 = update, to, src, policy, t0
         self.served = served  # the weights before it
-        self.mine: Staging | None = None
-        self.words: dict[int, Staged] = {}
+        self.mine: NewWeights | None = None
+        self.words: dict[int, Prepared] = {}
         self.phase = "staging"  # -> draining -> switching
         self.commit = False
         self.echoed = False

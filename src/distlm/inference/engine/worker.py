@@ -2,7 +2,7 @@
 
 The last stage picks each sequence's next token (sampler.last_stage) and sends the picks back to
 stage 0 as Tokens. Lanes stage 0 freed arrive with a Work message (Work.release) and are freed
-here before its micro-batch runs. A live update's Stage starts this stage's staging (in a thread,
+here before its micro-batch runs. A live update's Prepare starts this stage's staging (in a thread,
 engine/update.py) and goes on at once; the staging's word rides the next Work or Tokens past this
 stage; Swap switches to the staged weights, or drops them, and goes on.
 """
@@ -19,8 +19,8 @@ from distlm.inference.engine.ring import (
     Hello,
     Pick,
     PipelineError,
+    Prepare,
     Ring,
-    Stage,
     Stop,
     Swap,
     Tokens,
@@ -30,7 +30,7 @@ from distlm.inference.engine.ring import (
     to_wire,
 )
 from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage, release_lanes
-from distlm.inference.engine.update import Staging
+from distlm.inference.engine.update import NewWeights
 from distlm.inference.stats import StageStats
 
 
@@ -38,11 +38,11 @@ def worker_loop(model: StageModel, ring: Ring, stats: StageStats) -> None:
     """A later stage: forward what arrives, pass it on (or the picked tokens back); until stop."""
     sampler = Sampler()
     last = ring.topo.is_last
-    staging: Staging | None = None
+    staging: NewWeights | None = None
     while True:
         msg = ring.recv()
-        if isinstance(msg, Stage):
-            staging = Staging(model, msg)
+        if isinstance(msg, Prepare):
+            staging = NewWeights(model, msg)
             ring.send(msg)
         elif isinstance(msg, Swap):
             if staging is None:
