@@ -34,7 +34,7 @@ from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Prepare, Prepared, Swap
 from distlm.model.weights import WeightFiles, args_of, read_tensors, weight_files
-from distlm.runtime.device import free_bytes, stream_synchronize
+from distlm.runtime.device import free_bytes, is_gpu, stream_synchronize
 
 log = get_logger(__name__)
 
@@ -63,9 +63,7 @@ class NewWeights:
         try:
             names = list(m.blocks.hf_tensors())
             need = sum(p.numel() * p.element_size() for p in m.blocks.parameters())
-            if (
-                m.device.type == "cpu"
-            ):  # the tensors as read, beside their copy in the model's dtype
+            if not is_gpu(m.device):  # the tensors as read, in host memory beside their copy
                 need += sum(h.end - h.start for _, h in source.held(names, tied).values())
             free = free_bytes(m.device)
             if need + _MEMORY_MARGIN > free:
