@@ -442,6 +442,54 @@ def test_abort_on_one_stage_ends_the_running_requests_and_serves_on(folders, tin
         stop_server(server)
 
 
+@pytest.mark.slow
+@pytest.mark.with_slurm
+def test_two_api_processes_hear_the_new_weights(folders, tmp_path):
+    """serve.api_servers 2: an update asked of one process reaches both (stage 0 tells every
+    channel): after it, every answer from either names the new weights and is `generate`'s on
+    them, and a process started again (killed) hears the weights served now."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import _api_processes
+
+    other = read_meta(folders["other"])
+    new = "fp_" + other.model_sha256[:16]
+    want = _greedy(folders["other"], PROMPTS[0], 6)
+    server = start_server(folders["s2"], 2, tmp_path, serve={"api_servers": 2})
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+
+    def ask(_: int) -> tuple[str, str]:
+        status, b = server.request("POST", "/v1/completions", body)
+        assert status == 200, b
+        return b["system_fingerprint"], b["choices"][0]["text"]
+
+    def both_answered_since(mark: int) -> bool:
+        log = server.log.read_text()[mark:]
+        return all(re.search(rf"api{k}.*POST /v1/completions 200", log) for k in (1, 2))
+
+    try:
+        status, b = server.request(
+            "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "wait"}
+        )
+        assert status == 200 and b["changed"], b
+        mark = len(server.log.read_text())
+        with ThreadPoolExecutor(8) as pool:  # a connection each: both processes take some
+            got = list(pool.map(ask, range(24)))
+        assert set(got) == {(new, want)}, set(got)
+        assert both_answered_since(mark), server.log.read_text()[-3000:]
+        # a process killed and started again attaches, and stage 0's Ready names the weights
+        os.kill(_api_processes(server.proc.pid)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not re.search(r"API server process \d \(start 2\) serving", server.log.read_text()):
+            assert time.monotonic() < deadline, server.log.read_text()[-3000:]
+            time.sleep(0.2)
+        with ThreadPoolExecutor(8) as pool:
+            assert set(pool.map(ask, range(24))) == {(new, want)}
+    finally:
+        stop_server(server)
+
+
 def _stage_pid(server, stage: int) -> int:
     for info in server.health()["pipeline"]:
         if info["stage"] == stage:
