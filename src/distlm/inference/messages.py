@@ -101,6 +101,11 @@ class Shutdown:
     reason: str = "the server is shutting down"
 
 
+# how in-flight requests meet a live weight update (Update.policy): `wait` (the default) holds new
+# requests while the running ones end on the old weights, `abort` ends the running ones now
+Policy = Literal["wait", "abort"]
+
+
 @dataclass(frozen=True)
 class Update:
     """Load new weights from `path` (a model folder, a pipeline folder or a whole training
@@ -112,7 +117,7 @@ class Update:
 
     rid: int
     path: str
-    policy: Literal["wait", "abort"] = "wait"
+    policy: Policy = "wait"
 
 
 # ----------------------------------------------------------------------------- engine -> API server

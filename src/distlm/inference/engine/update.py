@@ -33,13 +33,13 @@ from distlm import DistlmError
 from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Prepare, Prepared, Swap
+from distlm.inference.messages import Policy
 from distlm.model.weights import WeightFiles, args_of, read_tensors, weight_files
 from distlm.runtime.device import free_bytes, is_gpu, stream_synchronize
 
 log = get_logger(__name__)
 
-POLICIES = ("wait", "abort")
-ABORT = "abort"  # the finish reason of a sequence ended by an update (policy abort)
+ABORT = "abort"  # policy abort, and the finish reason of the sequences it ends
 _MEMORY_MARGIN = 256 << 20  # what staging leaves free on the device, beyond its own need
 
 
@@ -131,10 +131,11 @@ class Outcome:
 
 class Updater:
     """Stage 0's side of updates, one at a time; the engine calls `begin` for an Update and
-    `poll` before each step. `stage`/`swap` send a message round the ring (None: a one-stage
-    pipeline); `hold(fn)` sets the scheduler's admission gate; `cancel_open()` ends the running
-    requests (policy abort); `idle()` whether no sequence is open; `switched(weights)` tells the
-    API processes; `done(outcome, to)` answers the one that asked."""
+    `poll` before each step. `ring_send` sends a Prepare or Swap round the ring (None: a
+    one-stage pipeline); `hold(on)` closes or opens the scheduler's admission gate;
+    `cancel_open()` ends the running requests (policy abort); `idle()` whether no sequence
+    runs; `switched(weights)` records the weights now served; `done(outcome, to)` tells the API
+    processes (the new weights to all, the outcome to the one that asked)."""
 
     def __init__(
         self,
@@ -160,7 +161,7 @@ class Updater:
     def busy(self) -> bool:
         return self.run is not None
 
-    def begin(self, to: tuple[int, int], path: str, policy: str, weights: str) -> Outcome | None:
+    def begin(self, to: tuple[int, int], path: str, policy: Policy, weights: str) -> Outcome | None:
         """Start an update for the request `to` (channel, rid); an Outcome at once when it cannot
         start (another is running, the folder is refused, or it holds the weights served)."""
         self.n += 1
@@ -181,8 +182,6 @@ class Updater:
 
         if self.run is not None:
             return refused(f"update {self.run.update} is in progress; one at a time", status=409)
-        if policy not in POLICIES:
-            return refused(f"policy {policy!r}: one of {', '.join(POLICIES)}")
         try:
             src = weight_files(path)
             src.check_names(self.expected, self.tied)
@@ -297,7 +296,7 @@ class _Run:
         update: int,
         to: tuple[int, int],
         src: WeightFiles,
-        policy: str,
+        policy: Policy,
         t0: float,
         served: str,
     ) -> None:

@@ -274,6 +274,8 @@ def field_path(loc) -> str:
 
 
 def _validation_error(e: ValidationError, route: str) -> RequestError:
+    """The first of a body's errors, naming its field; `route`: whose fields the body may have
+    (an OpenAI route's name, or distlm's own route's path)."""
     err = e.errors()[0]
     loc = [x for x in err["loc"] if not _UNION_TAG.match(str(x))]
     param = str(loc[0]) if loc else None
@@ -281,7 +283,8 @@ def _validation_error(e: ValidationError, route: str) -> RequestError:
     if err["type"] == "missing":
         return RequestError(f"{where}: required", param=param)
     if err["type"] == "extra_forbidden":
-        return RequestError(f"{where}: unknown field (OpenAI's {route} fields only)", param=param)
+        whose = f"{route}'s" if route.startswith("/") else f"OpenAI's {route}"
+        return RequestError(f"{where}: unknown field ({whose} fields only)", param=param)
     return RequestError(
         f"{where}: {err['msg'].lower()}, got {short(err.get('input'))}", param=param
     )

@@ -21,11 +21,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from distlm.inference.messages import Error, Update, Updated, fingerprint
+from distlm.inference.messages import Error, Policy, Update, Updated, fingerprint
 from distlm.inference.prompts import RequestError
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.requests import _validation_error, parse_json
@@ -39,7 +38,7 @@ class UpdateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model_path: str = Field(min_length=1, max_length=4096)
-    policy: Literal["wait", "abort"] = "wait"
+    policy: Policy = "wait"
 
 
 class UpdateAnswer(BaseModel):
