@@ -446,10 +446,10 @@ def test_abort_on_one_stage_ends_the_running_requests_and_serves_on(folders, tin
 @pytest.mark.with_slurm
 def test_two_api_processes_hear_the_new_weights(folders, tmp_path):
     """serve.api_servers 2: an update asked of one process reaches both (stage 0 tells every
-    channel): after it, every answer from either names the new weights and is `generate`'s on
-    them, and a process started again (killed) hears the weights served now."""
+    channel): after it, each process alone (the other stopped, so that it takes every
+    connection) answers with the new weights' fingerprint and `generate`'s text on them; a
+    process killed and started again hears the weights served now."""
     import re
-    from concurrent.futures import ThreadPoolExecutor
 
     from test_server import _api_processes
 
@@ -459,33 +459,43 @@ def test_two_api_processes_hear_the_new_weights(folders, tmp_path):
     server = start_server(folders["s2"], 2, tmp_path, serve={"api_servers": 2})
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
 
-    def ask(_: int) -> tuple[str, str]:
+    def ask() -> tuple[str, str]:
         status, b = server.request("POST", "/v1/completions", body)
         assert status == 200, b
         return b["system_fingerprint"], b["choices"][0]["text"]
 
-    def both_answered_since(mark: int) -> bool:
-        log = server.log.read_text()[mark:]
-        return all(re.search(rf"api{k}.*POST /v1/completions 200", log) for k in (1, 2))
+    def each_alone() -> None:
+        pids = _api_processes(server.proc.pid)
+        assert len(pids) == 2, pids
+        for alone in pids:
+            others = [p for p in pids if p != alone]
+            for p in others:
+                os.kill(p, signal.SIGSTOP)
+            try:
+                got = {ask() for _ in range(3)}
+            finally:
+                for p in others:
+                    os.kill(p, signal.SIGCONT)
+            assert got == {(new, want)}, (alone, got)
+
+    def logged(pattern: str) -> None:
+        deadline = time.monotonic() + 60
+        while not re.search(pattern, server.log.read_text()):
+            assert time.monotonic() < deadline, server.log.read_text()[-3000:]
+            time.sleep(0.2)
 
     try:
+        for k in (1, 2):  # both attached (stage 0 answered them) before the update
+            logged(rf"api{k}.*API server process {k} \(start 1\) serving")
         status, b = server.request(
             "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "wait"}
         )
         assert status == 200 and b["changed"], b
-        mark = len(server.log.read_text())
-        with ThreadPoolExecutor(8) as pool:  # a connection each: both processes take some
-            got = list(pool.map(ask, range(24)))
-        assert set(got) == {(new, want)}, set(got)
-        assert both_answered_since(mark), server.log.read_text()[-3000:]
+        each_alone()
         # a process killed and started again attaches, and stage 0's Ready names the weights
         os.kill(_api_processes(server.proc.pid)[0], signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while not re.search(r"API server process \d \(start 2\) serving", server.log.read_text()):
-            assert time.monotonic() < deadline, server.log.read_text()[-3000:]
-            time.sleep(0.2)
-        with ThreadPoolExecutor(8) as pool:
-            assert set(pool.map(ask, range(24))) == {(new, want)}
+        logged(r"API server process \d \(start 2\) serving")
+        each_alone()
     finally:
         stop_server(server)
 
