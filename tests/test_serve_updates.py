@@ -166,7 +166,7 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
 
     bad = weight_files(folders["misshapen"])
     name = next(n for n in bad.tensors if n.endswith("ln_f.weight"))
-    s = NewWeights(stage, Prepare(1, bad, tied))
+    s = NewWeights(stage, Prepare(1, bad, tied, 2))
     while not s.done():
         time.sleep(0.01)
     assert s.word is not None and s.word.error is not None
@@ -174,7 +174,7 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
     s.finish(Swap(1, commit=False))
     assert all(torch.equal(v, before[k]) for k, v in stage.state_dict().items())
 
-    s = NewWeights(stage, Prepare(2, weight_files(folders["other-s2"]), tied))
+    s = NewWeights(stage, Prepare(2, weight_files(folders["other-s2"]), tied, 2))
     while not s.done():
         time.sleep(0.01)
     assert s.word is not None and s.word.error is None and s.word.bytes > 0

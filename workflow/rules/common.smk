@@ -130,15 +130,16 @@ def params_of(stage):
     return per_job(lambda s: stage_params(s, stage))
 
 
-def inputs_of(stage, variant=VARIANT):
+def inputs_of(stage, variant=VARIANT, model=None):
     """A stage's inputs, named, as distlm.dag.stages declares what it reads (`Stage.reads`): each
     another job's output, of the variant of that job this job's variant was derived from (the
     whole-sweep jobs, variant None: the paths without a sweep); "{model}" is the model folder of
-    the job's {model} wildcard (distlm.dag.stages.MODELS)."""
+    the job's {model} wildcard, or of `model` where the rule fixes it (serve_shard: serve.model)
+    (distlm.dag.stages.MODELS)."""
 
     def one(job, output):
         def path(wc):
-            j, out = MODELS[wc.model] if job == "{model}" else (job, output)
+            j, out = MODELS[model or wc.model] if job == "{model}" else (job, output)
             return variant_path(job_output(j, out), variant and PLAN.upstream(wc, j))
 
         return path

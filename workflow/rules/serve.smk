@@ -1,9 +1,12 @@
-# Serve mode (not in rule all): the trained model behind an OpenAI-compatible API server, in the
-# foreground until interrupted: `snakemake --profile profiles/local serve`. It has its own shards
-# (serve.stages; 1 serves best on one machine), so neither stage count re-cuts the other's.
+# Serve mode (not in rule all): the trained model (or the base one, serve.model) behind an
+# OpenAI-compatible API server, in the foreground until interrupted:
+# `snakemake --profile profiles/local serve`. It has its own shards (serve.stages; 1 serves best on
+# one machine), so neither stage count re-cuts the other's. With serve.follow_training the server
+# says where it listens (the stage's endpoint file) and takes each checkpoint the training run
+# pushes (docs/serving.md, "Serve while training").
 rule serve_shard:
     input:
-        **inputs_of("serve_shard", variant=None),
+        **inputs_of("serve_shard", variant=None, model=S.serve.model),
     output:
         **outputs_of("serve_shard", variant=None),
     log:
@@ -31,9 +34,11 @@ rule serve:
     params:
         cfg=stage_params(S, "serve"),
         stages=S.serve.stages,
+        endpoint=job_path(STAGES["serve"].scratch_path("endpoint"), variant=None),
     shell:
         # The API server (this process, uvicorn) starts the MPI job with the profile's launcher and
         # talks to stage 0 over ZeroMQ; it answers 503 when the job dies
         # (src/distlm/inference/server/supervisor.py).
         "python -m distlm.entry.serve --launcher '{resources.mpi} -n {params.stages}'"
-        " --config {input.cfg:q} --model {input.model:q} 2>&1 | tee {log:q}"
+        " --config {input.cfg:q} --model {input.model:q} --endpoint {params.endpoint:q}"
+        " 2>&1 | tee {log:q}"

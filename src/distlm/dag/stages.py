@@ -103,6 +103,10 @@ class Stage:
         """File name of an output inside the stage folder (what code given that folder joins)."""
         return self.outputs[output].name
 
+    def scratch_path(self, name: str) -> str:
+        """Path of an undeclared working file or folder of the stage (results/...)."""
+        return f"{RESULTS}/{self.folder}/{self.scratch[name]}"
+
     def covers(self, key: str) -> bool:
         """Whether this stage reads dotted config key `key` (or a key under it)."""
         return any(key == k or key.startswith(k + ".") for k in self.keys)
@@ -238,8 +242,9 @@ STAGES: dict[str, Stage] = {
             outputs=_outputs(summary="summary.html"),  # + every figure and table (report.items)
             reads=REPORT_READS,
         ),
-        # the trained model -> one shard per serve stage (serve.stages; not in rule all): its own
-        # shards, as serve's best stage count (1 on one machine) is not batch inference's
+        # the trained model (or the base one: serve.model) -> one shard per serve stage
+        # (serve.stages; not in rule all): its own shards, as serve's best stage count (1 on one
+        # machine) is not batch inference's
         Stage(
             "serve_shard",
             "serve_shard",
@@ -247,7 +252,7 @@ STAGES: dict[str, Stage] = {
             home="distlm.model",
             commands=("workflow/scripts/shard.py",),
             outputs=_outputs(pipeline=("pipeline", True)),
-            reads={"model": ("train", "final")},
+            reads={"model": ("{model}", "")},  # {model}: serve.model
             in_all=False,
         ),
         # the pipeline behind an OpenAI-compatible API server: writes nothing but its shards; the
@@ -261,6 +266,9 @@ STAGES: dict[str, Stage] = {
             outputs={},
             reads={"model": ("serve_shard", "pipeline")},
             in_all=False,
+            # endpoint: where a server that follows the training run listens, while it is up
+            # (serve.follow_training; the trainer pushes each checkpoint there: distlm.train.push)
+            scratch={"endpoint": "endpoint.json"},
         ),
     )
 }

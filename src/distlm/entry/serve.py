@@ -35,6 +35,11 @@ def main() -> None:
         "--start-timeout", type=float, default=900.0, help="seconds for the pipeline to come up"
     )
     parser.add_argument(
+        "--endpoint",
+        help="where to say the server listens while it is up, with serve.follow_training "
+        "(the serve rule passes results/serve/endpoint.json)",
+    )
+    parser.add_argument(
         "--engine", action="store_true", help="run a pipeline rank (set by the API server)"
     )
     parser.add_argument(
@@ -99,6 +104,7 @@ def main() -> None:
             host=args.host,
             port=args.port,
             start_timeout_s=args.start_timeout,
+            endpoint=args.endpoint,
         )
     )
 

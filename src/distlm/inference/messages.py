@@ -34,6 +34,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from distlm import DistlmError
 from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo
+from distlm.transfer.documents import PushOffer
 
 # 2: Prompt (the prompt's log-probabilities, echo with logprobs)
 # 3: typed fields: Submit.params SamplingParams, Ready.pipeline StageInfo, Health.stages StageBrief
@@ -41,7 +42,8 @@ from distlm.inference.stats import StageBrief, StageInfo
 #    and micro_batches (in Health)
 # 5: Ready.weights
 # 6: Update, Updated (live weight updates); Ready.last_update
-VERSION = 6
+# 7: Update.push (weights pushed from the training ranks)
+VERSION = 7
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 
@@ -108,15 +110,17 @@ Policy = Literal["wait", "abort"]
 
 @dataclass(frozen=True)
 class Update:
-    """Load new weights from `path` (a model folder, a pipeline folder or a whole training
-    checkpoint, on the stages' filesystem) into the running pipeline; in-flight requests follow
-    `policy` (wait: they end on the old weights while new ones queue; abort: they end now with
-    finish reason "abort"). Stage 0 answers Updated."""
+    """Load new weights into the running pipeline, from `path` (a model folder, a pipeline folder
+    or a whole training checkpoint, on the stages' filesystem) or from `push` (a sender's offer:
+    each stage fetches its part, distlm.transfer.push); in-flight requests follow `policy` (wait:
+    they end on the old weights while new ones queue; abort: they end now with finish reason
+    "abort"). Stage 0 answers Updated."""
 
     __pydantic_config__ = _CHECKED
 
     rid: int
-    path: str
+    path: str = ""
+    push: PushOffer | None = None
     policy: Policy = "wait"
 
 
@@ -130,7 +134,7 @@ class UpdateRecord:
     __pydantic_config__ = _CHECKED
 
     source: str
-    kind: str  # model folder, pipeline folder, training checkpoint
+    kind: str  # model folder, pipeline folder, training checkpoint, training push
     weights: str  # the weights' digest after it
     seconds: float  # from the request to every stage serving them
     bytes: int  # staged, over every stage

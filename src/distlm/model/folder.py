@@ -48,6 +48,19 @@ def save_safetensors(
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
 
 
+def safetensors_sha256(tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> str:
+    """The sha256 of the file `save_safetensors(tensors, path, metadata)` writes (safetensors'
+    bytes are a function of the tensors and the metadata), without writing it: what names
+    weights that are pushed, not read from a file (distlm.train.push)."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    return hashlib.sha256(
+        save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    ).hexdigest()
+
+
 def read_config(folder: str | Path) -> dict:
     """config.json of a model or pipeline folder, as the mapping it holds."""
     from distlm.core.io import read_json

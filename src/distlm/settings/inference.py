@@ -118,7 +118,7 @@ FilePath = Annotated[str, StringConstraints(min_length=1)]
 
 
 class ServePipelineSettings(Section):
-    """`serve.stages` alone: what rule serve_shard reads."""
+    """`serve.stages` and `serve.model`: what rule serve_shard reads."""
 
     stages: int = Field(
         default=1,
@@ -127,6 +127,14 @@ class ServePipelineSettings(Section):
             "Pipeline stages (MPI ranks) of the served model, sharded for serve alone; 1 serves "
             "best on one machine (benchmarks/inference/serve-results.json), more split a model "
             "too big for one device."
+        ),
+    )
+    model: Literal["trained", "base"] = Field(
+        default="trained",
+        description=(
+            "What serve starts from: the trained model (results/train/final, after training) or "
+            "the base model (before training: with follow_training, the server takes each "
+            "checkpoint the training run pushes)."
         ),
     )
 
@@ -140,6 +148,14 @@ class ServeSettings(ServePipelineSettings):
     )
     port: int = Field(
         default=8000, ge=0, le=65535, description="Port (--port overrides it for one run)."
+    )
+    follow_training: bool = Field(
+        default=False,
+        description=(
+            "Take the weights the training run of this folder pushes at each checkpoint "
+            "(results/serve/endpoint.json says where the server listens while it is up; "
+            "docs/serving.md, \"Serve while training\")."
+        ),
     )
     api_servers: int = Field(
         default=1,

@@ -50,6 +50,13 @@ class TrainPaths:
         return self.out / _STAGE.scratch["compile_cache"]
 
     @property
+    def serve_endpoint(self) -> Path:
+        """Where a server that follows this run says it listens (distlm.train.push): the serve
+        stage's folder beside this one."""
+        serve = STAGES["serve"]
+        return self.out.parent / serve.folder / serve.scratch["endpoint"]
+
+    @property
     def lease(self) -> Path:
         """One trainer per stage folder at a time (distlm.runtime.lease)."""
         return self.checkpoints / "trainer.lease.json"

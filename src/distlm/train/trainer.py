@@ -54,6 +54,7 @@ from distlm.train.optim import (
 from distlm.train.parallel import layout_for, state_bytes, state_line
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
+from distlm.train.push import Pusher
 from distlm.train.state import TrainState
 from distlm.train.stopping import (
     STOP_SIGNALS,
@@ -179,6 +180,9 @@ class Trainer:
                 timeout_s=cfg.transfer.timeout_s,  # how long a rank waits on another's save
             )
             self._opened.callback(self.writer.close)
+            # each checkpoint into a server that follows this run, when one does (train/push.py)
+            self.pusher = Pusher(paths.serve_endpoint, cfg.transfer, topo)
+            self._opened.callback(lambda: self.pusher.close(wait=self.stop_requested is None))
         except BaseException:
             self._opened.close()
             raise
@@ -328,10 +332,12 @@ class Trainer:
             "tokens": self.step * self.data.tokens_per_step,
         }
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, *, push: bool = True) -> None:
         """All ranks call: this step's checkpoint through the one save path
-        (distlm.train.checkpoint_save.save), then rank 0 rewrites the metrics files. The time the
-        loop spent here (the stall; a background write goes on after it) is logged and kept."""
+        (distlm.train.checkpoint_save.save), then rank 0 rewrites the metrics files, and with
+        `push` its weights go to a server that follows the run (distlm.train.push). The time the
+        loop spent here (the stall; a background write and the push go on after it) is logged
+        and kept."""
         t0 = time.perf_counter()
         checkpoint_save.save(
             self.run_dir,
@@ -345,6 +351,8 @@ class Trainer:
         )
         if self.topo.is_main:
             outputs.metrics_io(self.metrics.flush)
+        if push:
+            self.pusher.at_checkpoint(self.step, self.state)
         self.checkpoint_stalls.append(round(time.perf_counter() - t0, 4))
         log.info(
             "step %d: checkpoint stalled the loop %.2f s", self.step, self.checkpoint_stalls[-1]
@@ -450,7 +458,7 @@ class Trainer:
                         )
                         log.warning("%s: its checkpoint is written first", why)
                         if last_ckpt != self.step:
-                            self.save_checkpoint()
+                            self.save_checkpoint(push=False)  # a stop does not wait on a server
                         self.checkpoint_written()  # on disk before the launcher is told
                         if self.topo.is_main and self.run_dir is not None:
                             self._tell_launcher()

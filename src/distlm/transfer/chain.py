@@ -19,6 +19,7 @@ from distlm.settings import TransferSettings
 from distlm.transfer import handshake, stream
 from distlm.transfer.documents import TransferStats
 from distlm.transfer.errors import TransferError
+from distlm.transfer.peers import Peers
 from distlm.transfer.plan import make_plan
 from distlm.transfer.session import FaultHook, TransferSession
 
@@ -35,10 +36,12 @@ def broadcast_state_dict(
     settings: TransferSettings,
     src: int = 0,
     group: dist.ProcessGroup | None = None,
+    peers: Peers | None = None,
     device: str | torch.device | None = None,
     fault_hook: FaultHook | None = None,
 ) -> TransferResult:
-    """Send `tensors` from rank `src` to every rank of `group` (default: the world).
+    """Send `tensors` from rank `src` to every rank of `group` (default: the world), or of
+    `peers` (a group of its own: distlm.transfer.peers).
 
     On `src`, `tensors` is the state dict to send. Elsewhere it is a template with the same names,
     shapes and dtypes, filled in place, or None to allocate (on `device`, else the CPU for gloo
@@ -46,8 +49,12 @@ def broadcast_state_dict(
     TransferError on every rank when any rank's check fails, a bucket arrives corrupted, or a peer
     dies or stays silent for `settings.timeout_s`. `fault_hook` is for tests (see session.py).
     """
+    if peers is None:
+        peers = Peers.world(group)
+    elif group is not None:
+        raise TransferError("broadcast_state_dict: give a group or peers, not both")
     s = TransferSession.open(
-        settings, tensors, src=src, group=group, device=device, fault_hook=fault_hook
+        settings, tensors, src=src, peers=peers, device=device, fault_hook=fault_hook
     )
     try:
         t0 = time.perf_counter()

@@ -1,8 +1,10 @@
 """What a weight transfer reports: each rank's figures (`TransferStats`, also each receiver's
-report to the sender)."""
+report to the sender); what a push of weights into a running server offers and asks
+(`PushOffer`, `PushWant`: distlm.transfer.push)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,3 +59,71 @@ class TransferStats(Document):
     mismatches: list[str]
     all_verified: bool | None = None
     receivers: list[ReceiverStats] = Field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- push into a server
+
+
+class PushOffer(BaseModel):
+    """What the server is told to fetch: the sender's store, the group's name, the weights'
+    digest (what the answers' system_fingerprint will name) and the transfer's settings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_\-\[\]]+$")
+    port: int = Field(ge=1, le=65535)
+    group: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    label: str = Field(default="", max_length=200)  # what /health and the logs name it by
+    bucket_mb: float = Field(default=64, gt=0, le=4096)
+    chunk_mb: float = Field(default=4, gt=0, le=4096)
+    timeout_s: float = Field(default=60, gt=0, le=3600)
+
+    @property
+    def where(self) -> str:
+        return f"push {self.label or self.group} from {self.host}:{self.port}"
+
+    def settings(self):
+        """The transfer's settings, the same on both sides (distlm.settings.TransferSettings)."""
+        from distlm.settings import TransferSettings
+
+        return TransferSettings(
+            transport="torch",
+            bucket_mb=self.bucket_mb,
+            chunk_mb=self.chunk_mb,
+            timeout_s=self.timeout_s,
+        )
+
+
+class TensorSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    shape: list[int] = Field(max_length=8)
+    dtype: Literal["float32", "bfloat16", "float16", "float64"]
+
+
+class PushWant(Document):
+    """A stage's ask of the sender: its tensors (transformers' names) as it will hold them."""
+
+    KIND: ClassVar[str] = "distlm-push-want"
+    VERSION: ClassVar[int] = 1
+    stage: int = Field(ge=0)
+    stages: int = Field(ge=1)
+    tensors: dict[str, TensorSpec]
+    tied: dict[str, str]  # a tied copy -> its source (the sender may hold only the source)
+
+    def template(self) -> dict:
+        """Host tensors to receive into (gloo's device; the stage copies them to its own)."""
+        import torch
+
+        return {
+            n: torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for n, s in self.tensors.items()
+        }
+
+    @classmethod
+    def of(cls, tensors: Mapping, *, stage: int, stages: int, tied: dict[str, str]) -> PushWant:
+        """The ask for `tensors` (name -> a torch.Tensor as the stage holds it)."""
+        specs = {
+            n: TensorSpec(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            for n, t in tensors.items()
+        }
+        return cls(stage=stage, stages=stages, tensors=specs, tied=tied)

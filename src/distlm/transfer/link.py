@@ -1,4 +1,4 @@
-"""The control link: point-to-point tensors and byte messages over a torch.distributed group.
+"""The control link: point-to-point tensors and byte messages among a transfer's peers.
 
 Every wait is bounded by `timeout_s`; a failed or timed-out operation goes to the `Watch`, which
 names the rank that stopped before raising.
@@ -10,11 +10,11 @@ import datetime as _dt
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from distlm.core.documents import Document, encode
 from distlm.transfer.errors import TransferError
 from distlm.transfer.messages import M, read_message
+from distlm.transfer.peers import Peers
 from distlm.transfer.watch import Watch
 
 MAX_MESSAGE_BYTES = 256 * 2**20  # a control message's length above this is refused, not allocated
@@ -29,10 +29,10 @@ class Pending(NamedTuple):
 
 
 class Link:
-    """Point-to-point messages over a torch.distributed group, each wait bounded by timeout_s."""
+    """Point-to-point messages among `peers`, each wait bounded by timeout_s."""
 
-    def __init__(self, group, device: torch.device, timeout_s: float, watch: Watch) -> None:
-        self.group = group
+    def __init__(self, peers: Peers, device: torch.device, timeout_s: float, watch: Watch) -> None:
+        self.peers = peers
         self.device = device  # where control tensors live (cuda for NCCL)
         self.timeout = _dt.timedelta(seconds=timeout_s)
         self.watch = watch
@@ -45,14 +45,14 @@ class Link:
 
     def isend(self, t: torch.Tensor, peer: int, what: str):
         try:
-            work = dist.isend(t, peer, group=self.group, tag=self._tag("out", peer))
+            work = self.peers.isend(t, peer, self._tag("out", peer))
         except Exception as e:
             self.watch.fail(peer, f"sending {what}", e)
         return Pending(work, peer, f"sending {what}")
 
     def irecv(self, t: torch.Tensor, peer: int, what: str):
         try:
-            work = dist.irecv(t, peer, group=self.group, tag=self._tag("in", peer))
+            work = self.peers.irecv(t, peer, self._tag("in", peer))
         except Exception as e:
             self.watch.fail(peer, f"receiving {what}", e)
         return Pending(work, peer, f"receiving {what}")

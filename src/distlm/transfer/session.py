@@ -1,6 +1,6 @@
 """One transfer's state, created once per call: who takes part, where the bytes live, what moves them.
 
-    session = TransferSession.open(settings, tensors, src=0, group=None, device=None)
+    session = TransferSession.open(settings, tensors, src=0, peers=Peers.world(), device=None)
     try:
         ...                      # handshake.exchange_metadata(session, ...), then
         session.start(plan)      # bucket buffers, data plane, checksum
@@ -9,7 +9,7 @@
         session.close()
 
 Every rank opens a session with the same settings; the chain runs src -> the other ranks of the
-group in order, each forwarding to its successor (`nxt`) what it receives from its predecessor
+peers (distlm.transfer.peers: the torch.distributed world, or a group of its own) in order, each forwarding to its successor (`nxt`) what it receives from its predecessor
 (`prev`).
 """
 
@@ -20,13 +20,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from distlm.runtime.device import group_device, host
 from distlm.settings import TransferSettings
 from distlm.transfer.checksum import Checksum
 from distlm.transfer.errors import TransferError
 from distlm.transfer.link import Link
+from distlm.transfer.peers import Peers
 from distlm.transfer.plan import Plan
 from distlm.transfer.planes import Plane, TorchPlane, check_transport
 from distlm.transfer.uccl import UcclPlane
@@ -44,8 +44,8 @@ class TransferSession:
     """The state of one transfer on one rank; the broadcast's steps are functions of it."""
 
     settings: TransferSettings  # transport, bucket_mb, chunk_mb, timeout_s: the same on every rank
-    group: dist.ProcessGroup | None  # the torch.distributed group (None: the world)
-    backend: str  # the group's backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    peers: Peers  # who takes part, and how their messages go
+    backend: str  # the peers' backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors)
     rank: int  # this process's global rank
     chain: list[int]  # src first, then the group's other ranks in order
     device: torch.device  # where the tensors and the bucket buffers live
@@ -66,26 +66,16 @@ class TransferSession:
         tensors: Mapping[str, torch.Tensor] | None,
         *,
         src: int,
-        group: dist.ProcessGroup | None,
+        peers: Peers,
         device: str | torch.device | None,
         fault_hook: FaultHook | None = None,
     ) -> TransferSession:
-        """Check the group, the source and the transport here, then start the heartbeat."""
-        if not dist.is_initialized():
-            raise TransferError(
-                "broadcast_state_dict needs an initialised torch.distributed process group"
-            )
-        rank = dist.get_rank()
-        ranks = (
-            dist.get_process_group_ranks(group)
-            if group is not None
-            else list(range(dist.get_world_size()))
-        )
+        """Check the peers, the source and the transport here, then start the heartbeat."""
+        rank, ranks, backend = peers.rank, peers.ranks, peers.backend
         if src not in ranks:
             raise TransferError(f"src rank {src} is not in the group (ranks {ranks})")
         if rank not in ranks:
             raise TransferError(f"rank {rank} is not in the group (ranks {ranks})")
-        backend = str(dist.get_backend(group))
         chain = [src] + [r for r in ranks if r != src]
         if rank == src and tensors is None:
             raise TransferError(f"rank {rank} is the source but was given no tensors to send")
@@ -93,9 +83,9 @@ class TransferSession:
         check_transport(settings.transport, where, backend)
         ctrl_device = where if backend == "nccl" else host()
         prefix = f"distlm/transfer/{next(_CALLS)}"
-        watch = Watch(prefix, rank, chain, settings.timeout_s)
-        link = Link(group, ctrl_device, settings.timeout_s, watch)
-        return cls(settings, group, backend, rank, chain, where, prefix, watch, link, fault_hook)
+        watch = Watch(peers.store, prefix, rank, chain, settings.timeout_s)
+        link = Link(peers, ctrl_device, settings.timeout_s, watch)
+        return cls(settings, peers, backend, rank, chain, where, prefix, watch, link, fault_hook)
 
     @property
     def src(self) -> int:

@@ -17,10 +17,12 @@ _HEARTBEAT_S = 1.0
 class Watch:
     """Heartbeats in the torch.distributed store; on a failed wait, finds the rank that stopped."""
 
-    def __init__(self, prefix: str, rank: int, ranks: list[int], timeout_s: float) -> None:
+    def __init__(
+        self, store: Store | None, prefix: str, rank: int, ranks: list[int], timeout_s: float
+    ) -> None:
         self.prefix, self.rank, self.ranks = prefix, rank, ranks
         self.reported = False
-        self.store = _default_store()  # None: no heartbeats, a failure names only the peer
+        self.store = store  # None: no heartbeats, a failure names only the peer
         self._stop = threading.Event()
         self._thread = None
         self.probe_s = max(2.5 * _HEARTBEAT_S, min(5.0, timeout_s / 4))
@@ -108,11 +110,3 @@ def _short(err: BaseException) -> str:
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
     return text.split(". This is typically")[0][:160]
 
-
-def _default_store() -> Store | None:
-    try:
-        from torch.distributed import distributed_c10d as c10d
-
-        return c10d._get_default_store()
-    except Exception:
-        return None

@@ -37,11 +37,13 @@ from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 from distlm.model.weights import WeightFiles
 from distlm.runtime.dist import Topology
+from distlm.transfer.documents import PushOffer
 
 # 1: typed StageInfo / StageBrief / StageStats, Work.release
 # 2: StageBrief's device_s and micro_batches
 # 3: Prepare, Swap; Work.staged, Tokens.staged (live weight updates)
-RING_VERSION = 3
+# 4: Prepare.source may be a PushOffer; Prepare.stages
+RING_VERSION = 4
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
 _NAP_S = 5e-4  # the longest sleep between polls while messages come often
@@ -222,8 +224,9 @@ class Prepare:
     verified, built beside the served ones, in a thread) and passes this on at once."""
 
     update: int
-    source: WeightFiles
+    source: WeightFiles | PushOffer  # a folder's files, or a sender's offer (each stage fetches)
     tied: dict[str, str]  # a tied copy -> its source (the running pipeline's manifest)
+    stages: int  # how many stages the pipeline has
 
 
 @dataclass(frozen=True)

@@ -283,9 +283,7 @@ class Engine:
                 elif isinstance(msg, Attach):
                     self._attach(source, msg)
                 elif isinstance(msg, Update):
-                    out = self.updater.begin(
-                        (source, msg.rid), msg.path, msg.policy, self.pipe.weights
-                    )
+                    out = self.updater.begin((source, msg.rid), msg, self.pipe.weights)
                     if out is not None:
                         self._updated(out, (source, msg.rid))
                 elif isinstance(msg, Shutdown):

@@ -2,10 +2,13 @@
 ones it serves, then all switch between the same two micro-batches, or none does.
 
     API process --Update--> stage 0 (its channel)
-    stage 0 checks the folder (distlm.model.weights: its documents, its tensors' names, the
-        architecture), starts staging its own part and sends Prepare round the ring
-    each stage stages in a thread (its files' sha256, its tensors read, shapes checked, built on
-        its device; the memory counted first); its word (Prepared) rides the next message past it
+    stage 0 checks the source: a folder (distlm.model.weights: its documents, its tensors' names,
+        the architecture) or a sender's offer (distlm.transfer.push: the training ranks'), starts
+        staging its own part and sends Prepare round the ring
+    each stage stages in a thread (the memory counted first; from a folder: its files' sha256,
+        its tensors read; from a push: its own tensors asked of the sender and received, checked
+        by name, shape and dtype and by the chunks' checksums; then shapes checked, built on its
+        device); its word (Prepared) rides the next message past it
     all staged: the policy. `wait`: no request starts; the running ones end on the old weights.
         `abort`: the running requests end now, finish reason "abort". No sequence is ever
         produced by two sets of weights.
@@ -33,9 +36,12 @@ from distlm import DistlmError
 from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Prepare, Prepared, Swap
-from distlm.inference.messages import Policy
+from distlm.inference.messages import Policy, Update
 from distlm.model.weights import WeightFiles, args_of, read_tensors, weight_files
 from distlm.runtime.device import free_bytes, is_gpu, stream_synchronize
+from distlm.transfer.documents import PushOffer, PushWant
+
+Source = WeightFiles | PushOffer  # where an update's weights come from
 
 log = get_logger(__name__)
 
@@ -52,27 +58,34 @@ class NewWeights:
         self.word: Prepared | None = None
         self.told = False  # its word went to stage 0
         self._thread = threading.Thread(
-            target=self._run, args=(msg.source, msg.tied), name=f"staging-{msg.update}", daemon=True
+            target=self._run,
+            args=(msg.source, msg.tied, msg.stages),
+            name=f"staging-{msg.update}",
+            daemon=True,
         )
         self._thread.start()
 
-    def _run(self, source: WeightFiles, tied: dict[str, str]) -> None:
+    def _run(self, source: Source, tied: dict[str, str], stages: int) -> None:
         t0 = time.perf_counter()
         m = self.model
         where = f"stage {m.stage}"
         try:
-            names = list(m.blocks.hf_tensors())
+            mine = m.blocks.hf_tensors()
             need = sum(p.numel() * p.element_size() for p in m.blocks.parameters())
-            if not is_gpu(m.device):  # the tensors as read, in host memory beside their copy
-                need += sum(h.end - h.start for _, h in source.held(names, tied).values())
+            if isinstance(source, PushOffer):  # received into host memory, then copied
+                host = sum(t.numel() * t.element_size() for t in mine.values())
+            else:  # the tensors as read, in host memory beside their copy
+                host = sum(h.end - h.start for _, h in source.held(list(mine), tied).values())
+            if not is_gpu(m.device):
+                need += host
             free = free_bytes(m.device)
             if need + _MEMORY_MARGIN > free:
                 raise DistlmError(
                     f"{where}: staging needs {need / 1e6:.0f} MB beside the served weights on "
                     f"{m.device}, {free / 1e6:.0f} MB are free"
                 )
-            tensors = read_tensors(source, names, tied)
-            self.staged = m.blocks.staged_hf(tensors, f"{source.folder} ({where})")
+            tensors = _read(source, mine, tied, m.stage, stages)
+            self.staged = m.blocks.staged_hf(tensors, f"{_label(source)} ({where})")
             stream_synchronize(m.device)
             error = None
         except DistlmError as e:
@@ -112,6 +125,27 @@ class NewWeights:
             self.model.blocks.load_staged(self.staged)
             log.info("stage %d: now serving update %d", self.model.stage, msg.update)
         self.staged = None
+
+
+def _read(source: Source, mine: dict, tied: dict[str, str], stage: int, stages: int) -> dict:
+    """A stage's part of the new weights (transformers' names), from where the update takes them:
+    a folder's files, or the sender of a push (asked for exactly `mine`'s names, shapes and
+    dtypes)."""
+    if isinstance(source, PushOffer):
+        from distlm.transfer.push import receive
+
+        want = PushWant.of(mine, stage=stage, stages=stages, tied=tied)
+        return receive(source, want).tensors
+    return read_tensors(source, list(mine), tied)
+
+
+def _label(source: Source) -> str:
+    """What names the source in messages, /health and the logs."""
+    return source.where if isinstance(source, PushOffer) else source.folder
+
+
+def _kind(source: Source) -> str:
+    return "training push" if isinstance(source, PushOffer) else source.kind
 
 
 @dataclass(frozen=True)
@@ -161,18 +195,20 @@ class Updater:
     def busy(self) -> bool:
         return self.run is not None
 
-    def begin(self, to: tuple[int, int], path: str, policy: Policy, weights: str) -> Outcome | None:
-        """Start an update for the request `to` (channel, rid); an Outcome at once when it cannot
-        start (another is running, the folder is refused, or it holds the weights served)."""
+    def begin(self, to: tuple[int, int], msg: Update, weights: str) -> Outcome | None:
+        """Start update `msg` for the request `to` (channel, rid); an Outcome at once when it
+        cannot start (another is running, the source is refused, or it holds the weights
+        served)."""
         self.n += 1
         t0 = time.perf_counter()
+        label = msg.push.where if msg.push is not None else msg.path
 
         def refused(message: str, *, kind: str = "", status: int = 400) -> Outcome:
             return Outcome(
                 self.n,
                 status,
                 message,
-                path,
+                label,
                 kind,
                 weights,
                 time.perf_counter() - t0,
@@ -182,21 +218,26 @@ class Updater:
 
         if self.run is not None:
             return refused(f"update {self.run.update} is in progress; one at a time", status=409)
-        try:
-            src = weight_files(path)
-            src.check_names(self.expected, self.tied)
-            args = args_of(src)
-            if args is not None:
-                self._same_architecture(args, src)
-        except DistlmError as e:
-            return refused(str(e))
+        src: Source
+        if msg.push is not None:  # each stage checks its part's names, shapes and dtypes
+            src = msg.push
+        else:
+            try:
+                src = weight_files(msg.path)
+                src.check_names(self.expected, self.tied)
+                args = args_of(src)
+                if args is not None:
+                    self._same_architecture(args, src)
+            except DistlmError as e:
+                return refused(str(e))
         if src.digest == weights:
-            return refused("these weights are already served", kind=src.kind, status=200)
-        self.run = _Run(self.n, to, src, policy, t0, weights)
-        self.run.mine = NewWeights(self.model, Prepare(self.n, src, self.tied))
+            return refused("these weights are already served", kind=_kind(src), status=200)
+        prepare = Prepare(self.n, src, self.tied, self.stages)
+        self.run = _Run(self.n, to, src, msg.policy, t0, weights)
+        self.run.mine = NewWeights(self.model, prepare)
         if self.ring_send is not None:
-            self.ring_send(Prepare(self.n, src, self.tied))
-        log.info("update %d: staging %s (%s), policy %s", self.n, src.folder, src.kind, policy)
+            self.ring_send(prepare)
+        log.info("update %d: staging %s (%s), policy %s", self.n, _label(src), _kind(src), msg.policy)
         return None
 
     def _same_architecture(self, args, src: WeightFiles) -> None:
@@ -267,7 +308,7 @@ class Updater:
         nbytes = sum(w.bytes for w in r.words.values())
         seconds = time.perf_counter() - r.t0
         if r.commit:
-            msg = f"now serving {r.src.folder} ({r.src.kind})"
+            msg = f"now serving {_label(r.src)} ({_kind(r.src)})"
             log.info("update %d: %s in %.3f s, %.1f MB", r.update, msg, seconds, nbytes / 1e6)
         else:
             msg = f"not updated, the served weights are unchanged: {r.why}"
@@ -277,8 +318,8 @@ class Updater:
                 r.update,
                 200 if r.commit else 400,
                 msg,
-                r.src.folder,
-                r.src.kind,
+                _label(r.src),
+                _kind(r.src),
                 r.src.digest if r.commit else r.served,
                 seconds,
                 nbytes if r.commit else 0,
@@ -295,7 +336,7 @@ class _Run:
         self,
         update: int,
         to: tuple[int, int],
-        src: WeightFiles,
+        src: Source,
         policy: Policy,
         t0: float,
         served: str,

@@ -1,8 +1,10 @@
 """The API server's HTTP side: OpenAI's completions API on FastAPI, in front of the engine channel.
 
 Routes: POST /v1/completions and POST /v1/chat/completions (`stream` as server-sent events),
-GET /v1/models, GET /health, GET /metrics (Prometheus), POST /update_weights_from_disk (new
-weights, no restart: updates.py). Both POST routes take one path: the
+GET /v1/models, GET /health, GET /metrics (Prometheus), POST /update_weights_from_disk and
+POST /update_weights_from_distributed (new weights, no restart: updates.py). Every POST route
+reads its body one way (`body`: the token, the pipeline, the size and time limits). Both
+completions routes take one path: the
 request is read and validated (requests.py), prepared (prepare.py: its prompt made, tokenized,
 its sampling checked; a chat's messages rendered by the chat template, chat.py), submitted to
 stage 0 (client.py) and answered (answer.py, render.py, in the route's shape: shapes.py). A bad
@@ -33,7 +35,7 @@ from distlm.inference.server.prepare import Job, Preparing, prepare_chat, prepar
 from distlm.inference.server.requests import read_body
 from distlm.inference.server.responses import Health, ModelCard, ModelList
 from distlm.inference.server.state import ServeState
-from distlm.inference.server.updates import ROUTE, may_update, read_update, run_update
+from distlm.inference.server.updates import ROUTES, may_update, read_update, run_update
 
 
 def _authorized(st: ServeState, request: Request) -> bool:
@@ -113,37 +115,43 @@ def build_app(st: ServeState) -> FastAPI:
         _need_auth(st, request)
         return Response(exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    async def answer(request: Request, prepare: Callable[[Preparing, bytes], Job]):
-        """The one request path of both POST routes; `prepare` makes the route's job."""
+    async def body(request: Request) -> bytes:
+        """A POST route's body, once the token is checked and the pipeline is up."""
         _need_auth(st, request)
         why = st.unavailable()
         if why is not None:
             raise ApiError(503, f"the pipeline is unavailable: {why}")
-        raw = await read_body(
+        return await read_body(
             request, limit=st.serve.max_request_bytes, timeout_s=st.serve.body_timeout_s
         )
+
+    async def answer(request: Request, prepare: Callable[[Preparing, bytes], Job]):
+        """The one request path of both completions routes; `prepare` makes the route's job."""
+        raw = await body(request)
         try:
             job = prepare(st.preparing, raw)
         except RequestError as e:
             raise from_request(e) from None
         return await run_completion(st.answering, request, job)
 
-    @app.post(ROUTE)
-    async def update_weights(request: Request):
-        _need_auth(st, request)
-        may_update(st)
-        why = st.unavailable()
-        if why is not None:
-            raise ApiError(503, f"the pipeline is unavailable: {why}")
-        raw = await read_body(
-            request, limit=st.serve.max_request_bytes, timeout_s=st.serve.body_timeout_s
-        )
-        try:
-            req = read_update(st, raw)
-        except RequestError as e:
-            raise from_request(e) from None
-        answer, status = await run_update(st, req)
-        return _json(answer, status=status)
+    def update_route(route: str):
+        """An update route (updates.ROUTES): its body is the route's request."""
+
+        async def update_weights(request: Request):
+            _need_auth(st, request)
+            may_update(st)
+            raw = await body(request)
+            try:
+                req = read_update(st, raw, route)
+            except RequestError as e:
+                raise from_request(e) from None
+            answer, status = await run_update(st, req)
+            return _json(answer, status=status)
+
+        return update_weights
+
+    for route in ROUTES:
+        app.post(route)(update_route(route))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import shlex
 import signal
@@ -42,7 +43,9 @@ import time
 from pathlib import Path
 
 from distlm import DistlmError
+from distlm.core.documents import read_document, write_document
 from distlm.core.log import get_logger
+from distlm.inference.documents import ServeEndpoint
 from distlm.inference.messages import Control, endpoints, pipe_frame
 from distlm.inference.server.api_process import ANSWER_S
 from distlm.inference.server.client import EngineClient
@@ -191,8 +194,10 @@ class Supervisor:
         host: str,
         port: int,
         start_timeout_s: float,
+        endpoint: Path | None = None,
     ) -> None:
         self.serve, self.inference = serve, inference
+        self.endpoint = endpoint if serve.follow_training else None
         check_default_max_tokens(inference.max_new_tokens, serve.max_tokens)
         self.launch, self.engine_args = launch, engine_args
         self.api_args = api_args
@@ -228,7 +233,42 @@ class Supervisor:
             with tempfile.TemporaryDirectory(prefix="distlm-serve-") as tmp:
                 return asyncio.run(self._main(Path(tmp)))
         finally:
+            self._unannounce()
             self.sock.close()
+
+    @property
+    def url(self) -> str:
+        """Where clients reach the server (an unspecified bind address: this host's name)."""
+        host = self.address[0]
+        if ipaddress.ip_address(host).is_unspecified:
+            host = socket.gethostname()
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.address[1]}"
+
+    def _announce(self) -> None:
+        """serve.follow_training: say where this server listens, for the training run's pushes
+        (distlm.train.push); the token's source, never the token."""
+        if self.endpoint is None:
+            return
+        doc = ServeEndpoint(
+            url=self.url,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            token_env=self.serve.token_env,
+            token_file=str(Path(self.serve.token_file).resolve()) if self.serve.token_file else None,
+        )
+        self.endpoint.parent.mkdir(parents=True, exist_ok=True)
+        write_document(self.endpoint, doc)
+        log.info("following the training run: its checkpoints are pushed here (%s)", self.endpoint)
+
+    def _unannounce(self) -> None:
+        """The endpoint document goes with the server (when it is still this server's)."""
+        if self.endpoint is None:
+            return
+        with contextlib.suppress(OSError, DistlmError):
+            if read_document(self.endpoint, ServeEndpoint).pid == os.getpid():
+                self.endpoint.unlink()
 
     async def _main(self, tmp: Path) -> int:
         loop = asyncio.get_running_loop()
@@ -256,6 +296,7 @@ class Supervisor:
             self.serve.api_servers,
             shlex.join(cmd),
         )
+        self._announce()
         # its own session: a Ctrl-C at the terminal reaches this process only, which stops the
         # job in order
         self.child = await asyncio.to_thread(subprocess.Popen, cmd, start_new_session=True)
@@ -395,6 +436,7 @@ def run_api_server(
     host: str | None = None,
     port: int | None = None,
     start_timeout_s: float = 900.0,
+    endpoint: str | Path | None = None,
 ) -> int:
     """Serve mode: returns the exit code (the pipeline job's; 0 after a requested stop)."""
     launch = shlex.split(launcher)
@@ -430,5 +472,6 @@ def run_api_server(
         host=serve.host if host is None else host,
         port=serve.port if port is None else port,
         start_timeout_s=start_timeout_s,
+        endpoint=None if endpoint is None else Path(endpoint),
     )
     return sup.run()

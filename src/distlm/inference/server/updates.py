@@ -1,13 +1,16 @@
-"""POST /update_weights_from_disk: new weights into the running pipeline, no restart (SGLang's
-route name and answer, `{"success", "message"}`, plus what was served after it).
+"""New weights into the running pipeline, no restart (SGLang's route names and answer,
+`{"success", "message"}`, plus what was served after it):
 
-    curl -H "Authorization: Bearer $TOKEN" localhost:8000/update_weights_from_disk \
-        -d '{"model_path": "/abs/results/train/final", "policy": "wait"}'
+    POST /update_weights_from_disk          {"model_path": "/abs/results/train/final", "policy": "wait"}
+    POST /update_weights_from_distributed   a sender's offer (distlm.transfer.documents.PushOffer:
+        its store's host and port, the group's name, the weights' digest, ...) and "policy"; what
+        the training ranks send at each checkpoint (distlm.train.push)
 
-The body is checked here (a JSON object: `model_path`, an absolute path on the stages'
-filesystem, and `policy`, wait or abort); stage 0's Updater (engine/update.py) does the rest:
-the folder's documents, every file's sha256, the architecture and each tensor's shape, each stage
-its own part, then the switch on every stage between two steps, or none. The route answers when
+The body is checked here (a JSON object of the route's fields; `policy` wait or abort); stage
+0's Updater (engine/update.py) does the rest: from disk, the folder's documents, every file's
+sha256, the architecture; from a push, each stage asks the sender for its own tensors and checks
+their names, shapes, dtypes and checksums; then the switch on every stage between two steps, or
+none. The route answers when
 the update has ended: 200 (switched, or those weights were served already), 400 (refused or not
 staged: the old weights serve on, the message says why), 409 (another update is in progress),
 504 (not ended within the wait; it goes on: /health names the weights served).
@@ -29,16 +32,34 @@ from distlm.inference.prompts import RequestError
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.requests import _validation_error, parse_json
 from distlm.inference.server.state import ServeState
-
-ROUTE = "/update_weights_from_disk"
-
+from distlm.transfer.documents import PushOffer
 
 class UpdateRequest(BaseModel):
-    """The route's body."""
+    """POST /update_weights_from_disk's body."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model_path: str = Field(min_length=1, max_length=4096)
     policy: Policy = "wait"
+
+    def message(self, rid: int) -> Update:
+        return Update(rid=rid, path=self.model_path, policy=self.policy)
+
+
+class PushRequest(PushOffer):
+    """POST /update_weights_from_distributed's body: a sender's offer, and the policy."""
+
+    policy: Policy = "wait"
+
+    def message(self, rid: int) -> Update:
+        offer = PushOffer.model_validate(self.model_dump(exclude={"policy"}))
+        return Update(rid=rid, push=offer, policy=self.policy)
+
+
+# each update route and its body
+ROUTES: dict[str, type[UpdateRequest] | type[PushRequest]] = {
+    "/update_weights_from_disk": UpdateRequest,
+    "/update_weights_from_distributed": PushRequest,
+}
 
 
 class UpdateAnswer(BaseModel):
@@ -75,14 +96,14 @@ def may_update(st: ServeState) -> None:
         )
 
 
-def read_update(st: ServeState, raw: bytes) -> UpdateRequest:
+def read_update(st: ServeState, raw: bytes, route: str) -> UpdateRequest | PushRequest:
     body = parse_json(raw, max_depth=st.serve.max_json_depth, max_digits=st.serve.max_number_digits)
     if not isinstance(body, dict):
         raise RequestError("request body: expected a JSON object")
     try:
-        return UpdateRequest.model_validate(body)
+        return ROUTES[route].model_validate(body)
     except ValidationError as e:
-        raise _validation_error(e, ROUTE) from None
+        raise _validation_error(e, route) from None
 
 
 class _Wait:
@@ -96,13 +117,13 @@ class _Wait:
             self.done.set_result(msg)
 
 
-async def run_update(st: ServeState, req: UpdateRequest) -> tuple[UpdateAnswer, int]:
+async def run_update(st: ServeState, req: UpdateRequest | PushRequest) -> tuple[UpdateAnswer, int]:
     """Send the update to stage 0 and wait for how it ended: (answer, HTTP status)."""
     engine, m = st.engine, st.metrics
     rid = engine.new_rid()
     wait = _Wait()
     t0 = time.perf_counter()
-    engine.send_update(rid, Update(rid=rid, path=req.model_path, policy=req.policy), wait)
+    engine.send_update(rid, req.message(rid), wait)
     # the running requests may take their whole time to end (policy wait), then the switch
     limit = 2 * st.serve.request_timeout_s + 60
     try:

@@ -1,0 +1,209 @@
+"""A push of weights from one process (a training job's rank 0) into a running pipeline's stages,
+each stage receiving only its own tensors: the same buckets, chain and checksums as the broadcast,
+over a group of its own per stage (distlm.transfer.peers), as vLLM's and SGLang's weight-update
+groups are.
+
+    # the sender (distlm.train.push): a store the stages can reach, then the offer goes to the server
+    sender = PushSender.open(host="node1", settings=transfer_settings, backend="gloo")
+    offer = sender.offer(digest, label)          # what the server's update route is given
+    sender.send(tensors, done=lambda: answered)  # until every stage has its part, or `done`
+    sender.close()
+
+    # each stage (distlm.inference.engine.update), once its server has taken the offer
+    tensors = receive(offer, want)               # its own part, checked against `want`
+
+The rendezvous, in the sender's store under `distlm/push/<group>/`:
+1. each stage connects and writes `want/<stage>`: a `PushWant` (its tensors' names, shapes and
+   dtypes, transformers' names; the tied copies; how many stages there are);
+2. the sender reads it and sends that stage exactly those tensors, cast to their dtypes (a tied
+   copy from its source), over a two-rank group `pair/<stage>` (sender rank 0, stage rank 1), one
+   thread per stage;
+3. the stage receives into a template of `want`: the handshake refuses another name, shape or
+   dtype (naming the tensor), the chunk checksums refuse corrupted bytes, and the heartbeats name
+   the side that stopped. Every wait is bounded by the offer's `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+from torch.distributed import PrefixStore, TCPStore
+
+from distlm.core.documents import decode, encode
+from distlm.core.log import get_logger
+from distlm.settings import TransferSettings
+from distlm.transfer.chain import TransferResult, broadcast_state_dict
+from distlm.transfer.documents import PushOffer, PushWant
+from distlm.transfer.errors import TransferError
+from distlm.transfer.peers import Peers
+
+log = get_logger(__name__)
+
+_POLL_S = 0.2  # how often the sender looks whether the server has given up while it waits
+
+
+def _key(offer_or_group: PushOffer | str, *parts: str) -> str:
+    group = offer_or_group if isinstance(offer_or_group, str) else offer_or_group.group
+    return "/".join(("distlm/push", group, *parts))
+
+
+def receive(offer: PushOffer, want: PushWant) -> TransferResult:
+    """A stage's part of a push: ask for `want` in the sender's store, then receive it over the
+    pair group; TransferError says what failed (the sender gone, another shape, bad bytes)."""
+    timeout = _dt.timedelta(seconds=offer.timeout_s)
+    if offer.backend != "gloo":
+        raise TransferError(
+            f"{offer.where}: backend {offer.backend!r}; a stage receives a push over gloo"
+        )
+    try:
+        store = TCPStore(
+            offer.host, offer.port, is_master=False, timeout=timeout, wait_for_workers=False
+        )
+    except Exception as e:
+        raise TransferError(
+            f"{offer.where}: the sender's store does not answer ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]})"
+        ) from None
+    try:
+        store.set(_key(offer, "want", str(want.stage)), encode(want))
+        pair = PrefixStore(_key(offer, "pair", str(want.stage)) + "/", store)
+        peers = Peers.own(pair, 1, 2, "gloo", offer.timeout_s)
+        try:
+            return broadcast_state_dict(want.template(), settings=offer.settings(), peers=peers)
+        finally:
+            peers.close()
+    except TransferError:
+        raise
+    except Exception as e:  # the store or the group: the sender is gone or never came
+        raise TransferError(
+            f"{offer.where}: stage {want.stage}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        ) from None
+
+
+class PushSender:
+    """The sending side of pushes: a store the stages connect to, one offer at a time."""
+
+    def __init__(self, store: TCPStore, host: str, settings: TransferSettings) -> None:
+        self.store, self.host, self.settings = store, host, settings
+
+    @classmethod
+    def open(cls, *, host: str, settings: TransferSettings) -> PushSender:
+        """A store listening on every interface on a free port; `host` is how the stages reach
+        this machine."""
+        store = TCPStore(
+            "0.0.0.0",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_dt.timedelta(seconds=settings.timeout_s),
+        )
+        return cls(store, host, settings)
+
+    def offer(self, digest: str, label: str) -> PushOffer:
+        s = self.settings
+        return PushOffer(
+            host=self.host,
+            port=self.store.port,
+            group=secrets.token_hex(8),
+            digest=digest,
+            label=label,
+            bucket_mb=float(s.bucket_mb),
+            chunk_mb=float(s.chunk_mb),
+            timeout_s=float(s.timeout_s),
+        )
+
+    def _want(self, offer: PushOffer, stage: int, done: Callable[[], bool]) -> PushWant | None:
+        """Stage `stage`'s ask, once written; None when `done` says the server has answered
+        (refused, or failed) before it."""
+        key = _key(offer, "want", str(stage))
+        waited = 0.0
+        while not self.store.check([key]):
+            if done():
+                return None
+            if waited > offer.timeout_s:
+                raise TransferError(
+                    f"{offer.where}: stage {stage} did not ask for its part within "
+                    f"{offer.timeout_s:g} s"
+                )
+            time.sleep(_POLL_S)
+            waited += _POLL_S
+        return decode(self.store.get(key), PushWant, f"stage {stage}'s ask")
+
+    def send(
+        self, offer: PushOffer, tensors: Mapping[str, torch.Tensor], done: Callable[[], bool]
+    ) -> dict[int, TransferResult] | None:
+        """Send every stage its part of `tensors` (transformers' names, host memory), each stage
+        in a thread of its own; None when the server answered before asking (it refused the
+        offer). TransferError names the stage that failed and why."""
+        first = self._want(offer, 0, done)
+        if first is None:
+            return None
+        results: dict[int, TransferResult] = {}
+        errors: dict[int, BaseException] = {}
+
+        def one(stage: int, want: PushWant | None) -> None:
+            try:
+                want = want or self._want(offer, stage, done)
+                if want is None:
+                    return
+                if want.stage != stage or want.stages != first.stages:
+                    raise TransferError(f"{offer.where}: stage {stage} sent a muddled ask")
+                part = _part(tensors, want, offer)
+                pair = PrefixStore(_key(offer, "pair", str(stage)) + "/", self.store)
+                peers = Peers.own(pair, 0, 2, "gloo", offer.timeout_s)
+                try:
+                    results[stage] = broadcast_state_dict(
+                        part, settings=offer.settings(), peers=peers
+                    )
+                finally:
+                    peers.close()
+            except BaseException as e:
+                errors[stage] = e
+
+        threads = [
+            threading.Thread(
+                target=one, args=(k, first if k == 0 else None), name=f"push-stage{k}", daemon=True
+            )
+            for k in range(first.stages)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            stage, e = min(errors.items())
+            if isinstance(e, TransferError):
+                raise e
+            raise TransferError(f"{offer.where}: stage {stage}: {type(e).__name__}: {e}") from e
+        return results
+
+    def close(self) -> None:
+        self.store = None  # the store's server stops with its last reference
+
+
+def _part(
+    tensors: Mapping[str, torch.Tensor], want: PushWant, offer: PushOffer
+) -> dict[str, torch.Tensor]:
+    """A stage's tensors as it asked for them: each name (a tied copy from its source when the
+    sender has no copy of its own), in its dtype; a name the sender lacks is named."""
+    out = {}
+    for name, spec in want.tensors.items():
+        t = tensors.get(name)
+        if t is None:
+            t = tensors.get(want.tied.get(name, ""))
+        if t is None:
+            raise TransferError(
+                f"{offer.where}: stage {want.stage} needs tensor {name!r}, which the sender lacks"
+            )
+        if list(t.shape) != spec.shape:
+            raise TransferError(
+                f"{offer.where}: tensor {name!r} has shape {tuple(t.shape)} here, stage "
+                f"{want.stage} serves {tuple(spec.shape)} (another architecture?)"
+            )
+        out[name] = t.detach().to(dtype=getattr(torch, spec.dtype)).contiguous()
+    return out
