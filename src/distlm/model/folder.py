@@ -40,24 +40,30 @@ def load_safetensors(path: str | Path, *, device: str = "cpu") -> dict[str, torc
         ) from None
 
 
-def save_safetensors(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None
-) -> None:
+# The metadata of every safetensors file distlm writes: transformers reads "format". One key, so
+# that the file's bytes are a function of its tensors (safetensors writes its metadata from a hash
+# map, whose order with several keys changes from process to process): the same weights, the same
+# sha256, written or pushed (safetensors_sha256).
+SAFETENSORS_METADATA = {"format": "pt"}
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=SAFETENSORS_METADATA
+    )
 
 
-def safetensors_sha256(tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> str:
-    """The sha256 of the file `save_safetensors(tensors, path, metadata)` writes (safetensors'
-    bytes are a function of the tensors and the metadata), without writing it: what names
-    weights that are pushed, not read from a file (distlm.train.push)."""
+def safetensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The sha256 of the file `save_safetensors(tensors, path)` writes, without writing it: what
+    names weights that are pushed, not read from a file (distlm.train.push)."""
     import hashlib
 
     from safetensors.torch import save
 
     return hashlib.sha256(
-        save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+        save({k: v.contiguous() for k, v in tensors.items()}, metadata=SAFETENSORS_METADATA)
     ).hexdigest()
 
 
@@ -157,7 +163,7 @@ def write_model_dir(
         tree_bytes(Path(p)) for p in (tokenizer_dir, *(extra_files or {}).values())
     )
     with atomic_dir(out_dir, size=size) as tmp:
-        save_safetensors(state_dict, tmp / WEIGHTS, metadata={"format": "pt"})
+        save_safetensors(state_dict, tmp / WEIGHTS)
         if config_from is not None:
             for name in (CONFIG, GENERATION_CONFIG):
                 if (Path(config_from) / name).is_file():

@@ -154,7 +154,7 @@ class ServeSettings(ServePipelineSettings):
         description=(
             "Take the weights the training run of this folder pushes at each checkpoint "
             "(results/serve/endpoint.json says where the server listens while it is up; "
-            "docs/serving.md, \"Serve while training\")."
+            'docs/serving.md, "Serve while training").'
         ),
     )
     api_servers: int = Field(

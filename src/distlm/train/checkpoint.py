@@ -97,12 +97,6 @@ def kind_of(ckpt: Checkpoint) -> str:
 # ----------------------------------------------------------------------------- write
 
 
-def weights_metadata(step: int) -> dict[str, str]:
-    """The safetensors metadata of a checkpoint's model.safetensors (a push of the same step's
-    weights names them by the digest of the same bytes: distlm.train.push)."""
-    return {"format": "pt", "step": str(step)}
-
-
 def write_index(tmp: Path, step: int) -> None:
     """checkpoint.json, written last into a checkpoint's temporary folder: the sha256 of every
     file in it (a whole checkpoint's four, or a sharded one's shards and two), which a read
@@ -129,7 +123,7 @@ def write(
     final = ckpt_dir / checkpoint_name(step)
     size = nbytes(weights) + nbytes(optimizer_state) + nbytes(rng_states)
     with atomic_dir(final, size=size) as tmp:
-        save_safetensors(weights, tmp / "model.safetensors", metadata=weights_metadata(step))
+        save_safetensors(weights, tmp / "model.safetensors")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
         write_document(tmp / "state.json", state)

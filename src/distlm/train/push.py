@@ -8,8 +8,8 @@ is still running, the whole model is gathered to rank 0's host memory (under fsd
 part: the layout's `full_hf_tensors`) and a background thread:
 
 1. names the weights: the sha256 of the model.safetensors the step's checkpoint holds (the same
-   tensors and metadata, so the same bytes): after the push the server's system_fingerprint is
-   what an update from that checkpoint's folder gives;
+   tensors, so the same bytes: distlm.model.folder.SAFETENSORS_METADATA): after the push the
+   server's system_fingerprint is what an update from that checkpoint's folder gives;
 2. offers them: POST /update_weights_from_distributed with the offer of its store
    (distlm.transfer.push), the token read from the source the endpoint names;
 3. sends each server stage the tensors it asks for, cast to its dtype, bucketed and checksummed;
@@ -44,11 +44,11 @@ from distlm.core.log import get_logger
 from distlm.inference.documents import ServeEndpoint
 from distlm.model.folder import safetensors_sha256
 from distlm.settings import TransferSettings
-from distlm.train.checkpoint import weights_metadata
 from distlm.transfer.errors import TransferError
 
 if TYPE_CHECKING:
     from distlm.runtime.dist import Topology
+    from distlm.train.faults import Faults
     from distlm.train.state import TrainState
 
 log = get_logger("distlm.train.push")
@@ -70,8 +70,14 @@ class PushOutcome:
 class Pusher:
     """The run's pushes: every rank calls `at_checkpoint` after a save, and `close` at the end."""
 
-    def __init__(self, endpoint: Path, settings: TransferSettings, topo: Topology) -> None:
-        self.endpoint, self.settings, self.topo = endpoint, settings, topo
+    def __init__(
+        self,
+        endpoint: Path,
+        settings: TransferSettings,
+        topo: Topology,
+        faults: Faults | None = None,
+    ) -> None:
+        self.endpoint, self.settings, self.topo, self.faults = endpoint, settings, topo, faults
         self.outcomes: list[PushOutcome] = []
         self._thread: threading.Thread | None = None
         self._sender = None  # distlm.transfer.push.PushSender, opened at the first push
@@ -80,7 +86,9 @@ class Pusher:
     def _target(self) -> ServeEndpoint | None:
         """The following server's endpoint, or None (no server follows); a change is logged."""
         try:
-            target = read_document(self.endpoint, ServeEndpoint) if self.endpoint.is_file() else None
+            target = (
+                read_document(self.endpoint, ServeEndpoint) if self.endpoint.is_file() else None
+            )
         except (DocumentError, DistlmError, OSError) as e:
             log.warning("%s: not read (%s); no push", self.endpoint, e)
             target = None
@@ -93,12 +101,18 @@ class Pusher:
             self._seen = now
         return target
 
-    def at_checkpoint(self, step: int, state: TrainState) -> None:
+    def at_checkpoint(self, step: int, state: TrainState, *, last: bool = False) -> None:
         """All ranks, after step `step`'s checkpoint: its weights go to the following server in
-        rank 0's background thread (see the module doc)."""
+        rank 0's background thread (see the module doc). The `last` step's push waits for a
+        running one to end first (at most transfer.timeout_s): the server ends on the final
+        weights."""
         target = None
         if self.topo.is_main:
             target = self._target()
+            running = self._thread is not None and self._thread.is_alive()
+            if target is not None and running and last:
+                log.info("step %d: the last push waits for the one that runs", step)
+                self._thread.join(self.settings.timeout_s)
             if target is not None and self._thread is not None and self._thread.is_alive():
                 log.warning(
                     "step %d: not pushed: the push of an earlier step still runs (pushes come "
@@ -128,9 +142,7 @@ class Pusher:
         try:
             outcome = self._offer(step, tensors, target, t0)
         except Exception as e:  # nothing a push meets may stop training
-            outcome = PushOutcome(
-                step, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0
-            )
+            outcome = PushOutcome(step, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
         self.outcomes.append(outcome)
         if outcome.ok:
             log.info(
@@ -154,10 +166,11 @@ class Pusher:
     ) -> PushOutcome:
         from distlm.transfer.push import PushSender
 
-        digest = safetensors_sha256(tensors, weights_metadata(step))
+        digest = safetensors_sha256(tensors)
         if self._sender is None:
             self._sender = PushSender.open(host=_reachable_host(target.url), settings=self.settings)
         offer = self._sender.offer(digest, f"step {step}")
+        log.info("step %d: offering weights %s to %s", step, digest[:16], target.url)
         body = {**offer.model_dump(mode="json"), "policy": "wait"}
         answered = threading.Event()
         reply: dict = {}
@@ -173,7 +186,8 @@ class Pusher:
         threading.Thread(target=post, name=f"push-{step}-http", daemon=True).start()
         sent_error: TransferError | None = None
         try:
-            self._sender.send(offer, tensors, done=answered.is_set)
+            hook = self.faults.push_hook(step) if self.faults is not None else None
+            self._sender.send(offer, tensors, done=answered.is_set, hook=hook)
         except TransferError as e:
             sent_error = e  # the server's answer says how the update ended; keep this for why
         answered.wait()

@@ -181,7 +181,7 @@ class Trainer:
             )
             self._opened.callback(self.writer.close)
             # each checkpoint into a server that follows this run, when one does (train/push.py)
-            self.pusher = Pusher(paths.serve_endpoint, cfg.transfer, topo)
+            self.pusher = Pusher(paths.serve_endpoint, cfg.transfer, topo, self.faults)
             self._opened.callback(lambda: self.pusher.close(wait=self.stop_requested is None))
         except BaseException:
             self._opened.close()
@@ -352,7 +352,8 @@ class Trainer:
         if self.topo.is_main:
             outputs.metrics_io(self.metrics.flush)
         if push:
-            self.pusher.at_checkpoint(self.step, self.state)
+            last = self.step >= self.tcfg.max_steps
+            self.pusher.at_checkpoint(self.step, self.state, last=last)
         self.checkpoint_stalls.append(round(time.perf_counter() - t0, 4))
         log.info(
             "step %d: checkpoint stalled the loop %.2f s", self.step, self.checkpoint_stalls[-1]

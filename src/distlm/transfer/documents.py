@@ -72,7 +72,7 @@ class PushOffer(BaseModel):
     host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_\-\[\]]+$")
     port: int = Field(ge=1, le=65535)
     group: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
-    backend: Literal["gloo", "nccl"] = "gloo"
+    backend: Literal["gloo"] = "gloo"  # host memory: any device on either side
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     label: str = Field(default="", max_length=200)  # what /health and the logs name it by
     bucket_mb: float = Field(default=64, gt=0, le=4096)

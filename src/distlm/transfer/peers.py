@@ -32,7 +32,9 @@ class Peers:
     ranks: list[int]
     backend: str
     store: Store | None
-    _group: Any = None  # world: the torch.distributed group (None: the world); own: the ProcessGroup
+    _group: Any = (
+        None  # world: the torch.distributed group (None: the world); own: the ProcessGroup
+    )
     _own: bool = False
 
     @classmethod
@@ -51,22 +53,15 @@ class Peers:
         return cls(dist.get_rank(), ranks, str(dist.get_backend(group)), _default_store(), group)
 
     @classmethod
-    def own(
-        cls, store: Store, rank: int, size: int, backend: str, timeout_s: float
-    ) -> Peers:
+    def own(cls, store: Store, rank: int, size: int, backend: str, timeout_s: float) -> Peers:
         """A group of `size` ranks of its own on `store` (every rank passes the same store
         prefix); joining waits for the others at most `timeout_s`."""
-        timeout = _dt.timedelta(seconds=timeout_s)
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        elif backend == "nccl":
-            if not dist.is_nccl_available():
-                raise TransferError("backend nccl: this torch build has no NCCL")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, rank, size, opts)
-        else:
-            raise TransferError(f"backend {backend!r}: a group of its own is gloo or nccl")
+        if backend != "gloo":
+            raise TransferError(
+                f"backend {backend!r}: a group of its own is gloo here (host memory: it serves "
+                "processes on one GPU or several, and the CPU)"
+            )
+        pg = dist.ProcessGroupGloo(store, rank, size, _dt.timedelta(seconds=timeout_s))
         return cls(rank, list(range(size)), backend, store, pg, True)
 
     def isend(self, t: torch.Tensor, peer: int, tag: int):

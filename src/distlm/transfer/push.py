@@ -56,10 +56,6 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
     """A stage's part of a push: ask for `want` in the sender's store, then receive it over the
     pair group; TransferError says what failed (the sender gone, another shape, bad bytes)."""
     timeout = _dt.timedelta(seconds=offer.timeout_s)
-    if offer.backend != "gloo":
-        raise TransferError(
-            f"{offer.where}: backend {offer.backend!r}; a stage receives a push over gloo"
-        )
     try:
         store = TCPStore(
             offer.host, offer.port, is_master=False, timeout=timeout, wait_for_workers=False
@@ -72,7 +68,7 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
     try:
         store.set(_key(offer, "want", str(want.stage)), encode(want))
         pair = PrefixStore(_key(offer, "pair", str(want.stage)) + "/", store)
-        peers = Peers.own(pair, 1, 2, "gloo", offer.timeout_s)
+        peers = Peers.own(pair, 1, 2, offer.backend, offer.timeout_s)
         try:
             return broadcast_state_dict(want.template(), settings=offer.settings(), peers=peers)
         finally:
@@ -135,11 +131,16 @@ class PushSender:
         return decode(self.store.get(key), PushWant, f"stage {stage}'s ask")
 
     def send(
-        self, offer: PushOffer, tensors: Mapping[str, torch.Tensor], done: Callable[[], bool]
+        self,
+        offer: PushOffer,
+        tensors: Mapping[str, torch.Tensor],
+        done: Callable[[], bool],
+        hook: Callable[[int, int, Mapping], None] | None = None,
     ) -> dict[int, TransferResult] | None:
         """Send every stage its part of `tensors` (transformers' names, host memory), each stage
         in a thread of its own; None when the server answered before asking (it refused the
-        offer). TransferError names the stage that failed and why."""
+        offer). TransferError names the stage that failed and why. `hook(stage, stages, sent)`
+        runs before each stage's part goes (tests: distlm.train.faults)."""
         first = self._want(offer, 0, done)
         if first is None:
             return None
@@ -154,8 +155,10 @@ class PushSender:
                 if want.stage != stage or want.stages != first.stages:
                     raise TransferError(f"{offer.where}: stage {stage} sent a muddled ask")
                 part = _part(tensors, want, offer)
+                if hook is not None:
+                    hook(stage, first.stages, results)
                 pair = PrefixStore(_key(offer, "pair", str(stage)) + "/", self.store)
-                peers = Peers.own(pair, 0, 2, "gloo", offer.timeout_s)
+                peers = Peers.own(pair, 0, 2, offer.backend, offer.timeout_s)
                 try:
                     results[stage] = broadcast_state_dict(
                         part, settings=offer.settings(), peers=peers

@@ -109,4 +109,3 @@ def _short(err: BaseException) -> str:
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
     return text.split(". This is typically")[0][:160]
-

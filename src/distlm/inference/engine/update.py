@@ -237,7 +237,9 @@ class Updater:
         self.run.mine = NewWeights(self.model, prepare)
         if self.ring_send is not None:
             self.ring_send(prepare)
-        log.info("update %d: staging %s (%s), policy %s", self.n, _label(src), _kind(src), msg.policy)
+        log.info(
+            "update %d: staging %s (%s), policy %s", self.n, _label(src), _kind(src), msg.policy
+        )
         return None
 
     def _same_architecture(self, args, src: WeightFiles) -> None:

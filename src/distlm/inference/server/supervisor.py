@@ -256,7 +256,9 @@ class Supervisor:
             hostname=socket.gethostname(),
             pid=os.getpid(),
             token_env=self.serve.token_env,
-            token_file=str(Path(self.serve.token_file).resolve()) if self.serve.token_file else None,
+            token_file=str(Path(self.serve.token_file).resolve())
+            if self.serve.token_file
+            else None,
         )
         self.endpoint.parent.mkdir(parents=True, exist_ok=True)
         write_document(self.endpoint, doc)

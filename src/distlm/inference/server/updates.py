@@ -34,6 +34,7 @@ from distlm.inference.server.requests import _validation_error, parse_json
 from distlm.inference.server.state import ServeState
 from distlm.transfer.documents import PushOffer
 
+
 class UpdateRequest(BaseModel):
     """POST /update_weights_from_disk's body."""
 
@@ -56,7 +57,7 @@ class PushRequest(PushOffer):
 
 
 # each update route and its body
-ROUTES: dict[str, type[UpdateRequest] | type[PushRequest]] = {
+ROUTES: dict[str, type[UpdateRequest | PushRequest]] = {
     "/update_weights_from_disk": UpdateRequest,
     "/update_weights_from_distributed": PushRequest,
 }

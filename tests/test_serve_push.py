@@ -1,0 +1,296 @@
+"""Serve while training (docs/serving.md), as a user runs it: `snakemake serve` with
+serve.model base and serve.follow_training takes each checkpoint the training run pushes
+(distlm.train.push -> POST /update_weights_from_distributed -> each stage fetches its own part
+through distlm.transfer.push); the push's parts, one stage at a time; a trainer killed mid-push."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import TINY, copy_workflow, run_snakemake, snakemake_cmd
+from harness.faults import fault_env, paced_env
+from test_serve_updates import _greedy
+
+from distlm.inference.messages import fingerprint
+from distlm.model import load_safetensors, read_meta, write_model_dir
+from distlm.runtime.dist import free_port
+from distlm.settings import TransferSettings
+from distlm.transfer.documents import PushWant
+from distlm.transfer.errors import TransferError
+from distlm.transfer.push import PushSender, receive
+
+TOKEN_ENV, TOKEN = "DISTLM_TEST_PUSH_TOKEN", "push-secret"
+
+
+# ----------------------------------------------------------------------------- the parts
+
+
+def _want(tensors: dict, stage: int, stages: int) -> PushWant:
+    return PushWant.of(tensors, stage=stage, stages=stages, tied={"lm_head": "wte"})
+
+
+def test_each_stage_gets_its_own_part_in_its_dtype_and_a_tied_copy_from_its_source():
+    st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=20)
+    g = torch.Generator().manual_seed(0)
+    full = {
+        n: torch.randn(s, generator=g)
+        for n, s in {"wte": (64, 16), "h.0": (16, 16), "h.1": (16, 48), "ln_f": (16,)}.items()
+    }
+    wants = [
+        _want({"wte": full["wte"].bfloat16(), "h.0": full["h.0"]}, 0, 2),
+        _want({"h.1": full["h.1"], "ln_f": full["ln_f"], "lm_head": full["wte"]}, 1, 2),
+    ]
+    sender = PushSender.open(host="127.0.0.1", settings=st)
+    offer = sender.offer("ab" * 32, "step 3")
+    got: dict[int, object] = {}
+
+    def stage(k: int) -> None:
+        got[k] = receive(offer, wants[k])
+
+    threads = [threading.Thread(target=stage, args=(k,)) for k in (1, 0)]  # any order
+    for t in threads:
+        t.start()
+    sent = sender.send(offer, full, done=lambda: False)
+    for t in threads:
+        t.join()
+    assert set(sent) == {0, 1} and all(r.stats.all_verified for r in sent.values())
+    assert set(got[0].tensors) == {"wte", "h.0"} and set(got[1].tensors) == {
+        "h.1",
+        "ln_f",
+        "lm_head",
+    }
+    assert got[0].tensors["wte"].dtype == torch.bfloat16
+    assert torch.equal(got[0].tensors["wte"], full["wte"].bfloat16())
+    assert torch.equal(got[1].tensors["lm_head"], full["wte"])  # the tied copy, from its source
+    assert sent[0].stats.bytes < sum(t.numel() * 4 for t in full.values())  # its part alone
+
+
+def test_a_stage_that_wants_another_shape_or_a_name_the_sender_lacks_is_refused_naming_it():
+    st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=10)
+    full = {"wte": torch.zeros(8, 4), "h.0": torch.zeros(4, 4)}
+    for want, match in (
+        (_want({"wte": torch.zeros(8, 4), "h.0": torch.zeros(4, 5)}, 0, 1), "'h.0' has shape"),
+        (_want({"wte": torch.zeros(8, 4), "h.9": torch.zeros(4, 4)}, 0, 1), "'h.9'.*lacks"),
+    ):
+        sender = PushSender.open(host="127.0.0.1", settings=st)
+        offer = sender.offer("cd" * 32, "bad")
+        errors: list[Exception] = []
+
+        def stage(want=want, errors=errors, offer=offer) -> None:
+            try:
+                receive(offer, want)
+            except TransferError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=stage)
+        t.start()
+        with pytest.raises(TransferError, match=match):
+            sender.send(offer, full, done=lambda: False)
+        sender.close()
+        t.join(30)
+        assert not t.is_alive() and errors, "the stage must not wait for a part that never comes"
+
+
+def test_a_stage_whose_sender_is_gone_fails_at_once_naming_the_push():
+    st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=5)
+    sender = PushSender.open(host="127.0.0.1", settings=st)
+    offer = sender.offer("ef" * 32, "step 9")
+    port = offer.port
+    del sender  # its store goes: nothing listens on the port any more
+    offer = offer.model_copy(update={"port": port})
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="push step 9 from 127.0.0.1"):
+        receive(offer, _want({"wte": torch.zeros(2, 2)}, 0, 1))
+    assert time.monotonic() - t0 < 30
+
+
+# ----------------------------------------------------------------------------- the workflow
+
+
+def _get(url: str, path: str) -> dict:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _complete(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")[:300]}
+
+
+def _planned(dry: subprocess.CompletedProcess) -> dict[str, int]:
+    """The jobs a dry run plans: {rule: count}."""
+    out = dry.stdout + dry.stderr
+    if "Nothing to be done" in out:
+        return {}
+    table = out.split("Job stats:")[1].split("Reasons:")[0]
+    rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
+    return {r[0]: int(r[1]) for r in rows if len(r) == 2 and r[1].isdigit()}
+
+
+def _folders_by_fingerprint(work: Path) -> dict[str, Path]:
+    """Every set of weights the server may have served: the base model and every checkpoint of
+    the training runs (a model folder made of each, to load with transformers)."""
+    base = work / "results/model/base"
+    meta = read_meta(base)
+    out = {fingerprint(meta.model_sha256): base}
+    keep = ("created_by", "source", "config_digest", "data_config_digest", "dtype")
+    for index in glob.glob(str(work / "results/train/checkpoints/*/step-*/checkpoint.json")):
+        ckpt = Path(index).parent
+        digest = json.loads(Path(index).read_text())["sha256"]["model.safetensors"]
+        folder = work / "ckpt-models" / f"{ckpt.parent.name}-{ckpt.name}"
+        write_model_dir(
+            folder,
+            state_dict=load_safetensors(ckpt / "model.safetensors"),
+            config_from=base,
+            tokenizer_dir=work / "results/data/tokenizer",
+            meta={k: meta.model_dump()[k] for k in keep},
+        )
+        out[fingerprint(digest)] = folder
+    return out
+
+
+@pytest.mark.slow
+def test_serve_while_training_takes_each_push_and_a_trainer_killed_mid_push_changes_nothing(
+    workflow_run, tmp_path
+):
+    """docs/serving.md's commands: `snakemake serve` (serve.model base, follow_training, a token)
+    comes up, reruns nothing of the finished workflow, and says where it listens; `snakemake
+    train` (a new run) pushes each checkpoint; its rank 0 is killed in the middle of step 4's push
+    (stage 0 has its part, stage 1's is unsent) and torchrun restarts the job, which resumes from
+    step 4's checkpoint and pushes on. 8 clients meanwhile: no request fails, every answer names
+    one set of weights and is `generate`'s greedy text on them, the failed push leaves the old
+    weights serving, and the server ends on the final step's weights, named by the digest of that
+    checkpoint's model.safetensors."""
+    work = copy_workflow(workflow_run, tmp_path / "work")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve_yaml = tmp_path / "serve.yaml"
+    serve = {"port": port, "stages": 2, "model": "base", "follow_training": True}
+    serve_yaml.write_text(yaml.safe_dump({"serve": {**serve, "token_env": TOKEN_ENV}}))
+    train_yaml = tmp_path / "train.yaml"
+    train = {"max_steps": 8, "ckpt_every": 2, "lr": 0.003, "max_restarts": 1, "keep_last": 10}
+    train_yaml.write_text(yaml.safe_dump({"train": train}))
+    env = {**os.environ, TOKEN_ENV: TOKEN}
+
+    # following the training run is no edit of a finished job: the main job plans what it plans
+    # without it (the copy's inference job reads the checkout's prompts by a path relative to
+    # it, which the copy changed: test_kill_workflow.py)
+    plans = [
+        _planned(run_snakemake(work, "-n", configfiles=files))
+        for files in ((TINY,), (TINY, serve_yaml))
+    ]
+    assert plans[0] == plans[1] and "train" not in plans[1], plans
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            snakemake_cmd(work, "serve", "--nolock", configfiles=(TINY, serve_yaml)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    endpoint = work / "results/serve/endpoint.json"
+    stop = threading.Event()
+    answers: list[tuple[str, str, str]] = []
+    failures: list[str] = []
+    prompts = ["The", "In the year", "Music is"]
+    n = 6
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            prompt = prompts[(k + i) % len(prompts)]
+            status, b = _complete(url, {"prompt": prompt, "max_tokens": n, "temperature": 0})
+            if status != 200:
+                failures.append(f"{status}: {b}")
+            else:
+                answers.append((b["system_fingerprint"], prompt, b["choices"][0]["text"]))
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    try:
+        deadline = time.monotonic() + 240
+        health = None
+        while time.monotonic() < deadline and server.poll() is None and health is None:
+            try:
+                health = _get(url, "/health")
+            except OSError:
+                time.sleep(1)
+        assert health is not None, log.read_text()[-3000:]
+        base = health["weights"]
+        assert base == read_meta(work / "results/model/base").model_sha256
+        doc = json.loads(endpoint.read_text())
+        assert (
+            doc["url"] == url
+            and doc["token_env"] == TOKEN_ENV
+            and TOKEN not in endpoint.read_text()
+        )
+        for t in threads:
+            t.start()
+
+        # steps of 1.5 s: each push ends before the next checkpoint (a push that comes while one
+        # runs is skipped, and step 4's must happen to be killed in)
+        faults = paced_env(fault_env(tmp_path / "faults.json", env, kill_mid_push=4), 1.5)
+        run_snakemake(work, "train", configfiles=(TINY, train_yaml), env=faults)
+        time.sleep(1.0)  # answers after the last push
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+        ranks = (work / "logs/train/rank0.log").read_text()
+        assert "killing rank 0 with stage 1's part unsent" in ranks
+        assert "resuming from" in ranks
+        pushed = [line for line in ranks.splitlines() if ": pushed to " in line]
+        assert any("step 8: pushed to" in line for line in pushed), ranks[-3000:]
+        served = log.read_text()
+        assert "not updated, the served weights are unchanged" in served  # step 4's, half sent
+        health = _get(url, "/health")
+        run = re.findall(r"run identity (\w+):", ranks)[-1]  # this run's (the log is appended)
+        index = work / f"results/train/checkpoints/{run}/step-00000008/checkpoint.json"
+        final = json.loads(index.read_text())["sha256"]["model.safetensors"]
+        assert health["weights"] == final != base
+        assert health["last_update"]["kind"] == "training push"
+        assert "step 8" in health["last_update"]["source"]
+
+        assert not failures, failures[:5]
+        folders = _folders_by_fingerprint(work)
+        seen = {fp for fp, _, _ in answers}
+        assert fingerprint(base) in seen and fingerprint(final) in seen, seen
+        assert seen <= set(folders), seen - set(folders)
+        ref = {}
+        for fp, prompt, text in answers:
+            if (fp, prompt) not in ref:
+                ref[fp, prompt] = _greedy(folders[fp], prompt, n)
+            assert text == ref[fp, prompt], (fp, prompt, text, ref[fp, prompt])
+    finally:
+        stop.set()
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    assert not endpoint.exists(), "the endpoint goes with the server"
