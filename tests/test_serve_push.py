@@ -1,6 +1,6 @@
 """Serve while training (docs/serving.md), as a user runs it: `snakemake serve` with
 serve.model base and serve.follow_training takes each checkpoint the training run pushes
-(distlm.train.push -> POST /update_weights_from_distributed -> each stage fetches its own part
+(distlm.train.pushes -> POST /update_weights_from_distributed -> each stage fetches its own part
 through distlm.transfer.push); the push's parts, one stage at a time; a trainer killed mid-push."""
 
 from __future__ import annotations

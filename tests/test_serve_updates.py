@@ -26,9 +26,11 @@ from distlm.core.documents import write_document
 from distlm.model import load_safetensors, read_meta, write_model_dir, write_pipeline_dir
 from distlm.model.documents import CheckpointIndex
 from distlm.model.weights import read_tensors, weight_files
+from distlm.runtime.dist import free_port
 
 tiny_models = test_inference.tiny_models
 ROUTE = "/update_weights_from_disk"
+PUSH = "/update_weights_from_distributed"
 
 
 @pytest.fixture(scope="session")
@@ -361,6 +363,28 @@ def test_hostile_update_requests_and_a_stage_killed_mid_update(folders, tmp_path
             text = json.dumps(b)
             assert fragment in text, (fragment, b)
         assert server.request("POST", ROUTE, {"model_path": "/x"}, token=None)[0] == 401
+        # the push route's offer (distlm.transfer.documents.PushOffer), field by field
+        offer = {"host": "127.0.0.1", "port": free_port(), "group": "a1b2c3d4e5f6a7b8"}
+        offer |= {"digest": "ab" * 32, "timeout_s": 3}
+        for body, fragment in [
+            ({k: v for k, v in offer.items() if k != "port"}, "port: required"),
+            ({**offer, "port": 0}, "port"),
+            ({**offer, "host": "a b"}, "host"),
+            ({**offer, "group": "../../x"}, "group"),
+            ({**offer, "digest": "xyz"}, "digest"),
+            ({**offer, "backend": "nccl"}, "backend"),
+            ({**offer, "timeout_s": 1e9}, "timeout_s"),
+            ({**offer, "policy": "retract"}, "policy"),
+            ({**offer, "names": []}, "names: unknown field"),
+        ]:
+            got, b = server.request("POST", PUSH, body)
+            assert got == 400 and fragment in json.dumps(b), (body, b)
+        assert server.request("POST", PUSH, offer, token=None)[0] == 401
+        # a sender that is not there: every stage fails to reach its store, nothing changes
+        got, b = server.request("POST", PUSH, offer)
+        assert got == 400 and not b["success"] and not b["changed"], b
+        assert "the sender's store does not answer" in b["message"], b
+        assert b["weights"] == model.model_sha256
         server.ok()
 
         # a stage killed while the update drains (policy wait, a long stream running)

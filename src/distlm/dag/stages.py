@@ -267,7 +267,7 @@ STAGES: dict[str, Stage] = {
             reads={"model": ("serve_shard", "pipeline")},
             in_all=False,
             # endpoint: where a server that follows the training run listens, while it is up
-            # (serve.follow_training; the trainer pushes each checkpoint there: distlm.train.push)
+            # (serve.follow_training; the trainer pushes each checkpoint there: distlm.train.pushes)
             scratch={"endpoint": "endpoint.json"},
         ),
     )

@@ -61,7 +61,7 @@ class InferenceSweep(Document):
 
 class ServeEndpoint(Document):
     """results/serve/endpoint.json, while a server that follows the training run is up
-    (serve.follow_training): where the training ranks push each checkpoint (distlm.train.push).
+    (serve.follow_training): where the training ranks push each checkpoint (distlm.train.pushes).
     It names the token's source (serve.token_env, serve.token_file), never the token."""
 
     KIND: ClassVar[str] = "distlm-serve-endpoint"

@@ -57,7 +57,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def safetensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """The sha256 of the file `save_safetensors(tensors, path)` writes, without writing it: what
-    names weights that are pushed, not read from a file (distlm.train.push)."""
+    names weights that are pushed, not read from a file (distlm.train.pushes)."""
     import hashlib
 
     from safetensors.torch import save

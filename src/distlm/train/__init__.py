@@ -25,6 +25,7 @@ Modules, by what a change touches:
                    every rank agreeing on each part's outcome
     checkpoint.py  the format of a run folder's checkpoints: write, verify, list, prune, read
     checkpoint_writer.py  the background writer (host copies, a thread, DCP's async saves)
+    pushes.py      each checkpoint into a server that follows the run (`Pusher`)
     outputs.py     the metrics files' writes and the final model folder
     stopping.py    divergence, and the signals that stop at a step boundary with a checkpoint
     metrics.py     metrics.csv, val.csv and TensorBoard; profiling.py: the step profiler

@@ -12,7 +12,7 @@ in its step loop: no look-up, no call, one `is None` test per step. Armed (a tes
   falls there), on the job's first attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restart
   resumes;
 - `kill_mid_push` N: rank 0 SIGKILLs itself in the middle of step N's push into a following
-  server (distlm.train.push): the first stage has its part, the last stage's is not sent; on the
+  server (distlm.train.pushes): the first stage has its part, the last stage's is not sent; on the
   first attempt only.
 """
 

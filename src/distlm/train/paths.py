@@ -51,7 +51,7 @@ class TrainPaths:
 
     @property
     def serve_endpoint(self) -> Path:
-        """Where a server that follows this run says it listens (distlm.train.push): the serve
+        """Where a server that follows this run says it listens (distlm.train.pushes): the serve
         stage's folder beside this one."""
         serve = STAGES["serve"]
         return self.out.parent / serve.folder / serve.scratch["endpoint"]

@@ -54,7 +54,7 @@ from distlm.train.optim import (
 from distlm.train.parallel import layout_for, state_bytes, state_line
 from distlm.train.paths import TrainPaths
 from distlm.train.profiling import StepProfiler
-from distlm.train.push import Pusher
+from distlm.train.pushes import Pusher
 from distlm.train.state import TrainState
 from distlm.train.stopping import (
     STOP_SIGNALS,
@@ -180,7 +180,7 @@ class Trainer:
                 timeout_s=cfg.transfer.timeout_s,  # how long a rank waits on another's save
             )
             self._opened.callback(self.writer.close)
-            # each checkpoint into a server that follows this run, when one does (train/push.py)
+            # each checkpoint into a server that follows this run, when one does (train/pushes.py)
             self.pusher = Pusher(paths.serve_endpoint, cfg.transfer, topo, self.faults)
             self._opened.callback(lambda: self.pusher.close(wait=self.stop_requested is None))
         except BaseException:
@@ -335,7 +335,7 @@ class Trainer:
     def save_checkpoint(self, *, push: bool = True) -> None:
         """All ranks call: this step's checkpoint through the one save path
         (distlm.train.checkpoint_save.save), then rank 0 rewrites the metrics files, and with
-        `push` its weights go to a server that follows the run (distlm.train.push). The time the
+        `push` its weights go to a server that follows the run (distlm.train.pushes). The time the
         loop spent here (the stall; a background write and the push go on after it) is logged
         and kept."""
         t0 = time.perf_counter()

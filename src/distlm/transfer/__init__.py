@@ -22,6 +22,9 @@ How it moves the bytes (what NCCL's ring broadcast and RL weight-sync engines do
 - Every wait has a timeout (`timeout_s`); ranks beat a heartbeat into the torch.distributed store,
   so when a peer dies or hangs the error names the rank that stopped, not just the neighbour.
 
+Beyond one job's world: `Peers.own` makes a group of its own on a store both sides reach, which
+is how the training ranks push weights into a running server (push.py; distlm.train.pushes).
+
 Transports: "torch" (torch.distributed point-to-point: NCCL for GPU tensors, gloo for CPU) and
 "uccl" (UCCL's P2P engine for the bulk data, torch.distributed for the small control messages;
 see distlm.transfer.uccl). A transport that cannot run raises TransferError saying why.
@@ -29,6 +32,8 @@ see distlm.transfer.uccl). A transport that cannot run raises TransferError sayi
 Where things are:
     chain.py      broadcast_state_dict: the steps below in order along the chain, and the figures it returns
     session.py    TransferSession: one transfer's state (ranks, chain, device, link, plan, buffers)
+    peers.py      who takes part: the torch.distributed world, or a group of its own on a store
+    push.py       a push into a running pipeline's stages, each its own part (PushSender, receive)
     plan.py       the bucket plan: tensors in the byte stream, buckets, chunks, zero-copy messages
     handshake.py  the plan agreed before the bytes, the verdict after them
     messages.py   the typed, versioned messages of the handshake

@@ -3,7 +3,7 @@ each stage receiving only its own tensors: the same buckets, chain and checksums
 over a group of its own per stage (distlm.transfer.peers), as vLLM's and SGLang's weight-update
 groups are.
 
-    # the sender (distlm.train.push): a store the stages can reach, then the offer goes to the server
+    # the sender (distlm.train.pushes): a store the stages can reach, then the offer goes to the server
     sender = PushSender.open(host="node1", settings=transfer_settings, backend="gloo")
     offer = sender.offer(digest, label)          # what the server's update route is given
     sender.send(tensors, done=lambda: answered)  # until every stage has its part, or `done`

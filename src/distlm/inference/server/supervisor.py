@@ -248,7 +248,7 @@ class Supervisor:
 
     def _announce(self) -> None:
         """serve.follow_training: say where this server listens, for the training run's pushes
-        (distlm.train.push); the token's source, never the token."""
+        (distlm.train.pushes); the token's source, never the token."""
         if self.endpoint is None:
             return
         doc = ServeEndpoint(

@@ -4,7 +4,7 @@
     POST /update_weights_from_disk          {"model_path": "/abs/results/train/final", "policy": "wait"}
     POST /update_weights_from_distributed   a sender's offer (distlm.transfer.documents.PushOffer:
         its store's host and port, the group's name, the weights' digest, ...) and "policy"; what
-        the training ranks send at each checkpoint (distlm.train.push)
+        the training ranks send at each checkpoint (distlm.train.pushes)
 
 The body is checked here (a JSON object of the route's fields; `policy` wait or abort); stage
 0's Updater (engine/update.py) does the rest: from disk, the folder's documents, every file's

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from distlm.train.faults import Faults
     from distlm.train.state import TrainState
 
-log = get_logger("distlm.train.push")
+log = get_logger("distlm.train.pushes")
 
 ROUTE = "/update_weights_from_distributed"
 
