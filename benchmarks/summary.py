@@ -370,10 +370,14 @@ def update_rows() -> list[Row]:
     weights, no greedy answer other than `generate`'s, and the p99 during an update."""
     d = load(UPDATE)
     clean = d["failed"] == 0 and d["mixed_or_unknown_weights"] == 0 and d["greedy_differs"] == 0
+    pushes = d.get("pushes", 0)
+    how = f"{d['args']['updates'] - pushes} from disk" + (
+        f", {pushes} pushed by a 2-rank training job" if pushes else ""
+    )
     return [
         Row(
-            f"serving, live weight updates ({d['args']['updates']} from disk, policy "
-            f"{d['args']['policy']}), {d['args']['clients']} clients: p99 during an update",
+            f"serving, live weight updates ({how}, policy {d['args']['policy']}), "
+            f"{d['args']['clients']} clients: p99 during an update",
             "the same server's steady p99",
             f"{ratio(d['p99_ratio'], UPDATE_P99)}; {d['failed']} failed, "
             f"{d['mixed_or_unknown_weights']} mixed",

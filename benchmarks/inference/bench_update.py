@@ -1,14 +1,20 @@
 """Live weight updates under load: clients keep sending greedy completions (streamed and not)
 while the server takes updates from disk, alternately two sets of weights, each from a model
-folder and from a pipeline folder; what users see of it.
+folder and from a pipeline folder, and with --push every other update pushed by a 2-rank training
+job; what users see of it.
 
     python benchmarks/inference/bench_update.py --model results/train/final \
-        --other results/model/base --clients 64 --updates 5 \
+        --other results/model/base --clients 64 --updates 5 --push \
         --out benchmarks/inference/update-results.json
 
 The server is rule serve's (`distlm.entry.serve`, serve.stages --stages) on --model; the update
 route (POST /update_weights_from_disk, policy --policy) alternates --other and --model, every
-other update from a pipeline folder cut from it. Reported: failed requests (any non-200, any
+other update from a pipeline folder cut from it. With --push the server follows training
+(serve.follow_training) and the 2nd, 4th, ... update is a training job of the train stage
+(torchrun, 2 ranks, gloo: the main job's resolved train config with max_steps 2, 4, ... and one
+checkpoint, at the end, on --tokens from --model) whose rank 0 pushes its last checkpoint
+(distlm.train.pushes; its window is the server's own record of it, /health's last_update).
+Reported: failed requests (any non-200, any
 stream without [DONE]); answers whose chunks name more than one set of weights, or weights other
 than the two; greedy texts against `generate` on the weights each answer names (an aborted one: a
 prefix); the end-to-end p99 of the requests that ran while no update did (steady) and of those
@@ -59,6 +65,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--lanes", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--push", action="store_true", help="every other update pushed by a 2-rank training job"
+    )
+    ap.add_argument("--tokens", default="results/data/tokens.h5", help="--push: token blocks")
+    ap.add_argument(
+        "--train-config", default="results/config/train.json", help="--push: the train config"
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--merge-into",
@@ -120,15 +133,101 @@ def perturbed(model: Path, out: Path) -> Path:
     }
     meta = read_meta(model).model_dump()
     keep = ("created_by", "source", "config_digest", "data_config_digest", "dtype")
-    tok = out.parent / "tokenizer"
-    tok.mkdir(parents=True, exist_ok=True)
-    for f in model.iterdir():  # the tokenizer's files: everything but weights and documents
-        if f.is_file() and f.name not in ("model.safetensors", "distlm.json", "config.json"):
-            (tok / f.name).write_bytes(f.read_bytes())
+    tok = tokenizer_dir(model, out.parent)
     write_model_dir(
         out, state_dict=noisy, config_from=model, tokenizer_dir=tok, meta={k: meta[k] for k in keep}
     )
     return out
+
+
+def tokenizer_dir(model: Path, work: Path) -> Path:
+    """work/tokenizer: the model folder's tokenizer files (everything but weights and
+    documents)."""
+    tok = work / "tokenizer"
+    tok.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "distlm.json", "config.json"):
+            (tok / f.name).write_bytes(f.read_bytes())
+    return tok
+
+
+def train_and_push(j: int, args, model: Path, work: Path) -> tuple[Path, str]:
+    """Push j (0, 1, ...): a 2-rank training job of 2 (j + 1) steps from --model whose rank 0
+    pushes its one checkpoint into the following server; returns the run's output folder and its
+    rank 0 log."""
+    from distlm.core.documents import read_document, write_document
+    from distlm.launch.torchrun import local_torchrun, stage_args, train_args
+    from distlm.settings.train import TrainConfig
+
+    cfg = read_document(ROOT / args.train_config, TrainConfig)
+    steps = 2 * (j + 1)
+    train = cfg.train.model_copy(
+        update={
+            "nproc_per_node": 2,
+            "max_steps": steps,
+            "ckpt_every": steps,
+            "eval_every": steps,
+            "eval_batches": 1,
+            "profile": cfg.train.profile.model_copy(update={"enabled": False}),
+        }
+    )
+    cfg = cfg.model_copy(update={"train": train})
+    path = work / f"train-{j}.json"
+    write_document(path, cfg)
+    out = work / "results" / "train"  # the endpoint is results/serve's beside it
+    cmd = local_torchrun(
+        stage_args(
+            "train",
+            nproc=2,
+            args=train_args(
+                config=path,
+                tokens=(ROOT / args.tokens).resolve(),
+                tokenizer=tokenizer_dir(model, work),
+                model=model,
+                out=out,
+                rank_log=work / f"train-{j}" / "rank{rank}.log",
+            ),
+        )
+    )
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    log = (work / f"train-{j}" / "rank0.log").read_text()
+    print(
+        f"push {j + 1}: training job of {steps} steps, rc {proc.returncode}, "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"the training job failed:\n{proc.stderr[-3000:]}\n{log[-3000:]}")
+    return out, log
+
+
+def checkpoint_folder(out: Path, digest: str, model: Path, dest: Path) -> Path:
+    """The checkpoint of `out`'s runs whose weights are `digest`, as a model folder (to
+    `generate` on)."""
+    from distlm.model import load_safetensors, read_meta, write_model_dir
+
+    for index in out.glob("checkpoints/*/step-*/checkpoint.json"):
+        if json.loads(index.read_text())["sha256"]["model.safetensors"] == digest:
+            meta = read_meta(model).model_dump()
+            keep = ("created_by", "source", "config_digest", "data_config_digest", "dtype")
+            write_model_dir(
+                dest,
+                state_dict=load_safetensors(index.parent / "model.safetensors"),
+                config_from=model,
+                tokenizer_dir=tokenizer_dir(model, dest.parent.parent),
+                meta={k: meta[k] for k in keep},
+            )
+            return dest
+    raise SystemExit(f"no checkpoint under {out} holds the pushed weights {digest}")
+
+
+def health(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/health")
+    return json.loads(conn.getresponse().read())
 
 
 def p99(xs: list[float]) -> float | None:
@@ -165,7 +264,11 @@ def main() -> None:
     ]
     port = free_port()
     ns = argparse.Namespace(device=args.device, lanes=args.lanes, max_tokens=args.max_tokens)
-    cmd = bs.distlm_command(work, model, args.stages, port, ns, [args.clients])
+    follow = {"follow_training": True} if args.push else {}
+    cmd = bs.distlm_command(work, model, args.stages, port, ns, [args.clients], serve=follow)
+    if args.push:  # where the training job's rank 0 finds the server (its results/serve/)
+        cmd += ["--endpoint", str(work / "results" / "serve" / "endpoint.json")]
+    clock = time.time() - time.perf_counter()  # wall clock - perf_counter
     log = work / "serve.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(
@@ -177,6 +280,7 @@ def main() -> None:
         )
     results: list[dict] = []
     updates: list[dict] = []
+    pushed: list[tuple[str, Path, str]] = []  # (key, the training run's folder, its weights)
     stop = threading.Event()
 
     def client(c: int) -> None:
@@ -200,8 +304,36 @@ def main() -> None:
         for t in threads:
             t.start()
         time.sleep(args.steady_s)
+        disk = 0
         for k in range(args.updates):
-            src = sources[k % len(sources)]
+            if args.push and k % 2:
+                j = k // 2
+                out, rank0 = train_and_push(j, args, model, work)
+                last = health(port).get("last_update") or {}
+                ok = f"step {2 * (j + 1)}: pushed to" in rank0 and "step" in last.get("source", "")
+                key = f"push{j + 1}"
+                weights[key] = last.get("weights", "")
+                fp[fingerprint(weights[key])] = key
+                pushed.append((key, out, weights[key]))
+                at = last.get("at", time.time())
+                updates.append(
+                    {
+                        "source": f"training job {j + 1} (2 ranks), {last.get('source')}",
+                        "status": 200 if ok else 400,
+                        "t0": at - last.get("seconds", 0) - clock,
+                        "t1": at - clock,
+                        "wall_s": last.get("seconds"),
+                        "success": ok,
+                        "seconds": last.get("seconds"),
+                        "bytes": last.get("bytes"),
+                        "weights": weights[key],
+                    }
+                )
+                print(f"update {k + 1}: pushed {ok} in {last.get('seconds', 0):.3f} s", flush=True)
+                time.sleep(args.between_s)
+                continue
+            src = sources[disk % len(sources)]
+            disk += 1
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
             t0 = time.perf_counter()
             conn.request(
@@ -233,6 +365,9 @@ def main() -> None:
     finally:
         stop.set()
         bs.stop(proc)
+    for key, out, digest in pushed:  # `generate` on each pushed set of weights
+        folder = checkpoint_folder(out, digest, model, work / "pushed" / key)
+        ref[key] = bs.generate_texts(folder, prompts, args.max_tokens, args.device)
     warm = [r for r in results if r["t0"] > t_load + 2.0]  # past the first requests' warm-up
     failed = [r for r in results if r["status"] != 200 or "error" in r]
     mixed = [
@@ -281,6 +416,7 @@ def main() -> None:
         "p99_during_update_s": p99(during),
         "requests_during_update": len(during),
         "p99_ratio": (p99(during) or 0) / (p99(steady) or 1),
+        "pushes": len(pushed),
         "updates": [{k: v for k, v in u.items() if k not in ("t0", "t1")} for u in updates],
     }
     print(json.dumps({k: v for k, v in doc.items() if k != "updates"}, indent=1))
