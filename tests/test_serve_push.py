@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from conftest import TINY, copy_workflow, run_snakemake, snakemake_cmd
 from harness.faults import fault_env, paced_env
 from test_serve_updates import _greedy
 
+from distlm.core.io import sha256_file
 from distlm.inference.messages import fingerprint
 from distlm.model import load_safetensors, read_meta, write_model_dir
 from distlm.runtime.dist import free_port
@@ -294,3 +296,53 @@ def test_serve_while_training_takes_each_push_and_a_trainer_killed_mid_push_chan
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
     assert not endpoint.exists(), "the endpoint goes with the server"
+
+
+# ----------------------------------------------------------------------------- the trainer's side
+
+
+def test_the_same_weights_have_the_same_digest_in_every_process(tmp_path):
+    """What names pushed weights is the sha256 of the file a checkpoint of them holds, so it must
+    not depend on the process (safetensors writes its metadata from a hash map: one key only)."""
+    code = (
+        "import torch, sys; from distlm.model.folder import safetensors_sha256, save_safetensors; "
+        "g = torch.Generator().manual_seed(0); "
+        "t = {n: torch.randn(4, 3, generator=g) for n in ('b', 'a', 'c.weight', 'c.bias')}; "
+        "save_safetensors(t, __import__('pathlib').Path(sys.argv[1])); print(safetensors_sha256(t))"
+    )
+    digests = set()
+    for k in range(3):
+        f = tmp_path / f"{k}.safetensors"
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(f)], capture_output=True, text=True, check=True
+        )
+        digests |= {out.stdout.strip(), sha256_file(f)}
+    assert len(digests) == 1, digests
+
+
+def test_training_goes_on_when_the_server_is_gone_or_its_endpoint_is_not_one(tmp_path, caplog):
+    """A stale endpoint (its server gone) and an endpoint that is not one (another scheme): each
+    checkpoint's push is logged and skipped, and training ends as without them."""
+    from harness.synthetic import make_inputs
+    from test_train import paths, train_cfg
+
+    from distlm.train import run_training
+
+    inputs = make_inputs(tmp_path / "in")
+    for name, url in (("gone", f"http://127.0.0.1:{free_port()}"), ("bad", "file:///etc/passwd")):
+        out = tmp_path / name / "results" / "train"
+        endpoint = out.parent / "serve" / "endpoint.json"
+        endpoint.parent.mkdir(parents=True)
+        doc = {"format": "distlm-serve-endpoint/1", "url": url, "hostname": "h", "pid": 1}
+        endpoint.write_text(json.dumps(doc))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="distlm"):
+            meta = run_training(train_cfg(max_steps=4, ckpt_every=2), paths(inputs, out))
+        assert meta is not None and (out / "final" / "model.safetensors").is_file()
+        text = caplog.text
+        if name == "gone":
+            assert "step 4: not pushed to " + url + " (training goes on)" in text, text[-2000:]
+            assert "Connection refused" in text
+        else:
+            assert "endpoint.json: not read" in text and "url" in text, text[-2000:]
+            assert "offering" not in text

@@ -66,7 +66,7 @@ class ServeEndpoint(Document):
 
     KIND: ClassVar[str] = "distlm-serve-endpoint"
     VERSION: ClassVar[int] = 1
-    url: str  # http://host:port
+    url: str = Field(pattern=r"^http://[A-Za-z0-9.:_\-\[\]]+$", max_length=300)  # http://host:port
     hostname: str  # the supervisor's host
     pid: int  # the supervisor's
     token_env: str | None = None

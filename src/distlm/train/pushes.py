@@ -17,7 +17,8 @@ part: the layout's `full_hf_tensors`) and a background thread:
 
 Training never waits on the server: the loop pays the copy to host memory; a server that is gone,
 refuses or fails is logged and skipped; a checkpoint that comes while a push still runs is not
-pushed (logged). At the end of the run the last push is waited for, at most transfer.timeout_s.
+pushed (logged), but the last step's is: it goes once the running one has ended. At the end of
+the run the last push is waited for, at most twice transfer.timeout_s.
 """
 
 from __future__ import annotations
@@ -103,17 +104,14 @@ class Pusher:
 
     def at_checkpoint(self, step: int, state: TrainState, *, last: bool = False) -> None:
         """All ranks, after step `step`'s checkpoint: its weights go to the following server in
-        rank 0's background thread (see the module doc). The `last` step's push waits for a
-        running one to end first (at most transfer.timeout_s): the server ends on the final
-        weights."""
+        rank 0's background thread (see the module doc). The `last` step's push is not skipped
+        when one runs: its thread waits for that one to end first (at most
+        transfer.timeout_s), so that the server ends on the final weights."""
         target = None
         if self.topo.is_main:
             target = self._target()
             running = self._thread is not None and self._thread.is_alive()
-            if target is not None and running and last:
-                log.info("step %d: the last push waits for the one that runs", step)
-                self._thread.join(self.settings.timeout_s)
-            if target is not None and self._thread is not None and self._thread.is_alive():
+            if target is not None and running and not last:
                 log.warning(
                     "step %d: not pushed: the push of an earlier step still runs (pushes come "
                     "slower than checkpoints; a larger train.ckpt_every spares the server)",
@@ -133,17 +131,36 @@ class Pusher:
         log.info("step %d: weights copied for the push in %.2f s", step, time.perf_counter() - t0)
         assert target is not None
         self._thread = threading.Thread(
-            target=self._push, args=(step, tensors, target), name=f"push-{step}", daemon=True
+            target=self._push,
+            args=(step, tensors, target, self._thread),
+            name=f"push-{step}",
+            daemon=True,
         )
         self._thread.start()
 
-    def _push(self, step: int, tensors: dict[str, torch.Tensor], target: ServeEndpoint) -> None:
+    def _push(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        target: ServeEndpoint,
+        before: threading.Thread | None,
+    ) -> None:
+        if before is not None and before.is_alive():  # the last step's, after the running one
+            log.info("step %d: the last push waits for the one that runs", step)
+            before.join(self.settings.timeout_s)
+            if before.is_alive():
+                self._log(PushOutcome(step, False, "the push before it still runs", 0.0), target)
+                return
         t0 = time.perf_counter()
         try:
             outcome = self._offer(step, tensors, target, t0)
         except Exception as e:  # nothing a push meets may stop training
             outcome = PushOutcome(step, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
+        self._log(outcome, target)
+
+    def _log(self, outcome: PushOutcome, target: ServeEndpoint) -> None:
         self.outcomes.append(outcome)
+        step = outcome.step
         if outcome.ok:
             log.info(
                 "step %d: pushed to %s in %.2f s: %s (%s)",
@@ -204,11 +221,13 @@ class Pusher:
 
     def close(self, *, wait: bool = True) -> None:
         """All ranks, at the end of the run: the last push is waited for (with `wait`; not when
-        the run was told to stop), at most transfer.timeout_s."""
+        the run was told to stop), at most twice transfer.timeout_s (it may wait for the one
+        before it)."""
         t = self._thread
         if wait and t is not None and t.is_alive():
-            log.info("waiting for the last push (at most %g s)", self.settings.timeout_s)
-            t.join(self.settings.timeout_s)
+            limit = 2 * self.settings.timeout_s
+            log.info("waiting for the last push (at most %g s)", limit)
+            t.join(limit)
             if t.is_alive():
                 log.warning("the last push still runs; not waited for any longer")
         if self._sender is not None:
