@@ -273,6 +273,9 @@ def test_serve_while_training_takes_each_push_and_a_trainer_killed_mid_push_chan
         index = work / f"results/train/checkpoints/{run}/step-00000008/checkpoint.json"
         final = json.loads(index.read_text())["sha256"]["model.safetensors"]
         assert health["weights"] == final != base
+        # the final folder holds the same tensors in the same bytes: a fresh server on it, or an
+        # update from it, names them as the push did
+        assert read_meta(work / "results/train/final").model_sha256 == final
         assert health["last_update"]["kind"] == "training push"
         assert "step 8" in health["last_update"]["source"]
 
@@ -346,3 +349,48 @@ def test_training_goes_on_when_the_server_is_gone_or_its_endpoint_is_not_one(tmp
         else:
             assert "endpoint.json: not read" in text and "url" in text, text[-2000:]
             assert "offering" not in text
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_push_their_gathered_weights(workflow_run, tmp_path):
+    """Under fsdp every rank takes part in gathering the weights to rank 0, which pushes them into
+    a one-stage server: it ends on the final folder's weights (the same digest) and answers
+    `generate`'s greedy text on them."""
+    from test_server import TOKEN, TOKEN_ENV, start_server, stop_server
+    from test_train import _torchrun_cmd, train_cfg
+
+    from distlm.model import write_pipeline_dir
+
+    base = workflow_run / "results/model/base"
+    pipeline = tmp_path / "s1"
+    write_pipeline_dir(base, pipeline, stages=1)
+    out = tmp_path / "results" / "train"
+    endpoint = out.parent / "serve" / "endpoint.json"
+    server = start_server(
+        pipeline, 1, tmp_path, serve={"follow_training": True}, args=("--endpoint", str(endpoint))
+    )
+    try:
+        assert json.loads(endpoint.read_text())["url"] == server.base
+        inputs = {
+            "tokens": workflow_run / "results/data/tokens.h5",
+            "tokenizer": workflow_run / "results/data/tokenizer",
+            "model": base,
+        }
+        cfg = train_cfg(parallel="fsdp", max_steps=4, ckpt_every=2)
+        cmd, env = _torchrun_cmd(cfg, inputs, out, env={**os.environ, TOKEN_ENV: TOKEN})
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env=env, check=False
+        )
+        log = (out / "logs" / "rank0.log").read_text()
+        assert proc.returncode == 0, proc.stderr[-3000:] + log[-3000:]
+        assert "step 4: pushed to" in log, log[-3000:]
+        final = read_meta(out / "final").model_sha256
+        status, h = server.request("GET", "/health")
+        assert status == 200 and h["weights"] == final and "step 4" in h["last_update"]["source"]
+        body = {"prompt": "The", "max_tokens": 6, "temperature": 0}
+        status, b = server.request("POST", "/v1/completions", body)
+        assert status == 200 and b["system_fingerprint"] == fingerprint(final)
+        assert b["choices"][0]["text"] == _greedy(out / "final", "The", 6)
+    finally:
+        stop_server(server)
+    assert not endpoint.exists()

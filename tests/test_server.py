@@ -135,6 +135,7 @@ def start_server(
     wait: bool = True,
     runtime: dict | None = None,
     env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
     **over,
 ) -> Server:
     port = free_port()
@@ -159,6 +160,7 @@ def start_server(
                 str(cfg),
                 "--model",
                 str(folder),
+                *args,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
