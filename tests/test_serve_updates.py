@@ -473,7 +473,6 @@ def test_two_api_processes_hear_the_new_weights(folders, tmp_path):
     channel): after it, each process alone (the other stopped, so that it takes every
     connection) answers with the new weights' fingerprint and `generate`'s text on them; a
     process killed and started again hears the weights served now."""
-    import re
 
     from test_server import _api_processes
 
@@ -502,11 +501,7 @@ def test_two_api_processes_hear_the_new_weights(folders, tmp_path):
                     os.kill(p, signal.SIGCONT)
             assert got == {(new, want)}, (alone, got)
 
-    def logged(pattern: str) -> None:
-        deadline = time.monotonic() + 60
-        while not re.search(pattern, server.log.read_text()):
-            assert time.monotonic() < deadline, server.log.read_text()[-3000:]
-            time.sleep(0.2)
+    logged = server.logged
 
     try:
         for k in (1, 2):  # both attached (stage 0 answered them) before the update

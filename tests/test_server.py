@@ -59,6 +59,13 @@ class Server:
         self.proc, self.port, self.log, self.folder = proc, port, log, folder
         self.base = f"http://127.0.0.1:{port}"
 
+    def logged(self, pattern: str, timeout_s: float = 60) -> None:
+        """Wait until the server's log has a line matching `pattern`."""
+        deadline = time.monotonic() + timeout_s
+        while not re.search(pattern, self.log.read_text()):
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+
     def request(
         self,
         method: str,
@@ -832,11 +839,7 @@ def test_two_api_server_processes_same_answers_summed_metrics_and_one_killed(
 ):
     s = start_server(tiny_models[2], 2, tmp_path, serve={"api_servers": 2}, lanes=4, timeout_s=30)
 
-    def logged(pattern: str) -> None:
-        deadline = time.monotonic() + 60
-        while not re.search(pattern, s.log.read_text()):
-            assert time.monotonic() < deadline, s.log.read_text()[-3000:]
-            time.sleep(0.2)
+    logged = s.logged
 
     try:
         for k in (1, 2):  # each process serves once stage 0 answered its channel, and says so
