@@ -100,7 +100,7 @@ def test_a_stage_that_wants_another_shape_or_a_name_the_sender_lacks_is_refused_
         t.start()
         with pytest.raises(TransferError, match=match):
             sender.send(offer, full, done=lambda: False)
-        sender.close()
+        del sender  # its store stops with it: the stage's wait ends
         t.join(30)
         assert not t.is_alive() and errors, "the stage must not wait for a part that never comes"
 
@@ -173,6 +173,7 @@ def _folders_by_fingerprint(work: Path) -> dict[str, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.with_slurm
 def test_serve_while_training_takes_each_push_and_a_trainer_killed_mid_push_changes_nothing(
     workflow_run, tmp_path
 ):
@@ -352,6 +353,7 @@ def test_training_goes_on_when_the_server_is_gone_or_its_endpoint_is_not_one(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.with_slurm
 def test_fsdp_ranks_push_their_gathered_weights(workflow_run, tmp_path):
     """Under fsdp every rank takes part in gathering the weights to rank 0, which pushes them into
     a one-stage server: it ends on the final folder's weights (the same digest) and answers

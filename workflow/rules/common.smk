@@ -134,7 +134,7 @@ def inputs_of(stage, variant=VARIANT, model=None):
     """A stage's inputs, named, as distlm.dag.stages declares what it reads (`Stage.reads`): each
     another job's output, of the variant of that job this job's variant was derived from (the
     whole-sweep jobs, variant None: the paths without a sweep); "{model}" is the model folder of
-    the job's {model} wildcard, or of `model` where the rule fixes it (serve_shard: serve.model)
+    the job's {model} wildcard, or of `model` when given (serve.model for serve_shard)
     (distlm.dag.stages.MODELS)."""
 
     def one(job, output):

@@ -1,5 +1,5 @@
 """The inference stage's documents: the per-token timing of a run (`InferenceTiming`) and a sweep's
-(`InferenceSweep`); where a server that follows the training run listens (`ServeEndpoint`)."""
+(`InferenceSweep`)."""
 
 from __future__ import annotations
 
@@ -54,20 +54,3 @@ class InferenceSweep(Document):
     KIND: ClassVar[str] = "distlm-inference-sweep"
     VERSION: ClassVar[int] = 1
     runs: list[InferenceTiming]
-
-
-# ----------------------------------------------------------------------------- serve
-
-
-class ServeEndpoint(Document):
-    """results/serve/endpoint.json, while a server that follows the training run is up
-    (serve.follow_training): where the training ranks push each checkpoint (distlm.train.pushes).
-    It names the token's source (serve.token_env, serve.token_file), never the token."""
-
-    KIND: ClassVar[str] = "distlm-serve-endpoint"
-    VERSION: ClassVar[int] = 1
-    url: str = Field(pattern=r"^http://[A-Za-z0-9.:_\-\[\]]+$", max_length=300)  # http://host:port
-    hostname: str  # the supervisor's host
-    pid: int  # the supervisor's
-    token_env: str | None = None
-    token_file: str | None = None

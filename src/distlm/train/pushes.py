@@ -42,9 +42,9 @@ import torch.distributed as dist
 from distlm import DistlmError
 from distlm.core.documents import DocumentError, read_document
 from distlm.core.log import get_logger
-from distlm.inference.documents import ServeEndpoint
 from distlm.model.folder import safetensors_sha256
 from distlm.settings import TransferSettings
+from distlm.transfer.documents import PUSH_ROUTE, ServeEndpoint
 from distlm.transfer.errors import TransferError
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from distlm.train.state import TrainState
 
 log = get_logger("distlm.train.pushes")
-
-ROUTE = "/update_weights_from_distributed"
 
 
 @dataclass(frozen=True)
@@ -230,9 +228,7 @@ class Pusher:
             t.join(limit)
             if t.is_alive():
                 log.warning("the last push still runs; not waited for any longer")
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        self._sender = None  # its store stops with it
 
 
 def _reachable_host(url: str) -> str:
@@ -269,7 +265,7 @@ def _post(target: ServeEndpoint, body: dict, *, timeout_s: float) -> tuple[int, 
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(
-        target.url.rstrip("/") + ROUTE, data=json.dumps(body).encode(), headers=headers
+        target.url.rstrip("/") + PUSH_ROUTE, data=json.dumps(body).encode(), headers=headers
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:

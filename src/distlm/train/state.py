@@ -84,6 +84,8 @@ class Layout(Protocol):
     @property
     def name(self) -> str: ...
 
+    def full_hf_tensors(self, model: Transformer) -> dict[str, torch.Tensor]: ...
+
 
 @dataclass(frozen=True, eq=False)
 class TrainState:

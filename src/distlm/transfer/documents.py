@@ -1,6 +1,8 @@
 """What a weight transfer reports: each rank's figures (`TransferStats`, also each receiver's
-report to the sender); what a push of weights into a running server offers and asks
-(`PushOffer`, `PushWant`: distlm.transfer.push)."""
+report to the sender); a push of weights into a running server: where the server listens
+(`ServeEndpoint`, the route `PUSH_ROUTE`), what the sender offers and each stage asks
+(`PushOffer`, `PushWant`: distlm.transfer.push). The server's side is distlm.inference, the
+training ranks' distlm.train.pushes; both read these here, below them."""
 
 from __future__ import annotations
 
@@ -123,7 +125,27 @@ class PushWant(Document):
     def of(cls, tensors: Mapping, *, stage: int, stages: int, tied: dict[str, str]) -> PushWant:
         """The ask for `tensors` (name -> a torch.Tensor as the stage holds it)."""
         specs = {
-            n: TensorSpec(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            n: TensorSpec.model_validate(
+                {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            )
             for n, t in tensors.items()
         }
         return cls(stage=stage, stages=stages, tensors=specs, tied=tied)
+
+
+# the server's route that takes a push (distlm.inference.server.updates)
+PUSH_ROUTE = "/update_weights_from_distributed"
+
+
+class ServeEndpoint(Document):
+    """results/serve/endpoint.json, while a server that follows the training run is up
+    (serve.follow_training): where the training ranks push each checkpoint (distlm.train.pushes).
+    It names the token's source (serve.token_env, serve.token_file), never the token."""
+
+    KIND: ClassVar[str] = "distlm-serve-endpoint"
+    VERSION: ClassVar[int] = 1
+    url: str = Field(pattern=r"^http://[A-Za-z0-9.:_\-\[\]]+$", max_length=300)  # http://host:port
+    hostname: str  # the supervisor's host
+    pid: int  # the supervisor's
+    token_env: str | None = None
+    token_file: str | None = None

@@ -7,7 +7,7 @@ groups are.
     sender = PushSender.open(host="node1", settings=transfer_settings, backend="gloo")
     offer = sender.offer(digest, label)          # what the server's update route is given
     sender.send(tensors, done=lambda: answered)  # until every stage has its part, or `done`
-    sender.close()
+    del sender                                   # its store stops with it
 
     # each stage (distlm.inference.engine.update), once its server has taken the offer
     tensors = receive(offer, want)               # its own part, checked against `want`
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import torch
-from torch.distributed import PrefixStore, TCPStore
+import torch.distributed as dist
 
 from distlm.core.documents import decode, encode
 from distlm.core.log import get_logger
@@ -57,7 +57,7 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
     pair group; TransferError says what failed (the sender gone, another shape, bad bytes)."""
     timeout = _dt.timedelta(seconds=offer.timeout_s)
     try:
-        store = TCPStore(
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             offer.host, offer.port, is_master=False, timeout=timeout, wait_for_workers=False
         )
     except Exception as e:
@@ -66,8 +66,10 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
             f"{str(e).splitlines()[0][:160]})"
         ) from None
     try:
-        store.set(_key(offer, "want", str(want.stage)), encode(want))
-        pair = PrefixStore(_key(offer, "pair", str(want.stage)) + "/", store)
+        store.set(_key(offer, "want", str(want.stage)), encode(want).decode())
+        pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
+            _key(offer, "pair", str(want.stage)) + "/", store
+        )
         peers = Peers.own(pair, 1, 2, offer.backend, offer.timeout_s)
         try:
             return broadcast_state_dict(want.template(), settings=offer.settings(), peers=peers)
@@ -84,14 +86,14 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
 class PushSender:
     """The sending side of pushes: a store the stages connect to, one offer at a time."""
 
-    def __init__(self, store: TCPStore, host: str, settings: TransferSettings) -> None:
+    def __init__(self, store, host: str, settings: TransferSettings) -> None:
         self.store, self.host, self.settings = store, host, settings
 
     @classmethod
     def open(cls, *, host: str, settings: TransferSettings) -> PushSender:
         """A store listening on every interface on a free port; `host` is how the stages reach
         this machine."""
-        store = TCPStore(
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             "0.0.0.0",
             0,
             is_master=True,
@@ -157,7 +159,9 @@ class PushSender:
                 part = _part(tensors, want, offer)
                 if hook is not None:
                     hook(stage, first.stages, results)
-                pair = PrefixStore(_key(offer, "pair", str(stage)) + "/", self.store)
+                pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
+                    _key(offer, "pair", str(stage)) + "/", self.store
+                )
                 peers = Peers.own(pair, 0, 2, offer.backend, offer.timeout_s)
                 try:
                     results[stage] = broadcast_state_dict(
@@ -184,9 +188,6 @@ class PushSender:
                 raise e
             raise TransferError(f"{offer.where}: stage {stage}: {type(e).__name__}: {e}") from e
         return results
-
-    def close(self) -> None:
-        self.store = None  # the store's server stops with its last reference
 
 
 def _part(

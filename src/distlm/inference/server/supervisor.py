@@ -45,13 +45,13 @@ from pathlib import Path
 from distlm import DistlmError
 from distlm.core.documents import read_document, write_document
 from distlm.core.log import get_logger
-from distlm.inference.documents import ServeEndpoint
 from distlm.inference.messages import Control, endpoints, pipe_frame
 from distlm.inference.server.api_process import ANSWER_S
 from distlm.inference.server.client import EngineClient
 from distlm.inference.server.metrics import MULTIPROC_ENV, Metrics
 from distlm.inference.server.transport import raise_nofile
 from distlm.settings import EngineSettings, ServeSettings
+from distlm.transfer.documents import ServeEndpoint
 
 log = get_logger(__name__)
 

@@ -32,7 +32,7 @@ from distlm.inference.prompts import RequestError
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.requests import _validation_error, parse_json
 from distlm.inference.server.state import ServeState
-from distlm.transfer.documents import PushOffer
+from distlm.transfer.documents import PUSH_ROUTE, PushOffer
 
 
 class UpdateRequest(BaseModel):
@@ -59,7 +59,7 @@ class PushRequest(PushOffer):
 # each update route and its body
 ROUTES: dict[str, type[UpdateRequest | PushRequest]] = {
     "/update_weights_from_disk": UpdateRequest,
-    "/update_weights_from_distributed": PushRequest,
+    PUSH_ROUTE: PushRequest,
 }
 
 
