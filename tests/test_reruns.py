@@ -183,6 +183,8 @@ for _k, _v in {
     "api_servers": 2,
     "stream_interval": 4,
     "stages": 2,  # its own shards (rule serve_shard), outside rule all
+    "model": "base",  # what serve_shard cuts, outside rule all
+    "follow_training": True,  # read by serve alone: the training job never reads it
 }.items():
     MATRIX[f"serve.{_k}"] = ({"serve": {_k: _v}}, NOTHING)  # serve is not in rule all
 
