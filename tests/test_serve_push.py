@@ -55,7 +55,7 @@ def test_each_stage_gets_its_own_part_in_its_dtype_and_a_tied_copy_from_its_sour
         _want({"h.1": full["h.1"], "ln_f": full["ln_f"], "lm_head": full["wte"]}, 1, 2),
     ]
     sender = PushSender.open(host="127.0.0.1", settings=st)
-    offer = sender.offer("ab" * 32, "step 3")
+    offer = sender.offer("ab" * 32, "step 3", {})
     got: dict[int, object] = {}
 
     def stage(k: int) -> None:
@@ -87,7 +87,7 @@ def test_a_stage_that_wants_another_shape_or_a_name_the_sender_lacks_is_refused_
         (_want({"wte": torch.zeros(8, 4), "h.9": torch.zeros(4, 4)}, 0, 1), "'h.9'.*lacks"),
     ):
         sender = PushSender.open(host="127.0.0.1", settings=st)
-        offer = sender.offer("cd" * 32, "bad")
+        offer = sender.offer("cd" * 32, "bad", {})
         errors: list[Exception] = []
 
         def stage(want=want, errors=errors, offer=offer) -> None:
@@ -108,7 +108,7 @@ def test_a_stage_that_wants_another_shape_or_a_name_the_sender_lacks_is_refused_
 def test_a_stage_whose_sender_is_gone_fails_at_once_naming_the_push():
     st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=5)
     sender = PushSender.open(host="127.0.0.1", settings=st)
-    offer = sender.offer("ef" * 32, "step 9")
+    offer = sender.offer("ef" * 32, "step 9", {})
     port = offer.port
     del sender  # its store goes: nothing listens on the port any more
     offer = offer.model_copy(update={"port": port})

@@ -25,6 +25,7 @@ from distlm import DistlmError
 from distlm.core.documents import write_document
 from distlm.model import load_safetensors, read_meta, write_model_dir, write_pipeline_dir
 from distlm.model.documents import CheckpointIndex
+from distlm.model.folder import read_args
 from distlm.model.weights import read_tensors, weight_files
 from distlm.runtime.dist import free_port
 
@@ -365,7 +366,8 @@ def test_hostile_update_requests_and_a_stage_killed_mid_update(folders, tmp_path
         assert server.request("POST", ROUTE, {"model_path": "/x"}, token=None)[0] == 401
         # the push route's offer (distlm.transfer.documents.PushOffer), field by field
         offer = {"host": "127.0.0.1", "port": free_port(), "group": "a1b2c3d4e5f6a7b8"}
-        offer |= {"digest": "ab" * 32, "timeout_s": 3}
+        arch = read_args(folders["model"]).signature()
+        offer |= {"digest": "ab" * 32, "timeout_s": 3, "architecture": arch}
         for body, fragment in [
             ({k: v for k, v in offer.items() if k != "port"}, "port: required"),
             ({**offer, "port": 0}, "port"),
@@ -376,6 +378,10 @@ def test_hostile_update_requests_and_a_stage_killed_mid_update(folders, tmp_path
             ({**offer, "timeout_s": 1e9}, "timeout_s"),
             ({**offer, "policy": "retract"}, "policy"),
             ({**offer, "names": []}, "names: unknown field"),
+            (
+                {**offer, "architecture": {**arch, "n_layer": 99}},
+                "another architecture: n_layer 99",
+            ),
         ]:
             got, b = server.request("POST", PUSH, body)
             assert got == 400 and fragment in json.dumps(b), (body, b)

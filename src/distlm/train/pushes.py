@@ -130,7 +130,7 @@ class Pusher:
         assert target is not None
         self._thread = threading.Thread(
             target=self._push,
-            args=(step, tensors, target, self._thread),
+            args=(step, tensors, state.model.args.signature(), target, self._thread),
             name=f"push-{step}",
             daemon=True,
         )
@@ -140,6 +140,7 @@ class Pusher:
         self,
         step: int,
         tensors: dict[str, torch.Tensor],
+        architecture: dict,
         target: ServeEndpoint,
         before: threading.Thread | None,
     ) -> None:
@@ -151,7 +152,7 @@ class Pusher:
                 return
         t0 = time.perf_counter()
         try:
-            outcome = self._offer(step, tensors, target, t0)
+            outcome = self._offer(step, tensors, architecture, target, t0)
         except Exception as e:  # nothing a push meets may stop training
             outcome = PushOutcome(step, False, f"{type(e).__name__}: {e}", time.perf_counter() - t0)
         self._log(outcome, target)
@@ -177,14 +178,19 @@ class Pusher:
             )
 
     def _offer(
-        self, step: int, tensors: dict[str, torch.Tensor], target: ServeEndpoint, t0: float
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        architecture: dict,
+        target: ServeEndpoint,
+        t0: float,
     ) -> PushOutcome:
         from distlm.transfer.push import PushSender
 
         digest = safetensors_sha256(tensors)
         if self._sender is None:
             self._sender = PushSender.open(host=_reachable_host(target.url), settings=self.settings)
-        offer = self._sender.offer(digest, f"step {step}")
+        offer = self._sender.offer(digest, f"step {step}", architecture)
         log.info("step %d: offering weights %s to %s", step, digest[:16], target.url)
         body = {**offer.model_dump(mode="json"), "policy": "wait"}
         answered = threading.Event()

@@ -77,6 +77,9 @@ class PushOffer(BaseModel):
     backend: Literal["gloo"] = "gloo"  # host memory: any device on either side
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     label: str = Field(default="", max_length=200)  # what /health and the logs name it by
+    # the sender's model (distlm.family's ModelArgs.signature(), config.json's names): the
+    # server refuses another before any stage stages
+    architecture: dict[str, str | int | float | bool | None] = Field(max_length=64)
     bucket_mb: float = Field(default=64, gt=0, le=4096)
     chunk_mb: float = Field(default=4, gt=0, le=4096)
     timeout_s: float = Field(default=60, gt=0, le=3600)

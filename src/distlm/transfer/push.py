@@ -5,7 +5,7 @@ groups are.
 
     # the sender (distlm.train.pushes): a store the stages can reach, then the offer goes to the server
     sender = PushSender.open(host="node1", settings=transfer_settings, backend="gloo")
-    offer = sender.offer(digest, label)          # what the server's update route is given
+    offer = sender.offer(digest, label, args.signature())  # what the server's route is given
     sender.send(tensors, done=lambda: answered)  # until every stage has its part, or `done`
     del sender                                   # its store stops with it
 
@@ -102,7 +102,9 @@ class PushSender:
         )
         return cls(store, host, settings)
 
-    def offer(self, digest: str, label: str) -> PushOffer:
+    def offer(self, digest: str, label: str, architecture: dict) -> PushOffer:
+        """An offer of weights named `digest`, of a model of `architecture` (its
+        ModelArgs.signature())."""
         s = self.settings
         return PushOffer(
             host=self.host,
@@ -110,6 +112,7 @@ class PushSender:
             group=secrets.token_hex(8),
             digest=digest,
             label=label,
+            architecture=architecture,
             bucket_mb=float(s.bucket_mb),
             chunk_mb=float(s.chunk_mb),
             timeout_s=float(s.timeout_s),

@@ -219,17 +219,18 @@ class Updater:
         if self.run is not None:
             return refused(f"update {self.run.update} is in progress; one at a time", status=409)
         src: Source
-        if msg.push is not None:  # each stage checks its part's names, shapes and dtypes
-            src = msg.push
-        else:
-            try:
+        try:
+            if msg.push is not None:  # each stage checks its part's names, shapes and dtypes
+                src = msg.push
+                self._same_architecture(src.architecture, src.where)
+            else:
                 src = weight_files(msg.path)
                 src.check_names(self.expected, self.tied)
                 args = args_of(src)
                 if args is not None:
-                    self._same_architecture(args, src)
-            except DistlmError as e:
-                return refused(str(e))
+                    self._same_architecture(args.signature(), str(src.config))
+        except DistlmError as e:
+            return refused(str(e))
         if src.digest == weights:
             return refused("these weights are already served", kind=_kind(src), status=200)
         prepare = Prepare(self.n, src, self.tied, self.stages)
@@ -242,13 +243,15 @@ class Updater:
         )
         return None
 
-    def _same_architecture(self, args, src: WeightFiles) -> None:
-        mine, theirs = self.model.args.signature(), args.signature()
+    def _same_architecture(self, theirs: dict, where: str) -> None:
+        """`theirs` (a ModelArgs.signature(): config.json's, or the sender's) is the running
+        model's; the error names the first key that differs."""
+        mine = self.model.args.signature()
         diff = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
         if diff:
             k = diff[0]
             raise DistlmError(
-                f"{src.config}: another architecture: {k} {theirs.get(k)!r}, the running model's "
+                f"{where}: another architecture: {k} {theirs.get(k)!r}, the running model's "
                 f"{mine.get(k)!r}"
             )
 
