@@ -173,7 +173,6 @@ def _folders_by_fingerprint(work: Path) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.with_slurm
 def test_serve_while_training_takes_each_push_and_a_trainer_killed_mid_push_changes_nothing(
     workflow_run, tmp_path
 ):
@@ -353,7 +352,6 @@ def test_training_goes_on_when_the_server_is_gone_or_its_endpoint_is_not_one(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.with_slurm
 def test_fsdp_ranks_push_their_gathered_weights(workflow_run, tmp_path):
     """Under fsdp every rank takes part in gathering the weights to rank 0, which pushes them into
     a one-stage server: it ends on the final folder's weights (the same digest) and answers
@@ -396,3 +394,52 @@ def test_fsdp_ranks_push_their_gathered_weights(workflow_run, tmp_path):
     finally:
         stop_server(server)
     assert not endpoint.exists()
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_push_stops_no_training(workflow_run, tmp_path):
+    """The server (its whole process group, SIGKILL) dies as step 2's push is offered: training
+    goes on to its end, every later checkpoint's push is logged as not pushed (the endpoint it
+    left behind names a server that is gone), and the run's outputs are whole."""
+    from test_server import TOKEN, TOKEN_ENV, start_server
+    from test_train import _torchrun_cmd, train_cfg
+
+    from distlm.model import write_pipeline_dir
+
+    base = workflow_run / "results/model/base"
+    pipeline = tmp_path / "s2"
+    write_pipeline_dir(base, pipeline, stages=2)
+    out = tmp_path / "results" / "train"
+    endpoint = out.parent / "serve" / "endpoint.json"
+    server = start_server(
+        pipeline, 2, tmp_path, serve={"follow_training": True}, args=("--endpoint", str(endpoint))
+    )
+    inputs = {
+        "tokens": workflow_run / "results/data/tokens.h5",
+        "tokenizer": workflow_run / "results/data/tokenizer",
+        "model": base,
+    }
+    cfg = train_cfg(max_steps=6, ckpt_every=2, eval_every=6)
+    cmd, env = _torchrun_cmd(cfg, inputs, out, env=paced_env({**os.environ, TOKEN_ENV: TOKEN}, 1.0))
+    rank0 = out / "logs" / "rank0.log"
+    train = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and train.poll() is None:
+            if rank0.is_file() and "step 2: offering weights" in rank0.read_text():
+                break
+            time.sleep(0.02)
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        output = train.communicate(timeout=300)[0].decode(errors="replace")
+    finally:
+        if train.poll() is None:
+            train.kill()
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+    log = rank0.read_text()
+    assert train.returncode == 0, output[-3000:] + log[-3000:]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "metrics.csv").is_file()
+    assert "step 4: not pushed" in log, log[-3000:]  # to a server that is gone, or skipped
+    assert f"step 6: not pushed to {server.base} (training goes on)" in log, log[-3000:]
+    assert "step 4: pushed to" not in log and "step 6: pushed to" not in log

@@ -154,7 +154,7 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
     a stage loaded afresh from them."""
     from distlm.inference.engine.pipeline_stage import Item, load_stage
     from distlm.inference.engine.ring import Prepare, Swap
-    from distlm.inference.engine.update import NewWeights
+    from distlm.inference.engine.update import FromDisk, NewWeights
 
     stage = load_stage(folders["s2"], 1, world=2)
     fresh = load_stage(folders["other-s2"], 1, world=2)
@@ -169,7 +169,7 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
 
     bad = weight_files(folders["misshapen"])
     name = next(n for n in bad.tensors if n.endswith("ln_f.weight"))
-    s = NewWeights(stage, Prepare(1, bad, tied, 2))
+    s = NewWeights(stage, Prepare(1, FromDisk(bad), tied, 2))
     while not s.done():
         time.sleep(0.01)
     assert s.word is not None and s.word.error is not None
@@ -177,13 +177,49 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
     s.finish(Swap(1, commit=False))
     assert all(torch.equal(v, before[k]) for k, v in stage.state_dict().items())
 
-    s = NewWeights(stage, Prepare(2, weight_files(folders["other-s2"]), tied, 2))
+    s = NewWeights(stage, Prepare(2, FromDisk(weight_files(folders["other-s2"])), tied, 2))
     while not s.done():
         time.sleep(0.01)
     assert s.word is not None and s.word.error is None and s.word.bytes > 0
     assert torch.equal(logits(stage), logits(load_stage(folders["s2"], 1, world=2)))
     s.finish(Swap(2, commit=True))
     assert torch.equal(logits(stage), logits(fresh))
+
+
+def test_both_stages_stage_their_part_of_a_push(folders):
+    """The stages' side of a push (engine/update.py's FromPush), without a server: each stage asks
+    the sender for its own tensors and stages them; switched in, they give the logits of stages
+    loaded afresh from the same weights."""
+    from distlm.inference.engine.pipeline_stage import Item, load_stage
+    from distlm.inference.engine.ring import Prepare, Swap
+    from distlm.inference.engine.update import FromPush, NewWeights
+    from distlm.settings import TransferSettings
+    from distlm.transfer.push import PushSender
+
+    tied = json.loads((folders["s2"] / "shards" / "manifest.json").read_text())["tied"]
+    stages = [load_stage(folders["s2"], k, world=2) for k in (0, 1)]
+    fresh = [load_stage(folders["other-s2"], k, world=2) for k in (0, 1)]
+    x = torch.randn(5, stages[1].hidden_size)
+    ids = torch.randint(0, 50, (5,))
+
+    def logits(k: int, m):
+        out = m([Item(0, 0, 0, 5)], ids if k == 0 else x)
+        m.release(0)
+        return out
+
+    settings = TransferSettings(transport="torch", bucket_mb=0.05, chunk_mb=0.01, timeout_s=20)
+    sender = PushSender.open(host="127.0.0.1", settings=settings)
+    other = load_safetensors(folders["other"] / "model.safetensors")  # no tied copy: its source
+    offer = sender.offer(read_meta(folders["other"]).model_sha256, "test", {})
+    staging = [NewWeights(m, Prepare(7, FromPush(offer), tied, 2)) for m in stages]
+    sent = sender.send(offer, other, done=lambda: False)
+    assert sent is not None and sorted(sent) == [0, 1]
+    for k, s in enumerate(staging):
+        while not s.done():
+            time.sleep(0.01)
+        assert s.word is not None and s.word.error is None, s.word
+        s.finish(Swap(7, commit=True))
+        assert torch.equal(logits(k, stages[k]), logits(k, fresh[k]))
 
 
 def test_who_may_update():

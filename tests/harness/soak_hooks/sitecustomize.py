@@ -29,8 +29,8 @@ if EVENTS and "RANK" in os.environ:
         return write_index
 
     def windowed_save(real):
-        def save(tensors, path, metadata=None):
-            real(tensors, path, metadata)
+        def save(tensors, path):
+            real(tensors, path)
             window("final-write", path)
 
         return save

@@ -27,6 +27,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,9 +36,10 @@ from distlm import DistlmError
 from distlm.inference.engine.pipeline_stage import Item, StageModel
 from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
-from distlm.model.weights import WeightFiles
 from distlm.runtime.dist import Topology
-from distlm.transfer.documents import PushOffer
+
+if TYPE_CHECKING:
+    from distlm.inference.engine.update import Source
 
 # 1: typed StageInfo / StageBrief / StageStats, Work.release
 # 2: StageBrief's device_s and micro_batches
@@ -224,7 +226,7 @@ class Prepare:
     verified, built beside the served ones, in a thread) and passes this on at once."""
 
     update: int
-    source: WeightFiles | PushOffer  # a folder's files, or a sender's offer (each stage fetches)
+    source: Source  # a folder's files, or a sender's offer (engine/update.py: FromDisk, FromPush)
     tied: dict[str, str]  # a tied copy -> its source (the running pipeline's manifest)
     stages: int  # how many stages the pipeline has
 

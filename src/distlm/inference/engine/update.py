@@ -41,8 +41,6 @@ from distlm.model.weights import WeightFiles, args_of, read_tensors, weight_file
 from distlm.runtime.device import free_bytes, is_gpu, stream_synchronize
 from distlm.transfer.documents import PushOffer, PushWant
 
-Source = WeightFiles | PushOffer  # where an update's weights come from
-
 log = get_logger(__name__)
 
 ABORT = "abort"  # policy abort, and the finish reason of the sequences it ends
@@ -72,20 +70,16 @@ class NewWeights:
         try:
             mine = m.blocks.hf_tensors()
             need = sum(p.numel() * p.element_size() for p in m.blocks.parameters())
-            if isinstance(source, PushOffer):  # received into host memory, then copied
-                host = sum(t.numel() * t.element_size() for t in mine.values())
-            else:  # the tensors as read, in host memory beside their copy
-                host = sum(h.end - h.start for _, h in source.held(list(mine), tied).values())
-            if not is_gpu(m.device):
-                need += host
+            if not is_gpu(m.device):  # the tensors as they arrive, in host memory beside their copy
+                need += source.host_bytes(mine, tied)
             free = free_bytes(m.device)
             if need + _MEMORY_MARGIN > free:
                 raise DistlmError(
                     f"{where}: staging needs {need / 1e6:.0f} MB beside the served weights on "
                     f"{m.device}, {free / 1e6:.0f} MB are free"
                 )
-            tensors = _read(source, mine, tied, m.stage, stages)
-            self.staged = m.blocks.staged_hf(tensors, f"{_label(source)} ({where})")
+            tensors = source.read(mine, tied, stage=m.stage, stages=stages)
+            self.staged = m.blocks.staged_hf(tensors, f"{source.label} ({where})")
             stream_synchronize(m.device)
             error = None
         except DistlmError as e:
@@ -127,25 +121,83 @@ class NewWeights:
         self.staged = None
 
 
-def _read(source: Source, mine: dict, tied: dict[str, str], stage: int, stages: int) -> dict:
-    """A stage's part of the new weights (transformers' names), from where the update takes them:
-    a folder's files, or the sender of a push (asked for exactly `mine`'s names, shapes and
-    dtypes)."""
-    if isinstance(source, PushOffer):
+class Source:
+    """Where an update's weights come from (what `Prepare` carries round the ring): `label` and
+    `kind` name it, `digest` names the weights; each stage asks `host_bytes` (the host memory its
+    part takes as it arrives) and `read`s its part (transformers' names)."""
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def digest(self) -> str:
+        raise NotImplementedError
+
+    def host_bytes(self, mine: dict, tied: dict[str, str]) -> int:
+        raise NotImplementedError
+
+    def read(self, mine: dict, tied: dict[str, str], *, stage: int, stages: int) -> dict:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FromDisk(Source):
+    """A folder's files (distlm.model.weights): each stage reads its tensors, every file it reads
+    hashed through the open file first."""
+
+    files: WeightFiles
+
+    @property
+    def label(self) -> str:
+        return self.files.folder
+
+    @property
+    def kind(self) -> str:
+        return self.files.kind
+
+    @property
+    def digest(self) -> str:
+        return self.files.digest
+
+    def host_bytes(self, mine: dict, tied: dict[str, str]) -> int:
+        return sum(h.end - h.start for _, h in self.files.held(list(mine), tied).values())
+
+    def read(self, mine: dict, tied: dict[str, str], *, stage: int, stages: int) -> dict:
+        return read_tensors(self.files, list(mine), tied)
+
+
+@dataclass(frozen=True)
+class FromPush(Source):
+    """A sender's offer (distlm.transfer.push: the training ranks'): each stage asks it for exactly
+    its tensors (names, shapes, dtypes) and receives them over a group of its own."""
+
+    offer: PushOffer
+
+    @property
+    def label(self) -> str:
+        return self.offer.where
+
+    @property
+    def kind(self) -> str:
+        return "training push"
+
+    @property
+    def digest(self) -> str:
+        return self.offer.digest
+
+    def host_bytes(self, mine: dict, tied: dict[str, str]) -> int:
+        return sum(t.numel() * t.element_size() for t in mine.values())
+
+    def read(self, mine: dict, tied: dict[str, str], *, stage: int, stages: int) -> dict:
         from distlm.transfer.push import receive
 
         want = PushWant.of(mine, stage=stage, stages=stages, tied=tied)
-        return receive(source, want).tensors
-    return read_tensors(source, list(mine), tied)
-
-
-def _label(source: Source) -> str:
-    """What names the source in messages, /health and the logs."""
-    return source.where if isinstance(source, PushOffer) else source.folder
-
-
-def _kind(source: Source) -> str:
-    return "training push" if isinstance(source, PushOffer) else source.kind
+        return receive(self.offer, want).tensors
 
 
 @dataclass(frozen=True)
@@ -221,26 +273,25 @@ class Updater:
         src: Source
         try:
             if msg.push is not None:  # each stage checks its part's names, shapes and dtypes
-                src = msg.push
-                self._same_architecture(src.architecture, src.where)
+                src = FromPush(msg.push)
+                self._same_architecture(msg.push.architecture, src.label)
             else:
-                src = weight_files(msg.path)
-                src.check_names(self.expected, self.tied)
-                args = args_of(src)
+                files = weight_files(msg.path)
+                files.check_names(self.expected, self.tied)
+                args = args_of(files)
                 if args is not None:
-                    self._same_architecture(args.signature(), str(src.config))
+                    self._same_architecture(args.signature(), str(files.config))
+                src = FromDisk(files)
         except DistlmError as e:
             return refused(str(e))
         if src.digest == weights:
-            return refused("these weights are already served", kind=_kind(src), status=200)
+            return refused("these weights are already served", kind=src.kind, status=200)
         prepare = Prepare(self.n, src, self.tied, self.stages)
         self.run = _Run(self.n, to, src, msg.policy, t0, weights)
         self.run.mine = NewWeights(self.model, prepare)
         if self.ring_send is not None:
             self.ring_send(prepare)
-        log.info(
-            "update %d: staging %s (%s), policy %s", self.n, _label(src), _kind(src), msg.policy
-        )
+        log.info("update %d: staging %s (%s), policy %s", self.n, src.label, src.kind, msg.policy)
         return None
 
     def _same_architecture(self, theirs: dict, where: str) -> None:
@@ -313,7 +364,7 @@ class Updater:
         nbytes = sum(w.bytes for w in r.words.values())
         seconds = time.perf_counter() - r.t0
         if r.commit:
-            msg = f"now serving {_label(r.src)} ({_kind(r.src)})"
+            msg = f"now serving {r.src.label} ({r.src.kind})"
             log.info("update %d: %s in %.3f s, %.1f MB", r.update, msg, seconds, nbytes / 1e6)
         else:
             msg = f"not updated, the served weights are unchanged: {r.why}"
@@ -323,8 +374,8 @@ class Updater:
                 r.update,
                 200 if r.commit else 400,
                 msg,
-                _label(r.src),
-                _kind(r.src),
+                r.src.label,
+                r.src.kind,
                 r.src.digest if r.commit else r.served,
                 seconds,
                 nbytes if r.commit else 0,
