@@ -154,7 +154,8 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
     a stage loaded afresh from them."""
     from distlm.inference.engine.pipeline_stage import Item, load_stage
     from distlm.inference.engine.ring import Prepare, Swap
-    from distlm.inference.engine.update import FromDisk, NewWeights
+    from distlm.inference.engine.update import NewWeights
+    from distlm.inference.engine.weight_sources import FromDisk
 
     stage = load_stage(folders["s2"], 1, world=2)
     fresh = load_stage(folders["other-s2"], 1, world=2)
@@ -192,7 +193,8 @@ def test_both_stages_stage_their_part_of_a_push(folders):
     loaded afresh from the same weights."""
     from distlm.inference.engine.pipeline_stage import Item, load_stage
     from distlm.inference.engine.ring import Prepare, Swap
-    from distlm.inference.engine.update import FromPush, NewWeights
+    from distlm.inference.engine.update import NewWeights
+    from distlm.inference.engine.weight_sources import FromPush
     from distlm.settings import TransferSettings
     from distlm.transfer.push import PushSender
 

@@ -27,19 +27,16 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from distlm import DistlmError
 from distlm.inference.engine.pipeline_stage import Item, StageModel
+from distlm.inference.engine.weight_sources import Source
 from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 from distlm.runtime.dist import Topology
-
-if TYPE_CHECKING:
-    from distlm.inference.engine.update import Source
 
 # 1: typed StageInfo / StageBrief / StageStats, Work.release
 # 2: StageBrief's device_s and micro_batches
