@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,14 +25,18 @@ from conftest import TINY, copy_workflow, run_snakemake, snakemake_cmd
 from harness.faults import fault_env, paced_env
 from test_serve_updates import _greedy
 
+from distlm.core.documents import encode
 from distlm.core.io import sha256_file
 from distlm.inference.messages import fingerprint
 from distlm.model import load_safetensors, read_meta, write_model_dir
 from distlm.runtime.dist import free_port
 from distlm.settings import TransferSettings
+from distlm.train.pushes import reachable_host
+from distlm.transfer.chain import broadcast_state_dict
 from distlm.transfer.documents import PushWant
 from distlm.transfer.errors import TransferError
-from distlm.transfer.push import PushSender, receive
+from distlm.transfer.peers import Peers
+from distlm.transfer.push import PushSender, part_digest, receive, seal
 
 TOKEN_ENV, TOKEN = "DISTLM_TEST_PUSH_TOKEN", "push-secret"
 
@@ -116,6 +121,82 @@ def test_a_stage_whose_sender_is_gone_fails_at_once_naming_the_push():
     with pytest.raises(TransferError, match="push step 9 from 127.0.0.1"):
         receive(offer, _want({"wte": torch.zeros(2, 2)}, 0, 1))
     assert time.monotonic() - t0 < 30
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} writes them) listening on `port`."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hexport = local.split(":")
+            if int(hexport, 16) == port and state == "0A":  # 0A: LISTEN
+                out.append(address)
+    return out
+
+
+def test_the_push_store_listens_on_the_address_the_stages_reach_alone():
+    """torch's TCPStore would listen on every interface; anyone who reaches it may list and write
+    its keys. A push's store listens on the one address its offer names (here loopback), and
+    the address the trainer offers is its own on the route to the server, never the host's name
+    (Debian maps that to 127.0.1.1)."""
+    st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=5)
+    sender = PushSender.open(host="127.0.0.1", settings=st)
+    offer = sender.offer("ab" * 32, "step 1", {})
+    assert _listening(offer.port) == ["0100007F"]  # 127.0.0.1, no 0.0.0.0, no ::
+    assert "key" not in repr(offer) and offer.key not in repr(offer)
+    assert reachable_host("http://127.0.0.1:8000") == "127.0.0.1"
+    assert reachable_host("http://localhost:8000") in ("127.0.0.1", "::1")
+    ip = socket.gethostbyname(socket.gethostname())
+    if not ip.startswith("127."):  # a host with an address other hosts reach
+        assert reachable_host(f"http://{ip}:8000") == ip
+
+
+def test_an_ask_not_sealed_with_the_offers_key_gets_nothing():
+    """A process that reaches the sender's store without the offer (the store has no
+    authentication; its keys can be listed) writes an ask of its own: the sender sends nothing
+    to it and names it."""
+    st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=5)
+    sender = PushSender.open(host="127.0.0.1", settings=st)
+    offer = sender.offer("ab" * 32, "step 2", {})
+    intruder = torch.distributed.TCPStore("127.0.0.1", offer.port, is_master=False)
+    key = f"distlm/push/{offer.group}/want/0"  # the group's name is no secret: list_keys
+    forged = offer.model_copy(update={"key": "0" * 64})
+    intruder.set(key, seal(forged.key, encode(_want({"wte": torch.zeros(8, 4)}, 0, 1))))
+    with pytest.raises(TransferError, match="stage 0's ask is not sealed with the offer's key"):
+        sender.send(offer, {"wte": torch.ones(8, 4)}, done=lambda: False)
+    assert not [k for k in intruder.list_keys() if "/pair/" in k]  # no group was ever made
+
+
+def test_a_part_not_sealed_with_the_offers_key_is_not_used():
+    """A process that reaches the store and answers a stage's ask itself (it read the ask, but
+    has not the key): the bytes arrive whole, their checksums hold, and the stage still refuses
+    them, since their keyed digest is not the sender's."""
+    st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=10)
+    sender = PushSender.open(host="127.0.0.1", settings=st)
+    offer = sender.offer("ab" * 32, "step 3", {})
+    impostor = offer.model_copy(update={"key": "1" * 64})  # what the impostor seals with
+    want = _want({"wte": torch.zeros(8, 4)}, 0, 1)
+    theirs = {"wte": torch.full((8, 4), 7.0)}
+
+    def answer() -> None:  # the impostor's side: what PushSender.send does, with its own key
+        store = torch.distributed.TCPStore("127.0.0.1", offer.port, is_master=False)
+        store.wait([f"distlm/push/{offer.group}/want/0"])
+        pair = torch.distributed.PrefixStore(f"distlm/push/{offer.group}/pair/0/", store)
+        peers = Peers.own(pair, 0, 2, "gloo", 10)
+        try:
+            broadcast_state_dict(theirs, settings=offer.settings(), peers=peers)
+        finally:
+            peers.close()
+        store.set(f"distlm/push/{offer.group}/sealed/0", part_digest(impostor.key, theirs))
+
+    t = threading.Thread(target=answer)
+    t.start()
+    with pytest.raises(TransferError, match="not sealed with the offer's key.*not used"):
+        receive(offer, want)
+    t.join(30)
+    # the sender's own seal is what the stage expects: the same part under the offer's key
+    assert part_digest(offer.key, theirs) != part_digest(impostor.key, theirs)
 
 
 # ----------------------------------------------------------------------------- the workflow
@@ -351,31 +432,45 @@ def test_training_goes_on_when_the_server_is_gone_or_its_endpoint_is_not_one(tmp
             assert "offering" not in text
 
 
+def _following_server(workflow_run: Path, tmp_path: Path, *, stages: int):
+    """A server of `stages` stages on the main job's base model that follows a training run whose
+    outputs go to tmp_path/results/train: (server, its endpoint document, the run's folder, the
+    run's inputs: the main job's tokens, tokenizer and base model)."""
+    from test_server import start_server
+
+    from distlm.model import write_pipeline_dir
+
+    base = workflow_run / "results/model/base"
+    pipeline = tmp_path / f"s{stages}"
+    write_pipeline_dir(base, pipeline, stages=stages)
+    out = tmp_path / "results" / "train"
+    endpoint = out.parent / "serve" / "endpoint.json"
+    server = start_server(
+        pipeline,
+        stages,
+        tmp_path,
+        serve={"follow_training": True},
+        args=("--endpoint", str(endpoint)),
+    )
+    inputs = {
+        "tokens": workflow_run / "results/data/tokens.h5",
+        "tokenizer": workflow_run / "results/data/tokenizer",
+        "model": base,
+    }
+    return server, endpoint, out, inputs
+
+
 @pytest.mark.slow
 def test_fsdp_ranks_push_their_gathered_weights(workflow_run, tmp_path):
     """Under fsdp every rank takes part in gathering the weights to rank 0, which pushes them into
     a one-stage server: it ends on the final folder's weights (the same digest) and answers
     `generate`'s greedy text on them."""
-    from test_server import TOKEN, TOKEN_ENV, start_server, stop_server
+    from test_server import TOKEN, TOKEN_ENV, stop_server
     from test_train import _torchrun_cmd, train_cfg
 
-    from distlm.model import write_pipeline_dir
-
-    base = workflow_run / "results/model/base"
-    pipeline = tmp_path / "s1"
-    write_pipeline_dir(base, pipeline, stages=1)
-    out = tmp_path / "results" / "train"
-    endpoint = out.parent / "serve" / "endpoint.json"
-    server = start_server(
-        pipeline, 1, tmp_path, serve={"follow_training": True}, args=("--endpoint", str(endpoint))
-    )
+    server, endpoint, out, inputs = _following_server(workflow_run, tmp_path, stages=1)
     try:
         assert json.loads(endpoint.read_text())["url"] == server.base
-        inputs = {
-            "tokens": workflow_run / "results/data/tokens.h5",
-            "tokenizer": workflow_run / "results/data/tokenizer",
-            "model": base,
-        }
         cfg = train_cfg(parallel="fsdp", max_steps=4, ckpt_every=2)
         cmd, env = _torchrun_cmd(cfg, inputs, out, env={**os.environ, TOKEN_ENV: TOKEN})
         proc = subprocess.run(
@@ -401,24 +496,10 @@ def test_a_server_killed_mid_push_stops_no_training(workflow_run, tmp_path):
     """The server (its whole process group, SIGKILL) dies as step 2's push is offered: training
     goes on to its end, every later checkpoint's push is logged as not pushed (the endpoint it
     left behind names a server that is gone), and the run's outputs are whole."""
-    from test_server import TOKEN, TOKEN_ENV, start_server
+    from test_server import TOKEN, TOKEN_ENV
     from test_train import _torchrun_cmd, train_cfg
 
-    from distlm.model import write_pipeline_dir
-
-    base = workflow_run / "results/model/base"
-    pipeline = tmp_path / "s2"
-    write_pipeline_dir(base, pipeline, stages=2)
-    out = tmp_path / "results" / "train"
-    endpoint = out.parent / "serve" / "endpoint.json"
-    server = start_server(
-        pipeline, 2, tmp_path, serve={"follow_training": True}, args=("--endpoint", str(endpoint))
-    )
-    inputs = {
-        "tokens": workflow_run / "results/data/tokens.h5",
-        "tokenizer": workflow_run / "results/data/tokenizer",
-        "model": base,
-    }
+    server, _endpoint, out, inputs = _following_server(workflow_run, tmp_path, stages=2)
     cfg = train_cfg(max_steps=6, ckpt_every=2, eval_every=6)
     cmd, env = _torchrun_cmd(cfg, inputs, out, env=paced_env({**os.environ, TOKEN_ENV: TOKEN}, 1.0))
     rank0 = out / "logs" / "rank0.log"

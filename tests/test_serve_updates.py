@@ -404,6 +404,7 @@ def test_hostile_update_requests_and_a_stage_killed_mid_update(folders, tmp_path
         assert server.request("POST", ROUTE, {"model_path": "/x"}, token=None)[0] == 401
         # the push route's offer (distlm.transfer.documents.PushOffer), field by field
         offer = {"host": "127.0.0.1", "port": free_port(), "group": "a1b2c3d4e5f6a7b8"}
+        offer |= {"key": "5a" * 32}
         arch = read_args(folders["model"]).signature()
         offer |= {"digest": "ab" * 32, "timeout_s": 3, "architecture": arch}
         for body, fragment in [
@@ -412,6 +413,8 @@ def test_hostile_update_requests_and_a_stage_killed_mid_update(folders, tmp_path
             ({**offer, "host": "a b"}, "host"),
             ({**offer, "group": "../../x"}, "group"),
             ({**offer, "digest": "xyz"}, "digest"),
+            ({k: v for k, v in offer.items() if k != "key"}, "key: required"),
+            ({**offer, "key": "ab" * 8}, "key"),
             ({**offer, "backend": "nccl"}, "backend"),
             ({**offer, "timeout_s": 1e9}, "timeout_s"),
             ({**offer, "policy": "retract"}, "policy"),

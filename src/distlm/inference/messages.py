@@ -43,7 +43,8 @@ from distlm.transfer.documents import PushOffer
 # 5: Ready.weights
 # 6: Update, Updated (live weight updates); Ready.last_update
 # 7: Update.push (weights pushed from the training ranks)
-VERSION = 7
+# 8: the push's offer carries its key (distlm.transfer.push seals asks and parts with it)
+VERSION = 8
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 

@@ -23,7 +23,6 @@ the run the last push is waited for, at most twice transfer.timeout_s.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import socket
@@ -188,8 +187,9 @@ class Pusher:
         from distlm.transfer.push import PushSender
 
         digest = safetensors_sha256(tensors)
-        if self._sender is None:
-            self._sender = PushSender.open(host=_reachable_host(target.url), settings=self.settings)
+        host = reachable_host(target.url)
+        if self._sender is None or self._sender.host != host:  # the first push, or a server moved
+            self._sender = PushSender.open(host=host, settings=self.settings)
         offer = self._sender.offer(digest, f"step {step}", architecture)
         log.info("step %d: offering weights %s to %s", step, digest[:16], target.url)
         body = {**offer.model_dump(mode="json"), "policy": "wait"}
@@ -237,16 +237,21 @@ class Pusher:
         self._sender = None  # its store stops with it
 
 
-def _reachable_host(url: str) -> str:
-    """How the server's stages reach this process: loopback when the server listens on it (it is
-    on this host), else this host's name."""
-    host = urlsplit(url).hostname or ""
+def reachable_host(url: str) -> str:
+    """The address the server's stages reach this process by, and the one its push store listens
+    on (alone): this host's address on the route to the server, loopback when the server listens
+    on it. (Not the host's name: Debian maps that to 127.0.1.1, which no other host reaches.)"""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
     try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass
-    return socket.gethostname()
+        family, _, _, _, address = socket.getaddrinfo(
+            host, parts.port or 80, type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)  # a datagram socket's connect sends nothing: it picks the route
+            return s.getsockname()[0]
+    except OSError as e:
+        raise DistlmError(f"the server's endpoint {url}: no route to {host!r} ({e})") from None
 
 
 def _token(target: ServeEndpoint) -> str | None:

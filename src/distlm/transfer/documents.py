@@ -67,13 +67,21 @@ class TransferStats(Document):
 
 
 class PushOffer(BaseModel):
-    """What the server is told to fetch: the sender's store, the group's name, the weights'
-    digest (what the answers' system_fingerprint will name) and the transfer's settings."""
+    """What the server is told to fetch: the sender's store, the group's name, the push's key,
+    the weights' digest (what the answers' system_fingerprint will name) and the transfer's
+    settings.
+
+    The key is the push's secret: it goes to the server in the (authenticated) offer alone, never
+    into the store, which anyone who reaches its port can read (torch's TCPStore has no
+    authentication). Each stage seals its ask with it and the sender seals each stage's part
+    (distlm.transfer.push), so a process that reaches the store without the offer can neither
+    have weights sent to it nor have its own taken for the sender's."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     host: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9.:_\-\[\]]+$")
     port: int = Field(ge=1, le=65535)
     group: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
+    key: str = Field(pattern=r"^[0-9a-f]{64}$", repr=False)  # 32 random bytes, hex
     backend: Literal["gloo"] = "gloo"  # host memory: any device on either side
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     label: str = Field(default="", max_length=200)  # what /health and the logs name it by
@@ -100,6 +108,11 @@ class PushOffer(BaseModel):
         )
 
 
+# what an ask may name at most: the sender reads asks from a store anyone who reaches it may write
+MAX_STAGES, MAX_TENSORS = 1024, 100_000
+MAX_ASK_BYTES = 64 << 20
+
+
 class TensorSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     shape: list[int] = Field(max_length=8)
@@ -110,11 +123,12 @@ class PushWant(Document):
     """A stage's ask of the sender: its tensors (transformers' names) as it will hold them."""
 
     KIND: ClassVar[str] = "distlm-push-want"
-    VERSION: ClassVar[int] = 1
-    stage: int = Field(ge=0)
-    stages: int = Field(ge=1)
-    tensors: dict[str, TensorSpec]
-    tied: dict[str, str]  # a tied copy -> its source (the sender may hold only the source)
+    VERSION: ClassVar[int] = 2
+    stage: int = Field(ge=0, le=MAX_STAGES - 1)
+    stages: int = Field(ge=1, le=MAX_STAGES)
+    tensors: dict[str, TensorSpec] = Field(max_length=MAX_TENSORS)
+    # a tied copy -> its source (the sender may hold only the source)
+    tied: dict[str, str] = Field(max_length=MAX_TENSORS)
 
     def template(self) -> dict:
         """Host tensors to receive into (gloo's device; the stage copies them to its own)."""

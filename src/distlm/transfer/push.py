@@ -20,13 +20,28 @@ The rendezvous, in the sender's store under `distlm/push/<group>/`:
    thread per stage;
 3. the stage receives into a template of `want`: the handshake refuses another name, shape or
    dtype (naming the tensor), the chunk checksums refuse corrupted bytes, and the heartbeats name
-   the side that stopped. Every wait is bounded by the offer's `timeout_s`.
+   the side that stopped. Every wait is bounded by the offer's `timeout_s`;
+4. the sender writes `sealed/<stage>`: a keyed BLAKE2b of the part it sent; the stage computes
+   the same over what it received and uses the part only when they match.
+
+Who may take part: torch's TCPStore has no authentication, and anyone who reaches its port may
+list, read and write its keys. So the store listens on the one address the stages reach (loopback
+when the server is on this host), and the offer's `key`, which travels to the server in the
+authenticated offer alone, seals both directions: an ask is written as `<HMAC-SHA256 of it>:<it>`,
+and the sender sends nothing to an ask not sealed with the key; a part is used only when its
+keyed digest is the sender's. A process that reaches the store without the offer can make a push
+fail (as anyone on the path of a gloo or NCCL group can), but can neither have the weights sent to
+an ask of its own nor have a stage take its tensors for the sender's. The bytes are not encrypted:
+like NCCL's and gloo's, the push's data plane belongs on a network you trust.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import hmac
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,7 +53,7 @@ from distlm.core.documents import decode, encode
 from distlm.core.log import get_logger
 from distlm.settings import TransferSettings
 from distlm.transfer.chain import TransferResult, broadcast_state_dict
-from distlm.transfer.documents import PushOffer, PushWant
+from distlm.transfer.documents import MAX_ASK_BYTES, PushOffer, PushWant
 from distlm.transfer.errors import TransferError
 from distlm.transfer.peers import Peers
 
@@ -66,15 +81,23 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
             f"{str(e).splitlines()[0][:160]})"
         ) from None
     try:
-        store.set(_key(offer, "want", str(want.stage)), encode(want).decode())
+        store.set(_key(offer, "want", str(want.stage)), seal(offer.key, encode(want)))
         pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
             _key(offer, "pair", str(want.stage)) + "/", store
         )
         peers = Peers.own(pair, 1, 2, offer.backend, offer.timeout_s)
         try:
-            return broadcast_state_dict(want.template(), settings=offer.settings(), peers=peers)
+            got = broadcast_state_dict(want.template(), settings=offer.settings(), peers=peers)
         finally:
             peers.close()
+        mine = part_digest(offer.key, got.tensors)
+        theirs = store.get(_key(offer, "sealed", str(want.stage))).decode("ascii", "replace")
+        if not hmac.compare_digest(mine, theirs):
+            raise TransferError(
+                f"{offer.where}: stage {want.stage}: the part that arrived is not sealed with the "
+                "offer's key (another process answered on the sender's store?); not used"
+            )
+        return got
     except TransferError:
         raise
     except Exception as e:  # the store or the group: the sender is gone or never came
@@ -91,15 +114,27 @@ class PushSender:
 
     @classmethod
     def open(cls, *, host: str, settings: TransferSettings) -> PushSender:
-        """A store listening on every interface on a free port; `host` is how the stages reach
-        this machine."""
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            "0.0.0.0",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=_dt.timedelta(seconds=settings.timeout_s),
-        )
+        """A store on a free port of `host`, the address the stages reach this machine by, and
+        on no other (torch's TCPStore alone would listen on every interface)."""
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(address)
+            sock.listen(128)
+            port = sock.getsockname()[1]
+            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_dt.timedelta(seconds=settings.timeout_s),
+                master_listen_fd=sock.fileno(),
+                use_libuv=True,
+            )
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's server owns the socket now, and closes it when it stops
         return cls(store, host, settings)
 
     def offer(self, digest: str, label: str, architecture: dict) -> PushOffer:
@@ -109,7 +144,8 @@ class PushSender:
         return PushOffer(
             host=self.host,
             port=self.store.port,
-            group=secrets.token_hex(8),
+            group=secrets.token_hex(16),
+            key=secrets.token_hex(32),
             digest=digest,
             label=label,
             architecture=architecture,
@@ -133,7 +169,8 @@ class PushSender:
                 )
             time.sleep(_POLL_S)
             waited += _POLL_S
-        return decode(self.store.get(key), PushWant, f"stage {stage}'s ask")
+        raw = unseal(offer, self.store.get(key), f"stage {stage}'s ask")
+        return decode(raw, PushWant, f"stage {stage}'s ask")
 
     def send(
         self,
@@ -172,6 +209,8 @@ class PushSender:
                     )
                 finally:
                     peers.close()
+                # the stage checks what it received against this before it uses it
+                self.store.set(_key(offer, "sealed", str(stage)), part_digest(offer.key, part))
             except BaseException as e:
                 errors[stage] = e
 
@@ -214,3 +253,36 @@ def _part(
             )
         out[name] = t.detach().to(dtype=getattr(torch, spec.dtype)).contiguous()
     return out
+
+
+def part_digest(key: str, tensors: Mapping[str, torch.Tensor]) -> str:
+    """A keyed BLAKE2b of a stage's part: every tensor's name, dtype, shape and bytes, in name
+    order (hashlib leaves the GIL for the bytes: the stages' threads run side by side)."""
+    h = hashlib.blake2b(key=bytes.fromhex(key), digest_size=32)
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        # an ndarray is a buffer (typeshed for 3.11 does not say so)
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
+    return h.hexdigest()
+
+
+def seal(key: str, data: bytes) -> str:
+    """`data` (an ask's JSON) with its HMAC-SHA256 under the offer's key: `<hex mac>:<data>`."""
+    mac = hmac.new(bytes.fromhex(key), data, hashlib.sha256).hexdigest()
+    return f"{mac}:{data.decode()}"
+
+
+def unseal(offer: PushOffer, sealed: bytes, what: str) -> bytes:
+    """What `seal` sealed, once its HMAC is checked; TransferError names `what` when it was
+    not sealed with the offer's key (nothing is sent to such an ask)."""
+    if len(sealed) > MAX_ASK_BYTES:
+        raise TransferError(f"{offer.where}: {what} is {len(sealed)} bytes: not an ask")
+    mac, sep, data = sealed.partition(b":")
+    want = hmac.new(bytes.fromhex(offer.key), data, hashlib.sha256).hexdigest().encode()
+    if not sep or not hmac.compare_digest(mac, want):
+        raise TransferError(
+            f"{offer.where}: {what} is not sealed with the offer's key (written by a process "
+            "that reached the store without the offer?); nothing sent to it"
+        )
+    return data

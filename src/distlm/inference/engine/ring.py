@@ -42,7 +42,8 @@ from distlm.runtime.dist import Topology
 # 2: StageBrief's device_s and micro_batches
 # 3: Prepare, Swap; Work.staged, Tokens.staged (live weight updates)
 # 4: Prepare.source may be a PushOffer; Prepare.stages
-RING_VERSION = 4
+# 5: a PushOffer carries its key
+RING_VERSION = 5
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
 _NAP_S = 5e-4  # the longest sleep between polls while messages come often
