@@ -105,9 +105,10 @@ def test_a_stage_that_wants_another_shape_or_a_name_the_sender_lacks_is_refused_
         t.start()
         with pytest.raises(TransferError, match=match):
             sender.send(offer, full, done=lambda: False)
-        del sender  # its store stops with it: the stage's wait ends
-        t.join(30)
+        t.join(5)  # the stage hears the refusal at once: it never waits for a group
         assert not t.is_alive() and errors, "the stage must not wait for a part that never comes"
+        assert re.search("the sender refused: .*" + match, str(errors[0])), errors[0]
+        del sender
 
 
 def test_a_stage_whose_sender_is_gone_fails_at_once_naming_the_push():
@@ -165,6 +166,8 @@ def test_an_ask_not_sealed_with_the_offers_key_gets_nothing():
     intruder.set(key, seal(forged.key, encode(_want({"wte": torch.zeros(8, 4)}, 0, 1))))
     with pytest.raises(TransferError, match="stage 0's ask is not sealed with the offer's key"):
         sender.send(offer, {"wte": torch.ones(8, 4)}, done=lambda: False)
+    answer = intruder.get(f"distlm/push/{offer.group}/answer/0").decode()
+    assert answer.startswith("refused: stage 0's ask is not sealed"), answer
     assert not [k for k in intruder.list_keys() if "/pair/" in k]  # no group was ever made
 
 
@@ -182,6 +185,7 @@ def test_a_part_not_sealed_with_the_offers_key_is_not_used():
     def answer() -> None:  # the impostor's side: what PushSender.send does, with its own key
         store = torch.distributed.TCPStore("127.0.0.1", offer.port, is_master=False)
         store.wait([f"distlm/push/{offer.group}/want/0"])
+        store.set(f"distlm/push/{offer.group}/answer/0", "go")
         pair = torch.distributed.PrefixStore(f"distlm/push/{offer.group}/pair/0/", store)
         peers = Peers.own(pair, 0, 2, "gloo", 10)
         try:

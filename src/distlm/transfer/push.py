@@ -15,7 +15,8 @@ groups are.
 The rendezvous, in the sender's store under `distlm/push/<group>/`:
 1. each stage connects and writes `want/<stage>`: a `PushWant` (its tensors' names, shapes and
    dtypes, transformers' names; the tied copies; how many stages there are);
-2. the sender reads it and sends that stage exactly those tensors, cast to their dtypes (a tied
+2. the sender reads it and answers `answer/<stage>`: "go", or why it refuses (the stage raises
+   that at once); then it sends that stage exactly those tensors, cast to their dtypes (a tied
    copy from its source), over a two-rank group `pair/<stage>` (sender rank 0, stage rank 1), one
    thread per stage;
 3. the stage receives into a template of `want`: the handshake refuses another name, shape or
@@ -49,7 +50,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from distlm.core.documents import decode, encode
+from distlm.core.documents import DocumentError, decode, encode
 from distlm.core.log import get_logger
 from distlm.settings import TransferSettings
 from distlm.transfer.chain import TransferResult, broadcast_state_dict
@@ -82,6 +83,9 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
         ) from None
     try:
         store.set(_key(offer, "want", str(want.stage)), seal(offer.key, encode(want)))
+        answer = store.get(_key(offer, "answer", str(want.stage))).decode("utf-8", "replace")
+        if answer != "go":
+            raise TransferError(f"{offer.where}: stage {want.stage}: the sender {answer}")
         pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
             _key(offer, "pair", str(want.stage)) + "/", store
         )
@@ -170,7 +174,21 @@ class PushSender:
             time.sleep(_POLL_S)
             waited += _POLL_S
         raw = unseal(offer, self.store.get(key), f"stage {stage}'s ask")
-        return decode(raw, PushWant, f"stage {stage}'s ask")
+        try:
+            return decode(raw, PushWant, f"stage {stage}'s ask")
+        except DocumentError as e:
+            raise TransferError(f"{offer.where}: {e}") from None
+
+    def _answer(self, offer: PushOffer, stage: int, refused: BaseException | None) -> None:
+        """Tell stage `stage` whether its part comes ("go") or why not, so that it does not wait
+        for a group the sender will never join."""
+        word = "go"
+        if refused is not None:
+            word = "refused: " + str(refused).removeprefix(offer.where).lstrip(": ")[:1000]
+        try:
+            self.store.set(_key(offer, "answer", str(stage)), word)
+        except Exception:  # the store is ours; a failure here is the refusal's, raised anyway
+            pass
 
     def send(
         self,
@@ -183,7 +201,11 @@ class PushSender:
         in a thread of its own; None when the server answered before asking (it refused the
         offer). TransferError names the stage that failed and why. `hook(stage, stages, sent)`
         runs before each stage's part goes (tests: distlm.train.faults)."""
-        first = self._want(offer, 0, done)
+        try:
+            first = self._want(offer, 0, done)
+        except Exception as e:
+            self._answer(offer, 0, e)
+            raise
         if first is None:
             return None
         results: dict[int, TransferResult] = {}
@@ -191,14 +213,19 @@ class PushSender:
 
         def one(stage: int, want: PushWant | None) -> None:
             try:
-                want = want or self._want(offer, stage, done)
-                if want is None:
-                    return
-                if want.stage != stage or want.stages != first.stages:
-                    raise TransferError(f"{offer.where}: stage {stage} sent a muddled ask")
-                part = _part(tensors, want, offer)
+                try:
+                    want = want or self._want(offer, stage, done)
+                    if want is None:
+                        return
+                    if want.stage != stage or want.stages != first.stages:
+                        raise TransferError(f"{offer.where}: stage {stage} sent a muddled ask")
+                    part = _part(tensors, want, offer)
+                except Exception as e:
+                    self._answer(offer, stage, e)
+                    raise
                 if hook is not None:
                     hook(stage, first.stages, results)
+                self._answer(offer, stage, None)
                 pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
                     _key(offer, "pair", str(stage)) + "/", self.store
                 )
