@@ -344,8 +344,11 @@ def test_updates_under_load_one_set_of_weights_an_answer(folders, tmp_path):
                 assert status == 400 and not b["success"] and not b["changed"], b
                 assert "stage 1" in b["message"] or "stage-01" in b["message"], b
                 assert "unchanged" in b["message"], b
+                assert b["stall"] == {"held_s": 0.0, "switch_s": 0.0}, b  # nothing was held
             else:
                 assert status == 200 and b["success"] and b["changed"], b
+                stall = b["stall"]  # new requests held; every token stopped, the ring's round
+                assert 0 < stall["held_s"] < b["seconds"] and 0 < stall["switch_s"] < b["seconds"]
                 served = then
             assert fp[b["system_fingerprint"]] == served
             time.sleep(0.7)
@@ -369,7 +372,7 @@ def test_updates_under_load_one_set_of_weights_an_answer(folders, tmp_path):
         h = server.health()
         assert h["system_fingerprint"] == "fp_" + other.model_sha256[:16]
         assert h["last_update"]["source"] == str(folders["other"])
-        assert h["last_update"]["bytes"] > 0
+        assert h["last_update"]["bytes"] > 0 and h["last_update"]["stall"]["switch_s"] > 0
         m = server.metrics()
         assert m['distlm_weight_updates_total{outcome="switched"}'] == 5
         assert m['distlm_weight_updates_total{outcome="failed"}'] == 2

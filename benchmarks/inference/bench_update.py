@@ -14,7 +14,8 @@ other update from a pipeline folder cut from it. With --push the server follows 
 (torchrun, 2 ranks, gloo: the main job's resolved train config with max_steps 2, 4, ... and one
 checkpoint, at the end, on --tokens from --model) whose rank 0 pushes its last checkpoint
 (distlm.train.pushes; its window is the server's own record of it, /health's last_update).
-Reported: failed requests (any non-200, any
+Reported: what each switch cost the requests (the server's `stall`: new requests held, every
+token stopped; the GPU goal of #65 is a switch_s of GPT-2 small at most 0.3 s); failed requests (any non-200, any
 stream without [DONE]); answers whose chunks name more than one set of weights, or weights other
 than the two; greedy texts against `generate` on the weights each answer names (an aborted one: a
 prefix); the end-to-end p99 of the requests that ran while no update did (steady) and of those
@@ -326,6 +327,7 @@ def main() -> None:
                         "success": ok,
                         "seconds": last.get("seconds"),
                         "bytes": last.get("bytes"),
+                        "stall": last.get("stall"),
                         "weights": weights[key],
                     }
                 )
@@ -356,7 +358,9 @@ def main() -> None:
                 }
             )
             print(
-                f"update {k + 1}: {r.status} {answer.get('message')} in {t1 - t0:.3f} s", flush=True
+                f"update {k + 1}: {r.status} {answer.get('message')} in {t1 - t0:.3f} s, "
+                f"stall {answer.get('stall')}",
+                flush=True,
             )
             time.sleep(args.between_s)
         stop.set()
@@ -417,6 +421,12 @@ def main() -> None:
         "requests_during_update": len(during),
         "p99_ratio": (p99(during) or 0) / (p99(steady) or 1),
         "pushes": len(pushed),
+        # what the switches cost the requests (the server's own figures, messages.Stall): the
+        # longest time new requests were held, and every token stopped
+        "held_s_max": max((u["stall"]["held_s"] for u in updates if u.get("stall")), default=None),
+        "switch_s_max": max(
+            (u["stall"]["switch_s"] for u in updates if u.get("stall")), default=None
+        ),
         "updates": [{k: v for k, v in u.items() if k not in ("t0", "t1")} for u in updates],
     }
     print(json.dumps({k: v for k, v in doc.items() if k != "updates"}, indent=1))

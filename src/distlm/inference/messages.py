@@ -43,7 +43,8 @@ from distlm.transfer.documents import PushOffer
 # 5: Ready.weights
 # 6: Update, Updated (live weight updates); Ready.last_update
 # 7: Update.push (weights pushed from the training ranks)
-# 8: the push's offer carries its key (distlm.transfer.push seals asks and parts with it)
+# 8: the push's offer carries its key (distlm.transfer.push seals asks and parts with it);
+#    Updated.stall, UpdateRecord.stall
 VERSION = 8
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
@@ -129,6 +130,20 @@ class Update:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """What an update cost the requests (0 when it did not switch): `held_s`, how long new
+    requests were held (policy wait: the running ones ending on the old weights, then the switch;
+    abort: the switch); `switch_s`, from the pipeline's last step on the old weights to every
+    stage holding the new ones (the copies in, and the Swap's round of the ring): the time the
+    update alone stops every token."""
+
+    __pydantic_config__ = _CHECKED
+
+    held_s: float = 0.0
+    switch_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class UpdateRecord:
     """An update that switched the weights: where from, and what it cost."""
 
@@ -140,6 +155,7 @@ class UpdateRecord:
     seconds: float  # from the request to every stage serving them
     bytes: int  # staged, over every stage
     at: float  # when it ended (Unix time)
+    stall: Stall = Stall()
 
 
 @dataclass(frozen=True)
@@ -241,6 +257,7 @@ class Updated:
     changed: bool
     seconds: float
     bytes: int
+    stall: Stall = Stall()
 
 
 # ----------------------------------------------------------------------------- supervisor -> API server

@@ -343,6 +343,7 @@ class Engine:
                 seconds=out.seconds,
                 bytes=out.bytes,
                 at=time.time(),
+                stall=out.stall,
             )
             self.ch.send(self.ready())
         channel, rid = to
@@ -355,6 +356,7 @@ class Engine:
                 changed=out.changed,
                 seconds=out.seconds,
                 bytes=out.bytes,
+                stall=out.stall,
             ),
             channel,
         )

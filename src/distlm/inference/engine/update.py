@@ -30,14 +30,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distlm import DistlmError
 from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Prepare, Prepared, Swap
 from distlm.inference.engine.weight_sources import FromDisk, FromPush, Source
-from distlm.inference.messages import Policy, Update
+from distlm.inference.messages import Policy, Stall, Update
 from distlm.model.weights import args_of, weight_files
 from distlm.runtime.device import free_bytes, is_gpu, stream_synchronize
 
@@ -117,6 +117,9 @@ class NewWeights:
                     "which it did not stage"
                 )
             self.model.blocks.load_staged(self.staged)
+            # the copies in are done before the next step (the stall's figure is the device's
+            # too, not the time to queue them)
+            stream_synchronize(self.model.device)
             log.info("stage %d: now serving update %d", self.model.stage, msg.update)
         self.staged = None
 
@@ -134,6 +137,7 @@ class Outcome:
     seconds: float
     bytes: int
     changed: bool
+    stall: Stall = field(default_factory=Stall)
 
 
 class Updater:
@@ -253,9 +257,11 @@ class Updater:
                 return False
             r.phase = "draining"
             self.hold(True)
+            r.held_at = time.perf_counter()
             if r.policy == ABORT:
                 self.cancel_open()
         if r.phase == "draining" and self.idle():
+            r.idle_at = time.perf_counter()
             self._swap(r, commit=True)
         if r.phase == "switching" and (self.ring_send is None or r.echoed):
             self._end(r)
@@ -265,6 +271,7 @@ class Updater:
         """An update's message came back round the ring; a Swap: every stage has done it."""
         if isinstance(msg, Swap) and self.run is not None and msg.update == self.run.update:
             self.run.echoed = True
+            self.run.switched_at = time.perf_counter()
             self.poll()
 
     def _swap(self, r: _Run, *, commit: bool, why: str = "") -> None:
@@ -277,6 +284,7 @@ class Updater:
         if commit:
             self.switched(r.src.digest)
         self.hold(False)
+        r.released_at = r.switched_at = time.perf_counter()  # a ring's: when the Swap is back
         if self.ring_send is None:
             self._end(r)
 
@@ -301,6 +309,7 @@ class Updater:
                 seconds,
                 nbytes if r.commit else 0,
                 r.commit,
+                r.stall(),
             ),
             r.to,
         )
@@ -326,3 +335,14 @@ class _Run:
         self.commit = False
         self.echoed = False
         self.why = ""
+        # perf_counter: new requests held, no sequence running, the gate open, every stage switched
+        self.held_at = self.idle_at = self.released_at = self.switched_at = 0.0
+
+    def stall(self) -> Stall:
+        """What it cost the requests (messages.Stall); nothing when it did not switch."""
+        if not self.commit:
+            return Stall()
+        return Stall(
+            held_s=round(self.released_at - self.held_at, 6),
+            switch_s=round(self.switched_at - self.idle_at, 6),
+        )

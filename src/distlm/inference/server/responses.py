@@ -200,5 +200,6 @@ class Health(_Answer):
     weights: str | None = _absent_when_none("the served weights' digest (their file's sha256)")
     system_fingerprint: str | None = _absent_when_none("what every answer names the weights by")
     last_update: UpdateRecord | None = _absent_when_none(
-        "the last update that switched the weights: source, kind, weights, seconds, bytes, at"
+        "the last update that switched the weights: source, kind, weights, seconds, bytes, at, "
+        "stall (held_s, switch_s)"
     )

@@ -27,7 +27,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from distlm.inference.messages import Error, Policy, Update, Updated, fingerprint
+from distlm.inference.messages import Error, Policy, Stall, Update, Updated, fingerprint
 from distlm.inference.prompts import RequestError
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.requests import _validation_error, parse_json
@@ -73,6 +73,7 @@ class UpdateAnswer(BaseModel):
     changed: bool
     seconds: float
     bytes: int
+    stall: Stall  # what it cost the requests: new ones held, every token stopped
 
 
 def loopback(host: str) -> bool:
@@ -153,5 +154,6 @@ async def run_update(st: ServeState, req: UpdateRequest | PushRequest) -> tuple[
         changed=msg.changed,
         seconds=msg.seconds,
         bytes=msg.bytes,
+        stall=msg.stall,
     )
     return answer, msg.status
