@@ -119,9 +119,9 @@ def test_a_stage_whose_sender_is_gone_fails_at_once_naming_the_push():
     del sender  # its store goes: nothing listens on the port any more
     offer = offer.model_copy(update={"port": port})
     t0 = time.monotonic()
-    with pytest.raises(TransferError, match="push step 9 from 127.0.0.1"):
+    with pytest.raises(TransferError, match="push step 9 from 127.0.0.1.*does not answer"):
         receive(offer, _want({"wte": torch.zeros(2, 2)}, 0, 1))
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 2  # at once, not after the offer's timeout_s (5 s)
 
 
 def _listening(port: int) -> list[str]:

@@ -73,6 +73,9 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
     pair group; TransferError says what failed (the sender gone, another shape, bad bytes)."""
     timeout = _dt.timedelta(seconds=offer.timeout_s)
     try:
+        # a port nothing listens on refuses at once; TCPStore's client would retry it until the
+        # timeout, so a sender that is gone is named now, not in timeout_s
+        socket.create_connection((offer.host, offer.port), timeout=min(offer.timeout_s, 10)).close()
         store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             offer.host, offer.port, is_master=False, timeout=timeout, wait_for_workers=False
         )
