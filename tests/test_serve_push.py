@@ -36,7 +36,7 @@ from distlm.transfer.chain import broadcast_state_dict
 from distlm.transfer.documents import PushWant
 from distlm.transfer.errors import TransferError
 from distlm.transfer.peers import Peers
-from distlm.transfer.push import PushSender, part_digest, receive, seal
+from distlm.transfer.push import PushSender, part_digest, receive, seal, store_key
 
 TOKEN_ENV, TOKEN = "DISTLM_TEST_PUSH_TOKEN", "push-secret"
 
@@ -161,12 +161,12 @@ def test_an_ask_not_sealed_with_the_offers_key_gets_nothing():
     sender = PushSender.open(host="127.0.0.1", settings=st)
     offer = sender.offer("ab" * 32, "step 2", {})
     intruder = torch.distributed.TCPStore("127.0.0.1", offer.port, is_master=False)
-    key = f"distlm/push/{offer.group}/want/0"  # the group's name is no secret: list_keys
+    key = store_key(offer, "want", "0")  # the group's name is no secret: list_keys
     forged = offer.model_copy(update={"key": "0" * 64})
     intruder.set(key, seal(forged.key, encode(_want({"wte": torch.zeros(8, 4)}, 0, 1))))
     with pytest.raises(TransferError, match="stage 0's ask is not sealed with the offer's key"):
         sender.send(offer, {"wte": torch.ones(8, 4)}, done=lambda: False)
-    answer = intruder.get(f"distlm/push/{offer.group}/answer/0").decode()
+    answer = intruder.get(store_key(offer, "answer", "0")).decode()
     assert answer.startswith("refused: stage 0's ask is not sealed"), answer
     assert not [k for k in intruder.list_keys() if "/pair/" in k]  # no group was ever made
 
@@ -184,15 +184,15 @@ def test_a_part_not_sealed_with_the_offers_key_is_not_used():
 
     def answer() -> None:  # the impostor's side: what PushSender.send does, with its own key
         store = torch.distributed.TCPStore("127.0.0.1", offer.port, is_master=False)
-        store.wait([f"distlm/push/{offer.group}/want/0"])
-        store.set(f"distlm/push/{offer.group}/answer/0", "go")
-        pair = torch.distributed.PrefixStore(f"distlm/push/{offer.group}/pair/0/", store)
+        store.wait([store_key(offer, "want", "0")])
+        store.set(store_key(offer, "answer", "0"), "go")
+        pair = torch.distributed.PrefixStore(store_key(offer, "pair", "0") + "/", store)
         peers = Peers.own(pair, 0, 2, "gloo", 10)
         try:
             broadcast_state_dict(theirs, settings=offer.settings(), peers=peers)
         finally:
             peers.close()
-        store.set(f"distlm/push/{offer.group}/sealed/0", part_digest(impostor.key, theirs))
+        store.set(store_key(offer, "sealed", "0"), part_digest(impostor.key, theirs))
 
     t = threading.Thread(target=answer)
     t.start()

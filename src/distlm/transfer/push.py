@@ -63,7 +63,8 @@ log = get_logger(__name__)
 _POLL_S = 0.2  # how often the sender looks whether the server has given up while it waits
 
 
-def _key(offer_or_group: PushOffer | str, *parts: str) -> str:
+def store_key(offer_or_group: PushOffer | str, *parts: str) -> str:
+    """A key of the push's rendezvous in the sender's store (the module's docstring lists them)."""
     group = offer_or_group if isinstance(offer_or_group, str) else offer_or_group.group
     return "/".join(("distlm/push", group, *parts))
 
@@ -85,12 +86,12 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
             f"{str(e).splitlines()[0][:160]})"
         ) from None
     try:
-        store.set(_key(offer, "want", str(want.stage)), seal(offer.key, encode(want)))
-        answer = store.get(_key(offer, "answer", str(want.stage))).decode("utf-8", "replace")
+        store.set(store_key(offer, "want", str(want.stage)), seal(offer.key, encode(want)))
+        answer = store.get(store_key(offer, "answer", str(want.stage))).decode("utf-8", "replace")
         if answer != "go":
             raise TransferError(f"{offer.where}: stage {want.stage}: the sender {answer}")
         pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
-            _key(offer, "pair", str(want.stage)) + "/", store
+            store_key(offer, "pair", str(want.stage)) + "/", store
         )
         peers = Peers.own(pair, 1, 2, offer.backend, offer.timeout_s)
         try:
@@ -98,7 +99,7 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
         finally:
             peers.close()
         mine = part_digest(offer.key, got.tensors)
-        theirs = store.get(_key(offer, "sealed", str(want.stage))).decode("ascii", "replace")
+        theirs = store.get(store_key(offer, "sealed", str(want.stage))).decode("ascii", "replace")
         if not hmac.compare_digest(mine, theirs):
             raise TransferError(
                 f"{offer.where}: stage {want.stage}: the part that arrived is not sealed with the "
@@ -164,7 +165,7 @@ class PushSender:
     def _want(self, offer: PushOffer, stage: int, done: Callable[[], bool]) -> PushWant | None:
         """Stage `stage`'s ask, once written; None when `done` says the server has answered
         (refused, or failed) before it."""
-        key = _key(offer, "want", str(stage))
+        key = store_key(offer, "want", str(stage))
         waited = 0.0
         while not self.store.check([key]):
             if done():
@@ -189,7 +190,7 @@ class PushSender:
         if refused is not None:
             word = "refused: " + str(refused).removeprefix(offer.where).lstrip(": ")[:1000]
         try:
-            self.store.set(_key(offer, "answer", str(stage)), word)
+            self.store.set(store_key(offer, "answer", str(stage)), word)
         except Exception:  # the store is ours; a failure here is the refusal's, raised anyway
             pass
 
@@ -230,7 +231,7 @@ class PushSender:
                     hook(stage, first.stages, results)
                 self._answer(offer, stage, None)
                 pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
-                    _key(offer, "pair", str(stage)) + "/", self.store
+                    store_key(offer, "pair", str(stage)) + "/", self.store
                 )
                 peers = Peers.own(pair, 0, 2, offer.backend, offer.timeout_s)
                 try:
@@ -240,7 +241,7 @@ class PushSender:
                 finally:
                     peers.close()
                 # the stage checks what it received against this before it uses it
-                self.store.set(_key(offer, "sealed", str(stage)), part_digest(offer.key, part))
+                self.store.set(store_key(offer, "sealed", str(stage)), part_digest(offer.key, part))
             except BaseException as e:
                 errors[stage] = e
 
