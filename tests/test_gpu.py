@@ -1,7 +1,8 @@
 """Every stage on a device, through the user's commands: the whole workflow (the broadcast and
 the report included), training in the config's precision under torch.compile, a training killed
 and resumed, evaluation, batch inference whose greedy output equals transformers' `generate` at
-one and two stages, and a real request to the server.
+one and two stages, a real request to the server, and new weights pushed into it (a switch's
+stall on the device).
 
 Each test runs on the CPU (CI runs every line of them) and on CUDA (marker `gpu`; skipped
 without a GPU): the same test functions, helpers and commands, parametrized over the device
@@ -347,8 +348,6 @@ def test_a_failed_capture_leaves_the_decode_steps_eager(
 def trained(gpu_run, tmp_path_factory) -> dict:
     """The trained folder, its pipeline folders of 1 and 2 stages, and transformers' `generate`
     of it on the device."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from distlm.model import write_pipeline_dir
 
     final = gpu_run.results / "train/final"
@@ -357,24 +356,33 @@ def trained(gpu_run, tmp_path_factory) -> dict:
     for stages in (1, 2):
         folders[stages] = root / f"s{stages}"
         write_pipeline_dir(final, folders[stages], stages=stages)
-    tok = AutoTokenizer.from_pretrained(final)
-    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-    model = model.to(gpu_run.device).eval()  # pyright: ignore[reportArgumentType] (its .to)
+    want = generate_ids(final, gpu_run.device)
+    return {"folders": folders, "want": want, "runtime": runtime_of(gpu_run.device), "final": final}
+
+
+def generate_ids(folder: Path, device: str, n: int = 12) -> dict[str, list[int]]:
+    """transformers' greedy `generate` of each prompt on a model folder, on `device`: the new
+    tokens' ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType] (its .to)
     want = {}
     for p in PROMPTS:
-        ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]], device=gpu_run.device)
+        ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]], device=device)
         out = model.generate(
             ids,
-            max_new_tokens=12,
+            max_new_tokens=n,
             do_sample=False,
             pad_token_id=tok.eos_token_id,
             eos_token_id=tok.eos_token_id,
         )
         want[p] = out[0, ids.shape[1] :].tolist()
     del model
-    if gpu_run.device == "cuda":
+    if device == "cuda":
         torch.cuda.empty_cache()
-    return {"folders": folders, "want": want, "runtime": runtime_of(gpu_run.device)}
+    return want
 
 
 def runtime_of(device: str) -> dict:
@@ -432,6 +440,81 @@ def test_serving_a_real_request(trained, tmp_path):
     finally:
         stop_server(server)
     assert trained["runtime"]["device"] in server.log.read_text()
+
+
+def test_a_push_into_a_server_on_the_device(trained, tmp_path):
+    """New weights pushed into a running one-stage server on the device (POST
+    /update_weights_from_distributed; distlm.transfer.push), as a training rank pushes them: the
+    trained weights nudged, taken from the device to host memory, each tensor sent to the stage,
+    staged on its device and switched in. The server then names the pushed weights' digest,
+    reports the switch's stall (issue #65's GPU goal bounds it: the copy in, synchronised) and
+    answers transformers' greedy `generate` on those weights, on the same device."""
+    import threading
+
+    from test_server import start_server, stop_server
+    from transformers import AutoTokenizer
+
+    from distlm.inference.messages import fingerprint
+    from distlm.model import load_safetensors, read_args, read_meta, write_model_dir
+    from distlm.model.folder import safetensors_sha256
+    from distlm.settings import TransferSettings
+    from distlm.transfer.documents import PUSH_ROUTE
+    from distlm.transfer.push import PushSender
+
+    device, final = trained["runtime"]["device"], trained["final"]
+    on_device = {k: v.to(device) for k, v in load_safetensors(final / "model.safetensors").items()}
+    nudged = {  # as a training step leaves them: every float tensor changed
+        k: (v * 1.001 if v.is_floating_point() else v).to("cpu") for k, v in on_device.items()
+    }
+    keep = ("created_by", "source", "config_digest", "data_config_digest", "dtype")
+    meta = read_meta(final).model_dump()
+    folder = tmp_path / "nudged"
+    write_model_dir(
+        folder,
+        state_dict=nudged,
+        config_from=final,
+        tokenizer_dir=final.parents[1] / "data" / "tokenizer",  # results/data/tokenizer
+        meta={k: meta[k] for k in keep},
+    )
+    want = generate_ids(folder, device)
+    digest = safetensors_sha256(nudged)
+    assert digest == read_meta(folder).model_sha256  # what the push names them by
+
+    server = start_server(trained["folders"][1], 1, tmp_path, runtime=trained["runtime"], lanes=4)
+    try:
+        settings = TransferSettings(transport="torch", bucket_mb=64, chunk_mb=4, timeout_s=120)
+        sender = PushSender.open(host="127.0.0.1", settings=settings)
+        offer = sender.offer(digest, "test push", read_args(final).signature())
+        reply: dict = {}
+        answered = threading.Event()
+
+        def post() -> None:
+            body = {**offer.model_dump(mode="json"), "policy": "wait"}
+            reply["answer"] = server.request("POST", PUSH_ROUTE, body, timeout=300)
+            answered.set()
+
+        t = threading.Thread(target=post)
+        t.start()
+        sent = sender.send(offer, nudged, done=answered.is_set)
+        t.join(300)
+        status, b = reply["answer"]
+        assert status == 200 and b["changed"] and b["weights"] == digest, b
+        assert sent is not None and sent[0].stats.all_verified  # every chunk's checksum held
+        print(
+            f"{device}: pushed {b['bytes'] / 1e6:.0f} MB in {b['seconds']:.3f} s, stall {b['stall']}"
+        )
+        assert 0 < b["stall"]["switch_s"] < b["seconds"], b
+        tok = AutoTokenizer.from_pretrained(final)
+        for prompt, ids in want.items():
+            status, out = server.request(
+                "POST",
+                "/v1/completions",
+                {"prompt": prompt, "max_tokens": 12, "temperature": 0},
+            )
+            assert status == 200 and out["system_fingerprint"] == fingerprint(digest), out
+            assert out["choices"][0]["text"] == tok.decode(ids, skip_special_tokens=True), prompt
+    finally:
+        stop_server(server)
 
 
 def test_a_config_the_machine_cannot_run_is_refused_before_any_work(device, tmp_path):
