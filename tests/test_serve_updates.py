@@ -188,9 +188,9 @@ def test_a_stage_stages_beside_its_weights_and_switches_in_place(folders):
 
 
 def test_both_stages_stage_their_part_of_a_push(folders):
-    """The stages' side of a push (engine/update.py's FromPush), without a server: each stage asks
-    the sender for its own tensors and stages them; switched in, they give the logits of stages
-    loaded afresh from the same weights."""
+    """The stages' side of a push (engine/weight_sources.py's FromPush), without a server: each
+    stage asks the sender for its own tensors and stages them; switched in, they give the logits
+    of stages loaded afresh from the same weights."""
     from distlm.inference.engine.pipeline_stage import Item, load_stage
     from distlm.inference.engine.ring import Prepare, Swap
     from distlm.inference.engine.update import NewWeights

@@ -15,8 +15,8 @@ other update from a pipeline folder cut from it. With --push the server follows 
 checkpoint, at the end, on --tokens from --model) whose rank 0 pushes its last checkpoint
 (distlm.train.pushes; its window is the server's own record of it, /health's last_update).
 Reported: what each switch cost the requests (the server's `stall`: new requests held, every
-token stopped; the GPU goal of #65 is a switch_s of GPT-2 small at most 0.3 s); failed requests (any non-200, any
-stream without [DONE]); answers whose chunks name more than one set of weights, or weights other
+token stopped; the GPU goal of #65 is a switch_s of GPT-2 small at most 0.3 s); failed requests
+(any non-200, any stream without [DONE]); answers whose chunks name more than one set of weights, or weights other
 than the two; greedy texts against `generate` on the weights each answer names (an aborted one: a
 prefix); the end-to-end p99 of the requests that ran while no update did (steady) and of those
 that overlapped an update (from the request to the route's answer), and their ratio (issue #65's

@@ -224,7 +224,7 @@ class Prepare:
     verified, built beside the served ones, in a thread) and passes this on at once."""
 
     update: int
-    source: Source  # a folder's files, or a sender's offer (engine/update.py: FromDisk, FromPush)
+    source: Source  # a folder's files, or a sender's offer (weight_sources: FromDisk, FromPush)
     tied: dict[str, str]  # a tied copy -> its source (the running pipeline's manifest)
     stages: int  # how many stages the pipeline has
 
