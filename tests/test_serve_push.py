@@ -33,10 +33,17 @@ from distlm.runtime.dist import free_port
 from distlm.settings import TransferSettings
 from distlm.train.pushes import reachable_host
 from distlm.transfer.chain import broadcast_state_dict
-from distlm.transfer.documents import PushWant
+from distlm.transfer.documents import PushDevice, PushWant
 from distlm.transfer.errors import TransferError
 from distlm.transfer.peers import Peers
-from distlm.transfer.push import PushSender, part_digest, receive, seal, store_key
+from distlm.transfer.push import (
+    PushSender,
+    part_digest,
+    receive,
+    route_for,
+    seal,
+    store_key,
+)
 
 TOKEN_ENV, TOKEN = "DISTLM_TEST_PUSH_TOKEN", "push-secret"
 
@@ -45,26 +52,65 @@ TOKEN_ENV, TOKEN = "DISTLM_TEST_PUSH_TOKEN", "push-secret"
 
 
 def _want(tensors: dict, stage: int, stages: int) -> PushWant:
-    return PushWant.of(tensors, stage=stage, stages=stages, tied={"lm_head": "wte"})
+    return PushWant.of(
+        tensors, stage=stage, stages=stages, tied={"lm_head": "wte"}, device=torch.device("cpu")
+    )
 
 
-def test_each_stage_gets_its_own_part_in_its_dtype_and_a_tied_copy_from_its_source():
+def _gpus(n: int) -> list:
+    """Marks of a case that needs `n` CUDA GPUs (gpu: benchmarks/gpu/run.sh runs it)."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [pytest.mark.gpu, pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPUs")]
+
+
+# (the sender's device, the stages' device, the route each stage's part takes)
+PLACEMENTS = [
+    pytest.param("cpu", "cpu", "gloo", id="host"),
+    # a trainer and a server on a workstation's one GPU: NCCL refuses two ranks on one GPU
+    pytest.param("cuda:0", "cuda:0", "gloo", id="one-gpu", marks=_gpus(1)),
+    pytest.param("cuda:0", "cuda:1", "nccl", id="two-gpus", marks=_gpus(2)),
+]
+
+
+@pytest.mark.parametrize("sender_on,stages_on,backend", PLACEMENTS)
+def test_each_stage_gets_its_own_part_in_its_dtype_and_a_tied_copy_from_its_source(
+    sender_on, stages_on, backend
+):
+    """Each stage gets exactly its part, in its dtype, a tied copy from its source, on the route
+    its device and the sender's give: GPU to GPU (NCCL) between two GPUs, through host memory
+    otherwise, where the stage copies it to its device."""
     st = TransferSettings(transport="torch", bucket_mb=0.01, chunk_mb=0.002, timeout_s=20)
     g = torch.Generator().manual_seed(0)
     full = {
         n: torch.randn(s, generator=g)
         for n, s in {"wte": (64, 16), "h.0": (16, 16), "h.1": (16, 48), "ln_f": (16,)}.items()
     }
-    wants = [
-        _want({"wte": full["wte"].bfloat16(), "h.0": full["h.0"]}, 0, 2),
-        _want({"h.1": full["h.1"], "ln_f": full["ln_f"], "lm_head": full["wte"]}, 1, 2),
+    stage_device = torch.device(stages_on)
+    mine = [
+        {"wte": full["wte"].bfloat16(), "h.0": full["h.0"]},
+        {"h.1": full["h.1"], "ln_f": full["ln_f"], "lm_head": full["wte"]},
     ]
-    sender = PushSender.open(host="127.0.0.1", settings=st)
+    wants = [
+        PushWant.of(
+            {n: t.to(stage_device) for n, t in m.items()},
+            stage=k,
+            stages=2,
+            tied={"lm_head": "wte"},
+            device=stage_device,
+        )
+        for k, m in enumerate(mine)
+    ]
+    sender = PushSender.open(host="127.0.0.1", settings=st, device=torch.device(sender_on))
     offer = sender.offer("ab" * 32, "step 3", {})
+    assert offer.transport == "torch" and (offer.device.gpu is None) == (sender_on == "cpu")
     got: dict[int, object] = {}
+    errors: list = []
 
     def stage(k: int) -> None:
-        got[k] = receive(offer, wants[k])
+        try:
+            got[k] = receive(offer, wants[k], stage_device)
+        except BaseException as e:
+            errors.append(e)
 
     threads = [threading.Thread(target=stage, args=(k,)) for k in (1, 0)]  # any order
     for t in threads:
@@ -72,16 +118,50 @@ def test_each_stage_gets_its_own_part_in_its_dtype_and_a_tied_copy_from_its_sour
     sent = sender.send(offer, full, done=lambda: False)
     for t in threads:
         t.join()
+    assert not errors, errors
     assert set(sent) == {0, 1} and all(r.stats.all_verified for r in sent.values())
+    assert {r.stats.backend for r in sent.values()} == {backend}
+    assert {got[k].stats.backend for k in got} == {backend}
+    landed = stage_device if backend == "nccl" else torch.device("cpu")
+    assert {t.device for k in got for t in got[k].tensors.values()} == {landed}
     assert set(got[0].tensors) == {"wte", "h.0"} and set(got[1].tensors) == {
         "h.1",
         "ln_f",
         "lm_head",
     }
     assert got[0].tensors["wte"].dtype == torch.bfloat16
-    assert torch.equal(got[0].tensors["wte"], full["wte"].bfloat16())
-    assert torch.equal(got[1].tensors["lm_head"], full["wte"])  # the tied copy, from its source
+    assert torch.equal(got[0].tensors["wte"].cpu(), full["wte"].bfloat16())
+    # the tied copy, from its source
+    assert torch.equal(got[1].tensors["lm_head"].cpu(), full["wte"])
     assert sent[0].stats.bytes < sum(t.numel() * 4 for t in full.values())  # its part alone
+
+
+def test_each_stage_parts_route_follows_from_the_two_devices():
+    """`route_for`: NCCL between two GPUs; host memory when a side is on the host or both are
+    the one GPU; uccl refuses a side on the host, naming transfer.transport; an ask naming a GPU
+    by anything but a UUID is refused; a group of its own over NCCL without one says so."""
+    host, a, b = PushDevice(), PushDevice(gpu="GPU-aaaa-1"), PushDevice(gpu="GPU-bbbb-2")
+    for sender, stage, backend in [
+        (host, host, "gloo"),
+        (host, a, "gloo"),
+        (a, host, "gloo"),
+        (a, a, "gloo"),  # NCCL refuses two ranks on one GPU
+        (a, b, "nccl"),
+    ]:
+        route = route_for(sender, stage, "torch", "push")
+        assert route.backend == backend and route.transport == "torch", (sender, stage)
+        assert route.on_gpu == (backend == "nccl")
+    assert route_for(a, a, "uccl", "push") == route_for(a, b, "uccl", "push")
+    assert route_for(a, b, "uccl", "push").on_gpu
+    for sender, stage, side in [(host, a, "the sender"), (a, host, "the stage")]:
+        with pytest.raises(TransferError, match=f"transfer.transport uccl.*{side}"):
+            route_for(sender, stage, "uccl", "push")
+    with pytest.raises(Exception, match="gpu"):
+        PushDevice.model_validate({"gpu": "../../x"})
+    if not torch.cuda.is_available():
+        store = torch.distributed.HashStore()
+        with pytest.raises(TransferError, match="over nccl.*no NCCL or sees no GPU"):
+            Peers.own(store, 0, 2, "nccl", 5)
 
 
 def test_a_stage_that_wants_another_shape_or_a_name_the_sender_lacks_is_refused_naming_it():

@@ -45,7 +45,8 @@ from distlm.transfer.documents import PushOffer
 # 7: Update.push (weights pushed from the training ranks)
 # 8: the push's offer carries its key (distlm.transfer.push seals asks and parts with it);
 #    Updated.stall, UpdateRecord.stall
-VERSION = 8
+# 9: the push's offer names its transport and the sender's device (PushDevice), not a backend
+VERSION = 9
 _CHECKED = ConfigDict(extra="forbid")  # unknown fields refused, types checked
 
 

@@ -113,6 +113,22 @@ def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The physical GPU behind `device`: its UUID, the same in every process that sees it
+    whatever its index there (None off the GPU). Two processes on one GPU have the same."""
+    if not is_gpu(device):
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current GPU (a thread starts on GPU 0, whatever its process's
+    main thread chose: what NCCL and the caching allocator take when given no device); nothing
+    on the host."""
+    if is_gpu(device):
+        torch.cuda.set_device(device)
+
+
 def host() -> torch.device:
     """The host's memory and cores: where files are read and host buffers live."""
     return torch.device("cpu")

@@ -12,8 +12,10 @@ part: the layout's `full_hf_tensors`) and a background thread:
    server's system_fingerprint is what an update from that checkpoint's folder gives;
 2. offers them: POST /update_weights_from_distributed with the offer of its store
    (distlm.transfer.push), the token read from the source the endpoint names;
-3. sends each server stage the tensors it asks for, cast to its dtype, bucketed and checksummed;
-   the server switches every stage or none, and answers.
+3. sends each server stage the tensors it asks for, cast to its dtype, bucketed and checksummed,
+   GPU to GPU over NCCL when the stage serves on another GPU than this rank's, through host
+   memory otherwise (distlm.transfer.push.route_for; transfer.transport uccl: over UCCL); the
+   server switches every stage or none, and answers.
 
 Training never waits on the server: the loop pays the copy to host memory; a server that is gone,
 refuses or fails is logged and skipped; a checkpoint that comes while a push still runs is not
@@ -189,7 +191,10 @@ class Pusher:
         digest = safetensors_sha256(tensors)
         host = reachable_host(target.url)
         if self._sender is None or self._sender.host != host:  # the first push, or a server moved
-            self._sender = PushSender.open(host=host, settings=self.settings)
+            # a part bound GPU to GPU is put on this rank's GPU (distlm.transfer.push.route_for)
+            self._sender = PushSender.open(
+                host=host, settings=self.settings, device=self.topo.device
+            )
         offer = self._sender.offer(digest, f"step {step}", architecture)
         log.info("step %d: offering weights %s to %s", step, digest[:16], target.url)
         body = {**offer.model_dump(mode="json"), "policy": "wait"}

@@ -66,10 +66,34 @@ class TransferStats(Document):
 # ----------------------------------------------------------------------------- push into a server
 
 
+class PushDevice(BaseModel):
+    """Where one side of a push holds its tensors: host memory (`gpu` None), or the GPU of UUID
+    `gpu`, the same in every process that sees that GPU whatever its index there (two processes
+    on one GPU name the same)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    gpu: str | None = Field(default=None, pattern=r"^[A-Za-z0-9\-]{1,64}$")
+
+    @classmethod
+    def of(cls, device) -> PushDevice:
+        """The PushDevice of a torch.device."""
+        from distlm.runtime.device import gpu_uuid
+
+        return cls(gpu=gpu_uuid(device))
+
+    def same_gpu(self, other: PushDevice) -> bool:
+        """Whether both are the one GPU (NCCL refuses a group with two ranks on it)."""
+        return self.gpu is not None and self.gpu == other.gpu
+
+    def __str__(self) -> str:
+        return f"GPU {self.gpu}" if self.gpu else "host memory"
+
+
 class PushOffer(BaseModel):
     """What the server is told to fetch: the sender's store, the group's name, the push's key,
-    the weights' digest (what the answers' system_fingerprint will name) and the transfer's
-    settings.
+    the weights' digest (what the answers' system_fingerprint will name), the transfer's
+    settings and where the sender holds the weights (`device`: with each stage's, it says how
+    that stage's part travels: distlm.transfer.push.route_for).
 
     The key is the push's secret: it goes to the server in the (authenticated) offer alone, never
     into the store, which anyone who reaches its port can read (torch's TCPStore has no
@@ -82,7 +106,9 @@ class PushOffer(BaseModel):
     port: int = Field(ge=1, le=65535)
     group: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
     key: str = Field(pattern=r"^[0-9a-f]{64}$", repr=False)  # 32 random bytes, hex
-    backend: Literal["gloo"] = "gloo"  # host memory: any device on either side
+    # the data plane (the trainer's transfer.transport) and the sender's device
+    transport: Literal["torch", "uccl"] = "torch"
+    device: PushDevice = Field(default_factory=PushDevice)
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     label: str = Field(default="", max_length=200)  # what /health and the logs name it by
     # the sender's model (distlm.family's ModelArgs.signature(), config.json's names): the
@@ -101,7 +127,7 @@ class PushOffer(BaseModel):
         from distlm.settings import TransferSettings
 
         return TransferSettings(
-            transport="torch",
+            transport=self.transport,
             bucket_mb=self.bucket_mb,
             chunk_mb=self.chunk_mb,
             timeout_s=self.timeout_s,
@@ -120,34 +146,53 @@ class TensorSpec(BaseModel):
 
 
 class PushWant(Document):
-    """A stage's ask of the sender: its tensors (transformers' names) as it will hold them."""
+    """A stage's ask of the sender: its tensors (transformers' names) as it will hold them, and
+    its device."""
 
     KIND: ClassVar[str] = "distlm-push-want"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     stage: int = Field(ge=0, le=MAX_STAGES - 1)
     stages: int = Field(ge=1, le=MAX_STAGES)
     tensors: dict[str, TensorSpec] = Field(max_length=MAX_TENSORS)
     # a tied copy -> its source (the sender may hold only the source)
     tied: dict[str, str] = Field(max_length=MAX_TENSORS)
+    device: PushDevice
 
-    def template(self) -> dict:
-        """Host tensors to receive into (gloo's device; the stage copies them to its own)."""
+    def template(self, device) -> dict:
+        """Tensors to receive into, on `device` (a torch.device: where the part lands)."""
         import torch
 
         return {
-            n: torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for n, s in self.tensors.items()
+            n: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)
+            for n, s in self.tensors.items()
         }
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the part it asks for."""
+        import math
+
+        import torch
+
+        return sum(
+            math.prod(s.shape) * getattr(torch, s.dtype).itemsize for s in self.tensors.values()
+        )
+
     @classmethod
-    def of(cls, tensors: Mapping, *, stage: int, stages: int, tied: dict[str, str]) -> PushWant:
-        """The ask for `tensors` (name -> a torch.Tensor as the stage holds it)."""
+    def of(
+        cls, tensors: Mapping, *, stage: int, stages: int, tied: dict[str, str], device
+    ) -> PushWant:
+        """The ask for `tensors` (name -> a torch.Tensor as the stage holds it) by a stage on
+        `device` (a torch.device)."""
         specs = {
             n: TensorSpec.model_validate(
                 {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
             )
             for n, t in tensors.items()
         }
-        return cls(stage=stage, stages=stages, tensors=specs, tied=tied)
+        return cls(
+            stage=stage, stages=stages, tensors=specs, tied=tied, device=PushDevice.of(device)
+        )
 
 
 # the server's route that takes a push (distlm.inference.server.updates)

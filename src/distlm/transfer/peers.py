@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
+from distlm.runtime.device import gpu_count
 from distlm.transfer.errors import TransferError
 
 
@@ -55,13 +56,27 @@ class Peers:
     @classmethod
     def own(cls, store: Store, rank: int, size: int, backend: str, timeout_s: float) -> Peers:
         """A group of `size` ranks of its own on `store` (every rank passes the same store
-        prefix); joining waits for the others at most `timeout_s`."""
-        if backend != "gloo":
-            raise TransferError(
-                f"backend {backend!r}: a group of its own is gloo here (host memory: it serves "
-                "processes on one GPU or several, and the CPU)"
+        prefix), of `backend`: "gloo" (host memory) or "nccl" (GPU memory, each rank on a GPU of
+        its own: NCCL refuses two ranks on one GPU); joining waits for the others at most
+        `timeout_s`, and so does each NCCL operation (its watchdog then aborts the group)."""
+        timeout = _dt.timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        elif backend == "nccl":
+            if not dist.is_nccl_available() or gpu_count() == 0:
+                raise TransferError(
+                    f"a group of its own over nccl: torch {torch.__version__} has no NCCL or "
+                    "sees no GPU here"
+                )
+            # as torch.distributed makes its own groups (distributed_c10d's
+            # _new_process_group_helper), on the given store instead of the world's
+            opts = dist.ProcessGroupNCCL.Options()  # pyright: ignore[reportAttributeAccessIssue]
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(  # pyright: ignore[reportAttributeAccessIssue]
+                store, rank, size, opts
             )
-        pg = dist.ProcessGroupGloo(store, rank, size, _dt.timedelta(seconds=timeout_s))
+        else:
+            raise TransferError(f"a group of its own over {backend!r}: gloo or nccl")
         return cls(rank, list(range(size)), backend, store, pg, True)
 
     def isend(self, t: torch.Tensor, peer: int, tag: int):

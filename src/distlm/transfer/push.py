@@ -4,21 +4,29 @@ over a group of its own per stage (distlm.transfer.peers), as vLLM's and SGLang'
 groups are.
 
     # the sender (distlm.train.pushes): a store the stages can reach, then the offer goes to the server
-    sender = PushSender.open(host="node1", settings=transfer_settings, backend="gloo")
+    sender = PushSender.open(host="node1", settings=transfer_settings, device=trainer_device)
     offer = sender.offer(digest, label, args.signature())  # what the server's route is given
     sender.send(tensors, done=lambda: answered)  # until every stage has its part, or `done`
     del sender                                   # its store stops with it
 
     # each stage (distlm.inference.engine.update), once its server has taken the offer
-    tensors = receive(offer, want)               # its own part, checked against `want`
+    tensors = receive(offer, want, device)       # its own part, checked against `want`
+
+How a stage's part travels (`route_for`, from the offer's device and the stage's, the same on
+both sides): GPU to GPU over NCCL when the sender and the stage hold their tensors on two GPUs;
+through host memory over gloo when either side is on the host, or when the stage serves on the
+sender's own GPU (a trainer and a server sharing a workstation's one GPU: NCCL refuses a group
+with two ranks on one GPU). With transfer.transport uccl the bytes go over UCCL's engine GPU to
+GPU, the pair group (gloo) carrying the control messages alone; a side on the host is refused
+(UCCL moves GPU memory). The route is logged on both sides and is in each stage's figures.
 
 The rendezvous, in the sender's store under `distlm/push/<group>/`:
 1. each stage connects and writes `want/<stage>`: a `PushWant` (its tensors' names, shapes and
    dtypes, transformers' names; the tied copies; how many stages there are);
 2. the sender reads it and answers `answer/<stage>`: "go", or why it refuses (the stage raises
    that at once); then it sends that stage exactly those tensors, cast to their dtypes (a tied
-   copy from its source), over a two-rank group `pair/<stage>` (sender rank 0, stage rank 1), one
-   thread per stage;
+   copy from its source), over a two-rank group `pair/<stage>` (sender rank 0, stage rank 1) on
+   the stage's route, one thread per stage;
 3. the stage receives into a template of `want`: the handshake refuses another name, shape or
    dtype (naming the tensor), the chunk checksums refuse corrupted bytes, and the heartbeats name
    the side that stopped. Every wait is bounded by the offer's `timeout_s`;
@@ -46,21 +54,62 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distlm.core.documents import DocumentError, decode, encode
 from distlm.core.log import get_logger
+from distlm.runtime.device import free_bytes, use_device
+from distlm.runtime.device import host as _host
 from distlm.settings import TransferSettings
 from distlm.transfer.chain import TransferResult, broadcast_state_dict
-from distlm.transfer.documents import MAX_ASK_BYTES, PushOffer, PushWant
+from distlm.transfer.documents import MAX_ASK_BYTES, PushDevice, PushOffer, PushWant
 from distlm.transfer.errors import TransferError
 from distlm.transfer.peers import Peers
 
 log = get_logger(__name__)
 
 _POLL_S = 0.2  # how often the sender looks whether the server has given up while it waits
+_MEMORY_MARGIN = 256 << 20  # what a part put on the trainer's GPU leaves free there
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one stage's part travels: the pair group's `backend` and the data plane
+    (`transport`); `on_gpu`: the part is sent from and received into GPU memory (else host
+    memory, on both sides)."""
+
+    backend: str  # "nccl" or "gloo"
+    transport: str  # "torch" (the group's own send/recv) or "uccl"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.backend == "nccl" or self.transport == "uccl"
+
+    def __str__(self) -> str:
+        if self.transport == "uccl":
+            return "uccl, GPU to GPU"
+        return "nccl, GPU to GPU" if self.backend == "nccl" else "gloo, through host memory"
+
+
+def route_for(sender: PushDevice, stage: PushDevice, transport: str, where: str) -> Route:
+    """How a part goes from a sender on `sender` to a stage on `stage` (the module's doc says
+    why); TransferError when `transport` cannot carry it (uccl with a side on the host)."""
+    if transport == "uccl":
+        for side, d in (("the sender", sender), ("the stage", stage)):
+            if d.gpu is None:
+                raise TransferError(
+                    f"{where}: transfer.transport uccl moves GPU memory, and {side} holds its "
+                    "tensors in host memory (transfer.transport torch pushes through it)"
+                )
+        return Route("gloo", "uccl")
+    if transport != "torch":
+        raise TransferError(f"{where}: unknown transport {transport!r}")
+    if sender.gpu is not None and stage.gpu is not None and not sender.same_gpu(stage):
+        return Route("nccl", "torch")
+    return Route("gloo", "torch")
 
 
 def store_key(offer_or_group: PushOffer | str, *parts: str) -> str:
@@ -69,9 +118,15 @@ def store_key(offer_or_group: PushOffer | str, *parts: str) -> str:
     return "/".join(("distlm/push", group, *parts))
 
 
-def receive(offer: PushOffer, want: PushWant) -> TransferResult:
-    """A stage's part of a push: ask for `want` in the sender's store, then receive it over the
-    pair group; TransferError says what failed (the sender gone, another shape, bad bytes)."""
+def receive(offer: PushOffer, want: PushWant, device: torch.device | None = None) -> TransferResult:
+    """A stage's part of a push, for a stage on `device` (the host when None; `want.device` names
+    it): ask for `want` in the sender's store, then receive it over the pair group, on
+    `route_for`'s route, in host memory or on `device`; TransferError says what failed (the
+    sender gone, another shape, bad bytes)."""
+    device = device if device is not None else _host()
+    use_device(device)  # a stage receives in its staging thread
+    where = f"{offer.where}: stage {want.stage}"
+    route = route_for(offer.device, want.device, offer.transport, where)
     timeout = _dt.timedelta(seconds=offer.timeout_s)
     try:
         # a port nothing listens on refuses at once; TCPStore's client would retry it until the
@@ -93,9 +148,14 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
         pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
             store_key(offer, "pair", str(want.stage)) + "/", store
         )
-        peers = Peers.own(pair, 1, 2, offer.backend, offer.timeout_s)
+        log.info("%s: its part (%.1f MB) comes %s", where, want.nbytes / 1e6, route)
+        peers = Peers.own(pair, 1, 2, route.backend, offer.timeout_s)
         try:
-            got = broadcast_state_dict(want.template(), settings=offer.settings(), peers=peers)
+            got = broadcast_state_dict(
+                want.template(device if route.on_gpu else _host()),
+                settings=offer.settings(),
+                peers=peers,
+            )
         finally:
             peers.close()
         mine = part_digest(offer.key, got.tensors)
@@ -117,13 +177,17 @@ def receive(offer: PushOffer, want: PushWant) -> TransferResult:
 class PushSender:
     """The sending side of pushes: a store the stages connect to, one offer at a time."""
 
-    def __init__(self, store, host: str, settings: TransferSettings) -> None:
-        self.store, self.host, self.settings = store, host, settings
+    def __init__(self, store, host: str, settings: TransferSettings, device: torch.device) -> None:
+        self.store, self.host, self.settings, self.device = store, host, settings, device
 
     @classmethod
-    def open(cls, *, host: str, settings: TransferSettings) -> PushSender:
+    def open(
+        cls, *, host: str, settings: TransferSettings, device: torch.device | None = None
+    ) -> PushSender:
         """A store on a free port of `host`, the address the stages reach this machine by, and
-        on no other (torch's TCPStore alone would listen on every interface)."""
+        on no other (torch's TCPStore alone would listen on every interface). `device` is where
+        the sender puts a part that travels GPU to GPU (the trainer's GPU; the host when None:
+        every part goes through host memory)."""
         family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         try:
@@ -143,7 +207,7 @@ class PushSender:
             sock.close()
             raise
         sock.detach()  # the store's server owns the socket now, and closes it when it stops
-        return cls(store, host, settings)
+        return cls(store, host, settings, device if device is not None else _host())
 
     def offer(self, digest: str, label: str, architecture: dict) -> PushOffer:
         """An offer of weights named `digest`, of a model of `architecture` (its
@@ -160,6 +224,8 @@ class PushSender:
             bucket_mb=float(s.bucket_mb),
             chunk_mb=float(s.chunk_mb),
             timeout_s=float(s.timeout_s),
+            transport=s.transport,
+            device=PushDevice.of(self.device),
         )
 
     def _want(self, offer: PushOffer, stage: int, done: Callable[[], bool]) -> PushWant | None:
@@ -216,6 +282,7 @@ class PushSender:
         errors: dict[int, BaseException] = {}
 
         def one(stage: int, want: PushWant | None) -> None:
+            use_device(self.device)
             try:
                 try:
                     want = want or self._want(offer, stage, done)
@@ -223,7 +290,9 @@ class PushSender:
                         return
                     if want.stage != stage or want.stages != first.stages:
                         raise TransferError(f"{offer.where}: stage {stage} sent a muddled ask")
-                    part = _part(tensors, want, offer)
+                    where = f"{offer.where}: stage {stage}"
+                    route = route_for(offer.device, want.device, offer.transport, where)
+                    part = _part(tensors, want, offer, self._place(route, want, where))
                 except Exception as e:
                     self._answer(offer, stage, e)
                     raise
@@ -233,7 +302,8 @@ class PushSender:
                 pair = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
                     store_key(offer, "pair", str(stage)) + "/", self.store
                 )
-                peers = Peers.own(pair, 0, 2, offer.backend, offer.timeout_s)
+                log.info("%s: its part (%.1f MB) goes %s", where, want.nbytes / 1e6, route)
+                peers = Peers.own(pair, 0, 2, route.backend, offer.timeout_s)
                 try:
                     results[stage] = broadcast_state_dict(
                         part, settings=offer.settings(), peers=peers
@@ -262,12 +332,26 @@ class PushSender:
             raise TransferError(f"{offer.where}: stage {stage}: {type(e).__name__}: {e}") from e
         return results
 
+    def _place(self, route: Route, want: PushWant, where: str) -> torch.device:
+        """Where a stage's part is put to be sent: the sender's GPU on a GPU route (refused
+        when that GPU has not the room: a training job's memory is not risked), else the host."""
+        if not route.on_gpu:
+            return _host()
+        free = free_bytes(self.device)
+        if want.nbytes + _MEMORY_MARGIN > free:
+            raise TransferError(
+                f"{where}: its part needs {want.nbytes / 1e6:.0f} MB on the trainer's "
+                f"{self.device}, {free / 1e6:.0f} MB are free"
+            )
+        return self.device
+
 
 def _part(
-    tensors: Mapping[str, torch.Tensor], want: PushWant, offer: PushOffer
+    tensors: Mapping[str, torch.Tensor], want: PushWant, offer: PushOffer, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """A stage's tensors as it asked for them: each name (a tied copy from its source when the
-    sender has no copy of its own), in its dtype; a name the sender lacks is named."""
+    """A stage's tensors as it asked for them, on `device`: each name (a tied copy from its
+    source when the sender has no copy of its own), in its dtype; a name the sender lacks is
+    named."""
     out = {}
     for name, spec in want.tensors.items():
         t = tensors.get(name)
@@ -282,7 +366,7 @@ def _part(
                 f"{offer.where}: tensor {name!r} has shape {tuple(t.shape)} here, stage "
                 f"{want.stage} serves {tuple(spec.shape)} (another architecture?)"
             )
-        out[name] = t.detach().to(dtype=getattr(torch, spec.dtype)).contiguous()
+        out[name] = t.detach().to(device=device, dtype=getattr(torch, spec.dtype)).contiguous()
     return out
 
 
@@ -291,7 +375,7 @@ def part_digest(key: str, tensors: Mapping[str, torch.Tensor]) -> str:
     order (hashlib leaves the GIL for the bytes: the stages' threads run side by side)."""
     h = hashlib.blake2b(key=bytes.fromhex(key), digest_size=32)
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
+        t = tensors[name].detach().to(_host()).contiguous()  # a GPU route's part: read back
         h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         # an ndarray is a buffer (typeshed for 3.11 does not say so)
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]

@@ -43,7 +43,8 @@ from distlm.runtime.dist import Topology
 # 3: Prepare, Swap; Work.staged, Tokens.staged (live weight updates)
 # 4: Prepare.source may be a PushOffer; Prepare.stages
 # 5: a PushOffer carries its key
-RING_VERSION = 5
+# 6: a PushOffer names its transport and the sender's device
+RING_VERSION = 6
 TAG = 17
 _SPIN = 200  # polls before a waiting rank starts to sleep between polls
 _NAP_S = 5e-4  # the longest sleep between polls while messages come often

@@ -39,7 +39,7 @@ from distlm.inference.engine.ring import Prepare, Prepared, Swap
 from distlm.inference.engine.weight_sources import FromDisk, FromPush, Source
 from distlm.inference.messages import Policy, Stall, Update
 from distlm.model.weights import args_of, weight_files
-from distlm.runtime.device import free_bytes, is_gpu, stream_synchronize
+from distlm.runtime.device import free_bytes, stream_synchronize
 
 log = get_logger(__name__)
 
@@ -70,15 +70,14 @@ class NewWeights:
         try:
             mine = m.blocks.hf_tensors()
             need = sum(p.numel() * p.element_size() for p in m.blocks.parameters())
-            if not is_gpu(m.device):  # the tensors as they arrive, in host memory beside their copy
-                need += source.host_bytes(mine, tied)
+            need += source.landing_bytes(mine, tied, m.device)  # as they arrive, beside the copy
             free = free_bytes(m.device)
             if need + _MEMORY_MARGIN > free:
                 raise DistlmError(
                     f"{where}: staging needs {need / 1e6:.0f} MB beside the served weights on "
                     f"{m.device}, {free / 1e6:.0f} MB are free"
                 )
-            tensors = source.read(mine, tied, stage=m.stage, stages=stages)
+            tensors = source.read(mine, tied, stage=m.stage, stages=stages, device=m.device)
             self.staged = m.blocks.staged_hf(tensors, f"{source.label} ({where})")
             stream_synchronize(m.device)
             error = None

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from distlm.model.weights import WeightFiles, read_tensors
+from distlm.runtime.device import is_gpu
 from distlm.transfer.documents import PushOffer, PushWant
 
 
 class Source:
     """Where an update's weights come from (what `Prepare` carries round the ring): `label` and
-    `kind` name it, `digest` names the weights; each stage asks `host_bytes` (the host memory its
-    part takes as it arrives) and `read`s its part (transformers' names)."""
+    `kind` name it, `digest` names the weights; each stage asks `landing_bytes` (the memory of
+    its device its part takes as it arrives, beside the staged copy) and `read`s its part
+    (transformers' names)."""
 
     @property
     def label(self) -> str:
@@ -27,10 +31,12 @@ class Source:
     def digest(self) -> str:
         raise NotImplementedError
 
-    def host_bytes(self, mine: dict, tied: dict[str, str]) -> int:
+    def landing_bytes(self, mine: dict, tied: dict[str, str], device: torch.device) -> int:
         raise NotImplementedError
 
-    def read(self, mine: dict, tied: dict[str, str], *, stage: int, stages: int) -> dict:
+    def read(
+        self, mine: dict, tied: dict[str, str], *, stage: int, stages: int, device: torch.device
+    ) -> dict:
         raise NotImplementedError
 
 
@@ -53,10 +59,14 @@ class FromDisk(Source):
     def digest(self) -> str:
         return self.files.digest
 
-    def host_bytes(self, mine: dict, tied: dict[str, str]) -> int:
+    def landing_bytes(self, mine: dict, tied: dict[str, str], device: torch.device) -> int:
+        if is_gpu(device):  # read into host memory
+            return 0
         return sum(h.end - h.start for _, h in self.files.held(list(mine), tied).values())
 
-    def read(self, mine: dict, tied: dict[str, str], *, stage: int, stages: int) -> dict:
+    def read(
+        self, mine: dict, tied: dict[str, str], *, stage: int, stages: int, device: torch.device
+    ) -> dict:
         return read_tensors(self.files, list(mine), tied)
 
 
@@ -79,11 +89,23 @@ class FromPush(Source):
     def digest(self) -> str:
         return self.offer.digest
 
-    def host_bytes(self, mine: dict, tied: dict[str, str]) -> int:
-        return sum(t.numel() * t.element_size() for t in mine.values())
+    def landing_bytes(self, mine: dict, tied: dict[str, str], device: torch.device) -> int:
+        from distlm.transfer.push import route_for
 
-    def read(self, mine: dict, tied: dict[str, str], *, stage: int, stages: int) -> dict:
+        want = PushWant.of(mine, stage=0, stages=1, tied=tied, device=device)
+        if (
+            is_gpu(device)
+            and not route_for(
+                self.offer.device, want.device, self.offer.transport, self.offer.where
+            ).on_gpu
+        ):
+            return 0  # received into host memory
+        return want.nbytes
+
+    def read(
+        self, mine: dict, tied: dict[str, str], *, stage: int, stages: int, device: torch.device
+    ) -> dict:
         from distlm.transfer.push import receive
 
-        want = PushWant.of(mine, stage=stage, stages=stages, tied=tied)
-        return receive(self.offer, want).tensors
+        want = PushWant.of(mine, stage=stage, stages=stages, tied=tied, device=device)
+        return receive(self.offer, want, device).tensors
