@@ -364,6 +364,118 @@ def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
     assert other[0].tokens != alone[0]
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+def test_two_steps_in_flight_give_what_one_at_a_time_gives(
+    tiny_models, hf_reference, graphs, device
+):
+    """A one-stage engine with two micro-batches on the device at once (a GPU's
+    `steps_in_flight`; on the CPU too; with `static` its decode steps are the GPU's static
+    steps, CUDA graphs on a GPU, whose output the next replay writes again): the host picks one
+    micro-batch's tokens while the other runs, and every sequence gets what one step at a time
+    gives it: greedy (generate's tokens), an end of text, seeded sampling with
+    log-probabilities, the prompt's log-probabilities, n = 2 sharing a prefill, one cancelled
+    from its own token's callback."""
+    from distlm.runtime.device import DeviceBackend
+
+    tok = hf_reference.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    eos = hf_reference(PROMPTS[0], 8)[5]  # prompt 0 stops at its 6th greedy token
+
+    def run(steps: int) -> tuple[list[tuple], int]:
+        hw = DeviceBackend(
+            torch.device(device),
+            decode_graphs=graphs,
+            capture_graphs=graphs and device == "cuda",
+            steps_in_flight=steps,
+        )
+        sched = _scheduler(tiny_models[1], lanes=4, eos=eos, hw=hw)
+        assert sched.in_flight == steps and sched.cap == 4 // steps
+        most = [0]
+        land = sched._land
+
+        def landing() -> None:
+            most[0] = max(most[0], sched.inflight)
+            land()
+
+        sched._land = landing  # type: ignore[method-assign]
+        seen: dict[int, list] = {}
+
+        def on_token(seq: Sequence, pick) -> None:
+            seen.setdefault(seq.id, []).append((pick.token, pick.logprob, pick.top))
+            if seq.params.max_new_tokens == 20 and len(seq.tokens) == 3:
+                sched.cancel(seq)
+
+        def on_prompt(seq: Sequence, pick) -> None:
+            seen.setdefault(-1 - seq.id, []).append(pick.prompt)
+
+        params = [
+            SamplingParams(8),
+            SamplingParams(10, temperature=1.0, top_k=40, seed=5, logprobs=2),
+            SamplingParams(6, prompt_logprobs=1),
+            SamplingParams(7, temperature=0.8, seed=9),
+            SamplingParams(20),
+        ]
+        seqs = [
+            Sequence(sched.new_id(), i, p, on_token=on_token, on_prompt=on_prompt)
+            for i, p in zip(ids, params)
+        ]
+        twin = Sequence(
+            sched.new_id(), ids[3], SamplingParams(7, temperature=0.8, seed=10), on_token=on_token
+        )
+        seqs[3].siblings = [twin]
+        for q in seqs:
+            sched.submit(q)
+        while sched.busy:
+            sched.step()
+        assert not sched.local and not sched.active and len(sched.free) == 4
+        every = [*seqs, twin]
+        return [(q.tokens, q.finish_reason, seen.get(q.id), seen.get(-1 - q.id)) for q in every], (
+            most[0]
+        )
+
+    one, most_one = run(1)
+    two, most_two = run(2)
+    assert most_one == 1 and most_two == 2  # two micro-batches were on the device at once
+    # the same tokens and ends; the log-probabilities to float rounding (micro-batches of two
+    # rows, not four, sum in another order)
+    for (tokens, reason, picks, prompt), got in zip(one, two, strict=True):
+        assert (got[0], got[1]) == (tokens, reason)
+        assert [(t, top and [a for a, _ in top]) for t, _, top in picks or ()] == [
+            (t, top and [a for a, _ in top]) for t, _, top in got[2] or ()
+        ]
+        flat = [
+            v for _, lp, top in picks or () if lp is not None for v in (lp, *dict(top).values())
+        ]
+        flat2 = [
+            v for _, lp, top in got[2] or () if lp is not None for v in (lp, *dict(top).values())
+        ]
+        assert flat2 == pytest.approx(flat, abs=1e-4)
+        assert (prompt is None) == (got[3] is None)
+        if prompt is not None:
+            mine = [lp for p in prompt for lp, _ in p]
+            theirs = [lp for p in got[3] for lp, _ in p]
+            assert theirs == pytest.approx(mine, abs=1e-4)
+    ref = hf_reference(PROMPTS[0], 8)
+    assert one[0][:2] == (ref[: ref.index(eos) + 1], "stop")
+    assert one[2][0] == hf_reference(PROMPTS[2], 6) and one[2][3] is not None
+    assert one[1][2] is not None and all(lp is not None for _, lp, _ in one[1][2])
+    assert one[4][:2] == (hf_reference(PROMPTS[4], 3), "cancelled")
+    assert one[3][0] != one[5][0]  # the two choices of one prompt, their own seeds
+
+
 def test_scheduler_launches_decodes_first_by_lane(tiny_models, hf_reference):
     """Sequences end at different lengths and their lanes are reused, so the order sequences come
     back in drifts from the lanes' order; every micro-batch still goes to the stage with its

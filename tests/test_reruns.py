@@ -159,6 +159,7 @@ MATRIX: dict[str, tuple[dict, set[str]]] = {
     "inference.prompt_overflow": ({"inference": {"prompt_overflow": "reject"}}, INFER | REPORT),
     "inference.timeout_s": ({"inference": {"timeout_s": 33}}, INFER | REPORT),
     "inference.cuda_graphs": ({"inference": {"cuda_graphs": False}}, INFER | REPORT),
+    "inference.steps_in_flight": ({"inference": {"steps_in_flight": 2}}, INFER | REPORT),
     "report.formats": ({"report": {"formats": ["png", "svg"]}}, REPORT),
 }
 for _k, _v in {

@@ -255,6 +255,7 @@ def test_stage_params_keep_the_config_key_order_and_values():
         ("train.parallel", "fsdp"),
         ("train.activation_checkpointing", True),
         ("inference.cuda_graphs", False),
+        ("inference.steps_in_flight", 2),
     ],
 )
 def test_a_key_newer_than_the_configs_dumps_only_when_it_differs_from_its_default(key, other):

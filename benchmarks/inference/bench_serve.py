@@ -13,6 +13,9 @@ order that rotates over --repeats:
     other than 1;
   * distlm-eager-sS (asked for as distlm-eager): the same with inference.cuda_graphs false, a
     GPU's decode steps eager (the CPU's are either way): what the graphs buy, in one run;
+  * distlm-serial-sS (asked for as distlm-serial): the same with inference.steps_in_flight 1,
+    one micro-batch on the device at a time (a GPU's default is 2, the host's work on one
+    overlapping the device's on the other; the CPU's is 1): what the overlap buys, in one run;
   * peer: `transformers serve MODEL --continuous-batching --device D` (paged attention and
     continuous batching; it ships with transformers), on the model folder as distlm writes it;
   * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
@@ -493,7 +496,7 @@ def main() -> None:
                     ggufs[t] = gguf_file(model, t, work, args)
                 names += [f"{name}-{t}" for t in args.gguf.split(",")]
                 continue
-            if name in ("distlm", "distlm-eager"):  # distlm-eager: inference.cuda_graphs false
+            if name in ("distlm", "distlm-eager", "distlm-serial"):  # the variants: see the doc
                 names += [
                     f"{name}-s{n}" + (f"-a{a}" if a != 1 else "")
                     for n in stage_counts
@@ -543,6 +546,7 @@ def main() -> None:
                         args,
                         levels,
                         eager=server == "distlm-eager",
+                        serial=server == "distlm-serial",
                         api_servers=int(api or 1),
                     )
                 rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels, env)
@@ -698,12 +702,14 @@ def distlm_command(
     levels,
     *,
     eager: bool = False,
+    serial: bool = False,
     api_servers: int = 1,
     serve: dict | None = None,
 ) -> list[str]:
     """serve.py's command line for an S-stage pipeline folder of `model`, config as the rule
     writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured);
-    `api_servers`: serve.api_servers; `serve`: more serve keys."""
+    `serial`: inference.steps_in_flight 1; `api_servers`: serve.api_servers; `serve`: more
+    serve keys."""
     from bench import sharded
 
     from distlm.dag.config import validate_config
@@ -718,6 +724,7 @@ def distlm_command(
                 "lanes": args.lanes,
                 "timeout_s": 300,
                 **({"cuda_graphs": False} if eager else {}),
+                **({"steps_in_flight": 1} if serial else {}),
             },
             "serve": {
                 "port": port,
@@ -728,7 +735,8 @@ def distlm_command(
             },
         }
     )
-    cfg_path = work / f"serve-s{stages}-a{api_servers}{'-eager' if eager else ''}.json"
+    variant = ("-eager" if eager else "") + ("-serial" if serial else "")
+    cfg_path = work / f"serve-s{stages}-a{api_servers}{variant}.json"
     write_stage_config("serve", stage_config(cfg, "serve"), cfg_path)
     return [
         sys.executable,

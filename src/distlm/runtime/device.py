@@ -198,16 +198,31 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-class CopiesDone:
-    """A point on the current GPU stream (after the copies queued so far): `synchronize` waits
-    for it from another thread, as a background checkpoint write waits for its staged copies."""
+class StreamPoint:
+    """A point on `device`'s current stream, after the work queued there so far: `done()` says
+    without waiting whether the device has passed it, `synchronize()` waits for it (from any
+    thread). On the host, whose work is done when its call returns, every point is passed."""
 
-    def __init__(self) -> None:
-        self._event = torch.cuda.Event()
-        self._event.record()
+    def __init__(self, device: torch.device) -> None:
+        self._event: Any = None
+        if is_gpu(device):
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
 
     def synchronize(self) -> None:
-        self._event.synchronize()
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class CopiesDone(StreamPoint):
+    """The current GPU's stream after the copies queued so far: a background checkpoint write
+    waits for its staged copies with `synchronize`."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cuda", torch.cuda.current_device()))
 
 
 class DeviceClock:
@@ -294,6 +309,12 @@ class DeviceBackend:
     # Whether those static steps are captured and replayed as CUDA graphs: on a GPU. Given only
     # by tests, which ask for a capture on the CPU to check what a failed one does.
     capture_graphs: bool = None  # pyright: ignore[reportAssignmentType]
+    # How many micro-batches a one-stage engine keeps on the device at once
+    # (distlm.inference.engine.scheduler): on a GPU 2, so that the host finishes one (its picks,
+    # its messages) and prepares the next while the device runs the other, as vLLM's
+    # asynchronous scheduling overlaps them; on the CPU, whose forward pass is the host's own
+    # work, 1. inference.steps_in_flight sets it (to compare); tests run 2 on the CPU.
+    steps_in_flight: int = None  # pyright: ignore[reportAssignmentType]
 
     def __post_init__(self) -> None:
         if self.kernels is None:
@@ -304,6 +325,8 @@ class DeviceBackend:
             object.__setattr__(self, "decode_graphs", is_gpu(self.device))
         if self.capture_graphs is None:
             object.__setattr__(self, "capture_graphs", is_gpu(self.device))
+        if self.steps_in_flight is None:
+            object.__setattr__(self, "steps_in_flight", 2 if is_gpu(self.device) else 1)
 
     @classmethod
     def for_rank(
@@ -318,6 +341,7 @@ class DeviceBackend:
         compile: bool = False,
         share_gpus: bool = False,
         graphs: bool = True,
+        steps_in_flight: int | None = None,
     ) -> DeviceBackend:
         """This rank's backend: local rank `local_rank` of the `local_ranks` on its node, each
         on a GPU of its own when the device is cuda (made the current device here).
@@ -325,7 +349,9 @@ class DeviceBackend:
         `share_gpus`: ranks that talk through host memory, not NCCL (the MPI pipeline's stages,
         each holding a slice of the model), take the node's GPUs in turn when there are more
         ranks than GPUs; NCCL ranks (torch.distributed stages) need one GPU each. `graphs`: false
-        keeps a GPU's decode steps eager (inference.cuda_graphs)."""
+        keeps a GPU's decode steps eager (inference.cuda_graphs); `steps_in_flight`: the one-stage
+        engine's micro-batches on the device at once (inference.steps_in_flight; None: the
+        device's choice)."""
         kind = resolve_device(device)
         if kind == "cpu":
             dev = torch.device("cpu")
@@ -341,6 +367,8 @@ class DeviceBackend:
             dev = torch.device("cuda", local_rank % gpus)
             torch.cuda.set_device(dev)
         hw = cls(dev, resolve_precision(precision, dev, key=precision_key), compile)
+        if steps_in_flight is not None:
+            hw = dataclasses.replace(hw, steps_in_flight=steps_in_flight)
         return hw if graphs else dataclasses.replace(hw, decode_graphs=False, capture_graphs=False)
 
     @classmethod

@@ -101,6 +101,18 @@ class EngineSettings(SamplingSettings):
             "runs eagerly either way."
         ),
     )
+    steps_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        le=2,
+        **ONLY_WHEN_SET,
+        description=(
+            "Micro-batches a one-stage pipeline keeps on its device at once: 2 overlaps the "
+            "host's work on one step's tokens with the device's on the other (vLLM's "
+            "asynchronous scheduling), 1 runs a step at a time; null: the device's choice (2 on "
+            "a GPU, 1 on the CPU, whose forward pass is the host's own work)."
+        ),
+    )
 
 
 class InferenceSettings(EngineSettings, PipelineSettings):

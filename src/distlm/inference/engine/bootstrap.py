@@ -123,6 +123,7 @@ def mpi_pipeline(
             ranks_key="serve.stages" if api_servers else "inference.stages",
             share_gpus=True,  # stages talk over MPI: more stages than GPUs take them in turn
             graphs=settings.cuda_graphs,
+            steps_in_flight=settings.steps_in_flight,
         )
         topo = Topology(rank, stages, local_rank, MPI_RING, hw, local_world_size=local_size)
         topo.share_threads(reserve=api_servers if with_first else 0)

@@ -15,6 +15,7 @@ from distlm.core.log import get_logger
 from distlm.inference.engine.pipeline_stage import StageModel
 from distlm.inference.engine.ring import Pick, PipelineError, Slot
 from distlm.inference.sampling_params import SamplingParams
+from distlm.runtime.device import StreamPoint, host
 
 log = get_logger(__name__)
 
@@ -140,16 +141,98 @@ def _every(slots: tuple[Slot, ...]) -> frozenset[int]:
 def row_argmax(logits: torch.Tensor) -> list[int | None]:
     """Each row's argmax (B, V) -> B picks, for the whole micro-batch at once, on the logits'
     device with one read to the host (what pick_token chooses for a greedy sequence); None for a
-    row with no finite logit (pick_token then fails that sequence alone). max's indices are
-    argmax's (the first of equal maxima), and its values say in the same pass whether every row
-    has a finite logit (a row's max is NaN when it holds a NaN, and not finite when it holds
-    +inf or only -inf); only then are the rows looked at one by one."""
+    row with no finite logit (pick_token then fails that sequence alone)."""
+    return _best(_argmax_flags(logits).tolist(), logits)
+
+
+def _argmax_flags(logits: torch.Tensor) -> torch.Tensor:
+    """(2, B) on the logits' device: each row's max's index and whether that max is finite. max's
+    indices are argmax's (the first of equal maxima), and its values say in the same pass
+    whether every row has a finite logit (a row's max is NaN when it holds a NaN, and not finite
+    when it holds +inf or only -inf); only then are the rows looked at one by one (`_best`)."""
     top = logits.max(dim=1)
-    best, ok = torch.stack((top.indices, torch.isfinite(top.values).long())).tolist()
+    return torch.stack((top.indices, torch.isfinite(top.values).long()))
+
+
+def _best(flags: list[list[int]], logits: torch.Tensor) -> list[int | None]:
+    best, ok = flags
     if all(ok):
-        return best
+        return list[int | None](best)
     finite = torch.isfinite(logits).any(dim=1).tolist()
     return [b if f else None for b, f in zip(best, finite)]
+
+
+class LastStep:
+    """A last stage's micro-batch on its way: its forward pass, and the reads its picks need
+    (each row's argmax; the rows a pick reads: sampling, log-probabilities; the prompts' scores)
+    queued on the device behind it, to host memory without waiting (`launch_last_stage`).
+    `picks()` waits for them alone and picks. On the CPU every read is done when queued.
+
+    With `hold` (a step finished after the next one starts: the engine's steps in flight) the
+    logits are kept apart from the model's output, which the next replay of a CUDA graph writes
+    again; they are read only for a row with no finite maximum (rare: pick_token's verdict)."""
+
+    def __init__(
+        self, model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x, *, hold: bool
+    ) -> None:
+        self.sampler, self.slots = sampler, slots
+        out = model([sl.item for sl in slots], x, every=_every(slots))
+        logits, rest = out if isinstance(out, tuple) else (out, {})
+        for sl in slots:  # a prefill's sampling state first: whether its row is needed says it
+            if sl.item.pos == 0 and sl.params is not None:
+                sampler.start(sl.item.lane, sl.params)
+                for f in sl.forks:
+                    sampler.start(f.lane, f.params)
+        self.logits: torch.Tensor | None = logits.clone() if hold else logits
+        self.flags = _argmax_flags(logits).to(host(), non_blocking=True)  # (2, B)
+        need = [
+            i
+            for i, sl in enumerate(slots)
+            if sampler.needs_logits(sl.item.lane)
+            or any(sampler.needs_logits(f.lane) for f in sl.forks)
+        ]
+        self.rows = (
+            dict(zip(need, logits[need].float().to(host(), non_blocking=True))) if need else {}
+        )
+        self.prompts = {
+            i: rest[i].to(host(), non_blocking=True)
+            for i, sl in enumerate(slots)
+            if sl.prompt is not None and sl.params is not None
+        }
+        self.point = StreamPoint(logits.device)
+
+    def picks(self) -> list[Pick]:
+        logits = self.logits
+        if logits is None:
+            raise PipelineError("a micro-batch's picks were taken twice")
+        self.point.synchronize()
+        best = _best(self.flags.tolist(), logits)
+        sampler, rows = self.sampler, self.rows
+        for i, b in enumerate(best):  # a row with no finite logit: pick_token's verdict on it
+            if b is None and i not in rows:
+                rows[i] = logits[i].float().cpu()
+        picks = []
+        for i, sl in enumerate(self.slots):
+            if sl.item.pos == 0 and sl.params is None:  # stage 0 sends them with every prefill
+                raise PipelineError(f"sequence {sl.item.seq}: a prefill without its parameters")
+            prompt = None
+            if i in self.prompts:
+                assert sl.params is not None and sl.prompt is not None
+                prompt = prompt_logprobs(
+                    self.prompts[i], list(sl.prompt[1:]), sl.params.prompt_logprobs or 0
+                )
+            row = rows.get(i)
+            picks.append(sampler.pick(sl.item.seq, sl.item.lane, row, prompt, best[i]))
+            picks.extend(sampler.pick(f.seq, f.lane, row, prompt, best[i]) for f in sl.forks)
+        self.logits = None  # let go of the device's copy
+        return picks
+
+
+def launch_last_stage(
+    model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x, *, hold: bool = False
+) -> LastStep:
+    """The last stage's forward pass and the reads its picks need, queued (see LastStep)."""
+    return LastStep(model, sampler, slots, x, hold=hold)
 
 
 def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) -> list[Pick]:
@@ -157,35 +240,7 @@ def last_stage(model: StageModel, sampler: Sampler, slots: tuple[Slot, ...], x) 
     Greedy rows are picked on the logits' device (their argmax, B numbers to the host); only the
     rows a pick reads (sampling, log-probabilities, a row without a finite logit) come to the
     host, where the generators live."""
-    out = model([sl.item for sl in slots], x, every=_every(slots))
-    logits, rest = out if isinstance(out, tuple) else (out, {})
-    best = row_argmax(logits)  # (B, V) -> B
-    for sl in slots:  # a prefill's sampling state first: whether its row is needed says it
-        if sl.item.pos == 0 and sl.params is not None:
-            sampler.start(sl.item.lane, sl.params)
-            for f in sl.forks:
-                sampler.start(f.lane, f.params)
-    need = [
-        i
-        for i, sl in enumerate(slots)
-        if best[i] is None
-        or sampler.needs_logits(sl.item.lane)
-        or any(sampler.needs_logits(f.lane) for f in sl.forks)
-    ]
-    rows = dict(zip(need, logits[need].float().cpu())) if need else {}  # the picks' rows
-    picks = []
-    for i, sl in enumerate(slots):
-        if sl.item.pos == 0 and sl.params is None:  # stage 0 sends them with every prefill
-            raise PipelineError(f"sequence {sl.item.seq}: a prefill without its parameters")
-        prompt = None
-        if sl.prompt is not None and sl.params is not None:
-            prompt = prompt_logprobs(
-                rest[i].cpu(), list(sl.prompt[1:]), sl.params.prompt_logprobs or 0
-            )
-        row = rows.get(i)
-        picks.append(sampler.pick(sl.item.seq, sl.item.lane, row, prompt, best[i]))
-        picks.extend(sampler.pick(f.seq, f.lane, row, prompt, best[i]) for f in sl.forks)
-    return picks
+    return launch_last_stage(model, sampler, slots, x).picks()
 
 
 def fork_caches(model: StageModel, slots: tuple[Slot, ...]) -> None:

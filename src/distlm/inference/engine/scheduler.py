@@ -7,6 +7,16 @@ sequence's next token back; the scheduler decides whether it goes round again or
 finished (or cancelled) sequence's lane is freed at once on stage 0 and, with the next message
 round the ring, on every other stage (Work.release), so an idle pipeline holds no KV cache.
 
+A one-stage pipeline keeps the device backend's `steps_in_flight` micro-batches on its device
+at once (`local`; 2 on a GPU, each of an even share of the running sequences): it queues one
+step's forward pass and the reads its picks need (sampler.LastStep), then waits for the step
+before it and picks its tokens, which the engine sends while the device runs the new one; as
+vLLM's asynchronous scheduling, the host's work on a step's outputs and on the next step's inputs
+overlaps the device's. A sequence is in one micro-batch at a time, and one cancelled while its
+step is on the device ends when that step's token comes back, as in a pipeline of several stages.
+On the CPU, whose forward pass is the host's own work, one at a time: each step is picked as it
+returns.
+
 Where the stages replay their decode steps as CUDA graphs (`StageModel.graphs`: a GPU's), a
 micro-batch is either decodes or prefills, never both: a mixed one runs eagerly, a few hundred
 kernel launches, where a decode step alone is one graph. Prefills then wait for one another up
@@ -46,7 +56,7 @@ from distlm.inference.engine.ring import (
     stage_info,
     to_wire,
 )
-from distlm.inference.engine.sampler import Sampler, fork_caches, last_stage
+from distlm.inference.engine.sampler import LastStep, Sampler, fork_caches, launch_last_stage
 from distlm.inference.sampling_params import SamplingParams
 from distlm.inference.stats import StageBrief, StageInfo, StageStats
 from distlm.runtime.dist import Topology
@@ -132,7 +142,10 @@ class Scheduler:
     ) -> None:
         self.model, self.ring, self.topo = model, ring, topo
         self.lanes = lanes
-        self.cap = math.ceil(lanes / topo.world_size)  # sequences per micro-batch
+        # micro-batches in flight at once: one a stage round a pipeline's ring; on one stage the
+        # device backend's `steps_in_flight` (2 on a GPU: see `_launch`)
+        self.in_flight = topo.world_size if ring is not None else model.steps_in_flight
+        self.cap = math.ceil(lanes / self.in_flight)  # sequences per micro-batch
         self.eos = eos_token_id
         self.context = context
         self.timeout_s = timeout_s
@@ -143,6 +156,8 @@ class Scheduler:
         self.active: dict[int, Sequence] = {}
         self.free = list(range(lanes - 1, -1, -1))
         self.inflight = 0
+        # a one-stage pipeline's micro-batches on the device, oldest first, with their sequences
+        self.local: deque[LastStep] = deque()
         self.launching = True  # False: only collect what is in the ring (shutting down)
         self.progress_at = time.monotonic()
         self.last_send = time.monotonic()
@@ -221,10 +236,13 @@ class Scheduler:
             self.waiting.extendleft(reversed(left))
             seq.siblings = []
         self.waiting.extendleft(reversed(held))
-        if self.launching and self.ready and self.inflight < self.topo.world_size:
+        if self.launching and self.ready and self.inflight < self.in_flight:
             batch = self._pick()
             batch.sort(key=_launch_order)
             self._launch(batch)
+            return True
+        if self.local:  # nothing to launch first: now wait for the device's oldest step
+            self._land()
             return True
         if self.inflight and not did and time.monotonic() - self.progress_at > self.timeout_s:
             raise PipelineError(
@@ -309,23 +327,29 @@ class Scheduler:
         self.active.clear()
         self.free = list(range(self.lanes - 1, -1, -1))
         self.released.clear()
+        self.local.clear()
         self.inflight = 0
         return seqs
 
     # -- internals
 
     def _pick(self) -> list[Sequence]:
-        """The next micro-batch: up to `cap` ready sequences, oldest first; where decode steps
-        are graphs (`separate`), decodes alone, or the ready prefills alone once they have waited
+        """The next micro-batch: up to `cap` ready sequences (on one stage with steps in flight,
+        up to an even share of the running ones, so that 16 sequences go in two steps of 8, not
+        one of 16 with nothing beside it), oldest first; where decode steps are graphs
+        (`separate`), decodes alone, or the ready prefills alone once they have waited
         PREFILL_EVERY decode micro-batches (or when there is no decode to run)."""
+        cap = self.cap
+        if self.ring is None and self.in_flight > 1:  # an even share of the running sequences:
+            cap = min(cap, math.ceil(len(self.active) / self.in_flight))  # a step beside each
         if not self.separate:
-            return [self.ready.popleft() for _ in range(min(self.cap, len(self.ready)))]
+            return [self.ready.popleft() for _ in range(min(cap, len(self.ready)))]
         prefills = [s for s in self.ready if not s.tokens]
         decodes = [s for s in self.ready if s.tokens] if prefills else list(self.ready)
         if prefills and (not decodes or self.prefill_wait >= PREFILL_EVERY):
-            batch, self.prefill_wait = prefills[: self.cap], 0
+            batch, self.prefill_wait = prefills[:cap], 0
         else:
-            batch = decodes[: self.cap]
+            batch = decodes[:cap]
             self.prefill_wait += bool(prefills)
         chosen = {id(s) for s in batch}
         self.ready = deque(s for s in self.ready if id(s) not in chosen)
@@ -359,11 +383,13 @@ class Scheduler:
         t0 = time.perf_counter()
         slots = _slots(items, batch)
         x = torch.tensor(ids, dtype=torch.long)
-        picks: list[Pick] = []
         hidden: torch.Tensor | None = None
         self.model.clock.start()
         if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
-            picks = last_stage(self.model, self.sampler, slots, x)
+            self.local.append(
+                launch_last_stage(self.model, self.sampler, slots, x, hold=self.in_flight > 1)
+            )
+            self.inflight += 1
         else:
             hidden = self.model(items, x)
         fork_caches(self.model, slots)
@@ -374,11 +400,26 @@ class Scheduler:
         self.stats.cache_bytes = self.model.cached_bytes()
         for s in batch:
             s.forks = []
-        if self.ring is None:
-            self._picks(picks)
-            self.progress_at = time.monotonic()
-        else:
+        if self.ring is not None:
             self._send_work(slots, hidden)
+            return
+        # One stage: with `in_flight` 2 (a GPU) the step just queued runs on the device while
+        # the host waits for the one before it, then picks its tokens and sends them (the
+        # engine's after_step) and prepares the next, as vLLM's asynchronous scheduling
+        # overlaps them; with 1 (the CPU, whose forward pass is the host's own work) it is
+        # picked at once. A sequence is in one micro-batch at a time, so each step's positions
+        # and inputs are its tokens so far.
+        while len(self.local) >= self.in_flight:
+            self._land()
+
+    def _land(self) -> None:
+        """The oldest of a one-stage pipeline's micro-batches on the device: its picks."""
+        t0 = time.perf_counter()
+        picks = self.local.popleft().picks()
+        self.stats.compute_s += time.perf_counter() - t0
+        self.inflight -= 1
+        self.progress_at = time.monotonic()
+        self._picks(picks)
 
     def _send_work(self, slots: tuple[Slot, ...], out: torch.Tensor | None) -> None:
         if self.ring is None:

@@ -168,7 +168,8 @@ class Engine:
             ring_send=ring,
             hold=lambda on: setattr(self.sched, "hold", self._not_started if on else None),
             cancel_open=self._abort_open,
-            idle=lambda: not self.sched.active,
+            # no sequence runs, and no micro-batch of one is on the device (steps_in_flight)
+            idle=lambda: not self.sched.active and not self.sched.local,
             switched=lambda weights: setattr(self.pipe, "weights", weights),
             done=self._updated,
         )
