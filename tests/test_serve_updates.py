@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -532,6 +533,93 @@ def test_abort_on_one_stage_ends_the_running_requests_and_serves_on(folders, tin
         assert aborted, "no stream ended with finish reason abort"
         status, b = server.request("POST", "/v1/completions", {"prompt": "A", "max_tokens": 3})
         assert status == 200 and b["system_fingerprint"] == "fp_" + other.model_sha256[:16]
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.slow
+@pytest.mark.with_slurm
+def test_a_server_with_two_steps_in_flight_answers_as_one_step_at_a_time(
+    folders, tiny_models, tmp_path
+):
+    """inference.steps_in_flight 2 on a one-stage server (a GPU's choice; a user may set it on
+    the CPU too), through the serve command: its log says so; 12 clients at once, streamed and
+    not, each get `generate`'s greedy text; a stream whose client goes away mid-way ends and the
+    others go on; an update with policy abort ends the running streams on the old weights, and
+    then every answer is `generate`'s text on the new ones."""
+    import http.client
+
+    model, other = read_meta(folders["model"]), read_meta(folders["other"])
+    old_fp, new_fp = "fp_" + model.model_sha256[:16], "fp_" + other.model_sha256[:16]
+    server = start_server(
+        tiny_models[1],
+        1,
+        tmp_path,
+        serve={"max_tokens": 60, "max_queued_sequences": 16},
+        lanes=8,
+        steps_in_flight=2,
+    )
+    try:
+        server.logged(r"micro-batches of at most 4 sequences, 2 in flight at once")
+        want = {p: _greedy(folders["model"], p, 12) for p in PROMPTS}
+        body = {"max_tokens": 12, "temperature": 0}
+
+        def ask(k: int) -> tuple[str, str]:
+            prompt = PROMPTS[k % len(PROMPTS)]
+            if k % 2:
+                chunks = _stream(server, {**body, "prompt": prompt})
+                return prompt, "".join(ch["text"] for c in chunks for ch in c["choices"])
+            status, b = server.request("POST", "/v1/completions", {**body, "prompt": prompt})
+            assert status == 200, b
+            return prompt, b["choices"][0]["text"]
+
+        # a client that goes away after its first chunks
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": PROMPTS[0], "max_tokens": 60, "stream": True}),
+            {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        with ThreadPoolExecutor(12) as ex:
+            answers = list(ex.map(ask, range(12)))
+            conn.close()
+        for prompt, text in answers:
+            assert text == want[prompt], prompt
+        # policy abort while streams run: they end on the old weights, then the new ones serve
+        streams: list = []
+        started = [threading.Event() for _ in range(4)]
+
+        def run(k: int) -> None:
+            try:
+                streams.append(
+                    _stream(
+                        server, {**body, "max_tokens": 60, "prompt": PROMPTS[k]}, started=started[k]
+                    )
+                )
+            finally:
+                started[k].set()
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for e in started:
+            assert e.wait(timeout=60)
+        status, b = server.request(
+            "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "abort"}
+        )
+        assert status == 200 and b["changed"], b
+        for t in threads:
+            t.join(timeout=60)
+        assert len(streams) == 4
+        for chunks in streams:
+            assert {c["system_fingerprint"] for c in chunks} == {old_fp}
+        for prompt in PROMPTS[:3]:
+            status, b = server.request("POST", "/v1/completions", {**body, "prompt": prompt})
+            assert status == 200 and b["system_fingerprint"] == new_fp, b
+            assert b["choices"][0]["text"] == _greedy(folders["other"], prompt, 12)
     finally:
         stop_server(server)
 

@@ -199,18 +199,15 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 class StreamPoint:
-    """A point on `device`'s current stream, after the work queued there so far: `done()` says
-    without waiting whether the device has passed it, `synchronize()` waits for it (from any
-    thread). On the host, whose work is done when its call returns, every point is passed."""
+    """A point on `device`'s current stream, after the work queued there so far:
+    `synchronize()` waits for it (from any thread). On the host, whose work is done when its call
+    returns, every point is passed."""
 
     def __init__(self, device: torch.device) -> None:
         self._event: Any = None
         if is_gpu(device):
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(device))
-
-    def done(self) -> bool:
-        return self._event is None or bool(self._event.query())
 
     def synchronize(self) -> None:
         if self._event is not None:

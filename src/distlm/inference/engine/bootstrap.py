@@ -162,6 +162,14 @@ def mpi_pipeline(
                 stages,
                 json.dumps([i.to_dict() for i in pipe.infos]),
             )
+            log.info(
+                "stage 0: micro-batches of at most %d sequences, %d in flight at once (%s)",
+                pipe.scheduler.cap,
+                pipe.scheduler.in_flight,
+                "one a stage"
+                if ring is not None
+                else "inference.steps_in_flight, or the device's choice when null",
+            )
         freeze_startup_heap(f"stage {rank}")  # before the first micro-batch
         yield pipe
     except KeyboardInterrupt:
