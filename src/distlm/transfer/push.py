@@ -179,6 +179,7 @@ class PushSender:
 
     def __init__(self, store, host: str, settings: TransferSettings, device: torch.device) -> None:
         self.store, self.host, self.settings, self.device = store, host, settings, device
+        self._placing = threading.Lock()  # the stages' threads check the GPU's room one by one
 
     @classmethod
     def open(
@@ -292,7 +293,8 @@ class PushSender:
                         raise TransferError(f"{offer.where}: stage {stage} sent a muddled ask")
                     where = f"{offer.where}: stage {stage}"
                     route = route_for(offer.device, want.device, offer.transport, where)
-                    part = _part(tensors, want, offer, self._place(route, want, where))
+                    with self._placing:
+                        part = _part(tensors, want, offer, self._place(route, want, where))
                 except Exception as e:
                     self._answer(offer, stage, e)
                     raise

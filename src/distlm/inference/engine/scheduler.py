@@ -156,7 +156,7 @@ class Scheduler:
         self.active: dict[int, Sequence] = {}
         self.free = list(range(lanes - 1, -1, -1))
         self.inflight = 0
-        # a one-stage pipeline's micro-batches on the device, oldest first, with their sequences
+        # a one-stage pipeline's micro-batches on the device, oldest first (see `_launch`)
         self.local: deque[LastStep] = deque()
         self.launching = True  # False: only collect what is in the ring (shutting down)
         self.progress_at = time.monotonic()

@@ -10,7 +10,7 @@ import torch
 
 from distlm.model.weights import WeightFiles, read_tensors
 from distlm.runtime.device import is_gpu
-from distlm.transfer.documents import PushOffer, PushWant
+from distlm.transfer.documents import PushDevice, PushOffer, PushWant
 
 
 class Source:
@@ -92,15 +92,11 @@ class FromPush(Source):
     def landing_bytes(self, mine: dict, tied: dict[str, str], device: torch.device) -> int:
         from distlm.transfer.push import route_for
 
-        want = PushWant.of(mine, stage=0, stages=1, tied=tied, device=device)
-        if (
-            is_gpu(device)
-            and not route_for(
-                self.offer.device, want.device, self.offer.transport, self.offer.where
-            ).on_gpu
-        ):
+        offer = self.offer
+        route = route_for(offer.device, PushDevice.of(device), offer.transport, offer.where)
+        if is_gpu(device) and not route.on_gpu:
             return 0  # received into host memory
-        return want.nbytes
+        return sum(t.numel() * t.element_size() for t in mine.values())
 
     def read(
         self, mine: dict, tied: dict[str, str], *, stage: int, stages: int, device: torch.device
