@@ -85,9 +85,6 @@ class PushDevice(BaseModel):
         """Whether both are the one GPU (NCCL refuses a group with two ranks on it)."""
         return self.gpu is not None and self.gpu == other.gpu
 
-    def __str__(self) -> str:
-        return f"GPU {self.gpu}" if self.gpu else "host memory"
-
 
 class PushOffer(BaseModel):
     """What the server is told to fetch: the sender's store, the group's name, the push's key,
