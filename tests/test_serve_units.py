@@ -305,6 +305,36 @@ def test_greedy_picks_of_a_micro_batch_are_each_rows_argmax():
     assert row_argmax(rows) == [1, None, None, 1, 1]
 
 
+def test_a_step_in_flight_picks_from_the_logits_of_its_own_launch():
+    """A micro-batch whose picks are taken after the next one starts (steps in flight) reads
+    the logits of its own forward pass, though the model's output buffer (a CUDA graph's, which
+    the next replay writes) has changed since: with `hold`, a row with no finite logit still
+    fails its sequence and the others keep their argmax. Without it (one step at a time, whose
+    picks are taken before any other step) the changed buffer would be read: the same row then
+    gets a token, which is what `hold` is for."""
+    from distlm.inference.engine.micro_batch import Item
+    from distlm.inference.engine.ring import Slot
+    from distlm.inference.engine.sampler import launch_last_stage
+
+    inf = math.inf
+    slots = tuple(Slot(Item(k, k, 0, 1), SamplingParams(4)) for k in range(3))
+
+    def picks(hold: bool) -> list[Pick]:
+        buf = torch.tensor([[0.0, 3.0, 1.0], [-inf, -inf, -inf], [2.0, 0.0, 1.0]])
+
+        def model(items, x, every):  # the stage's static output buffer
+            return buf
+
+        step = launch_last_stage(model, Sampler(), slots, torch.zeros(3), hold=hold)  # type: ignore[arg-type]
+        buf.copy_(torch.tensor([[9.0, 0.0, 0.0], [0.0, 0.0, 7.0], [0.0, 9.0, 0.0]]))  # next step
+        return step.picks()
+
+    held = picks(True)
+    assert [p.token for p in held[::2]] == [1, 0]
+    assert held[1].error is not None and "not finite" in held[1].error
+    assert picks(False)[1].error is None  # read from the buffer as the next step left it
+
+
 def test_a_failed_pick_fails_its_sequence_only():
     s = Sampler()
     s.start(0, SamplingParams(4, temperature=1.0, logprobs=2))
