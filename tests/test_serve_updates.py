@@ -275,6 +275,48 @@ def _stream(server, body: dict, timeout: float = 60, started=None) -> list[dict]
     raise AssertionError("the stream ended without [DONE]")
 
 
+def _abort_under_streams(server, other: Path, clients: int, old_fp: str, new_fp: str) -> int:
+    """An update from `other` under policy abort while `clients` clients stream one greedy
+    60-token request after another until it has answered (so that streams run at the switch,
+    however long the update takes on a loaded machine): it answers 200, no stream fails, each
+    has one set of weights, and each one it aborted ran on the old weights; how many it aborted."""
+    streams: list = []
+    started = [threading.Event() for _ in range(clients)]
+    answered = threading.Event()
+    errors: list = []
+
+    def run(k: int) -> None:
+        body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 60, "temperature": 0}
+        try:
+            while not answered.is_set():
+                streams.append(_stream(server, body, started=started[k]))
+        except BaseException as e:  # a failed stream fails the test
+            errors.append(e)
+            started[k].set()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(timeout=60)
+    status, b = server.request("POST", ROUTE, {"model_path": str(other), "policy": "abort"})
+    answered.set()
+    assert status == 200 and b["changed"], b
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    aborted = 0
+    for chunks in streams:
+        fps = {c["system_fingerprint"] for c in chunks}
+        assert fps in ({old_fp}, {new_fp}), fps  # one set of weights a stream
+        reason = [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1]
+        if reason == "abort":
+            assert fps == {old_fp}  # an aborted stream ran on the old weights
+            aborted += 1
+    return aborted
+
+
 @pytest.mark.slow
 @pytest.mark.with_slurm
 def test_updates_under_load_one_set_of_weights_an_answer(folders, tmp_path):
@@ -494,45 +536,10 @@ def test_abort_on_one_stage_ends_the_running_requests_and_serves_on(folders, tin
     old_fp, new_fp = "fp_" + model.model_sha256[:16], "fp_" + other.model_sha256[:16]
     server = start_server(tiny_models[1], 1, tmp_path, serve={"max_tokens": 60})
     try:
-        streams: list = []
-        started = [threading.Event() for _ in range(8)]
-        answered = threading.Event()
-        errors: list = []
-
-        def run(k: int) -> None:
-            body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 60, "temperature": 0}
-            try:
-                while not answered.is_set():
-                    streams.append(_stream(server, body, started=started[k]))
-            except BaseException as e:  # a failed stream fails the test
-                errors.append(e)
-                started[k].set()
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        for e in started:
-            assert e.wait(timeout=60)
-        status, b = server.request(
-            "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "abort"}
-        )
-        answered.set()
-        assert status == 200 and b["changed"], b
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads)
-        assert not errors, errors
-        aborted = 0
-        for chunks in streams:
-            fps = {c["system_fingerprint"] for c in chunks}
-            assert fps in ({old_fp}, {new_fp}), fps  # one set of weights a stream
-            reason = [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1]
-            if reason == "abort":
-                assert fps == {old_fp}  # an aborted stream ran on the old weights
-                aborted += 1
+        aborted = _abort_under_streams(server, folders["other"], 8, old_fp, new_fp)
         assert aborted, "no stream ended with finish reason abort"
         status, b = server.request("POST", "/v1/completions", {"prompt": "A", "max_tokens": 3})
-        assert status == 200 and b["system_fingerprint"] == "fp_" + other.model_sha256[:16]
+        assert status == 200 and b["system_fingerprint"] == new_fp
     finally:
         stop_server(server)
 
@@ -589,33 +596,7 @@ def test_a_server_with_two_steps_in_flight_answers_as_one_step_at_a_time(
         for prompt, text in answers:
             assert text == want[prompt], prompt
         # policy abort while streams run: they end on the old weights, then the new ones serve
-        streams: list = []
-        started = [threading.Event() for _ in range(4)]
-
-        def run(k: int) -> None:
-            try:
-                streams.append(
-                    _stream(
-                        server, {**body, "max_tokens": 60, "prompt": PROMPTS[k]}, started=started[k]
-                    )
-                )
-            finally:
-                started[k].set()
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for e in started:
-            assert e.wait(timeout=60)
-        status, b = server.request(
-            "POST", ROUTE, {"model_path": str(folders["other"]), "policy": "abort"}
-        )
-        assert status == 200 and b["changed"], b
-        for t in threads:
-            t.join(timeout=60)
-        assert len(streams) == 4
-        for chunks in streams:
-            assert {c["system_fingerprint"] for c in chunks} == {old_fp}
+        assert _abort_under_streams(server, folders["other"], 4, old_fp, new_fp)
         for prompt in PROMPTS[:3]:
             status, b = server.request("POST", "/v1/completions", {**body, "prompt": prompt})
             assert status == 200 and b["system_fingerprint"] == new_fp, b
