@@ -381,9 +381,9 @@ def test_scheduler_lanes_stop_and_seeded_sampling(tiny_models, hf_reference):
 def test_two_steps_in_flight_give_what_one_at_a_time_gives(
     tiny_models, hf_reference, graphs, device
 ):
-    """A one-stage engine with two micro-batches on the device at once (a GPU's
-    `steps_in_flight`; on the CPU too; with `static` its decode steps are the GPU's static
-    steps, CUDA graphs on a GPU, whose output the next replay writes again): the host picks one
+    """A one-stage engine with two micro-batches on the device at once (`steps_in_flight` 2, on
+    the CPU and on CUDA; with `static` its decode steps are the GPU's static steps, CUDA graphs
+    on a GPU, whose output the next replay writes again): the host picks one
     micro-batch's tokens while the other runs, and every sequence gets what one step at a time
     gives it: greedy (generate's tokens), an end of text, seeded sampling with
     log-probabilities, the prompt's log-probabilities, n = 2 sharing a prefill, one cancelled

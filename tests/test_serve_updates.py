@@ -549,11 +549,11 @@ def test_abort_on_one_stage_ends_the_running_requests_and_serves_on(folders, tin
 def test_a_server_with_two_steps_in_flight_answers_as_one_step_at_a_time(
     folders, tiny_models, tmp_path
 ):
-    """inference.steps_in_flight 2 on a one-stage server (a GPU's choice; a user may set it on
-    the CPU too), through the serve command: its log says so; 12 clients at once, streamed and
-    not, each get `generate`'s greedy text; a stream whose client goes away mid-way ends and the
-    others go on; an update with policy abort ends the running streams on the old weights, and
-    then every answer is `generate`'s text on the new ones."""
+    """inference.steps_in_flight 2 on a one-stage server, through the serve command: its log
+    says so; 12 clients at once, streamed and not, each get `generate`'s greedy text; a stream
+    whose client goes away mid-way ends and the others go on; an update with policy abort ends
+    the running streams on the old weights, and then every answer is `generate`'s text on the
+    new ones."""
     import http.client
 
     model, other = read_meta(folders["model"]), read_meta(folders["other"])

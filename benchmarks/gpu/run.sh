@@ -58,8 +58,8 @@
 #   uccl            -          90 s    the broadcast stage over UCCL, with a uccl wheel and two GPUs
 #   extra           -          -       optional second call (not in the default): the training
 #                                      comparison with HF Trainer and hf-compile, serving at 1, 16
-#                                      and 64 clients with 3 repeats (distlm with its two steps in
-#                                      flight, and with one: distlm-serial), config/llama-1b-fsdp.yaml's
+#                                      and 64 clients with 3 repeats (distlm, and with two steps in
+#                                      flight: distlm-overlap), config/llama-1b-fsdp.yaml's
 #                                      training on the GPU (~1.0 B parameters under fsdp; its
 #                                      training record holds rank 0's peak memory beside what the
 #                                      admission check predicted), and the train-fsdp step when the
@@ -305,7 +305,7 @@ run_extra() {
     cp "$big/results/train/final/distlm.json" "$out/extra-llama-1b-fsdp-distlm.json"
   needs_run extra-serve || return
   step extra-serve 240 $py benchmarks/inference/bench_serve.py --device cuda \
-    --model "$wf/results/train/final" --stages 1 --servers peer,distlm,distlm-serial --clients 1,16,64 \
+    --model "$wf/results/train/final" --stages 1 --servers peer,distlm,distlm-overlap --clients 1,16,64 \
     --repeats 3 --seconds 10 --max-tokens 32 --threads 4 --note "benchmarks/gpu/run.sh extra" \
     --out "$out/extra-serve-results-gpu.json"
 }

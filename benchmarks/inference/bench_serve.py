@@ -13,9 +13,9 @@ order that rotates over --repeats:
     other than 1;
   * distlm-eager-sS (asked for as distlm-eager): the same with inference.cuda_graphs false, a
     GPU's decode steps eager (the CPU's are either way): what the graphs buy, in one run;
-  * distlm-serial-sS (asked for as distlm-serial): the same with inference.steps_in_flight 1,
-    one micro-batch on the device at a time (a GPU's default is 2, the host's work on one
-    overlapping the device's on the other; the CPU's is 1): what the overlap buys, in one run;
+  * distlm-overlap-sS (asked for as distlm-overlap): the same with inference.steps_in_flight 2,
+    two micro-batches on the device at once, the host's work on one overlapping the device's on
+    the other (the default is 1): what the overlap buys, in one run;
   * peer: `transformers serve MODEL --continuous-batching --device D` (paged attention and
     continuous batching; it ships with transformers), on the model folder as distlm writes it;
   * baseline: the way the Raspberry-Pi project distlm grew from served: a FastAPI app (in this file)
@@ -496,7 +496,7 @@ def main() -> None:
                     ggufs[t] = gguf_file(model, t, work, args)
                 names += [f"{name}-{t}" for t in args.gguf.split(",")]
                 continue
-            if name in ("distlm", "distlm-eager", "distlm-serial"):  # the variants: see the doc
+            if name in ("distlm", "distlm-eager", "distlm-overlap"):  # the variants: see the doc
                 names += [
                     f"{name}-s{n}" + (f"-a{a}" if a != 1 else "")
                     for n in stage_counts
@@ -546,7 +546,7 @@ def main() -> None:
                         args,
                         levels,
                         eager=server == "distlm-eager",
-                        serial=server == "distlm-serial",
+                        overlap=server == "distlm-overlap",
                         api_servers=int(api or 1),
                     )
                 rows, texts[name] = measure(name, cmd, port, work, args, prompts, levels, env)
@@ -702,13 +702,13 @@ def distlm_command(
     levels,
     *,
     eager: bool = False,
-    serial: bool = False,
+    overlap: bool = False,
     api_servers: int = 1,
     serve: dict | None = None,
 ) -> list[str]:
     """serve.py's command line for an S-stage pipeline folder of `model`, config as the rule
     writes it; `eager`: inference.cuda_graphs false (a GPU's decode steps not captured);
-    `serial`: inference.steps_in_flight 1; `api_servers`: serve.api_servers; `serve`: more
+    `overlap`: inference.steps_in_flight 2; `api_servers`: serve.api_servers; `serve`: more
     serve keys."""
     from bench import sharded
 
@@ -724,7 +724,7 @@ def distlm_command(
                 "lanes": args.lanes,
                 "timeout_s": 300,
                 **({"cuda_graphs": False} if eager else {}),
-                **({"steps_in_flight": 1} if serial else {}),
+                **({"steps_in_flight": 2} if overlap else {}),
             },
             "serve": {
                 "port": port,
@@ -735,7 +735,7 @@ def distlm_command(
             },
         }
     )
-    variant = ("-eager" if eager else "") + ("-serial" if serial else "")
+    variant = ("-eager" if eager else "") + ("-overlap" if overlap else "")
     cfg_path = work / f"serve-s{stages}-a{api_servers}{variant}.json"
     write_stage_config("serve", stage_config(cfg, "serve"), cfg_path)
     return [

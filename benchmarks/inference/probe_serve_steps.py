@@ -4,6 +4,7 @@ by N simulated clients that each send a greedy request again one step after the 
 
     python benchmarks/inference/probe_serve_steps.py --model results/train/final --clients 16
     python benchmarks/inference/probe_serve_steps.py --model results/train/final --src ../old/src
+    python benchmarks/inference/probe_serve_steps.py --clients 64 --steps-in-flight 2
 
 Prints the tokens/s of each timed run (--runs of --steps scheduler steps, after one warm-up run)
 and how the decode items of the micro-batches were attended (stage._Decode): `whole` (only
@@ -33,6 +34,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--src", type=Path, default=ROOT / "src", help="the distlm to import")
+    p.add_argument(
+        "--steps-in-flight",
+        type=int,
+        default=None,
+        help="micro-batches on the device at once (inference.steps_in_flight; default 1)",
+    )
     args = p.parse_args()
     sys.path.insert(0, str(args.src.resolve()))
     sys.path.insert(1, str(Path(__file__).parent))
@@ -74,7 +81,12 @@ def main() -> None:
     stage._Plan = CountingPlan
 
     with tempfile.TemporaryDirectory(prefix="distlm-probe-") as tmp:
-        model = stage.load_stage(sharded(args.model, 1, Path(tmp)), 0, world=1)
+        hw = None
+        if args.steps_in_flight is not None:
+            from distlm.runtime.device import DeviceBackend
+
+            hw = DeviceBackend(torch.device("cpu"), steps_in_flight=args.steps_in_flight)
+        model = stage.load_stage(sharded(args.model, 1, Path(tmp)), 0, world=1, hw=hw)
 
         def run(steps: int) -> float:
             sched = Scheduler(

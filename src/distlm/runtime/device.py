@@ -307,11 +307,10 @@ class DeviceBackend:
     # by tests, which ask for a capture on the CPU to check what a failed one does.
     capture_graphs: bool = None  # pyright: ignore[reportAssignmentType]
     # How many micro-batches a one-stage engine keeps on the device at once
-    # (distlm.inference.engine.scheduler): on a GPU 2, so that the host finishes one (its picks,
-    # its messages) and prepares the next while the device runs the other, as vLLM's
-    # asynchronous scheduling overlaps them; on the CPU, whose forward pass is the host's own
-    # work, 1. inference.steps_in_flight sets it (to compare); tests run 2 on the CPU.
-    steps_in_flight: int = None  # pyright: ignore[reportAssignmentType]
+    # (distlm.inference.engine.scheduler; inference.steps_in_flight): 2 has the host finish one
+    # (its picks, its messages) and prepare the next while the device runs the other; 1, the
+    # default on every device until a GPU's figures say otherwise (on the CPU 2 serves 0.61x).
+    steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
         if self.kernels is None:
@@ -322,8 +321,6 @@ class DeviceBackend:
             object.__setattr__(self, "decode_graphs", is_gpu(self.device))
         if self.capture_graphs is None:
             object.__setattr__(self, "capture_graphs", is_gpu(self.device))
-        if self.steps_in_flight is None:
-            object.__setattr__(self, "steps_in_flight", 2 if is_gpu(self.device) else 1)
 
     @classmethod
     def for_rank(
@@ -338,7 +335,7 @@ class DeviceBackend:
         compile: bool = False,
         share_gpus: bool = False,
         graphs: bool = True,
-        steps_in_flight: int | None = None,
+        steps_in_flight: int = 1,
     ) -> DeviceBackend:
         """This rank's backend: local rank `local_rank` of the `local_ranks` on its node, each
         on a GPU of its own when the device is cuda (made the current device here).
@@ -347,8 +344,7 @@ class DeviceBackend:
         each holding a slice of the model), take the node's GPUs in turn when there are more
         ranks than GPUs; NCCL ranks (torch.distributed stages) need one GPU each. `graphs`: false
         keeps a GPU's decode steps eager (inference.cuda_graphs); `steps_in_flight`: the one-stage
-        engine's micro-batches on the device at once (inference.steps_in_flight; None: the
-        device's choice)."""
+        engine's micro-batches on the device at once (inference.steps_in_flight)."""
         kind = resolve_device(device)
         if kind == "cpu":
             dev = torch.device("cpu")
@@ -364,7 +360,7 @@ class DeviceBackend:
             dev = torch.device("cuda", local_rank % gpus)
             torch.cuda.set_device(dev)
         hw = cls(dev, resolve_precision(precision, dev, key=precision_key), compile)
-        if steps_in_flight is not None:
+        if steps_in_flight != hw.steps_in_flight:
             hw = dataclasses.replace(hw, steps_in_flight=steps_in_flight)
         return hw if graphs else dataclasses.replace(hw, decode_graphs=False, capture_graphs=False)
 

@@ -166,9 +166,7 @@ def mpi_pipeline(
                 "stage 0: micro-batches of at most %d sequences, %d in flight at once (%s)",
                 pipe.scheduler.cap,
                 pipe.scheduler.in_flight,
-                "one a stage"
-                if ring is not None
-                else "inference.steps_in_flight, or the device's choice when null",
+                "one a stage" if ring is not None else "inference.steps_in_flight",
             )
         freeze_startup_heap(f"stage {rank}")  # before the first micro-batch
         yield pipe

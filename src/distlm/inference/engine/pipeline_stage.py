@@ -76,7 +76,7 @@ class StageModel(nn.Module):
         # decode steps as CUDA graphs (the device backend's `decode_graphs`: a GPU's), or None
         self.graphs = DecodeGraphs(self, capture=capture_graphs) if decode_graphs else None
         # micro-batches a one-stage engine keeps on the device at once (the device backend's
-        # `steps_in_flight`: 2 on a GPU; distlm.inference.engine.scheduler)
+        # `steps_in_flight`, inference.steps_in_flight; distlm.inference.engine.scheduler)
         self.steps_in_flight = steps_in_flight
         self._note_placement()
 

@@ -7,15 +7,16 @@ sequence's next token back; the scheduler decides whether it goes round again or
 finished (or cancelled) sequence's lane is freed at once on stage 0 and, with the next message
 round the ring, on every other stage (Work.release), so an idle pipeline holds no KV cache.
 
-A one-stage pipeline keeps the device backend's `steps_in_flight` micro-batches on its device
-at once (`local`; 2 on a GPU, each of an even share of the running sequences): it queues one
-step's forward pass and the reads its picks need (sampler.LastStep), then waits for the step
-before it and picks its tokens, which the engine sends while the device runs the new one; as
-vLLM's asynchronous scheduling, the host's work on a step's outputs and on the next step's inputs
-overlaps the device's. A sequence is in one micro-batch at a time, and one cancelled while its
-step is on the device ends when that step's token comes back, as in a pipeline of several stages.
-On the CPU, whose forward pass is the host's own work, one at a time: each step is picked as it
-returns.
+A one-stage pipeline keeps `steps_in_flight` micro-batches on its device at once (`local`; the
+device backend's, inference.steps_in_flight: 1 by default). With 2, each takes an even share of
+the running sequences: stage 0 queues one step's forward pass and the reads its picks need
+(sampler.LastStep), then waits for the step before it and picks its tokens, which the engine
+sends while the device runs the new one, so the host's work on a step's outputs and on the next
+step's inputs overlaps the device's. A sequence is in one micro-batch at a time, and one
+cancelled while its step is on the device ends when that step's token comes back, as in a
+pipeline of several stages. With 1 each step is picked as it returns. (On the CPU, whose forward
+pass is the host's own work, 2 only halves the micro-batches: 0.61x; what it gives a GPU, whose
+steps are launched, is for its figures to say.)
 
 Where the stages replay their decode steps as CUDA graphs (`StageModel.graphs`: a GPU's), a
 micro-batch is either decodes or prefills, never both: a mixed one runs eagerly, a few hundred
@@ -143,7 +144,7 @@ class Scheduler:
         self.model, self.ring, self.topo = model, ring, topo
         self.lanes = lanes
         # micro-batches in flight at once: one a stage round a pipeline's ring; on one stage the
-        # device backend's `steps_in_flight` (2 on a GPU: see `_launch`)
+        # device backend's `steps_in_flight` (see `_launch`)
         self.in_flight = topo.world_size if ring is not None else model.steps_in_flight
         self.cap = math.ceil(lanes / self.in_flight)  # sequences per micro-batch
         self.eos = eos_token_id
@@ -403,12 +404,10 @@ class Scheduler:
         if self.ring is not None:
             self._send_work(slots, hidden)
             return
-        # One stage: with `in_flight` 2 (a GPU) the step just queued runs on the device while
-        # the host waits for the one before it, then picks its tokens and sends them (the
-        # engine's after_step) and prepares the next, as vLLM's asynchronous scheduling
-        # overlaps them; with 1 (the CPU, whose forward pass is the host's own work) it is
-        # picked at once. A sequence is in one micro-batch at a time, so each step's positions
-        # and inputs are its tokens so far.
+        # One stage: with `in_flight` 2 the step just queued runs on the device while the host
+        # waits for the one before it, then picks its tokens and sends them (the engine's
+        # after_step) and prepares the next; with 1 it is picked at once. A sequence is in one
+        # micro-batch at a time, so each step's positions and inputs are its tokens so far.
         while len(self.local) >= self.in_flight:
             self._land()
 
