@@ -483,7 +483,8 @@ def test_a_push_into_a_server_on_the_device(trained, tmp_path):
     server = start_server(trained["folders"][1], 1, tmp_path, runtime=trained["runtime"], lanes=4)
     try:
         settings = TransferSettings(transport="torch", bucket_mb=64, chunk_mb=4, timeout_s=120)
-        sender = PushSender.open(host="127.0.0.1", settings=settings)
+        # on the device as a training rank is: one GPU, so its route is through host memory
+        sender = PushSender.open(host="127.0.0.1", settings=settings, device=torch.device(device))
         offer = sender.offer(digest, "test push", read_args(final).signature())
         reply: dict = {}
         answered = threading.Event()

@@ -320,7 +320,7 @@ def _scheduler(folder, *, lanes, eos=None, hw=None):
     return Scheduler(
         model,
         None,
-        Topology.single(backend=MPI_RING),
+        Topology.single(hw, backend=MPI_RING),
         lanes=lanes,
         eos_token_id=eos,
         context=64,

@@ -92,7 +92,7 @@ def main() -> None:
             sched = Scheduler(
                 model,
                 None,
-                Topology.single(backend=MPI_RING),
+                Topology.single(hw, backend=MPI_RING),
                 lanes=args.lanes,
                 eos_token_id=None,  # every request runs its max_tokens
                 context=model.context,

@@ -52,7 +52,6 @@ class StageModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         decode_graphs: bool = False,
         capture_graphs: bool = False,
-        steps_in_flight: int = 1,
     ) -> None:
         super().__init__()
         self.args = args
@@ -75,9 +74,6 @@ class StageModel(nn.Module):
         self._cache_bytes = 0
         # decode steps as CUDA graphs (the device backend's `decode_graphs`: a GPU's), or None
         self.graphs = DecodeGraphs(self, capture=capture_graphs) if decode_graphs else None
-        # micro-batches a one-stage engine keeps on the device at once (the device backend's
-        # `steps_in_flight`, inference.steps_in_flight; distlm.inference.engine.scheduler)
-        self.steps_in_flight = steps_in_flight
         self._note_placement()
 
     def _note_placement(self) -> None:
@@ -291,7 +287,6 @@ def load_stage(
         dtype=next(iter(tensors.values())).dtype,  # the shard's
         decode_graphs=hw.decode_graphs,
         capture_graphs=hw.capture_graphs,
-        steps_in_flight=hw.steps_in_flight,
     )
     model.load_shard(tensors, f"{folder}/shards/{entry.file}")
     log.info(

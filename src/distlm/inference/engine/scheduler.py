@@ -145,7 +145,9 @@ class Scheduler:
         self.lanes = lanes
         # micro-batches in flight at once: one a stage round a pipeline's ring; on one stage the
         # device backend's `steps_in_flight` (see `_launch`)
-        self.in_flight = topo.world_size if ring is not None else model.steps_in_flight
+        self.in_flight = (
+            topo.world_size if ring is not None else topo.device_backend.steps_in_flight
+        )
         self.cap = math.ceil(lanes / self.in_flight)  # sequences per micro-batch
         self.eos = eos_token_id
         self.context = context
