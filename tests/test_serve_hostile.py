@@ -219,7 +219,7 @@ def test_an_oversize_body_still_being_sent_gets_its_status(server):
     """A 64 MB body against the 2 KB limit, sent whole before reading, as urllib and requests do:
     the server answers 413 at once and then reads and discards (lingering close, bounded by
     serve.linger_bytes / linger_s), so the client reads the 413 rather than a reset. The same for
-    the 400 of a Content-Length of -1, refused by h11 while the body is on its way."""
+    the 400 of a Content-Length of -1, refused by the HTTP parser while the body is on its way."""
     body = b"x" * (64 << 20)
     for length, want in ((str(len(body)).encode(), 413), (b"-1", 400)):
         with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
@@ -229,6 +229,34 @@ def test_an_oversize_body_still_being_sent_gets_its_status(server):
         if want == 413:
             assert "over the limit of 2048" in body_of(got)["error"]["message"]
         server.ok()
+
+
+def test_a_request_head_over_serve_max_header_bytes_gets_400(server):
+    """A request head longer than serve.max_header_bytes (4 KB here) gets a 400 naming the key:
+    sent whole (the parser sees it at once), and a header that never ends, sent in pieces (the
+    bytes the parser holds for it are counted). A head just within the limit is answered."""
+    head = post_head(b"2", close=False)[:-2]  # without the blank line that ends it
+    got = raw(server, head + b"X-Big: " + b"a" * 8000 + b"\r\n\r\n{}")
+    assert status_of(got) == 400 and b"serve.max_header_bytes" in got, got[:300]
+    server.ok()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+        s.sendall(head + b"X-Big: ")
+        for _ in range(64):  # 64 KB at most, 1 KB a send
+            try:
+                s.sendall(b"a" * 1024)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.01)
+        got = _read_all(s)
+    assert status_of(got) == 400 and b"serve.max_header_bytes" in got, got[:300]
+    server.ok()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2})
+    headers = {"Authorization": f"Bearer {TOKEN}", "X-Pad": "a" * 3000}
+    conn.request("POST", "/v1/completions", body, headers)
+    r = conn.getresponse()
+    assert r.status == 200, r.read()[:300]
+    conn.close()
 
 
 def _still_open(s: socket.socket) -> bool:

@@ -34,6 +34,7 @@ from distlm.inference.messages import (
     Shutdown,
     Submit,
     Token,
+    TokenBatch,
     decode,
     decode_all,
     encode,
@@ -78,7 +79,8 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
             pipeline=[StageInfo(0, "h", 1, (0, 2), 1, "cpu")],
             weights="ab" * 32,
         ),
-        Token(rid=1, index=0, token=5, logprob=-0.5, top=[(5, -0.5), (7, -1.0)]),
+        TokenBatch(rid=[1, 2], index=[0, 1], token=[5, 6]),
+        TokenBatch([1, 2], [0, 1], [5, 6], [None, -0.5], [None, [(5, -0.5), (7, -1.0)]]),
         Prompt(rid=1, index=0, logprobs=[None, -2.5], top=[None, [(3, -0.1)]]),
         Finish(rid=1, index=0, reason="length", tokens=4),
         Error(rid=None, index=None, status=503, message="gone"),
@@ -111,8 +113,21 @@ def test_engine_messages_round_trip_and_refuse_what_they_do_not_know():
     with pytest.raises(ChannelError, match="finish: fields"):
         decode(msgpack.packb([VERSION, "finish", {"rid": 1}]))
     # typed fields: a value of the wrong type, or a params field that is not SamplingParams'
-    with pytest.raises(ChannelError, match="token: .*rid: Input should be a valid integer"):
-        decode(msgpack.packb([VERSION, "token", {"rid": "x", "index": 0, "token": 1}]))
+    with pytest.raises(ChannelError, match="tokenbatch: .*rid.0: Input should be a valid integer"):
+        decode(msgpack.packb([VERSION, "tokenbatch", {"rid": ["x"], "index": [0], "token": [1]}]))
+    with pytest.raises(ChannelError, match="tokenbatch: .*columns of unequal length"):
+        decode(msgpack.packb([VERSION, "tokenbatch", {"rid": [1, 2], "index": [0], "token": [1]}]))
+    with pytest.raises(ChannelError, match="unknown message kind 'token'"):  # not sent alone
+        decode(msgpack.packb([VERSION, "token", {"rid": 1, "index": 0, "token": 1}]))
+    # stage 0 builds a step's batch token by token; its entries come out as the API's Tokens
+    built = TokenBatch()
+    built.add(1, 0, 5)
+    built.add(2, 1, 6, -0.5, [(5, -0.5), (7, -1.0)])
+    assert built == msgs[7]
+    assert decode(encode(built)).tokens() == [
+        Token(1, 0, 5),
+        Token(2, 1, 6, -0.5, [(5, -0.5), (7, -1.0)]),
+    ]
     sub = {"rid": 1, "prompts": [[1]], "n": 1, "params": {"max_new_tokens": 1, "greedy": True}}
     with pytest.raises(ChannelError, match="submit: .*params.greedy: Unexpected keyword"):
         decode(msgpack.packb([VERSION, "submit", sub]))
@@ -565,3 +580,75 @@ def test_prompt_logprobs_from_the_prefill_equal_gpt2lmheadmodel(tiny_models, hf_
         sampling_settings({"max_new_tokens": 0}, defaults=SamplingSettings())
     only = SamplingSettings().model_copy(update={"max_new_tokens": 0})
     assert make_params(only, context=64).max_new_tokens == 0
+
+
+def test_a_steps_tokens_go_as_one_batch_in_the_order_of_its_messages(tmp_path):
+    """Stage 0 queues a step's tokens for a channel into one TokenBatch; any other message
+    between them closes it (a Finish after its choice's last token, an Updated before the
+    tokens of the new weights), so the API server sees every event in the order it happened."""
+    from distlm.inference.engine.serve import Channel
+
+    with Channel(str(tmp_path), 2) as ch:
+        ch.token(1, 10, 0, 5, None, None)
+        ch.token(1, 11, 0, 6, -0.5, [(6, -0.5)])
+        ch.token(2, 12, 0, 7, None, None)
+        ch.send(Finish(rid=10, index=0, reason="length", tokens=1), 1)
+        ch.token(1, 11, 0, 8, None, None)
+        assert ch.pending[1] == [
+            TokenBatch([10, 11], [0, 0], [5, 6], [None, -0.5], [None, [(6, -0.5)]]),
+            Finish(rid=10, index=0, reason="length", tokens=1),
+            TokenBatch([11], [0], [8]),
+        ]
+        assert ch.pending[2] == [TokenBatch([12], [0], [7])]
+        assert ch.pending[0] == []
+
+
+def test_metrics_written_together_are_what_one_by_one_writes_and_wait_at_most_flush_s():
+    """The API server gathers what requests and tokens add and writes it at most FLUSH_S later
+    (and before its own /metrics): a histogram's observations written together give the
+    exposition that observing them one by one gives; outside an event loop each is written at
+    once."""
+    from distlm.inference.server.metrics import FLUSH_S, Metrics, observe_many
+
+    one, many = Metrics(), Metrics()
+    values = [0.0, 0.001, 0.005, 0.0051, 0.3, 30.0, 61.0]  # on bounds, between them, past the last
+    for v in values:
+        one.itl.observe(v)
+    observe_many(many.itl, values)
+
+    def itl(m: Metrics) -> list:
+        return [
+            (s.name, s.labels, s.value)
+            for f in m.registry.collect()
+            if f.name == "distlm_inter_token_latency_seconds"
+            for s in f.samples
+            if not s.name.endswith("_created")
+        ]
+
+    assert itl(one) == itl(many) and len(itl(one)) == 14 + 2  # 13 bounds and +Inf; sum, count
+
+    def value(m: Metrics, name: str, **labels: str) -> float | None:
+        return m.registry.get_sample_value(name, labels)
+
+    m = Metrics()
+
+    async def serving() -> None:
+        m.count(m.tokens, 3)
+        m.count(m.child(m.requests, "/health", "200"))
+        m.count(m.child(m.requests, "/health", "200"))
+        m.observe(m.e2e, 0.2)
+        m.open_sequences(5)
+        m.open_sequences(4)
+        assert value(m, "distlm_generation_tokens_total") == 0  # not yet
+        await asyncio.sleep(FLUSH_S * 3)
+        assert value(m, "distlm_generation_tokens_total") == 3
+        assert value(m, "distlm_requests_total", route="/health", status="200") == 2
+        assert value(m, "distlm_e2e_request_latency_seconds_count") == 1
+        assert value(m, "distlm_sequences_open") == 4  # the latest
+        m.count(m.tokens)
+        m.flush()  # as /metrics does: at once
+        assert value(m, "distlm_generation_tokens_total") == 4
+
+    asyncio.run(serving())
+    m.count(m.tokens, 2)  # outside an event loop: at once
+    assert value(m, "distlm_generation_tokens_total") == 6

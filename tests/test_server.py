@@ -44,6 +44,7 @@ DEFAULT_MAX_TOKENS = 7
 LIMITS = {
     "token_env": TOKEN_ENV,
     "max_request_bytes": 2048,
+    "max_header_bytes": 4096,
     "max_tokens": 20,
     "header_timeout_s": 2,
     "body_timeout_s": 2,

@@ -28,7 +28,8 @@ order that rotates over --repeats:
     greedy ones.)
 All get the same thread budget (OMP_NUM_THREADS = --threads: the pipeline's ranks share it, the
 others' torch uses all of it). Each client sends non-streamed greedy completions of --max-tokens
-tokens back to back for --seconds per level (at least --requests each); per level: completion
+tokens back to back for --seconds per level (at least --requests each), each on its one kept
+HTTP connection as the OpenAI SDK's pool keeps it (--connections per-request: a new one a request); per level: completion
 tokens / wall time, and the p50 / p99 of the requests' end-to-end latency, and where the time went
 (`where_time_went`: each process's CPU by role, the benchmark client's own, and distlm's
 micro-batches with their wall, host and device milliseconds each, the device's from CUDA events).
@@ -97,6 +98,12 @@ def parse() -> argparse.Namespace:
         help="where distlm (runtime.device) and the peer (transformers serve --device) run",
     )
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--connections",
+        choices=["keep-alive", "per-request"],
+        default="keep-alive",
+        help="each client keeps its HTTP connection (the OpenAI SDK's pool), or opens one a request",
+    )
     p.add_argument("--gguf", default="f32,f16", help="GGUF types the llama.cpp servers serve")
     p.add_argument(
         "--llama-cpp",
@@ -220,21 +227,58 @@ def run_baseline(args) -> None:
 # ----------------------------------------------------------------------------- clients
 
 
-def post(port: int, body: dict) -> tuple[float, int, str]:
-    """(seconds, completion tokens, text) of one completion; with `stream` in the body, its
-    server-sent events read to `[DONE]` (the tokens from the usage chunk it asks for)."""
+class Connection:
+    """A client's HTTP connection to a server: kept open from request to request, as the OpenAI
+    SDK's connection pool (httpx) keeps it (`keep_alive`), or a new one for each request (a client
+    without a pool, such as urllib). A kept connection the server closed between requests is
+    opened again once."""
+
+    def __init__(self, port: int, *, keep_alive: bool = True) -> None:
+        self.port, self.keep_alive = port, keep_alive
+        self.conn: http.client.HTTPConnection | None = None
+
+    def request(self, body: str) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            fresh = self.conn is None
+            if fresh:
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+            conn = self.conn
+            try:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                data = r.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.close()
+                if fresh or attempt:
+                    raise
+                continue
+            if not self.keep_alive or r.will_close:
+                self.close()
+            return r.status, data
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def post(port: int, body: dict, conn: Connection | None = None) -> tuple[float, int, str]:
+    """(seconds, completion tokens, text) of one completion, on `conn` (else a connection of its
+    own); with `stream` in the body, its server-sent events read to `[DONE]` (the tokens from the
+    usage chunk it asks for)."""
     stream = bool(body.get("stream"))
     if stream:
         body = {**body, "stream_options": {"include_usage": True}}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    own = conn is None
+    conn = conn or Connection(port, keep_alive=False)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    data = r.read()
+    status, data = conn.request(json.dumps(body))
     seconds = time.perf_counter() - t0
-    conn.close()
-    if r.status != 200:
-        raise RuntimeError(f"port {port}: HTTP {r.status}: {data[:300]!r}")
+    if own:
+        conn.close()
+    if status != 200:
+        raise RuntimeError(f"port {port}: HTTP {status}: {data[:300]!r}")
     if not stream:
         doc = json.loads(data)
         return seconds, doc["usage"]["completion_tokens"], doc["choices"][0]["text"]
@@ -257,15 +301,18 @@ def level(
     seconds: float,
     *,
     stream: bool = False,
+    keep_alive: bool = True,
 ) -> dict:
     """`clients` clients, each sending requests back to back: at least `per_client` each, and
-    until `seconds` have passed; `stream`: streamed completions."""
+    until `seconds` have passed; `stream`: streamed completions; `keep_alive`: each client keeps
+    its connection from request to request (else a new one a request)."""
     from distlm.runtime.heap import freeze_startup_heap
 
     start = time.perf_counter()
 
     def client(c: int) -> list[tuple[float, int, str]]:
         out, i = [], 0
+        conn = Connection(port, keep_alive=keep_alive)
         while i < per_client or time.perf_counter() - start < seconds:
             body = {
                 "prompt": prompts[(c * per_client + i) % len(prompts)],
@@ -273,8 +320,9 @@ def level(
                 "temperature": 0,
                 **({"stream": True} if stream else {}),
             }
-            out.append(post(port, body))
+            out.append(post(port, body, conn))
             i += 1
+        conn.close()
         return out
 
     # this process's own full garbage collections would land in every server's latencies
@@ -288,6 +336,7 @@ def level(
     tokens = sum(r[1] for r in results)
     return {
         "clients": clients,
+        "connections": "keep-alive" if keep_alive else "one a request",
         "requests": len(results),
         "tokens": tokens,
         "wall_s": wall,
@@ -452,7 +501,13 @@ def measure(
                 proc.pid,
                 port,
                 lambda c=c: level(
-                    port, prompts, c, max(args.requests, -(-8 // c)), args.max_tokens, args.seconds
+                    port,
+                    prompts,
+                    c,
+                    max(args.requests, -(-8 // c)),
+                    args.max_tokens,
+                    args.seconds,
+                    keep_alive=args.connections == "keep-alive",
                 ),
             )
             for c in levels

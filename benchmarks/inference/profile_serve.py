@@ -8,7 +8,8 @@ per token and per decode step, and what it is spent on, sampled with py-spy.
 
 It starts `distlm serve` as bench_serve.py does (the rule's command: the API server and a
 one-stage MPI pipeline with --lanes lanes, OMP_NUM_THREADS 1 a process), sends N clients'
-non-streamed greedy completions back to back, and once they run steady it samples both
+non-streamed greedy completions back to back (each client on its one kept connection, as the
+OpenAI SDK's pool; --connections per-request: a new one a request), and once they run steady it samples both
 processes for --seconds with `py-spy record --format raw` (idle frames left out) while it reads
 their CPU time and the tokens /metrics counts. Each sample's stack is put in the first bucket
 its frames match (BUCKETS: the model's forward pass, sampling, the scheduler, the engine
@@ -70,7 +71,9 @@ BUCKETS = {
         ("zmq", "zmq/"),
         ("JSON", "json/"),
         ("HTTP", "uvicorn"),
-        ("HTTP", "h11"),
+        ("HTTP", "h11"),  # the HTTP parser before 2026-11-29's httptools (an older --src)
+        ("HTTP", "httptools"),
+        ("HTTP", "server/transport.py"),
         ("HTTP", "starlette"),
         ("HTTP", "fastapi"),
         ("routes", "server/app.py"),
@@ -103,6 +106,23 @@ def cpu_s(pid: int) -> float:
 
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """Each thread's CPU seconds, by its name (/proc's comm: Python's main thread takes the
+    process's name, ZeroMQ's I/O threads are ZMQbg/IO/N), threads of one name summed: py-spy
+    sees only the Python threads, and counts a thread preempted inside a system call (a write
+    that wakes the reader) as busy, so this is the CPU's own account of who spent it."""
+    import psutil
+
+    out: dict[str, float] = collections.defaultdict(float)
+    for t in psutil.Process(pid).threads():
+        try:
+            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:
+            continue
+        out[name] += t.user_time + t.system_time
+    return dict(out)
 
 
 def metric(port: int, name: str) -> float:
@@ -188,6 +208,12 @@ def main() -> None:
     p.add_argument("--note", default="")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="runtime.device")
     p.add_argument("--stream", action="store_true", help="streamed completions")
+    p.add_argument(
+        "--connections",
+        choices=["keep-alive", "per-request"],
+        default="keep-alive",
+        help="each client keeps its HTTP connection (the OpenAI SDK's pool), or opens one a request",
+    )
     p.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     p.add_argument(
         "--merge-into",
@@ -229,7 +255,7 @@ def main() -> None:
         load = threading.Thread(
             target=level,
             args=(port, texts, a.clients, 1, a.max_tokens, a.warmup + a.seconds + 4),
-            kwargs={"stream": a.stream},
+            kwargs={"stream": a.stream, "keep_alive": a.connections == "keep-alive"},
             daemon=True,
         )
         load.start()
@@ -237,6 +263,7 @@ def main() -> None:
         pids = {"server": api or proc.pid, "engine": engine}
         supervisor_cpu0 = cpu_s(proc.pid) if api else None
         cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
+        threads0 = {k: thread_cpu_s(pid) for k, pid in pids.items()}
         tok0, t0 = metric(port, "distlm_generation_tokens_total"), time.perf_counter()
         spies = {k: sample(pid, a.seconds, a.rate, work / f"{k}.txt") for k, pid in pids.items()}
         lanes = []
@@ -246,6 +273,10 @@ def main() -> None:
         tokens = metric(port, "distlm_generation_tokens_total") - tok0
         wall = time.perf_counter() - t0
         cpu = {k: cpu_s(pid) - cpu0[k] for k, pid in pids.items()}
+        threads = {
+            k: {n: c - threads0[k].get(n, 0.0) for n, c in thread_cpu_s(pid).items()}
+            for k, pid in pids.items()
+        }
         supervisor_cpu = None if supervisor_cpu0 is None else cpu_s(proc.pid) - supervisor_cpu0
         for k, s in spies.items():
             if s.wait(timeout=a.seconds + 60) != 0:
@@ -258,6 +289,7 @@ def main() -> None:
     result: dict = {
         "what": f"host time of distlm serve at {a.clients} clients, {a.lanes} lanes, one stage"
         + (f", streamed (serve.stream_interval {a.stream_interval})" if a.stream else ""),
+        "connections": a.connections,
         "device": a.device,
         "command": " ".join(["python", "benchmarks/inference/profile_serve.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -278,6 +310,11 @@ def main() -> None:
             "cpu_s": round(cpu[k], 2),
             "cpu_us_per_token": round(1e6 * cpu[k] / max(tokens, 1), 1),
             "cpu_ms_per_decode_step": round(1e3 * cpu[k] / max(steps, 1), 2),
+            "threads_us_per_token": {
+                n: round(1e6 * c / max(tokens, 1), 1)
+                for n, c in sorted(threads[k].items(), key=lambda x: -x[1])
+                if c > 0.005
+            },
             "share": {b: round(n / total, 3) for b, n in share.items()},
             "top": top(work / f"{k}.txt"),
         }

@@ -27,8 +27,9 @@ engine/  the pipeline (inside the MPI job)
 
 server/  the API server (one process outside the job)
     supervisor.py  the process: uvicorn, the MPI job it starts and watches, signals
-    transport.py   uvicorn's h11 with a header deadline and a lingering close; the open-file limit
-    app.py         FastAPI routes: /v1/completions, /v1/chat/completions (one request path),
+    transport.py   uvicorn's httptools with a header deadline and size, a lingering close, one write
+                   a turn; the open-file limit
+    app.py         Starlette routes: /v1/completions, /v1/chat/completions (one request path),
                    /v1/models, /health, /metrics, /update_weights_from_disk
     updates.py     the update route: its body, who may, waiting for the engine's answer
     state.py       what the routes hold, and the narrow objects of the two steps below

@@ -51,7 +51,7 @@ from distlm.inference.messages import (
     Ready,
     Shutdown,
     Submit,
-    Token,
+    TokenBatch,
     Update,
     Updated,
     UpdateRecord,
@@ -101,6 +101,24 @@ class Channel:
         step produced as one frame a channel."""
         for k in range(len(self.pending)) if to is None else (to,):
             self.pending[k].append(msg)
+
+    def token(
+        self,
+        to: int,
+        rid: int,
+        index: int,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+    ) -> None:
+        """Queue a new token for channel `to`: it joins the TokenBatch that the channel's last
+        queued message is, else starts one (so every message keeps its order)."""
+        pending = self.pending[to]
+        batch = pending[-1] if pending else None
+        if not isinstance(batch, TokenBatch):
+            batch = TokenBatch()
+            pending.append(batch)
+        batch.add(rid, index, token, logprob, top)
 
     def flush(self) -> None:
         for k, msgs in enumerate(self.pending):
@@ -393,9 +411,7 @@ class Engine:
         if source is None:
             return
         top = None if pick.top is None else list(pick.top)
-        self.ch.send(
-            Token(rid=rid, index=index, token=pick.token, logprob=pick.logprob, top=top), source
-        )
+        self.ch.token(source, rid, index, pick.token, pick.logprob, top)
 
     def _prompt(self, seq: Sequence, pick: Pick) -> None:
         source, rid, index = self.where[seq.id]

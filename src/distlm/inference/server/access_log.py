@@ -53,7 +53,8 @@ class AccessLog:
                 in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
                 else "other"
             )
-            self.metrics.requests.labels(route, str(code)).inc()
+            m = self.metrics
+            m.count(m.child(m.requests, route, str(code)))
             client = scope.get("client") or ("-", 0)
             extra = "".join(
                 f" {k}={v:.4f}" if isinstance(v, float) else f" {k}={v}" for k, v in info.items()

@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from distlm.core.log import get_logger
 from distlm.inference.messages import Token
@@ -79,7 +79,7 @@ async def run_completion(st: Answering, request: Request, job: Job):
             headers={"Retry-After": "1"},
         )
     t0 = time.perf_counter()
-    st.metrics.prompt_tokens.inc(sum(len(i) for i in job.ids))
+    st.metrics.count(st.metrics.prompt_tokens, sum(len(i) for i in job.ids))
     rid = engine.new_rid()
     ready = engine.ready  # a route takes a request only once stage 0 said Ready
     if ready is None:
@@ -133,7 +133,7 @@ def _finish(st: Answering, answer: Answer, info: dict) -> None:
     info["tokens"] = sum(len(c.tokens) for c in answer.choices)
     if answer.t_first is not None:
         info["ttft_s"] = answer.t_first - answer.t0
-    st.metrics.e2e.observe(time.perf_counter() - answer.t0)
+    st.metrics.observe(st.metrics.e2e, time.perf_counter() - answer.t0)
 
 
 _GONE = object()  # to a request's sink: its client went away

@@ -32,7 +32,7 @@ from distlm.inference.server.app import build_app
 from distlm.inference.server.client import EngineClient
 from distlm.inference.server.metrics import Metrics
 from distlm.inference.server.state import ServeState
-from distlm.inference.server.transport import GuardedH11Protocol
+from distlm.inference.server.transport import GuardedHttpToolsProtocol
 from distlm.runtime.heap import freeze_startup_heap
 from distlm.settings import EngineSettings, ServeSettings
 
@@ -112,19 +112,19 @@ class ApiProcess:
             token=self.token,
         )
         freeze_startup_heap("API server")  # the tokenizer and the app built: before requests
-        GuardedH11Protocol.header_timeout_s = self.serve.header_timeout_s
-        GuardedH11Protocol.linger_s = self.serve.linger_s
-        GuardedH11Protocol.linger_bytes = self.serve.linger_bytes
+        GuardedHttpToolsProtocol.header_timeout_s = self.serve.header_timeout_s
+        GuardedHttpToolsProtocol.linger_s = self.serve.linger_s
+        GuardedHttpToolsProtocol.linger_bytes = self.serve.linger_bytes
+        GuardedHttpToolsProtocol.max_header_bytes = self.serve.max_header_bytes
         config = uvicorn.Config(
             AccessLog(build_app(st), metrics),
-            http=GuardedH11Protocol,
+            http=GuardedHttpToolsProtocol,
             lifespan="off",
             access_log=False,
             log_config=None,
             server_header=False,
             limit_concurrency=self.serve.max_connections,
             timeout_keep_alive=self.serve.keep_alive_timeout_s,
-            h11_max_incomplete_event_size=self.serve.max_header_bytes,
             backlog=self.serve.backlog,
         )
         _setup_server_logs()

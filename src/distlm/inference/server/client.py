@@ -25,7 +25,7 @@ from distlm.inference.messages import (
     Ready,
     Shutdown,
     Submit,
-    Token,
+    TokenBatch,
     Update,
     Updated,
     decode_all,
@@ -54,7 +54,7 @@ class EngineClient:
 
     Once started it sends Attach until stage 0 takes it; stage 0 answers Ready, and only a Ready
     after the Attach makes the channel ready (stage 0 then reads this channel too). A reader task
-    dispatches Token / Finish / Error to the request they belong to (its Sink); Health updates
+    dispatches each token of a TokenBatch, and Prompt / Finish / Error, to the request they belong to (its Sink); Health updates
     the gauges. `fail()` ends every open request with a 503 and refuses new ones.
     """
 
@@ -151,13 +151,18 @@ class EngineClient:
             q = self.queues.get(msg.rid)
             if q is not None:
                 q.put_nowait(msg)
-        elif isinstance(msg, (Prompt, Token, Finish, Error)):
+        elif isinstance(msg, TokenBatch):
+            queues = self.queues
+            for token in msg.tokens():
+                q = queues.get(token.rid)
+                if q is not None:
+                    q.put_nowait(token)
+        elif isinstance(msg, (Prompt, Finish, Error)):
             if isinstance(msg, (Finish, Error)) and msg.rid in self.open_seqs:
                 self.open_seqs[msg.rid] -= 1
-                self.metrics.open.set(self.outstanding)
-                self.metrics.sequences.labels(
-                    msg.reason if isinstance(msg, Finish) else "error"
-                ).inc()
+                m = self.metrics
+                m.open_sequences(self.outstanding)
+                m.count(m.child(m.sequences, msg.reason if isinstance(msg, Finish) else "error"))
                 if not self.open_seqs[msg.rid]:
                     del self.open_seqs[msg.rid]
             q = self.queues.get(msg.rid) if msg.rid is not None else None
@@ -181,7 +186,7 @@ class EngineClient:
         for q in self.queues.values():
             q.put_nowait(Error(rid=None, index=None, status=503, message=reason))
         self.open_seqs.clear()
-        self.metrics.open.set(0)
+        self.metrics.open_sequences(0)
 
     def _send(self, msg) -> None:
         """Send now, without awaiting: callable from a cancelled task's cleanup too."""
@@ -201,7 +206,7 @@ class EngineClient:
         """Send request `rid` to stage 0; its events go to `sink`."""
         self.queues[rid] = sink
         self.open_seqs[rid] = len(prompts) * n
-        self.metrics.open.set(self.outstanding)
+        self.metrics.open_sequences(self.outstanding)
         self._send(Submit(rid=rid, prompts=prompts, n=n, params=params))
 
     def send_update(self, rid: int, msg: Update, sink: Sink) -> None:

@@ -5,7 +5,7 @@ A RequestError (a bad request, neutral: it names the field) becomes a 400 throug
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse
 
 from distlm.inference.prompts import RequestError
 from distlm.inference.server.responses import ErrorBody, ErrorDetail

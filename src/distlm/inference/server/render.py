@@ -112,11 +112,11 @@ class Answer:
                 return []  # a token after this choice's stop string: already answered
             if self.t_first is None:
                 self.t_first = now
-                m.ttft.observe(now - self.t0)
+                m.observe(m.ttft, now - self.t0)
             elif c.t_last:
-                m.itl.observe(now - c.t_last)
+                m.observe(m.itl, now - c.t_last)
             c.t_last = now
-            m.tokens.inc()
+            m.count(m.tokens)
             c.tokens.append(msg.token)
             c.logprobs.append(msg.logprob)
             c.top.append(msg.top)

@@ -14,8 +14,8 @@ import json
 import re
 from typing import ClassVar, Literal
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
 
 from distlm.inference.prompts import RequestError
 from distlm.inference.request import HTTP_NAMES

@@ -19,9 +19,9 @@ failures. Afterwards:
     order; exit code 0.
 Stage 0 in turn stops when this process is gone, and so do the API processes (their stdin closes).
 
-Connection limits are uvicorn's in each API process (limit_concurrency, keep-alive, h11's header
-size) plus a header deadline and a lingering close (inference/server/transport.py's
-GuardedH11Protocol). An idle connection costs a socket and a timer on the event loop, so the
+Connection limits are uvicorn's in each API process (limit_concurrency, keep-alive) plus a header
+deadline, a header size limit and a lingering close (inference/server/transport.py's
+GuardedHttpToolsProtocol). An idle connection costs a socket and a timer on the event loop, so the
 limits are thousands (serve.max_connections) and the open-file limit is raised to its hard limit
 at start (raise_nofile; the API processes inherit it); when a process is out of descriptors all
 the same, EMFILE on accept is asyncio's: logged, accept resumes.
