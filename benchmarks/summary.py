@@ -18,6 +18,7 @@ import argparse
 import json
 import operator
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,12 @@ E2E = "benchmarks/e2e/results-gpt2-small-cpu.json"
 # benchmarks/gpu/run.sh's figures, committed once a GPU machine ran it (issue #45's goals)
 TRAIN_GPU = "benchmarks/train/results-gpu.json"
 SERVE_GPU = "benchmarks/inference/serve-results-gpu.json"
+# issue #63 on the CPU: the peer at 16 and 64 clients (3 repeats of 15 s), and the host path at 64
+SERVE_63 = "benchmarks/inference/serve-results-peer-16-64.json"
+SERVE_63_GOALS = {16: 2.0, 64: 2.5}
+HOST = "benchmarks/inference/profile-serve.json"
+HOST_API_US = 25.0  # the API server's CPU a token at 64 clients, at most
+HOST_ENGINE_MS = 0.5  # stage 0's host time a decode step outside the forward pass, at most
 TRAIN_GPU_SMOLLM2 = "benchmarks/train/results-gpu-smollm2.json"
 BATCH_GPU = "benchmarks/inference/results-gpu.json"
 SMOLLM2_MFU = 0.35  # issue #45: the Llama family's steady-state MFU at SmolLM2-135M's shape
@@ -135,6 +142,47 @@ def serving_rows() -> list[Row]:
     rows.append(
         Row(f"serving, 2 stages, {counts} clients: throughput", peer, figures, "", None, SERVE)
     )
+    ours = by_clients(load(SERVE_63)["ratios"]["distlm-s1_over_peer"])
+    for clients, bound in SERVE_63_GOALS.items():
+        value = ours[clients]["throughput"]
+        rows.append(
+            Row(
+                f"serving, 1 stage, {clients} clients, median of 3: throughput (#63)",
+                peer,
+                ratio(value, bound),
+                f"≥ {bound:g}x",
+                value >= bound,
+                SERVE_63,
+            )
+        )
+    host = load(HOST)
+    after, before = host["repeats"]["after"], host["repeats"]["before"]
+
+    def median(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    api = median(after, "server_cpu_us_per_token")
+    engine = median(after, "engine_ms_a_step_outside_forward_and_picks")
+    api_before = median(before, "server_cpu_us_per_token")
+    engine_before = median(before, "engine_ms_a_step_outside_forward_and_picks")
+    rows += [
+        Row(
+            "serving, 64 clients: the API server's CPU a token (#63)",
+            "the release before, taking turns",
+            f"{api:.1f} us ({api / api_before:.2f}x)",
+            f"≤ {HOST_API_US:g} us",
+            api <= HOST_API_US,
+            HOST,
+        ),
+        Row(
+            "serving, 64 clients: stage 0's host time a step outside the forward pass (#63)",
+            "the release before, taking turns",
+            f"{engine:.2f} ms ({engine / engine_before:.2f}x)",
+            f"≤ {HOST_ENGINE_MS:g} ms",
+            engine <= HOST_ENGINE_MS,
+            HOST,
+        ),
+    ]
     peers = load(PEERS)
     model = peers["model"]
     for name, label in (("llamacpp-f32", "f32"), ("llamacpp-f16", "f16")):

@@ -10,7 +10,8 @@ It starts `distlm serve` as bench_serve.py does (the rule's command: the API ser
 one-stage MPI pipeline with --lanes lanes, OMP_NUM_THREADS 1 a process), sends N clients'
 non-streamed greedy completions back to back (each client on its one kept connection, as the
 OpenAI SDK's pool; --connections per-request: a new one a request), and once they run steady it samples both
-processes for --seconds with `py-spy record --format raw` (idle frames left out) while it reads
+processes for --seconds with `py-spy record --format raw` (idle frames left out; the API server's
+samples only while it holds the GIL, see `sample`) while it reads
 their CPU time and the tokens /metrics counts. Each sample's stack is put in the first bucket
 its frames match (BUCKETS: the model's forward pass, sampling, the scheduler, the engine
 channel's messages, ZeroMQ; the server's HTTP, JSON, its request handling, detokenization,
@@ -133,9 +134,14 @@ def metric(port: int, name: str) -> float:
     return 0.0
 
 
-def sample(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen:
+def sample(pid: int, seconds: float, rate: int, out: Path, *, gil: bool) -> subprocess.Popen:
+    """py-spy on `pid`; `gil`: only the thread holding the GIL is sampled (the API server, all of
+    whose work is Python's: a thread preempted inside a system call, such as a socket write that
+    wakes its reader, is not counted as busy, as it is otherwise; the engine's forward pass runs
+    without the GIL, so it is sampled without this)."""
     cmd = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds))]
     cmd += ["--rate", str(rate), "--format", "raw", "--output", str(out), "--nonblocking"]
+    cmd += ["--gil"] if gil else []
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -223,6 +229,8 @@ def main() -> None:
     )
     a = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from provenance import git_revision
     from bench import prompts, seeded_model
     from bench_serve import distlm_command, level, stop, wait_up
 
@@ -265,7 +273,10 @@ def main() -> None:
         cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
         threads0 = {k: thread_cpu_s(pid) for k, pid in pids.items()}
         tok0, t0 = metric(port, "distlm_generation_tokens_total"), time.perf_counter()
-        spies = {k: sample(pid, a.seconds, a.rate, work / f"{k}.txt") for k, pid in pids.items()}
+        spies = {
+            k: sample(pid, a.seconds, a.rate, work / f"{k}.txt", gil=k == "server")
+            for k, pid in pids.items()
+        }
         lanes = []
         while time.perf_counter() - t0 < a.seconds:
             lanes.append(metric(port, "distlm_lanes_busy"))
@@ -295,6 +306,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "src": str(a.src),
         "cpus": os.cpu_count(),
+        "machine": {"cpus": os.cpu_count()},
+        # the code measured: this checkout's, or --src's checkout when it names another
+        "revision": git_revision(a.src.resolve().parent),
         "window_s": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 1),
         "lanes_busy_mean": round(busy, 1),
