@@ -239,10 +239,10 @@ class Connection:
 
     def request(self, body: str) -> tuple[int, bytes]:
         for attempt in (0, 1):
-            fresh = self.conn is None
-            if fresh:
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
             conn = self.conn
+            fresh = conn is None
+            if conn is None:
+                conn = self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
             try:
                 conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
                 r = conn.getresponse()

@@ -230,9 +230,9 @@ def main() -> None:
     a = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from provenance import git_revision
     from bench import prompts, seeded_model
     from bench_serve import distlm_command, level, stop, wait_up
+    from provenance import git_revision
 
     work = Path(tempfile.mkdtemp(prefix="distlm-profile-serve-"))
     args = argparse.Namespace(device=a.device, lanes=a.lanes, max_tokens=a.max_tokens)
