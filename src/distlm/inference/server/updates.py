@@ -132,7 +132,7 @@ async def run_update(st: ServeState, req: UpdateRequest | PushRequest) -> tuple[
         async with asyncio.timeout(limit):
             msg = await wait.done
     except TimeoutError:
-        m.updates.labels("timeout").inc()
+        m.count(m.child(m.updates, "timeout"))
         raise ApiError(
             504,
             f"the update did not end within {limit:g} s; it goes on in the engine: /health "
@@ -143,9 +143,9 @@ async def run_update(st: ServeState, req: UpdateRequest | PushRequest) -> tuple[
     if isinstance(msg, Error) or not isinstance(msg, Updated):
         raise ApiError(503, f"the pipeline is unavailable: {getattr(msg, 'message', msg)}")
     outcome = "switched" if msg.changed else ("unchanged" if msg.status == 200 else "failed")
-    m.updates.labels(outcome).inc()
+    m.count(m.child(m.updates, outcome))
     if msg.changed:
-        m.update_seconds.observe(time.perf_counter() - t0)
+        m.observe(m.update_seconds, time.perf_counter() - t0)
     answer = UpdateAnswer(
         success=msg.status == 200,
         message=msg.message,
