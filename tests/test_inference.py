@@ -132,6 +132,15 @@ def test_sampling_settings_and_make_params_reject_bad_values_naming_the_field():
     assert (request.temperature, request.top_k, request.seed) == (0.7, 5, 3)
     assert not make_params(settings, context=64).greedy
     assert make_params(InferenceSettings(), context=64).greedy  # the default, temperature 0
+    # the same values again: the settings made for them, reused (they are frozen); a value equal
+    # to a reused one but of another type (True == 1) is validated afresh, and refused
+    assert sampling_settings({"seed": 3}, defaults=settings) is request
+    assert sampling_settings({"max_new_tokens": 1}, defaults=defaults).max_new_tokens == 1
+    with pytest.raises(RequestError, match="max_new_tokens: expected an integer"):
+        sampling_settings({"max_new_tokens": True}, defaults=defaults)
+    assert sampling_settings({"seed": 3}, defaults=InferenceSettings()).temperature == 0.0
+    with pytest.raises(RequestError, match="seed: expected an integer"):  # unhashable: not kept
+        sampling_settings({"seed": [3]}, defaults=settings)
 
 
 def test_pick_token_greedy_topk_topp_and_seed():
@@ -165,6 +174,45 @@ def test_encode_prompt_adds_the_tokenizers_own_special_tokens():
     tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", unk_token="[UNK]")
     ids, cut = encode_prompt(tok, "a b", context=16, max_new_tokens=2, overflow="reject")
     assert ids == [0, 1, 2] == tok("a b")["input_ids"] and cut == 0
+
+
+def test_text_ids_are_the_tokenizers_call(hf_reference):
+    """A fast tokenizer's ids come from the tokenizers library's encode directly, and are
+    `tok(text)`'s: its special tokens, a special token's text in the prompt, any text. Where the
+    backend was left truncating, or splitting special tokens against the tokenizer's setting,
+    the call itself runs; a class that changes the encoding is never taken past."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from distlm.inference.prompts import runs_backend, text_ids
+
+    t = Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    bos = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", unk_token="[UNK]")
+    texts = ["a b", " The history  of\n\nthe city é 😀 ", "<|endoftext|>a<s>b", "word " * 50]
+    for tok in (hf_reference.tokenizer, bos):
+        assert runs_backend(type(tok))
+        for text in texts:
+            assert text_ids(tok, text) == tok(text)["input_ids"], text
+        want = tok(texts[3])["input_ids"]
+        tok.backend_tokenizer.enable_truncation(3)
+        assert text_ids(tok, texts[3]) == want  # the call: it sets no truncation
+        tok.split_special_tokens = True
+        try:
+            for text in texts:
+                assert text_ids(tok, text) == tok(text)["input_ids"], text
+        finally:
+            tok.split_special_tokens = False
+            tok("a")  # the backend as the call leaves it
+
+    class Lowered(PreTrainedTokenizerFast):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(text.lower(), *args, **kwargs)
+
+    assert not runs_backend(Lowered)
+    low = Lowered(tokenizer_object=t, bos_token="<s>", unk_token="[UNK]")
+    assert text_ids(low, "A b") == [0, 1, 2] == low("A b")["input_ids"]
 
 
 def test_encode_prompt_truncates_or_rejects(hf_reference):

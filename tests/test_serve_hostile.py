@@ -460,8 +460,19 @@ def test_a_timed_out_request_is_cancelled_in_the_pipeline(tiny_models, tmp_path)
         with Stopped(s):
             status, err = s.request("POST", "/v1/completions", {"prompt": "A", "max_tokens": 5})
             assert status == 504 and "serve.request_timeout_s" in err["error"]["message"]
+            # streamed: the stream's last event is the 504 (its status went out at its start)
+            t0 = time.monotonic()
+            body = {"prompt": "A", "max_tokens": 5, "stream": True}
+            status, text = s.request("POST", "/v1/completions", body)
+            assert 2.5 < time.monotonic() - t0 < 30
+            events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+            assert status == 200 and "error" in events[-1], text
+            message = events[-1]["error"]["message"]
+            assert "the stream not done within the request timeout" in message
+            assert "serve.request_timeout_s" in message
+            assert "[DONE]" not in text
         assert s.lanes_free()
-        assert _cancelled(s) == before + 1
+        assert _cancelled(s) == before + 2
         s.ok()
     finally:
         test_server.stop_server(s)

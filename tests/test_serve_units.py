@@ -159,8 +159,12 @@ def test_json_guards():
     assert json_depth(b'{"a": [1, {"b": []}]}') == 4
     assert json_depth(b'{"a": "[[[[{{{{", "b": "\\"[["}') == 1  # brackets in strings
     assert parse_json(b'{"a": [1, 2.5]}', max_depth=4, max_digits=8) == {"a": [1, 2.5]}
+    # at the limit, or brackets beyond it in strings only: taken (the scan runs for both)
+    assert parse_json(b'{"a": [[{"b": []}]]}', max_depth=5, max_digits=8)["a"] == [[{"b": []}]]
+    assert parse_json(b'{"a": "[[[[[[", "b": [[]]}', max_depth=3, max_digits=8)["b"] == [[]]
     bad = [
         (b"[" * 50 + b"]" * 50, "nested 50 deep, at most 4"),
+        (b'{"a": [[{"b": []}]]}', "nested 5 deep, at most 4"),
         (b'{"a": 123456789}', "a number of 9 characters, at most 8"),
         (b'{"a": -0.12345678}', "a number of 11 characters"),
         (b'{"a": 1e400}', "out of range"),

@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from distlm.inference.messages import Error, Finish, Prompt, Token
+from distlm.inference.prompts import runs_backend
 from distlm.inference.server.errors import ApiError
 from distlm.inference.server.metrics import Metrics
 from distlm.inference.server.prepare import Job
@@ -42,9 +43,10 @@ class Choice:
 
 
 def decodes_incrementally(tokenizer: Any) -> bool:
-    """Whether a DecodeStream's pieces joined are this tokenizer's decode: a fast tokenizer
-    (transformers' `backend_tokenizer`) that does not clean up spaces after decoding."""
-    return getattr(tokenizer, "backend_tokenizer", None) is not None and not getattr(
+    """Whether a DecodeStream's pieces joined are this tokenizer's decode, and that decode is
+    the tokenizers library's: a fast tokenizer that decodes as transformers' own does
+    (`runs_backend`) and does not clean up spaces after decoding."""
+    return runs_backend(type(tokenizer)) and not getattr(
         tokenizer, "clean_up_tokenization_spaces", False
     )
 
@@ -135,7 +137,7 @@ class Answer:
                 c.reason = "stop" if msg.reason == "stop" else msg.reason
                 self.left -= 1
                 if c.decoder is not None:  # the tokenizer's decode exactly, once, at the end
-                    self.texts[c.index] = self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+                    self.texts[c.index] = self.whole(c.tokens)
         elif isinstance(msg, Error) and c.reason is None:
             c.reason, c.error = "error", msg.message
             self.left -= 1
@@ -144,9 +146,15 @@ class Answer:
     def text(self, index: int) -> str:
         """The choice's whole text (after its end)."""
         if not self.live:
-            c = self.choices[index]
-            return self.tokenizer.decode(c.tokens, skip_special_tokens=True)
+            return self.whole(self.choices[index].tokens)
         return self.texts[index]
+
+    def whole(self, tokens: list[int]) -> str:
+        """The tokenizer's decode of these tokens, special ones left out: its backend's decode
+        where that is the same (`decodes_incrementally`), without transformers' Python around."""
+        if self.backend is not None:
+            return self.backend.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _stop_strings(self, c: Choice) -> None:
         text = self.texts[c.index]

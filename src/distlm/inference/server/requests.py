@@ -314,11 +314,15 @@ def parse_json(raw: bytes, *, max_depth: int, max_digits: int):
         raise RequestError(f"request body is not valid UTF-8 ({e})") from None
     if not text.strip():
         raise RequestError("request body is empty: expected a JSON object")
-    depth = json_depth(raw)
-    if depth > max_depth:
-        raise RequestError(
-            f"request body: JSON nested {depth} deep, at most {max_depth} (serve.max_json_depth)"
-        )
+    # a body nested d deep has d opening brackets at least: most have fewer than the limit, and
+    # need no scan (counting bytes is C's work; the scan is Python's, ~5 us a request)
+    if raw.count(b"[") + raw.count(b"{") > max_depth:
+        depth = json_depth(raw)
+        if depth > max_depth:
+            raise RequestError(
+                f"request body: JSON nested {depth} deep, at most {max_depth} "
+                "(serve.max_json_depth)"
+            )
 
     def number(s: str, kind):
         if len(s.lstrip("-")) > max_digits:
