@@ -75,24 +75,23 @@ def runs_backend(cls: type) -> bool:
     """Whether a tokenizer of class `cls` encodes (`tok(text)`) and decodes (`tok.decode(ids)`)
     as transformers' TokenizersBackend does, no method of it changed: the tokenizers library's
     encode_batch (after setting no truncation and no padding) and decode (then a clean-up of
-    spaces where `clean_up_tokenization_spaces` asks for one)."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase as Base
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend as Fast
-    except ImportError:  # another transformers: its own calls
-        return False
-    if not issubclass(cls, Fast) or hasattr(cls, "_switch_to_input_mode"):
+    spaces where `clean_up_tokenization_spaces` asks for one). transformers' classes are found
+    among `cls`'s bases, not imported (this module imports no transformers)."""
+    bases = {f"{c.__module__}.{c.__qualname__}": c for c in cls.__mro__}
+    base = bases.get("transformers.tokenization_utils_base.PreTrainedTokenizerBase")
+    fast = bases.get("transformers.tokenization_utils_tokenizers.TokenizersBackend")
+    if base is None or fast is None or hasattr(cls, "_switch_to_input_mode"):
         return False
     same = [
-        (cls.__call__, Base.__call__),
-        (cls._get_padding_truncation_strategies, Base._get_padding_truncation_strategies),
-        (cls._encode_plus, Fast._encode_plus),
-        (cls.set_truncation_and_padding, Fast.set_truncation_and_padding),
-        (cls._convert_encoding, Fast._convert_encoding),
-        (cls.decode, Base.decode),
-        (cls._decode, Fast._decode),
+        (base, "__call__"),
+        (base, "_get_padding_truncation_strategies"),
+        (fast, "_encode_plus"),
+        (fast, "set_truncation_and_padding"),
+        (fast, "_convert_encoding"),
+        (base, "decode"),
+        (fast, "_decode"),
     ]
-    return all(a is b for a, b in same)
+    return all(getattr(cls, name, None) is getattr(owner, name, False) for owner, name in same)
 
 
 def _fit(

@@ -147,7 +147,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head:
             self._head_arrived += len(data)
             if self._head_arrived > self.max_header_bytes:
-                self._malformed = True
                 self.send_400_response(self._too_large())
                 return
             if self._header_timer is None:
