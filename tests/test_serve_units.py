@@ -159,7 +159,8 @@ def test_json_guards():
     assert json_depth(b'{"a": [1, {"b": []}]}') == 4
     assert json_depth(b'{"a": "[[[[{{{{", "b": "\\"[["}') == 1  # brackets in strings
     assert parse_json(b'{"a": [1, 2.5]}', max_depth=4, max_digits=8) == {"a": [1, 2.5]}
-    # at the limit, or brackets beyond it in strings only: taken (the scan runs for both)
+    # at the limit (no more brackets than it: not scanned), or beyond it only with brackets in
+    # strings (scanned): taken
     assert parse_json(b'{"a": [[{"b": []}]]}', max_depth=5, max_digits=8)["a"] == [[{"b": []}]]
     assert parse_json(b'{"a": "[[[[[[", "b": [[]]}', max_depth=3, max_digits=8)["b"] == [[]]
     bad = [
