@@ -151,18 +151,17 @@ def test_the_ranks_fit_the_gpus_by_one_rule(monkeypatch):
 
 def test_a_rank_takes_its_share_of_its_launchers_thread_budget(monkeypatch):
     """One rule for both launchers: under torchrun OMP_NUM_THREADS is a ceiling a rank, under
-    mpiexec (the pipeline, `job_budget`) the job's total, less what another process of the job
-    on the host keeps (serve's API server)."""
+    mpiexec (the pipeline, `job_budget`) the job's total, shared by the ranks on the host."""
     assert threads_per_rank({"OMP_NUM_THREADS": "4"}, 16, local_ranks=2) == 4
     assert threads_per_rank({"OMP_NUM_THREADS": "4"}, 16, local_ranks=2, job_budget=True) == 2
-    assert threads_per_rank({}, 16, local_ranks=2, job_budget=True, reserve=1) == 7
+    assert threads_per_rank({}, 16, local_ranks=2, job_budget=True) == 8
+    assert threads_per_rank({"OMP_NUM_THREADS": "3"}, 16, local_ranks=2, job_budget=True) == 1
     assert threads_per_rank({"OMP_NUM_THREADS": "1"}, 16, local_ranks=2, job_budget=True) == 1
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     try:
         stage = Topology(1, 3, 1, MPI_RING, DeviceBackend.cpu(), local_world_size=2)
         assert stage.share_threads() == 1 == torch.get_num_threads()
-        assert stage.share_threads(reserve=1) == 1  # never none
     finally:
         torch.set_num_threads(before)
 

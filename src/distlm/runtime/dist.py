@@ -100,23 +100,23 @@ class Topology:
             else:
                 dist.barrier()
 
-    def share_threads(self, *, reserve: int = 0) -> int:
+    def share_threads(self) -> int:
         """Give this rank its share of its host's thread budget; return its intra-op threads.
 
         Snakemake sets OMP_NUM_THREADS to the rule's `threads`, a total for the job, and both
         launchers pass it on to every rank: 2 ranks x 2 threads on 2 cores made training steps
         4x slower, with spikes. Under torchrun it is a ceiling a rank (torchrun's meaning: it
         sets 1 itself when it starts several ranks), and a GPU rank keeps torch's own count; under
-        mpiexec (the pipeline, which sets none) it is the job's budget, less `reserve` threads for
-        another process of the job on this host (serve: the API server beside stage 0)
-        (`distlm.runtime.host.threads_per_rank`). The thread count changes float sums, so a resumed run
+        mpiexec (the pipeline, which sets none) it is the job's budget, shared by the ranks on
+        this host (`distlm.runtime.host.threads_per_rank`); serve's API server processes beside
+        stage 0 take no share of it (`distlm.inference.engine.bootstrap.mpi_pipeline`). The thread count changes float sums, so a resumed run
         must see the same cores."""
         mpi = self.backend == MPI_RING
         if self.device_backend.is_gpu and not mpi:
             return torch.get_num_threads()
         cpus = usable_cpus()
         threads = threads_per_rank(
-            os.environ, cpus, local_ranks=self.local_world_size, job_budget=mpi, reserve=reserve
+            os.environ, cpus, local_ranks=self.local_world_size, job_budget=mpi
         )
         torch.set_num_threads(threads)
         log.info(

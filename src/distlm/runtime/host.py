@@ -28,7 +28,6 @@ def threads_per_rank(
     *,
     local_ranks: int | None = None,
     job_budget: bool = False,
-    reserve: int = 0,
 ) -> int:
     """Intra-op threads for one of the `local_ranks` ranks on a host (default: env's
     LOCAL_WORLD_SIZE) whose process may use `cpus` cores; at least one.
@@ -37,11 +36,11 @@ def threads_per_rank(
     ranks), but Snakemake sets it to the rule's `threads`, the job's total, which torchrun passes
     on to every rank: so it is only a ceiling on the rank's share of the cores. With `job_budget`
     (mpiexec, which sets none of its own) it is the job's budget, the cores when unset, shared
-    equally by the ranks after `reserve` threads for another process of the job."""
+    equally by the ranks."""
     local = local_ranks or int(env.get("LOCAL_WORLD_SIZE") or 1)
     omp = env.get("OMP_NUM_THREADS")
     if job_budget:
-        return max(1, ((int(omp) if omp else cpus) - reserve) // local)
+        return max(1, (int(omp) if omp else cpus) // local)
     share = max(1, cpus // local)
     return min(int(omp), share) if omp else share
 

@@ -68,15 +68,13 @@ class Pipeline:
         return self.scheduler
 
 
-def host_ranks(comm) -> tuple[int, int, bool]:
-    """(this rank's index among the ranks on its host, how many ranks share the host, whether
-    stage 0 is one of them)."""
+def host_ranks(comm) -> tuple[int, int]:
+    """(this rank's index among the ranks on its host, how many ranks share the host)."""
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        with_first = bool(node.allreduce(int(comm.Get_rank() == 0), op=MPI.SUM))
-        return node.Get_rank(), node.Get_size(), with_first
+        return node.Get_rank(), node.Get_size()
     finally:
         node.Free()
 
@@ -93,9 +91,10 @@ def mpi_pipeline(
 
     `device` is runtime.device: cpu, cuda (one GPU per rank on a host) or auto; never a fallback.
     `api_servers`: serve mode's API server processes (0: batch inference). They run beside
-    stage 0, so the ranks on its host leave them a thread each of the budget (on 2 cores, a
-    one-stage engine with 1 thread served 10-30% more tokens than with 2, whose threads took
-    turns on the cores with the API server's).
+    stage 0 and take no share of the thread budget: the ranks on a host share all of it
+    (`Topology.share_threads`). An API process uses a fifth of a core at 64 clients on 2 cores,
+    and a one-stage engine with both threads served 14% more tokens there than with one, the
+    other core left to the API server (docs/performance.md, "Serving").
     """
     from distlm.runtime.device import DeviceBackend
     from distlm.runtime.heap import freeze_startup_heap
@@ -115,7 +114,7 @@ def mpi_pipeline(
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     rank, stages = comm.Get_rank(), comm.Get_size()
     try:
-        local_rank, local_size, with_first = host_ranks(comm)
+        local_rank, local_size = host_ranks(comm)
         hw = DeviceBackend.for_rank(
             device,
             local_rank=local_rank,
@@ -126,7 +125,7 @@ def mpi_pipeline(
             steps_in_flight=settings.steps_in_flight,
         )
         topo = Topology(rank, stages, local_rank, MPI_RING, hw, local_world_size=local_size)
-        topo.share_threads(reserve=api_servers if with_first else 0)
+        topo.share_threads()
         stats = StageStats(stage=rank)
         log.info("pipeline stage %d of %d: %s", rank, stages, hw.describe())
         model = load_stage(model_dir, rank, world=stages, hw=hw)
