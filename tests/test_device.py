@@ -166,6 +166,27 @@ def test_a_rank_takes_its_share_of_its_launchers_thread_budget(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
+def test_the_serve_jobs_threads_count_its_api_servers_and_its_tasks_the_ranks(tmp_path):
+    """The user's dry run of `serve` with either profile: the job's threads are its processes
+    (the ranks, which share them all, and the API server processes beside stage 0); under SLURM
+    its tasks are the ranks alone (srun -n S)."""
+    from conftest import ROOT, TINY, run_snakemake
+
+    two = tmp_path / "serve.yaml"
+    two.write_text("serve:\n  stages: 2\n  api_servers: 3\n")
+    proc = run_snakemake(tmp_path, "serve", "-n", "--cores", "8", configfiles=(TINY, two))
+    job = proc.stdout[proc.stdout.index("rule serve:") :]
+    assert re.search(r"^\s+threads: 5$", job, re.MULTILINE), job
+    assert re.search(r"resources: .*\btasks=2\b", job), job
+    proc = run_snakemake(
+        tmp_path, "serve", "-n", configfiles=(TINY, two), profile=ROOT / "profiles" / "slurm"
+    )
+    job = proc.stdout[proc.stdout.index("rule serve:") :]
+    assert re.search(r"resources: .*\btasks=2\b.*\bmpi=srun --mpi=pmi2\b", job), job
+    assert "--launcher 'srun --mpi=pmi2 -n 2'" in job, job
+
+
 def test_one_topology_for_the_process_group_and_the_pipelines_ring():
     last = Topology(2, 3, 0, MPI_RING, DeviceBackend.cpu())
     assert (last.next, last.prev, last.is_last, last.is_main) == (0, 1, True, False)

@@ -30,7 +30,12 @@ rule serve:
         job_path("logs/inference/serve.log", variant=None),
     conda:
         "../envs/serve.yaml"
-    threads: S.serve.stages
+    # The job's processes: a rank per stage and the API server processes beside stage 0, which
+    # take no thread of the ranks' budget (docs/serving.md, "Stage count"); SLURM's tasks are the
+    # ranks alone.
+    threads: S.serve.stages + S.serve.api_servers
+    resources:
+        tasks=S.serve.stages,
     params:
         cfg=stage_params(S, "serve"),
         stages=S.serve.stages,

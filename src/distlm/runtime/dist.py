@@ -109,8 +109,8 @@ class Topology:
         sets 1 itself when it starts several ranks), and a GPU rank keeps torch's own count; under
         mpiexec (the pipeline, which sets none) it is the job's budget, shared by the ranks on
         this host (`distlm.runtime.host.threads_per_rank`); serve's API server processes beside
-        stage 0 take no share of it (`distlm.inference.engine.bootstrap.mpi_pipeline`). The thread count changes float sums, so a resumed run
-        must see the same cores."""
+        stage 0 take no share of it (`distlm.inference.engine.bootstrap.mpi_pipeline`). The
+        thread count changes float sums, so a resumed run must see the same cores."""
         mpi = self.backend == MPI_RING
         if self.device_backend.is_gpu and not mpi:
             return torch.get_num_threads()
