@@ -30,9 +30,9 @@ rule serve:
         job_path("logs/inference/serve.log", variant=None),
     conda:
         "../envs/serve.yaml"
-    # The job's processes: a rank per stage and the API server processes beside stage 0, which
-    # take no thread of the ranks' budget (docs/serving.md, "Stage count"); SLURM's tasks are the
-    # ranks alone.
+    # The job's processes: a rank per stage and the API server processes beside stage 0; the
+    # ranks' intra-op threads share all of them (docs/serving.md, "Stage count"). SLURM's tasks
+    # are the ranks alone.
     threads: S.serve.stages + S.serve.api_servers
     resources:
         tasks=S.serve.stages,
