@@ -21,6 +21,8 @@ rule inference:
     conda:
         "../envs/mpi.yaml"
     threads: per_job(lambda s: s.inference.stages)
+    resources:
+        tasks=per_job(lambda s: s.inference.stages),  # SLURM's: one MPI rank per stage
     params:
         cfg=params_of("inference"),
         stages=per_job(lambda s: s.inference.stages),

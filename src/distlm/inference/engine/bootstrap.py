@@ -91,10 +91,8 @@ def mpi_pipeline(
 
     `device` is runtime.device: cpu, cuda (one GPU per rank on a host) or auto; never a fallback.
     `api_servers`: serve mode's API server processes (0: batch inference). They run beside
-    stage 0 and take no share of the thread budget: the ranks on a host share all of it
-    (`Topology.share_threads`). An API process uses a fifth of a core at 64 clients on 2 cores,
-    and a one-stage engine with both threads served 14% more tokens there than with one, the
-    other core left to the API server (docs/performance.md, "Serving").
+    stage 0 and keep no thread of the budget: the ranks on a host share all of it
+    (`Topology.share_threads`; why: docs/serving.md, "Stage count").
     """
     from distlm.runtime.device import DeviceBackend
     from distlm.runtime.heap import freeze_startup_heap
