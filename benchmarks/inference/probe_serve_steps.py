@@ -1,23 +1,27 @@
-"""The serving engine's steps without HTTP: stage 0's real Scheduler and stage on one thread, fed
-by N simulated clients that each send a greedy request again one step after the last one ended
+"""The serving engine's steps without HTTP: stage 0's real Scheduler and stage, fed by N
+simulated clients that each send a greedy request again one step after the last one ended
 (starts staggered), so that sequences end and lanes are reused as when serving.
 
     python benchmarks/inference/probe_serve_steps.py --model results/train/final --clients 16
     python benchmarks/inference/probe_serve_steps.py --model results/train/final --src ../old/src
     python benchmarks/inference/probe_serve_steps.py --clients 64 --steps-in-flight 2
+    python benchmarks/inference/probe_serve_steps.py --clients 64 --threads 1
 
-Prints the tokens/s of each timed run (--runs of --steps scheduler steps, after one warm-up run)
-and how the decode items of the micro-batches were attended (stage._Decode): `whole` (only
-decodes, lanes in order: queries and outputs as they lie), `aligned` (the same, prefills after
-them), `picked` (rows picked by index: a lane between them has no decode item, or the order is
-another), `single` (one sequence alone), `prefill-only`. `--src` imports distlm from another
-checkout's src, to compare two versions back to back on the same machine.
+Stage 0 runs on the intra-op threads a one-stage serve job's rank takes here (the job's whole
+budget: OMP_NUM_THREADS, else the usable cores, as `Topology.share_threads` derives it), or on
+--threads. Prints the tokens/s of each timed run (--runs of --steps scheduler steps, after one
+warm-up run) and how the decode items of the micro-batches were attended (stage._Decode):
+`whole` (only decodes, lanes in order: queries and outputs as they lie), `aligned` (the same,
+prefills after them), `picked` (rows picked by index: a lane between them has no decode item,
+or the order is another), `single` (one sequence alone), `prefill-only`. `--src` imports distlm
+from another checkout's src, to compare two versions back to back on the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +44,12 @@ def main() -> None:
         default=None,
         help="micro-batches on the device at once (inference.steps_in_flight; default 1)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="stage 0's intra-op threads (default: a one-stage serve job's rank's, here)",
+    )
     args = p.parse_args()
     sys.path.insert(0, str(args.src.resolve()))
     sys.path.insert(1, str(Path(__file__).parent))
@@ -60,7 +70,14 @@ def main() -> None:
     # change which distlm runs
     from bench import prompts, sharded
 
-    torch.set_num_threads(1)  # a serving rank's budget with the API server beside it
+    from distlm.runtime.host import threads_per_rank, usable_cpus
+
+    # a one-stage serve job's rank takes the job's whole budget (Topology.share_threads)
+    threads = args.threads or threads_per_rank(
+        os.environ, usable_cpus(), local_ranks=1, job_budget=True
+    )
+    torch.set_num_threads(threads)
+    print(f"stage 0 on {threads} intra-op threads")
     tok = AutoTokenizer.from_pretrained(args.model)
     texts = prompts(str(ROOT / "config" / "prompts.txt"), args.clients)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
