@@ -1,15 +1,16 @@
 """The pipeline engine's decode steps as static steps, one per block of cache rows
 (distlm.inference.engine.graphs' `DecodeGraphs`: CUDA graphs on a GPU, tests/test_gpu.py),
 run here on the CPU without a capture: the same logits as the eager step at every step of a
-schedule in which sequences start, decode beside each other, end and leave gaps, and the cache
-grows, for GPT-2 and the Llama family (one and two grouped KV heads, Qwen3's head width), at one
-and three stages."""
+schedule in which sequences start, decode beside each other, end and leave gaps, the cache
+grows, and a step attends the positions its rows hold (rounded up), for GPT-2 and the Llama
+family (one and two grouped KV heads, Qwen3's head width), at one and three stages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from distlm.inference.engine.graphs import MIN_SPAN
 from distlm.inference.engine.pipeline_stage import Item, load_stage
 from distlm.runtime.device import DeviceBackend
 
@@ -34,6 +35,9 @@ class Chain:
 
     def blocks(self) -> list[list[tuple[int, int]]]:
         return [m.graphs.blocks() if m.graphs else [] for m in self.models]
+
+    def steps(self) -> list[list[tuple[int, int, int]]]:
+        return [m.graphs.steps() if m.graphs else [] for m in self.models]
 
 
 @pytest.mark.parametrize("stages", [1, 3])
@@ -103,6 +107,13 @@ def same_steps(eager: Chain, static: Chain, *, tol: float) -> None:
         step({}, [0, 1, 2, 3, 4])  # rows 0-5 (8 rounded up, at most the cache's 6 lanes)
     step({}, [4])  # one item on a high lane: row 4 alone
     assert used == {(0, 3), (0, 4), (1, 1), (2, 2), (0, 6), (4, 1)}, used
+    # the steps attend the positions their rows hold, rounded up (MIN_SPAN: 32), not the cache's
+    assert static.steps()[0] and all(T == MIN_SPAN for m in static.steps() for _, _, T in m)
+    step({5: 40}, [])  # a long prompt (eager) in the block's last lane
+    step({}, [0, 1, 2, 3, 4])  # rows 0-5 over 32 positions, lane 5's 40 beyond them
+    step({}, [0, 1, 2, 3, 4, 5])  # over 64: the longest item's 41, rounded up
+    assert static.models[0].kv[0].shape[3] - 1 == 64
+    assert {(0, 6, 32), (0, 6, 64)} <= set(static.steps()[0])
     for lane in list(length):
         end(lane)  # an idle stage: the eager one frees its cache, the static one keeps it
     assert eager.models[0].cached_bytes() == 0 < static.models[0].cached_bytes()

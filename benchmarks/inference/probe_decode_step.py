@@ -1,10 +1,11 @@
 """One decode step of a serving stage, timed three ways on the same rows: the eager step
 (`StageModel.forward`, what the CPU serves with), the static step (`StaticStep.forward`, the
-body a GPU captures as a CUDA graph; it attends every cached position) and the static step under
-`torch.compile` (inductor; `--freezing` folds the weights in as constants, on the CPU oneDNN's
-prepacked layout). Also the decode's attention call alone over one layer's cache, hot (called
-again and again: its keys and values stay in the CPU's caches) and cold (64 MB written between
-calls), times the layers: in the step, each layer's call reads them after the others' work.
+body a GPU captures as a CUDA graph, over the positions its rows hold rounded up) and the
+static step under `torch.compile` (inductor; `--freezing` folds the weights in as constants, on
+the CPU oneDNN's prepacked layout). Also the decode's attention call alone over one layer's
+cache, hot (called again and again: its keys and values stay in the CPU's caches) and cold (64
+MB written between calls), times the layers: in the step, each layer's call reads them after
+the others' work.
 
     python benchmarks/inference/probe_decode_step.py --model results/train/final --rows 16,64
     python benchmarks/inference/probe_decode_step.py --rows 64 --freezing
@@ -49,7 +50,7 @@ def main() -> None:
     from bench import sharded
 
     from distlm.inference.engine import pipeline_stage as stage
-    from distlm.inference.engine.graphs import StaticStep
+    from distlm.inference.engine.graphs import DecodeGraphs, StaticStep
     from distlm.inference.engine.micro_batch import Item
     from distlm.runtime.device import DeviceBackend
     from distlm.runtime.host import threads_per_rank, usable_cpus
@@ -95,7 +96,7 @@ def main() -> None:
                         model.length[it.lane] = it.pos
                     model.forward(items, x)
 
-                static = StaticStep(model, 0, R)
+                static = StaticStep(model, 0, R, DecodeGraphs(model, capture=False).span(items))
                 static.load(items, x)
                 t0 = time.perf_counter()
                 compiled = torch.compile(static.forward, dynamic=False)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+# the fewest positions a static step attends (DecodeGraphs.span): the smallest bucket
+MIN_SPAN = 32
+
 
 class CachedStage(Protocol):
     """What a static step reads of its pipeline stage (`StageModel`): its blocks and their
@@ -58,9 +61,14 @@ class DecodeGraphs:
       A row whose lane has no item here attends position 0 (its output unused) and writes its
       key and value into the cache's scratch position (the last one, which no row ever attends:
       `StageModel._reserve`), never over another sequence's.
-    - **Every cached position.** Each row attends the cache's T positions with an additive mask
-      of its own length (0 up to its position, -inf after), the mask the eager step makes for
-      its longest item's length.
+    - **The positions in use, in buckets.** Each row attends the step's first T positions with
+      an additive mask of its own length (0 up to its position, -inf after), the mask the eager
+      step makes for its longest item's length. T is that longest item's length rounded up to
+      a power of two, at least `MIN_SPAN`, at most the cache's positions: a block has a step
+      per T, and as its sequences grow it captures the next one (at most log2(context /
+      MIN_SPAN) + 1 a block). A served cache keeps the positions its longest sequence needed,
+      so attending all of them read 6.8x the positions the rows held at 64 clients
+      (benchmarks/LOG.md, "The static decode step's positions").
     - **Inputs in place.** The step's token ids (or hidden states, after stage 0), positions,
       write positions and mask are copied into the step's own tensors before each replay; its
       output rows are picked in the items' order after it.
@@ -80,11 +88,15 @@ class DecodeGraphs:
     def __init__(self, model: CachedStage, *, capture: bool) -> None:
         self.model = model
         self.capture = capture  # as CUDA graphs (the device backend's `capture_graphs`)
-        self._steps: dict[tuple[int, int], StaticStep] = {}
+        self._steps: dict[tuple[int, int, int], StaticStep] = {}  # (lo, R, T) -> its step
         self.captured = 0  # graphs captured so far (the log and the tests read it)
 
     def blocks(self) -> list[tuple[int, int]]:
         """The blocks of rows (lo, R) that have a step now."""
+        return sorted({(lo, R) for lo, R, _ in self._steps})
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """The steps there are now: their rows and positions (lo, R, T)."""
         return sorted(self._steps)
 
     def clear(self) -> None:
@@ -111,15 +123,23 @@ class DecodeGraphs:
             lo = lanes - R
         return lo, R
 
+    def span(self, items: list[Item]) -> int:
+        """The positions T the static step of `items` attends: their longest item's length
+        (its new position included) rounded up to a power of two, at least MIN_SPAN, at most the
+        cache's positions."""
+        need = max(it.pos for it in items) + 1
+        return min(self.model.kv[0].shape[3] - 1, max(MIN_SPAN, 1 << (need - 1).bit_length()))
+
     def run(self, items: list[Item], x: torch.Tensor) -> torch.Tensor | None:
         """The decode step of `items` (token ids (B,) on stage 0, hidden states (B, C) after)
         in its static step -> hidden states (B, C), or logits (B, V) on the last stage, in the
         items' order; None when the step's capture failed (logged; nothing was computed that
         the eager step would not write the same)."""
         lo, R = self.block(items)
-        step = self._steps.get((lo, R))
+        T = self.span(items)
+        step = self._steps.get((lo, R, T))
         if step is None:
-            step = self._steps[lo, R] = StaticStep(self.model, lo, R)
+            step = self._steps[lo, R, T] = StaticStep(self.model, lo, R, T)
         rows = step.load(items, x)
         if not self.capture:  # no graphs: the static step as it is
             return step.forward().index_select(0, rows)
@@ -151,19 +171,20 @@ class DecodeGraphs:
 
 
 class StaticStep:
-    """One block's decode step over the cache's rows [lo, lo + R), its shapes and tensors fixed
-    (DecodeGraphs' doc); `forward` is what a CUDA graph captures."""
+    """One block's decode step over the cache's rows [lo, lo + R) and its first T positions,
+    its shapes and tensors fixed (DecodeGraphs' doc); `forward` is what a CUDA graph captures."""
 
-    def __init__(self, model: CachedStage, lo: int, rows: int) -> None:
+    def __init__(self, model: CachedStage, lo: int, rows: int, positions: int) -> None:
         self.model = model
         dev, R = model.device, rows
         self.lo, self.R = lo, R
-        self.T = model.kv[0].shape[3] - 1  # the positions rows attend; index T is the scratch
+        self.T = positions  # the positions rows attend
+        self.scratch = model.kv[0].shape[3] - 1  # the cache's last position, never attended
         long = {"dtype": torch.long, "device": dev}
         self.lanes = torch.arange(lo, lo + R, **long)
         self.span = torch.arange(self.T, **long)
         self.pos = torch.zeros(R, **long)  # each row's new position (0: a row without an item)
-        self.write = torch.full((R,), self.T, **long)  # where each row's key and value go
+        self.write = torch.full((R,), self.scratch, **long)  # where each row's key and value go
         self.mask = torch.zeros(R, 1, 1, self.T, dtype=model.dtype, device=dev)
         # the rows' token ids (stage 0) or hidden states (R, C) (later stages)
         self.x = (
@@ -182,7 +203,7 @@ class StaticStep:
             [[it.lane - self.lo for it in items], [it.pos for it in items]], device=dev
         )
         self.pos.zero_().index_copy_(0, rows, pos)
-        self.write.fill_(self.T).index_copy_(0, rows, pos)
+        self.write.fill_(self.scratch).index_copy_(0, rows, pos)
         self.x.index_copy_(0, rows, x.to(dev, self.x.dtype))
         # each row attends its cached positions up to its own (a row without one: position 0)
         beyond = (self.span > self.pos.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, T)
