@@ -96,7 +96,8 @@ class EngineSettings(SamplingSettings):
         default=True,
         **ONLY_WHEN_SET,
         description=(
-            "On a GPU, decode steps run as CUDA graphs (captured per block of cache rows); "
+            "On a GPU, decode steps run as CUDA graphs (captured per block of cache rows and "
+            "span of positions); "
             "false: every step eager (vLLM's --enforce-eager), to compare or to debug. The CPU "
             "runs eagerly either way."
         ),

@@ -1,6 +1,7 @@
-"""Decode steps as CUDA graphs (`DecodeGraphs`), one per block of cache rows, each a static step
-(`StaticStep`) with fixed shapes and tensors over the stage's KV cache: what a pipeline stage
-(engine/pipeline_stage.py's `StageModel`) replays on a GPU in place of its eager decode step."""
+"""Decode steps as CUDA graphs (`DecodeGraphs`), one per block of cache rows and span of
+positions, each a static step (`StaticStep`) with fixed shapes and tensors over the stage's KV
+cache: what a pipeline stage (engine/pipeline_stage.py's `StageModel`) replays on a GPU in place
+of its eager decode step."""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ class CachedStage(Protocol):
 
 
 class DecodeGraphs:
-    """Decode steps as CUDA graphs, one per block of cache rows, as vLLM captures its decode
-    batches.
+    """Decode steps as CUDA graphs, one per block of cache rows and span of positions, as vLLM
+    captures its decode batches.
 
     A decode step (every item of a micro-batch one new token after cached ones) is a few hundred
     small kernels; on a GPU it is bound by launching them, not by computing them. Captured once
