@@ -115,6 +115,18 @@ def seeded_model(folder: Path, args, **arch) -> Path:
     return corpus_model_folder(folder, init, created_by="benchmark")
 
 
+def serve_rank_threads(threads: int | None = None) -> int:
+    """Intra-op threads for a probe's stage 0: `threads`, else what a one-stage serve job's rank
+    takes here (the job's whole budget: OMP_NUM_THREADS, else the usable cores), set in torch."""
+    import torch
+
+    from distlm.runtime.host import threads_per_rank, usable_cpus
+
+    threads = threads or threads_per_rank(os.environ, usable_cpus(), local_ranks=1, job_budget=True)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def sharded(model: Path, stages: int, work: Path) -> Path:
     """The model folder cut into a pipeline folder of `stages` shards (what rule shard does)."""
     from distlm.model import write_pipeline_dir

@@ -21,7 +21,6 @@ difference of the compiled step's output from the static step's.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -47,18 +46,14 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
-    from bench import sharded
+    from bench import serve_rank_threads, sharded
 
     from distlm.inference.engine import pipeline_stage as stage
     from distlm.inference.engine.graphs import DecodeGraphs, StaticStep
     from distlm.inference.engine.micro_batch import Item
     from distlm.runtime.device import DeviceBackend
-    from distlm.runtime.host import threads_per_rank, usable_cpus
 
-    threads = args.threads or threads_per_rank(
-        os.environ, usable_cpus(), local_ranks=1, job_budget=True
-    )
-    torch.set_num_threads(threads)
+    threads = serve_rank_threads(args.threads)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if args.freezing:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from pathlib import Path
@@ -68,15 +67,9 @@ def main() -> None:
     print(f"distlm from {Path(stage.__file__).parents[3]}")
     # bench.py puts this checkout's src first on the path: imported after distlm, it cannot
     # change which distlm runs
-    from bench import prompts, sharded
+    from bench import prompts, serve_rank_threads, sharded
 
-    from distlm.runtime.host import threads_per_rank, usable_cpus
-
-    # a one-stage serve job's rank takes the job's whole budget (Topology.share_threads)
-    threads = args.threads or threads_per_rank(
-        os.environ, usable_cpus(), local_ranks=1, job_budget=True
-    )
-    torch.set_num_threads(threads)
+    threads = serve_rank_threads(args.threads)
     print(f"stage 0 on {threads} intra-op threads")
     tok = AutoTokenizer.from_pretrained(args.model)
     texts = prompts(str(ROOT / "config" / "prompts.txt"), args.clients)
