@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 from conftest import SINGLE, TINY, copy_workflow, run_snakemake
-from harness.synthetic import checkpoint_state
+from harness.synthetic import checkpoint_state, write_tokens
 
 from distlm.core.io import DiskFull, atomic_path, free_bytes, nbytes, write_text
 from distlm.dag.config import deep_merge
@@ -168,28 +168,47 @@ def test_model_folder_and_shards_on_a_full_disk(tmp_path):
         assert digests(pipeline / "shards") == shards_before
 
 
-def test_token_file_and_plain_writes_on_a_full_disk(tmp_path):
-    """h5py (the token file) and plain writes; a write that declares no size says how much it had
-    written when the space ran out."""
+def test_token_shard_and_plain_writes_on_a_full_disk(tmp_path):
+    """A token shard (its ids stream into scratch files, then into the HDF5 file) and plain
+    writes; a write that declares no size says how much it had written when the space ran out.
+    What was there before (a finished shard and its index) stays as it was."""
     import h5py
 
-    from distlm.data import write_tokens
     from distlm.data.documents import TokenMeta
 
-    ids = np.arange(400_000, dtype=np.int64) % 1000  # 1.6 MB as uint16
     meta = TokenMeta(
         source={}, config_digest="test", tokenizer="test", vocab_size=1000, eos_token_id=None,
         block_size=10,
     )  # fmt: skip
+
+    def tree(fs: Path) -> dict[str, str]:
+        return {
+            str(p.relative_to(fs)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(fs.rglob("*"))
+            if p.is_file()
+        }
+
     with tmpfs(tmp_path / "fs", 1 << 20) as fs:
         tokens = fs / "tokens.h5"
-        write_tokens(tokens, {"train": ids[:1000]}, 10, 1000, meta)
-        before = digests(fs)
-        with pytest.raises(DiskFull) as got:
-            write_tokens(tokens, {"train": ids}, 10, 1000, meta)
-        assert_named(got.value, tokens)
-        assert got.value.needed == 2 * ids.size * 2  # uint16 stream + blocks
-        assert digests(fs) == before
+        ids = np.arange(1000, dtype=np.int64) % 1000
+        write_tokens(tokens, {"train": ids}, 10, 1000, meta)
+        before = tree(fs)
+        for n, estimated in ((600_000, False), (300_000, True)):
+            # 1.2 MB of uint16 ids: the stream's scratch write runs out; 0.6 MB: the stream fits,
+            # and the shard file's space is found short before HDF5 writes a byte of it
+            other = meta.model_copy(update={"config_digest": f"test-{n}"})
+            with pytest.raises(DiskFull) as got:
+                write_tokens(fs / "other.h5", {"train": np.arange(n) % 1000}, 10, 1000, other)
+            shard = got.value.path
+            assert shard.parent == fs / "shards" and shard.suffix == ".h5"
+            if estimated:
+                assert_named(got.value, shard)
+            else:
+                text = str(got.value)
+                assert text.startswith(f"{shard}: No space left on device"), text
+                assert f"needs more than the {got.value.needed} bytes" in text, text
+                assert f"{got.value.free} bytes" in text and got.value.needed > 0, text
+            assert tree(fs) == before  # no scratch file, no partial shard, the first untouched
         with h5py.File(tokens) as f:
             assert f["train"].attrs["n_tokens"] == 1000
 
@@ -200,7 +219,7 @@ def test_token_file_and_plain_writes_on_a_full_disk(tmp_path):
         with pytest.raises(DiskFull) as got, atomic_path(fs / "raw.bin") as tmp:
             tmp.write_bytes(b"x" * (2 << 20))
         assert "needs more than the" in str(got.value) and got.value.needed > 0
-        assert digests(fs) == before
+        assert tree(fs) == before
 
 
 # ----------------------------------------------------------------------------- the workflow

@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from harness.synthetic import write_tokens
 
 from distlm import DistlmError
 from distlm.core.io import read_json, sha256_file, write_json
 from distlm.dag.config import ConfigError, load_config
-from distlm.data import TokenBlocks, read_tokens_meta, write_tokens
+from distlm.data import TokenBlocks, read_tokens_meta
 from distlm.data.documents import TokenMeta
 from distlm.evaluate import (
     check_data_matches,

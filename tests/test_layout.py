@@ -84,7 +84,7 @@ NOT_STAGES = {"resolve_config"}
 def _rule_commands() -> dict[str, set[str]]:
     """Each rule's commands as its .smk text names them (a rule may be in two files: report)."""
     found: dict[str, set[str]] = defaultdict(set)
-    block = re.compile(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", re.MULTILINE | re.DOTALL)
+    block = re.compile(r"^(?:rule|checkpoint) (\w+):\n(.*?)(?=^\S|\Z)", re.MULTILINE | re.DOTALL)
     for smk in sorted(RULES.glob("*.smk")):
         for rule, body in block.findall(smk.read_text(encoding="utf-8")):
             found[rule].update(
@@ -96,12 +96,13 @@ def _rule_commands() -> dict[str, set[str]]:
 
 
 def test_each_rule_runs_the_commands_its_stage_declares():
-    by_rule = {s.rule: s for s in STAGES.values()}
+    declared = {s.rule: s.commands for s in STAGES.values()}
+    declared |= {rule: cmds for s in STAGES.values() for rule, cmds in s.parts.items()}
     commands = _rule_commands()
-    assert set(commands) - NOT_STAGES == set(by_rule), "a rule with a command is a stage"
+    assert set(commands) - NOT_STAGES == set(declared), "a rule with a command is a stage's"
     for rule, named in commands.items():
-        if rule in by_rule:
-            assert named == set(by_rule[rule].commands), rule
+        if rule in declared:
+            assert named == set(declared[rule]), rule
 
 
 def _source(command: str) -> Path:
@@ -115,7 +116,7 @@ def test_each_command_calls_into_its_stages_home():
     for stage in STAGES.values():
         home = importlib.import_module(stage.home)  # the home exists
         assert home.__name__ == stage.home
-        for command in stage.commands:
+        for command in (*stage.commands, *(c for cs in stage.parts.values() for c in cs)):
             text = _source(command).read_text(encoding="utf-8")
             assert re.search(rf"^\s*(from|import) {re.escape(stage.home)}\b", text, re.MULTILINE), (
                 f"{command} (stage {stage.name}) imports nothing of its home {stage.home}"

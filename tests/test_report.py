@@ -474,7 +474,7 @@ def test_profile_window_not_captured(tmp_path):
         (LAYOUT["metrics"], "step,lr\n1,0.1\n", "missing column(s) loss"),
         (LAYOUT["val"], "step,loss\n1,2\n", "missing column(s) val_loss"),
         (LAYOUT["stats"], "{not json", "not valid JSON"),
-        (LAYOUT["stats"], json.dumps({"splits": {}}), "no format tag where 'distlm-data-stats/1'"),
+        (LAYOUT["stats"], json.dumps({"splits": {}}), "no format tag where 'distlm-data-stats/2'"),
         (
             LAYOUT["stats"],
             json.dumps({"format": "distlm-data-stats/0", "splits": {}}),

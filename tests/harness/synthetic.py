@@ -12,10 +12,68 @@ import numpy as np
 
 from distlm.core.io import digest
 from distlm.dag.stages import STAGES
-from distlm.data import write_tokens
-from distlm.data.documents import TokenMeta
+from distlm.data.documents import (
+    SPLITS,
+    ShardMeta,
+    ShardSpec,
+    ShardSplit,
+    Source,
+    TokenMeta,
+    Unit,
+)
+from distlm.data.tokens import ShardWriter, stream_segments, token_dtype, write_index
 from distlm.model import init_config, init_model, state_dict_for_save, write_model_dir
 from distlm.settings import init_settings
+
+
+def write_tokens(
+    path: str | Path, streams: dict[str, np.ndarray], block_size: int, vocab: int, meta: TokenMeta
+) -> Path:
+    """A token store of `streams` (split -> ids) as the data stage lays it out: one shard file
+    under path's folder (shards/) holding every split, and the index at `path`; returns the
+    shard's path. The meta's block size and vocabulary are the file's."""
+    path = Path(path)
+    assert meta.block_size == block_size and meta.vocab_size == vocab
+    dtype = token_dtype(vocab)
+    unit = Unit(file="synthetic", format="txt", size=0, start=0, stop=0, text_bytes=0)
+    spec = ShardSpec(
+        source=Source(kind="local", units=(unit,), split="train", text_field="text"),
+        separator="",
+        tokenizer=meta.config_digest[:16],
+    )
+    shard = path.parent / "shards" / f"{spec.id}.h5"
+    empty = np.zeros(0, dtype=dtype)
+    with ShardWriter(shard, dtype) as w:
+        for s in SPLITS:
+            w.add(s, streams.get(s, empty))
+        n = {s: len(streams.get(s, empty)) for s in SPLITS}
+        w.finish(
+            ShardMeta(
+                spec=spec,
+                vocab_size=vocab,
+                dtype=dtype.str,
+                splits={
+                    s: ShardSplit(
+                        records=int(n[s] > 0),
+                        documents=int(n[s] > 0),
+                        text_bytes=0,
+                        tokens=n[s],
+                        last_piece=0,
+                        last=0,
+                    )
+                    for s in SPLITS
+                },
+                seconds=0.0,
+                tokens_per_s=0.0,
+            ),
+            {s: empty for s in SPLITS},
+        )
+    from distlm.data.tokens import read_shard_meta
+
+    shards = [(shard, read_shard_meta(shard))]
+    segments = {s: stream_segments(shards, s) for s in SPLITS if s in streams}
+    write_index(path, segments, meta=meta, dtype=dtype)
+    return shard
 
 
 def synthetic_stream(n_tokens: int, vocab: int, *, seed: int, noise: float = 0.05) -> np.ndarray:

@@ -33,6 +33,8 @@ from distlm.dag.stages import (
     job_output,
 )
 from distlm.dag.sweep import VARIANT_PATTERN, plan_runs, variant_path
+from distlm.data.documents import ID_CHARS
+from distlm.data.sharding import DataPlans, Layout, ListingPending
 
 # The one validation (distlm.settings): errors name the key (and where an old key moved), --config
 # strings become numbers, defaults are filled in. S is the typed settings; PLAN the runs of the
@@ -194,3 +196,42 @@ def rank_log(path):
     return lambda wildcards: job_path(path).format(
         rank="{rank}", **dict(wildcards.items())
     )
+
+
+# The data stage as the workflow sees it (distlm.data.sharding.DataPlans): each run's plan of
+# shards and tokenizer, the gather's inputs, each job's spec by id (workflow/rules/data.smk).
+DATA = DataPlans(
+    Layout(
+        shards=STAGES["data"].scratch_path("shards"),
+        tokenizers=STAGES["data"].scratch_path("tokenizers"),
+        listings=STAGES["data"].scratch_path("hub"),
+    ),
+    lambda: PLAN.every_settings,
+)
+
+
+wildcard_constraints:
+    shard=f"[0-9a-f]{{{ID_CHARS}}}",
+    tokenizer=f"[0-9a-f]{{{ID_CHARS}}}",
+    listing=f"[0-9a-f]{{{ID_CHARS}}}",
+
+
+def data_inputs(wildcards):
+    """The gather's inputs (DataPlans.inputs): the tokenizer folder and the shard files; for a
+    hub id not listed yet, its listing job first (the DAG is planned again after it)."""
+    s = PLAN.settings_of(wildcards)
+    out = {
+        k: str(p).format(**dict(wildcards.items()))
+        for k, p in outputs_of("data").items()
+    }
+    ask = lambda: DATA.inputs(s.data, s.model, tokens=out["tokens"], stats=out["stats"])
+    try:
+        inputs = ask()
+    except ListingPending as pending:
+        # raises until the listing job ran; Snakemake then plans the DAG again
+        checkpoints.data_listing.get(listing=pending.key)
+        inputs = ask()
+    for note in DATA.notes:
+        logger.warning(note)
+    DATA.notes.clear()
+    return inputs

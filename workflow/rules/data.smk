@@ -1,5 +1,69 @@
-# Dataset prep: corpus -> tokenizer, HDF5 token blocks per split, stats JSON.
+# Dataset prep (distlm.data): the corpus cut into shards (distlm.data.sharding), one tokenizer
+# job, one tokenize job per shard (on SLURM many at once), then prepare_data gathers them: the
+# index over the shards, the tokenizer, stats JSON. A shard's file and the tokenizer's folder are
+# named by the digest of what they hold, so a finished one is found again by any config (or run
+# of a sweep) that asks for it, and adding a file to the corpus tokenizes only its shard.
+
+
+# A hub id's listing (its data files, sizes and row groups): the one job that asks the hub about
+# the corpus; kept, so later plans (and the jobs on other nodes) read it. Runs where Snakemake runs.
+checkpoint data_listing:
+    output:
+        listing=DATA.layout.listing("{listing}"),
+    log:
+        "logs/data/hub/{listing}.log",
+    localrule: True
+    conda:
+        "../envs/data.yaml"
+    params:
+        hub=lambda wc: DATA.listing(wc.listing)[0].model_dump(),
+        text_field=lambda wc: DATA.listing(wc.listing)[1],
+    script:
+        "../scripts/data_listing.py"
+
+
+rule data_tokenizer:
+    output:
+        tokenizer=directory(DATA.layout.tokenizer("{tokenizer}")),
+    log:
+        "logs/data/tokenizers/{tokenizer}.log",
+    benchmark:
+        f"{BENCHMARKS}/data/tokenizer-{{tokenizer}}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 2
+    params:
+        spec=lambda wc: DATA.tokenizer(wc.tokenizer).to_json(),
+    script:
+        "../scripts/data_tokenizer.py"
+
+
+# One shard of the corpus: its records as a stream, ids written as they are made; its memory is a
+# batch, never the shard. `threads`: the tokenizer's (--set-threads tokenize_shard=N).
+rule tokenize_shard:
+    input:
+        tokenizer=lambda wc: DATA.layout.tokenizer(DATA.shard(wc.shard).tokenizer),
+    output:
+        shard=DATA.layout.shard("{shard}"),
+    log:
+        "logs/data/shards/{shard}.log",
+    benchmark:
+        f"{BENCHMARKS}/data/shard-{{shard}}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        spec=lambda wc: DATA.shard(wc.shard).to_json(),
+    script:
+        "../scripts/tokenize_shard.py"
+
+
+# The gather: the shards' streams strung into one index per split, the tokenizer, the stats.
 rule prepare_data:
+    input:
+        unpack(data_inputs),
     output:
         **outputs_of("data"),
     log:
@@ -8,7 +72,7 @@ rule prepare_data:
         benchmark_of("prepare_data")
     conda:
         "../envs/data.yaml"
-    threads: 2
+    threads: 1
     params:
         cfg=params_of("data"),
     script:

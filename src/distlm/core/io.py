@@ -293,6 +293,18 @@ def human_bytes(n: int) -> str:
     return f"{x / 1024:.1f} TiB"
 
 
+def full_disk_error(e: BaseException, path: Path, *, written: int) -> DiskFull | None:
+    """The DiskFull to raise from `e` when it is a full disk or quota, for a write of `path` that
+    had written `written` bytes (its partial files already removed), else None."""
+    reason = disk_full_reason(e, path.parent)
+    if reason is None:
+        return None
+    for err in _chain(e):  # let go of the partial files' buffers (see _raise_if_full)
+        traceback.clear_frames(err.__traceback__)
+    free = free_bytes(path.parent)
+    return DiskFull(path, reason=reason, needed=written, estimated=False, free=free)
+
+
 def _raise_if_full(e: Exception, path: Path, tmp: Path | None, size: int | None) -> None:
     """After a failed write into `tmp` (the temporary of `path`, None before it was made): remove
     it and, when the disk or quota is full, raise DiskFull (from `e`); else return, and the

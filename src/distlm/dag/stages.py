@@ -67,6 +67,9 @@ class Stage:
     instances: tuple[str, ...] = ()  # values of its {model} wildcard in `rule all`; () = one job
     in_all: bool = True  # a job of `rule all` (serve and its shards are started by name)
     scratch: Mapping[str, str] = field(default_factory=dict)  # undeclared working folders
+    # The stage's other rules, each with its commands: jobs that its rule's job consumes and no
+    # other stage sees, writing into its scratch folders (the data stage's tokenizer and shards)
+    parts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def consumes(self) -> tuple[str, ...]:
@@ -141,7 +144,8 @@ REPORT_READS: dict[str, tuple[str, str]] = {
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        # corpus -> tokenizer, HDF5 token blocks per split, stats
+        # corpus -> tokenizer, HDF5 token shards behind one index (per split), stats: a tokenizer
+        # job and one tokenize job per shard (distlm.data.sharding), then prepare_data gathers them
         Stage(
             "data",
             "prepare_data",
@@ -150,6 +154,14 @@ STAGES: dict[str, Stage] = {
             commands=("workflow/scripts/prepare_data.py",),
             outputs=_outputs(tokens="tokens.h5", tokenizer=("tokenizer", True), stats="stats.json"),
             document=("stats", "DataStats"),
+            # shards: one file per shard (<id>.h5), tokenizers: one folder per tokenizer (<id>/),
+            # hub: a hub id's listing; named by what they hold, so shared by every run of a sweep
+            scratch={"shards": "shards", "tokenizers": "tokenizers", "hub": "hub"},
+            parts={
+                "data_listing": ("workflow/scripts/data_listing.py",),
+                "data_tokenizer": ("workflow/scripts/data_tokenizer.py",),
+                "tokenize_shard": ("workflow/scripts/tokenize_shard.py",),
+            },
         ),
         # hub id, local folder or seeded init -> model folder (safetensors)
         Stage(

@@ -1,19 +1,24 @@
-"""Dataset prep: raw text -> tokenizer + train/validation/test token blocks in HDF5 + stats JSON.
+"""Dataset prep: raw text -> tokenizer + train/validation/test token streams in HDF5 shards behind
+one index + stats JSON.
 
 Sources (config `data.source`):
   embedded  CPython's reference documentation text (`pydoc_data.topics`): real English prose and
             code samples that are on disk wherever Python is; each topic is one document.
-  hub       `datasets.load_dataset(path, name)`, e.g. wikitext / wikitext-2-raw-v1; one record per row.
+  hub       a hub data set's data files (`datasets` resolves its configs), e.g. wikitext /
+            wikitext-2-raw-v1 or HuggingFaceFW/fineweb-edu / sample-10BT; one record per row.
   local     .txt (one document per file), .jsonl/.json (one per line), .parquet (one per row).
 
-Each split is joined into one token stream (records separated by `data.separator`) and cut into
-blocks of `data.block_size` tokens. The HDF5 file holds, per split, the whole stream (`tokens`,
-for sliding-window evaluation) and its blocks (`blocks`, N x block_size, chunked by rows so a
-reader streams only the blocks it needs).
+The stage is jobs the workflow schedules (docs/stages.md): the plan cuts the corpus into shards
+(`sharding`), one job makes the tokenizer, one job per shard tokenizes it as a stream (`encode`),
+and the gather strings the shards into the index and writes the stats (`stage`). Each split is
+one token stream (records separated by `data.separator`) cut into blocks of `data.block_size`
+tokens; the trainer maps the shards into memory and reads a step's blocks (`tokens.TokenBlocks`).
 
-The package, by part: `sources` (the corpus, split into documents), `tokenizer` (train, load,
-encode), `tokens` (the HDF5 token file: write, read blocks, metadata), `stage` (the data stage,
-`prepare`: all of it, and the stats document). Import from `distlm.data`.
+The package, by part: `documents` (the specs, metadata and stats), `sources` (records as a
+stream, and which split each goes to), `sharding` (the plan: the shards and the tokenizer of a
+config, and the workflow's view of it), `tokenizer` (train, load, the jobs' encoder), `encode` (a
+tokenize job), `tokens` (shard files, the index, reading blocks), `stage` (the tokenizer job, the
+gather, and all of it in one process, `prepare`). Import from `distlm.data`.
 """
 
 from __future__ import annotations
@@ -23,52 +28,42 @@ from typing import TYPE_CHECKING
 from distlm.core.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from distlm.data.sources import (
-        EOS,
-        SPLITS,
-        Split,
-        load_embedded,
-        load_hub,
-        load_local,
-        load_splits,
-        read_local_file,
-        split_documents,
-    )
-    from distlm.data.stage import prepare
-    from distlm.data.tokenizer import encode, load_tokenizer, model_tokenizer, train_tokenizer
+    from distlm.data.documents import SPLITS
+    from distlm.data.encode import tokenize_shard
+    from distlm.data.sharding import DataPlan, data_digest, plan_data
+    from distlm.data.sources import EOS, load_embedded
+    from distlm.data.stage import gather, make_tokenizer, prepare
+    from distlm.data.tokenizer import load_tokenizer, model_tokenizer, train_tokenizer
     from distlm.data.tokens import (
         FORMAT,
         TokenBlocks,
         check_tokens_file,
         read_tokens_meta,
         token_dtype,
-        write_tokens,
     )
 
-# Imported when first asked for (PEP 562), so that a light module of this package (its documents)
-# can be imported without the rest: the report and distlm-launch read documents, and must not
-# import torch for them.
+# Imported when first asked for (PEP 562), so that a light module of this package (its documents,
+# its plan) can be imported without the rest: the report, the workflow and distlm-launch read
+# them, and must not import torch for them.
 _WHERE = {
     "EOS": "distlm.data.sources",
     "FORMAT": "distlm.data.tokens",
-    "SPLITS": "distlm.data.sources",
-    "Split": "distlm.data.sources",
+    "SPLITS": "distlm.data.documents",
+    "DataPlan": "distlm.data.sharding",
     "TokenBlocks": "distlm.data.tokens",
     "check_tokens_file": "distlm.data.tokens",
-    "encode": "distlm.data.tokenizer",
+    "data_digest": "distlm.data.sharding",
+    "gather": "distlm.data.stage",
     "load_embedded": "distlm.data.sources",
-    "load_hub": "distlm.data.sources",
-    "load_local": "distlm.data.sources",
-    "load_splits": "distlm.data.sources",
     "load_tokenizer": "distlm.data.tokenizer",
+    "make_tokenizer": "distlm.data.stage",
     "model_tokenizer": "distlm.data.tokenizer",
+    "plan_data": "distlm.data.sharding",
     "prepare": "distlm.data.stage",
-    "read_local_file": "distlm.data.sources",
     "read_tokens_meta": "distlm.data.tokens",
-    "split_documents": "distlm.data.sources",
     "token_dtype": "distlm.data.tokens",
+    "tokenize_shard": "distlm.data.encode",
     "train_tokenizer": "distlm.data.tokenizer",
-    "write_tokens": "distlm.data.tokens",
 }
 
 
@@ -79,21 +74,19 @@ __all__ = [
     "EOS",
     "FORMAT",
     "SPLITS",
-    "Split",
+    "DataPlan",
     "TokenBlocks",
     "check_tokens_file",
-    "encode",
+    "data_digest",
+    "gather",
     "load_embedded",
-    "load_hub",
-    "load_local",
-    "load_splits",
     "load_tokenizer",
+    "make_tokenizer",
     "model_tokenizer",
+    "plan_data",
     "prepare",
-    "read_local_file",
     "read_tokens_meta",
-    "split_documents",
     "token_dtype",
+    "tokenize_shard",
     "train_tokenizer",
-    "write_tokens",
 ]

@@ -1,85 +1,177 @@
-"""The data stage (rule data): sources -> tokenizer -> token file -> stats document."""
+"""The data stage's jobs: the tokenizer (rule data_tokenizer, `make_tokenizer`), one job per shard
+(rule tokenize_shard, distlm.data.encode), and the gather (rule prepare_data, `gather`): the
+index over the shards, the tokenizer beside it and the stats document. `prepare` runs them all in
+one process, in the workflow's layout (a library's or a test's data stage)."""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from distlm import DistlmError
 from distlm.core.documents import write_document
-from distlm.core.io import atomic_dir, digest
+from distlm.core.io import atomic_dir
 from distlm.core.log import get_logger
-from distlm.data.documents import DataStats, SplitStats, TokenMeta
-from distlm.data.sources import SPLITS, Split, load_splits
-from distlm.data.tokenizer import encode, model_tokenizer, train_tokenizer
-from distlm.data.tokens import write_tokens
+from distlm.data.documents import (
+    SPLITS,
+    DataStats,
+    ShardMeta,
+    ShardStats,
+    SplitStats,
+    TokenizerSpec,
+    TokenMeta,
+)
+from distlm.data.encode import tokenize_shard
+from distlm.data.sharding import (
+    DataPlan,
+    ListingPending,
+    data_digest,
+    plan_data,
+    split_origins,
+    write_listing,
+)
+from distlm.data.sources import records
+from distlm.data.tokenizer import load_tokenizer, model_tokenizer, named_tokenizer, train_tokenizer
+from distlm.data.tokens import (
+    TokenBlocks,
+    read_shard_meta,
+    stream_segments,
+    token_dtype,
+    write_index,
+)
 from distlm.settings import DataSettings, ModelSourceSettings
 
 log = get_logger(__name__)
 
+SHARDS = "shards"  # results/data/shards/<id>.h5
+TOKENIZERS = "tokenizers"  # results/data/tokenizers/<id>/
+LISTINGS = "hub"  # results/data/hub/<digest>.json: a hub id's listing
 
-def prepare(
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+
+def make_tokenizer(spec: TokenizerSpec, out_dir: str | Path) -> None:
+    """The tokenizer job: the model's own tokenizer, the named one, or a byte-level BPE trained
+    on the train records of the corpus's first `spec.sample_bytes`; saved in transformers' format
+    into `out_dir` (atomically)."""
+    t0 = time.perf_counter()
+    with atomic_dir(out_dir) as tmp:
+        if spec.kind == "model":
+            tok = model_tokenizer(ModelSourceSettings.model_validate(spec.model))
+            assert tok is not None  # a model's spec is never an init's
+            tok.save_pretrained(tmp)
+        elif spec.kind == "named":
+            assert spec.name is not None
+            named_tokenizer(spec.name, spec.vocab_size).save_pretrained(tmp)
+        else:
+            sample = _sample_texts(spec)
+            log.info(
+                "training a byte-level BPE tokenizer (vocab %d) on the train records of the "
+                "corpus's first %.0f MB",
+                spec.vocab_size,
+                spec.sample_bytes / 1e6,
+            )
+            train_tokenizer(sample, spec.vocab_size, spec.min_frequency, tmp)
+        settle_tokenizer(tmp)
+    log.info(
+        "tokenizer %s (%s) in %s, %.1f s",
+        spec.id,
+        spec.describe(),
+        out_dir,
+        time.perf_counter() - t0,
+    )
+
+
+def settle_tokenizer(folder: Path) -> None:
+    """Make the folder's tokenizer.json the tokenizer transformers builds from the folder, which
+    the tokenize jobs run without transformers (distlm.data.tokenizer.Encoder): a class that
+    rebuilds its backend when loaded (transformers 5's Llama tokenizer from a folder of an older
+    one) gets that backend written once, after which loading it changes nothing; one that still
+    differs is refused, naming the folder."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    path = folder / "tokenizer.json"
+    for attempt in range(2):
+        built = AutoTokenizer.from_pretrained(str(folder), local_files_only=True).backend_tokenizer
+        if path.is_file() and built.to_str() == Tokenizer.from_file(str(path)).to_str():
+            return
+        if attempt == 0:
+            built.save(str(path))
+    raise DistlmError(
+        f"{folder}: transformers builds another tokenizer from this folder than its "
+        "tokenizer.json holds, even once rewritten; distlm's tokenize jobs cannot reproduce it"
+    )
+
+
+def _sample_texts(spec: TokenizerSpec):
+    """The train records of the sample, until `sample_bytes` of their text."""
+    left = spec.sample_bytes
+    for source in spec.sample:
+        for split, text in records(source):
+            if split != "train":
+                continue
+            yield text
+            left -= len(text.encode("utf-8"))
+            if left <= 0:
+                return
+
+
+# ----------------------------------------------------------------------------- the gather
+
+
+def gather(
     dcfg: DataSettings,
     mcfg: ModelSourceSettings,
     *,
+    tokenizer_src: str | Path,
+    shard_paths: Sequence[str | Path],
     tokens_path: str | Path,
     tokenizer_dir: str | Path,
     stats_path: str | Path,
 ) -> DataStats:
-    """Run the dataset-prep stage (the data stage's keys: `data` and which model); returns the
-    stats written."""
+    """The gather (rule prepare_data): the shards' streams strung into the index, the tokenizer
+    copied beside it, and the stats; each written atomically, in that order, so stats.json (last)
+    exists only beside the others. Refuses a split with no block, or shards of another tokenizer."""
     t0 = time.perf_counter()
-    tokenizer_from = mcfg.model_dump() if mcfg.source != "init" else None
-    cfg_digest = digest({"data": dcfg.model_dump(), "tokenizer_from": tokenizer_from})
-    splits = load_splits(dcfg)
-    for s in SPLITS:
-        log.info("split %s: %d documents from %s", s, splits[s].documents, splits[s].origin)
-
-    # Each output is renamed into place when complete, in the order tokens, tokenizer, stats: a
-    # kill anywhere leaves no partial file, and stats.json (last) exists only beside the others.
-    with atomic_dir(tokenizer_dir) as tok_tmp:
-        stats = _tokenize_and_write(dcfg, mcfg, splits, tok_tmp, cfg_digest, Path(tokens_path), t0)
-    write_document(stats_path, stats)
-    return stats
-
-
-def _tokenize_and_write(
-    dcfg: DataSettings,
-    mcfg: ModelSourceSettings,
-    splits: dict[str, Split],
-    tok_tmp: Path,
-    cfg_digest: str,
-    tokens_path: Path,
-    t0: float,
-) -> DataStats:
-    tok = model_tokenizer(mcfg)
-    if tok is None:
-        log.info(
-            "training a byte-level BPE tokenizer (vocab %d) on the train split",
-            dcfg.tokenizer.vocab_size,
+    tokenizer_src, tokens_path = Path(tokenizer_src), Path(tokens_path)
+    origins = split_origins(dcfg)
+    if not shard_paths:
+        raise DistlmError(
+            f"{tokens_path}: no shard to gather (a token file of the release before, kept while "
+            "it matched the config, was removed): run the same command again to tokenize the "
+            "corpus into shards"
         )
-        tok = train_tokenizer(
-            splits["train"].records,
-            dcfg.tokenizer.vocab_size,
-            dcfg.tokenizer.min_frequency,
-            tok_tmp,
-        )
-        tok_kind = "byte-level BPE trained on the train split"
-    else:
-        tok.save_pretrained(tok_tmp)
-        tok_kind = f"the model's own ({mcfg.name})"
+    tok = load_tokenizer(tokenizer_src)
     vocab_size = len(tok)
-
-    streams = {s: encode(tok, splits[s], dcfg.separator) for s in SPLITS}
-    bs = dcfg.block_size
-    for s, ids in streams.items():
-        if len(ids) < bs:
+    dtype = token_dtype(vocab_size)
+    shards = [(Path(p), read_shard_meta(p)) for p in shard_paths]
+    for path, meta in shards:
+        if meta.spec.tokenizer != tokenizer_src.name or np.dtype(meta.dtype) != dtype:
             raise DistlmError(
-                f"data split {s!r} ({splits[s].origin}) has {len(ids)} tokens, fewer than "
-                f"data.block_size={bs}: it yields no block"
+                f"{path}: a shard of tokenizer {meta.spec.tokenizer} (ids {meta.dtype}), not of "
+                f"{tokenizer_src} ({dtype.str}): tokenize it again (delete it and run again)"
+            )
+    streams = {s: stream_segments(shards, s) for s in SPLITS}
+    split_tokens = {s: sum(seg.stop - seg.start for seg in streams[s]) for s in SPLITS}
+    documents = {s: sum(m.splits[s].documents for _, m in shards) for s in SPLITS}
+    files = ", ".join(dict.fromkeys(u.file for _, m in shards for u in m.spec.source.units))
+    if not any(documents.values()):
+        raise DistlmError(f"the corpus has no text: every record of {files} is empty")
+    bs = dcfg.block_size
+    for s in SPLITS:
+        if documents[s] == 0:
+            raise DistlmError(f"data split {s!r} is empty ({origins.get(s, files)})")
+        if split_tokens[s] < bs:
+            raise DistlmError(
+                f"data split {s!r} ({origins.get(s, files)}) has {split_tokens[s]} tokens, fewer "
+                f"than data.block_size={bs}: it yields no block"
             )
     source: dict = {"kind": dcfg.source}
     if dcfg.source == "hub":
@@ -90,30 +182,109 @@ def _tokenize_and_write(
         source["corpus"] = "pydoc_data.topics (CPython reference documentation)"
     meta = {
         "source": source,
-        "config_digest": cfg_digest,
-        "tokenizer": tok_kind,
+        "config_digest": data_digest(dcfg, mcfg),
+        "tokenizer": _tokenizer_kind(dcfg, mcfg),
         "vocab_size": vocab_size,
         "eos_token_id": tok.eos_token_id,
         "block_size": bs,
     }
-    write_tokens(Path(tokens_path), streams, bs, vocab_size, TokenMeta(**meta))
+    write_index(tokens_path, streams, meta=TokenMeta(**meta), dtype=dtype)
+    with atomic_dir(tokenizer_dir) as tmp:
+        shutil.copytree(tokenizer_src, tmp, dirs_exist_ok=True)
+    holding = {s: sum(1 for _, m in shards if m.splits[s].records) for s in SPLITS}
     stats = DataStats(
         **meta,
         splits={
             s: SplitStats(
-                documents=splits[s].documents,
-                tokens=len(ids),
-                blocks=int(len(ids) // bs),
-                tail_tokens_not_in_blocks=int(len(ids) % bs),
-                tokens_sha256=hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest(),
+                documents=documents[s],
+                tokens=split_tokens[s],
+                blocks=split_tokens[s] // bs,
+                tail_tokens_not_in_blocks=split_tokens[s] % bs,
+                tokens_sha256=stream_sha256(TokenBlocks(tokens_path, s)),
+                origin=origins.get(s, ""),
+                shards=holding[s],
             )
-            for s, ids in streams.items()
+            for s in SPLITS
         },
+        shards=tuple(_shard_stats(m) for _, m in shards),
         seconds=round(time.perf_counter() - t0, 3),
     )
+    write_document(stats_path, stats)
     log.info(
-        "wrote %s: %s",
+        "wrote %s over %d shard(s): %s",
         tokens_path,
+        len(shards),
         ", ".join(f"{s} {v.blocks} blocks/{v.tokens} tokens" for s, v in stats.splits.items()),
     )
     return stats
+
+
+def _tokenizer_kind(dcfg: DataSettings, mcfg: ModelSourceSettings) -> str:
+    if mcfg.source != "init":
+        return f"the model's own ({mcfg.name})"
+    if dcfg.tokenizer.name is not None:
+        return f"{dcfg.tokenizer.name}'s"
+    return "byte-level BPE trained on the train split"
+
+
+def stream_sha256(blocks: TokenBlocks, chunk: int = 1 << 22) -> str:
+    """sha256 of a split's stream as int64 bytes, read a chunk at a time."""
+    h = hashlib.sha256()
+    for a in range(0, blocks.n_tokens, chunk):
+        h.update(blocks.read(a, min(a + chunk, blocks.n_tokens)).tobytes())
+    blocks.close()
+    return h.hexdigest()
+
+
+def _shard_stats(meta: ShardMeta) -> ShardStats:
+    return ShardStats(
+        id=meta.spec.id,
+        where=meta.spec.source.where(),
+        text_bytes=sum(p.text_bytes for p in meta.splits.values()),
+        tokens={s: p.tokens for s, p in meta.splits.items()},
+        documents={s: p.documents for s, p in meta.splits.items()},
+        seconds=meta.seconds,
+        tokens_per_s=meta.tokens_per_s,
+    )
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+def prepare(
+    dcfg: DataSettings,
+    mcfg: ModelSourceSettings,
+    *,
+    tokens_path: str | Path,
+    tokenizer_dir: str | Path,
+    stats_path: str | Path,
+    plan: DataPlan | None = None,
+) -> DataStats:
+    """The whole data stage in this process: the plan, the tokenizer and every shard (each made
+    only when its file is missing, under the token file's folder, as the workflow lays them out),
+    then the gather."""
+    root = Path(tokens_path).parent
+    if plan is None:
+        try:
+            plan = plan_data(dcfg, mcfg, listings=root / LISTINGS)
+        except ListingPending as e:  # a hub id: its listing first, as the workflow's job does
+            write_listing(e.hub, e.text_field, root / LISTINGS / f"{e.key}.json")
+            plan = plan_data(dcfg, mcfg, listings=root / LISTINGS)
+    tok_dir = root / TOKENIZERS / plan.tokenizer.id
+    if not tok_dir.is_dir():
+        make_tokenizer(plan.tokenizer, tok_dir)
+    paths = []
+    for spec in plan.shards:
+        path = root / SHARDS / f"{spec.id}.h5"
+        if not path.is_file():
+            tokenize_shard(spec, tokenizer_dir=tok_dir, out_path=path)
+        paths.append(path)
+    return gather(
+        dcfg,
+        mcfg,
+        tokenizer_src=tok_dir,
+        shard_paths=paths,
+        tokens_path=tokens_path,
+        tokenizer_dir=tokenizer_dir,
+        stats_path=stats_path,
+    )

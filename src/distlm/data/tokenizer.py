@@ -1,16 +1,15 @@
-"""Tokenizers: a byte-level BPE trained on the corpus, or the model's own (`data.tokenizer`);
-loading a saved one; encoding a split into one token stream."""
+"""Tokenizers: a byte-level BPE trained on a sample of the corpus, a named one, or the model's own
+(`data.tokenizer`); loading a saved one; the encoder a tokenize job runs (`Encoder`: the saved
+folder's tokenizers-library tokenizer, without transformers)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-
 from distlm import DistlmError
-from distlm.core.log import get_logger, progress
-from distlm.data.sources import EOS, Split
+from distlm.core.log import get_logger
+from distlm.data.sources import EOS
 from distlm.settings import ModelSourceSettings
 from distlm.settings.model import SUPPORTED_MODEL_TYPES
 
@@ -87,15 +86,48 @@ def load_tokenizer(path: str | Path):
         ) from None
 
 
-def encode(tok, split: Split, separator: str, *, show: bool = True) -> np.ndarray:
-    """Token ids of the split's records joined by `separator` (tokenized record by record)."""
-    pieces = [r + separator for r in split.records[:-1]] + split.records[-1:]
-    ids: list[np.ndarray] = []
-    batch = 256
-    bar = progress(
-        range(0, len(pieces), batch), enabled=show, desc=f"tokenize {split.name}", unit="batch"
-    )
-    for i in bar:
-        enc = tok(pieces[i : i + batch], add_special_tokens=False)["input_ids"]
-        ids.extend(np.asarray(e, dtype=np.int64) for e in enc if len(e))
-    return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+def named_tokenizer(name: str, vocab_size: int):
+    """The tokenizer `data.tokenizer.name` gives a random init (a hub id or a tokenizer folder);
+    refused when it has more ids than data.tokenizer.vocab_size, which the checks before any job
+    size the model by."""
+    from transformers import AutoTokenizer
+
+    local = Path(name).is_dir()
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=local)
+    except Exception as e:
+        raise DistlmError(
+            f"data.tokenizer.name {name!r}: could not load the tokenizer ({type(e).__name__}: "
+            f"{e})" + ("" if local else ". Unknown id, or offline without a cached copy?")
+        ) from None
+    if len(tok) > vocab_size:
+        raise DistlmError(
+            f"data.tokenizer.vocab_size: {vocab_size} is smaller than tokenizer {name!r}'s "
+            f"{len(tok)} ids; set it to at least {len(tok)}"
+        )
+    return tok
+
+
+class Encoder:
+    """A saved tokenizer folder's `tokenizer.json`, run by the tokenizers library itself: the ids
+    transformers' tokenizer of the folder gives (`tok(texts, add_special_tokens=False)`), without
+    its offsets or its import. `threads`: the library's worker threads."""
+
+    def __init__(self, folder: str | Path, threads: int = 1) -> None:
+        import os
+
+        os.environ["RAYON_NUM_THREADS"] = str(max(1, threads))  # read when its pool starts
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+        from tokenizers import Tokenizer
+
+        path = Path(folder) / "tokenizer.json"
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DistlmError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]

@@ -22,7 +22,7 @@ from distlm import DistlmError
 from distlm.broadcast.documents import BroadcastReport
 from distlm.core.documents import D, DocumentError, read_document
 from distlm.dag.stages import BENCHMARKS, REPORT_READS, RESULTS, job_output
-from distlm.data.documents import DataStats
+from distlm.data.documents import read_stats as read_data_stats
 from distlm.evaluate.documents import EvalReport
 from distlm.inference.documents import InferenceSweep, InferenceTiming
 from distlm.train.documents import ProfileSummary
@@ -128,13 +128,31 @@ def _document(path: Path, cls: type[D], *, untagged: bool = False) -> D:
 
 
 def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
-    """Dataset stats (DataStats) -> (header facts, one row per split)."""
-    stats = _document(path, DataStats)
+    """Dataset stats (DataStats, version 1 or 2) -> (header facts, one row per split, then one
+    per shard: what its job made, in how long, at how many tokens a second)."""
+    try:
+        stats = read_data_stats(path)
+    except DocumentError as e:
+        raise ReportError(str(e)) from None
     rows = [
-        {"split": name, **s.model_dump(exclude={"tokens_sha256"})}
+        {"part": name, **s.model_dump(exclude={"tokens_sha256"})}
         for name, s in stats.splits.items()
     ]
+    rows += [
+        {
+            "part": f"shard {sh.id}",
+            "origin": sh.where,
+            "documents": sum(sh.documents.values()),
+            "tokens": sum(sh.tokens.values()),
+            "text_mb": round(sh.text_bytes / 1e6, 2),
+            "seconds": sh.seconds,
+            "tokens_per_s": sh.tokens_per_s,
+        }
+        for sh in stats.shards
+    ]
     facts = {k: getattr(stats, k) for k in ("source", "tokenizer", "vocab_size", "block_size")}
+    if stats.shards:
+        facts["shards"] = len(stats.shards)
     return facts, pd.DataFrame(rows)
 
 

@@ -38,7 +38,13 @@ class Item:
 
 
 ITEMS = (
-    Item("data_splits", "table", "data", "Token counts per split", ("stats",)),
+    Item(
+        "data_splits",
+        "table",
+        "data",
+        "Token counts per split (and how each was made), then per shard (and its job's rate)",
+        ("stats",),
+    ),
     Item(
         "broadcast_gbps",
         "figure",

@@ -6,16 +6,27 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from distlm.core.section import ONLY_WHEN_SET
 from distlm.settings.base import Real, Section, StageConfig
 from distlm.settings.model import ModelSourceSettings
 
 
 class HubSplits(Section):
     train: str = Field(default="train", description="Name of the train split in the hub data set.")
-    validation: str = Field(
-        default="validation", description="Name of the validation split in the hub data set."
+    validation: str | None = Field(
+        default="validation",
+        description=(
+            "Name of the validation split in the hub data set; null = carved out of train "
+            "(data.validation_fraction of its documents, by a hash of each document's text)."
+        ),
     )
-    test: str = Field(default="test", description="Name of the test split in the hub data set.")
+    test: str | None = Field(
+        default="test",
+        description=(
+            "Name of the test split in the hub data set; null = carved out of train "
+            "(data.test_fraction of its documents, by a hash of each document's text)."
+        ),
+    )
 
 
 class DataHubSettings(Section):
@@ -33,9 +44,10 @@ class DataHubSettings(Section):
 
 
 class DataLocalSettings(Section):
-    """Files per split (.txt, .jsonl/.json, .parquet); validation/test may be omitted."""
+    """Files per split (.txt, .jsonl/.json, .parquet); validation/test may be omitted. An entry
+    may be a glob (`corpus/*.jsonl`): its files in sorted order."""
 
-    train: list[str] = Field(default=[], description="Files of the train split.")
+    train: list[str] = Field(default=[], description="Files (or globs) of the train split.")
     validation: list[str] = Field(
         default=[], description="Files of the validation split; empty = carved out of train."
     )
@@ -55,6 +67,24 @@ class TokenizerSettings(Section):
     )
     min_frequency: int = Field(
         default=2, ge=1, description="Least count of a merged pair in the BPE."
+    )
+    sample_mb: Real = Field(
+        default=128,
+        gt=0,
+        **ONLY_WHEN_SET,
+        description=(
+            "The BPE trains on the train records of the corpus's first this many MB (in file "
+            "order), so its memory and time are bounded whatever the corpus's size."
+        ),
+    )
+    name: str | None = Field(
+        default=None,
+        **ONLY_WHEN_SET,
+        description=(
+            "A hub id or tokenizer folder whose tokenizer a random init uses instead of training "
+            "a BPE (gpt2: GPT-2's, as nanoGPT and llm.c pretrain with); vocab_size must be at "
+            "least its size. null = train a BPE."
+        ),
     )
 
 
@@ -91,6 +121,16 @@ class DataSettings(Section):
         ge=0,
         le=0.5,
         description="Share of documents held out for test (embedded, train-only local).",
+    )
+    shard_mb: Real = Field(
+        default=64,
+        gt=0,
+        **ONLY_WHEN_SET,
+        description=(
+            "The corpus is cut into shards of about this many MB of text, each tokenized by a "
+            "job of its own (a .jsonl file by byte range, a .parquet file by row groups, small "
+            "files packed together)."
+        ),
     )
     block_size: int = Field(
         default=128,

@@ -32,6 +32,7 @@ TRAIN_COLUMNS = (
     "tokens",
     "tokens_per_s",
     "step_time_s",  # end of the previous step to the end of this one: all the loop did between
+    "data_wait_s",  # of it, waiting for rows from the token store (read ahead in the background)
 )
 VAL_COLUMNS = (
     "step",

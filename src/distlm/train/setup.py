@@ -69,6 +69,7 @@ class TrainData:
         return self.plan.global_batch * self.block_size
 
     def close(self) -> None:
+        self.loader.close()
         self.train.close()
         self.val.close()
 

@@ -204,9 +204,13 @@ class Trainer:
         """Run optimizer step `self.step + 1`; return its metrics row (same on every rank)."""
         t0 = time.perf_counter()
         step = self.step
+        waited = 0.0  # seconds this step waited for its rows (and the next step's) from the store
         with phase("distlm.data"):
             # read while the device ran the previous step (below), or now (the first step)
-            micro = self._next_batch.pop(step, None) or self.data.loader(step)
+            micro = self._next_batch.pop(step, None)
+            if micro is None:
+                micro = self.data.loader(step)
+                waited = self.data.loader.wait_s
             self._next_batch.clear()
         lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = torch.zeros((), device=self.device)
@@ -252,6 +256,7 @@ class Trainer:
             # is a function of the step alone: unused, it changes nothing.
             with phase("distlm.data"):
                 self._next_batch[step + 1] = self.data.loader(step + 1)
+                waited += self.data.loader.wait_s
         work.wait()
         # The step's one read on the host: what every rank needs at its end (the loss, the stop
         # requests) and the norm, together
@@ -286,6 +291,7 @@ class Trainer:
             "tokens": self.step * self.data.tokens_per_step,
             "tokens_per_s": self.data.tokens_per_step / dt,
             "step_time_s": dt,
+            "data_wait_s": waited,
         }
 
     def _diverged(self, step: int, loss: float, gnorm: float) -> None:
