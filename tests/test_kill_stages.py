@@ -81,6 +81,9 @@ def _snapshot(out: Path) -> dict:
     if stats.exists():
         doc = json.loads(stats.read_text())
         doc.pop("seconds")
+        for shard in doc["shards"]:  # what its job measured of itself
+            for k in ("seconds", "tokens_per_s", "peak_rss_mb"):
+                shard.pop(k)
         snap["stats"] = doc
     model = out / "model" / "base"
     if model.exists():

@@ -61,9 +61,31 @@ def test_bad_config_fails_before_any_job(tmp_path):
 
 
 def test_real_setup_plans(tmp_path):
-    proc = run_snakemake(tmp_path, "-n", configfile=ROOT / "config/gpt2-wikitext2.yaml")
-    out = proc.stdout + proc.stderr
-    assert "prepare_data" in out and "serialize_model" in out
+    """The real setup's dry run, offline: its hub data set's listing (made once, while a DAG is
+    built with the hub reachable) kept in results/data/hub/ as the listing of a local copy laid
+    out like wikitext; without it, the plan stops naming data.hub."""
+    from test_data import english, write_wikitext_copy
+    from test_kill_workflow import job_counts
+
+    from distlm.dag.config import load_settings
+    from distlm.data.sharding import list_hub, listing_key
+
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    config = ROOT / "config/gpt2-wikitext2.yaml"
+    proc = run_snakemake(tmp_path / "w", "-n", configfile=config, check=False, env=offline)
+    assert proc.returncode != 0
+    assert "data.hub 'wikitext' / 'wikitext-2-raw-v1': could not load" in proc.stdout + proc.stderr
+    copy = tmp_path / "wikitext"
+    write_wikitext_copy(copy, english(12))
+    hub = load_settings(config).data.hub
+    listing = list_hub(hub.model_copy(update={"path": str(copy)}), "text")
+    kept = tmp_path / "w" / "results/data/hub" / f"{listing_key(hub, 'text')}.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text(json.dumps(listing))
+    proc = run_snakemake(tmp_path / "w", "-n", configfile=config, env=offline)
+    jobs = job_counts(proc)
+    assert jobs["tokenize_shard"] == 3 and jobs["data_tokenizer"] == 1  # a data file a split
+    assert jobs["prepare_data"] == 1 and jobs["serialize_model"] == 1
 
 
 def test_lint_and_format_are_clean(tmp_path):

@@ -53,10 +53,19 @@ def workflow(wd: Path) -> dict:
             },
             "steps": steps,
             "validations": vals,
+            # issue #78: the steady steps' wait for rows from the token store, as a share of
+            # the step (GPT-2 small's shape: config/gpu.yaml); the first step's one-time costs apart
+            "data_wait_share": _wait_share(steps[1:]),
         },
         "inference": _json(res / "inference/timing.json"),
         "rules": {p.stem: _rows(p, "\t") for p in sorted((res / "benchmarks").glob("*.tsv"))},
     }
+
+
+def _wait_share(steps: list[dict]) -> float | None:
+    waits = [float(r["data_wait_s"]) for r in steps if r.get("data_wait_s")]
+    total = sum(float(r["step_time_s"]) for r in steps if r.get("data_wait_s"))
+    return sum(waits) / total if waits and total > 0 else None
 
 
 def _version(name: str) -> str | None:

@@ -65,6 +65,7 @@ def write_tokens(
                 },
                 seconds=0.0,
                 tokens_per_s=0.0,
+                peak_rss_bytes=0,
             ),
             {s: empty for s in SPLITS},
         )

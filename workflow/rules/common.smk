@@ -34,7 +34,8 @@ from distlm.dag.stages import (
 )
 from distlm.dag.sweep import VARIANT_PATTERN, plan_runs, variant_path
 from distlm.data.documents import ID_CHARS
-from distlm.data.sharding import DataPlans, Layout, ListingPending
+from distlm.data.sharding import DataPlans, Layout
+from distlm import DistlmError
 
 # The one validation (distlm.settings): errors name the key (and where an old key moved), --config
 # strings become numbers, defaults are filled in. S is the typed settings; PLAN the runs of the
@@ -213,24 +214,21 @@ DATA = DataPlans(
 wildcard_constraints:
     shard=f"[0-9a-f]{{{ID_CHARS}}}",
     tokenizer=f"[0-9a-f]{{{ID_CHARS}}}",
-    listing=f"[0-9a-f]{{{ID_CHARS}}}",
 
 
 def data_inputs(wildcards):
-    """The gather's inputs (DataPlans.inputs): the tokenizer folder and the shard files; for a
-    hub id not listed yet, its listing job first (the DAG is planned again after it)."""
+    """The gather's inputs (DataPlans.inputs): the tokenizer folder and the shard files. A
+    corpus that cannot be planned (a file missing, a hub data set that cannot be listed) stops
+    the run before any job, naming the key."""
     s = PLAN.settings_of(wildcards)
     out = {
         k: str(p).format(**dict(wildcards.items()))
         for k, p in outputs_of("data").items()
     }
-    ask = lambda: DATA.inputs(s.data, s.model, tokens=out["tokens"], stats=out["stats"])
     try:
-        inputs = ask()
-    except ListingPending as pending:
-        # raises until the listing job ran; Snakemake then plans the DAG again
-        checkpoints.data_listing.get(listing=pending.key)
-        inputs = ask()
+        inputs = DATA.inputs(s.data, s.model, tokens=out["tokens"], stats=out["stats"])
+    except DistlmError as e:
+        raise WorkflowError(str(e))
     for note in DATA.notes:
         logger.warning(note)
     DATA.notes.clear()

@@ -5,23 +5,6 @@
 # of a sweep) that asks for it, and adding a file to the corpus tokenizes only its shard.
 
 
-# A hub id's listing (its data files, sizes and row groups): the one job that asks the hub about
-# the corpus; kept, so later plans (and the jobs on other nodes) read it. Runs where Snakemake runs.
-checkpoint data_listing:
-    output:
-        listing=DATA.layout.listing("{listing}"),
-    log:
-        "logs/data/hub/{listing}.log",
-    localrule: True
-    conda:
-        "../envs/data.yaml"
-    params:
-        hub=lambda wc: DATA.listing(wc.listing)[0].model_dump(),
-        text_field=lambda wc: DATA.listing(wc.listing)[1],
-    script:
-        "../scripts/data_listing.py"
-
-
 rule data_tokenizer:
     output:
         tokenizer=directory(DATA.layout.tokenizer("{tokenizer}")),

@@ -158,7 +158,6 @@ STAGES: dict[str, Stage] = {
             # hub: a hub id's listing; named by what they hold, so shared by every run of a sweep
             scratch={"shards": "shards", "tokenizers": "tokenizers", "hub": "hub"},
             parts={
-                "data_listing": ("workflow/scripts/data_listing.py",),
                 "data_tokenizer": ("workflow/scripts/data_tokenizer.py",),
                 "tokenize_shard": ("workflow/scripts/tokenize_shard.py",),
             },

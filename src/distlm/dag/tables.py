@@ -68,11 +68,11 @@ def stage_table() -> str:
         config = STAGE_CONFIGS[s.name]
         keys = f"`{config.__name__}`: " + ", ".join(f"`{k}`" for k in s.keys)
         commands = "<br>".join(
-            f"`python -m {c}`" if c.startswith("distlm.") else f"`{c}`" for c in s.commands
+            f"`python -m {c}`" if c.startswith("distlm.") else f"`{c}`"
+            for c in (*s.commands, *(c for cs in s.parts.values() for c in cs))
         )
-        lines.append(
-            f"| {s.name} | `{s.rule}` | {keys} | `{s.home}` | {commands} | `{s.folder}/` |"
-        )
+        rules = "<br>".join(f"`{r}`" for r in (s.rule, *s.parts))
+        lines.append(f"| {s.name} | {rules} | {keys} | `{s.home}` | {commands} | `{s.folder}/` |")
     return "\n".join(lines) + "\n"
 
 

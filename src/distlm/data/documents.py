@@ -144,6 +144,7 @@ class ShardMeta(Document):
     splits: dict[SplitName, ShardSplit]
     seconds: float
     tokens_per_s: float
+    peak_rss_bytes: int  # the job's process at its end (its peak resident memory)
 
 
 class TokenMeta(Document):
@@ -186,6 +187,7 @@ class ShardStats(Part):
     documents: dict[SplitName, int]
     seconds: float
     tokens_per_s: float
+    peak_rss_mb: float
 
 
 class DataStats(Document):

@@ -119,19 +119,30 @@ def tokenize_shard(
             },
             seconds=round(seconds, 3),
             tokens_per_s=round(tokens / max(seconds, 1e-9), 1),
+            peak_rss_bytes=peak_rss(),
         )
         writer.finish(meta, last)
     bar.close()
     log.info(
-        "shard %s: wrote %s: %s tokens (%s) in %.1f s, %s tokens/s",
+        "shard %s: wrote %s: %s tokens (%s) in %.1f s, %s tokens/s, peak memory %.0f MB",
         spec.id,
         out_path,
         f"{tokens:,}",
         ", ".join(f"{s} {parts[s].tokens:,}" for s in SPLITS if parts[s].records),
         meta.seconds,
         f"{meta.tokens_per_s:,.0f}",
+        meta.peak_rss_bytes / 1e6,
     )
     return meta
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    import resource
+    import sys
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb if sys.platform == "darwin" else kb * 1024  # bytes on macOS, KiB on Linux
 
 
 def _bare(encoder: Encoder, text: str | None, dtype: np.dtype) -> np.ndarray:

@@ -15,10 +15,9 @@ hub data set without validation or test) is dealt to a split by a hash of its te
 last, and the split of every document.
 
 A hub id's listing (its data files, their sizes and row groups, at the revision it resolves to)
-needs the hub: it is a job of its own (checkpoint data_listing, `write_listing`) whose file is
-kept, and the plan waits for it (`ListingPending`); a local folder laid out like the hub is listed
-while the DAG is built. This module imports nothing heavy: the workflow imports it while it
-builds the DAG.
+asks the hub once, while the first DAG is built; it is kept in results/data/hub/, so later builds
+and the jobs on other nodes read it instead (a local folder laid out like the hub is listed each
+time). This module imports nothing heavy: the workflow imports it while it builds the DAG.
 """
 
 from __future__ import annotations
@@ -282,14 +281,6 @@ def _where(data: DataSettings) -> str:
     return f"data.hub {hub.path!r}" + (f" / {hub.name!r}" if hub.name else "")
 
 
-class ListingPending(DistlmError):
-    """A hub id's listing is not made yet: the workflow's data_listing job makes it."""
-
-    def __init__(self, key: str, hub: DataHubSettings, text_field: str) -> None:
-        super().__init__(f"the listing {key} of data.hub {hub.path!r} is not made yet")
-        self.key, self.hub, self.text_field = key, hub, text_field
-
-
 def listing_key(hub: DataHubSettings, text_field: str) -> str:
     """The file name (without .json) of a hub id's listing."""
     key = {"path": hub.path, "name": hub.name, "revision": hub.revision, "text": text_field}
@@ -298,17 +289,20 @@ def listing_key(hub: DataHubSettings, text_field: str) -> str:
 
 def hub_files(data: DataSettings, listings: Path | None) -> dict[str, list[Listed]]:
     """The data files of each split of a hub data set (or a local folder laid out like one), as
-    `datasets` resolves its configs; a split named null has none (it is carved out of train)."""
+    `datasets` resolves its configs; a split named null has none (it is carved out of train). A
+    hub id's listing is read from `listings` when it was made before, else made and kept there."""
     hub = data.hub
     where = _where(data)
     if Path(hub.path).is_dir():
         listing = list_hub(hub, data.text_field)
     else:
-        key = listing_key(hub, data.text_field)
-        kept = (listings or Path(".")) / f"{key}.json"
-        if not kept.is_file():
-            raise ListingPending(key, hub, data.text_field)
-        listing = read_json(kept, "hub listing")
+        kept = (listings or Path(".")) / f"{listing_key(hub, data.text_field)}.json"
+        if kept.is_file():
+            listing = read_json(kept, "hub listing")
+        else:
+            listing = list_hub(hub, data.text_field)
+            if listings is not None:
+                write_json(kept, listing)
     out: dict[str, list[Listed]] = {}
     for s in SPLITS:
         name = getattr(hub.splits, s)
@@ -364,12 +358,6 @@ def _under(path: str, folder: str) -> str:
     return path if rel.startswith("..") else os.path.join(folder, rel)
 
 
-def write_listing(hub: DataHubSettings, text_field: str, path: str | os.PathLike) -> None:
-    """The data_listing job: a hub id's listing, kept at `path` (later builds of the DAG and the
-    jobs on other nodes read it instead of asking the hub)."""
-    write_json(path, list_hub(hub, text_field))
-
-
 # ----------------------------------------------------------------------------- the workflow's view
 
 
@@ -380,16 +368,13 @@ class Layout:
 
     shards: str  # results/data/shards
     tokenizers: str  # results/data/tokenizers
-    listings: str  # results/data/hub
+    listings: str  # results/data/hub: the hub ids' listings
 
     def shard(self, shard_id: str) -> str:
         return f"{self.shards}/{shard_id}.h5"
 
     def tokenizer(self, tokenizer_id: str) -> str:
         return f"{self.tokenizers}/{tokenizer_id}"
-
-    def listing(self, key: str) -> str:
-        return f"{self.listings}/{key}.json"
 
 
 class DataPlans:
@@ -402,7 +387,6 @@ class DataPlans:
       data: the gather has no input, so a results folder of that release reruns nothing;
     - a corpus that cannot be listed any more (a file freed once tokenized) with a finished index
       of this config: the index's own shards, and a warning (`notes`) that the work is kept.
-    A hub id not listed yet raises ListingPending: the workflow runs data_listing first.
     """
 
     def __init__(self, layout: Layout, every_settings) -> None:
@@ -411,7 +395,6 @@ class DataPlans:
         self._plans: dict[str, tuple[str, tuple[ShardSpec, ...]]] = {}
         self.shards: dict[str, ShardSpec] = {}
         self.tokenizers: dict[str, TokenizerSpec] = {}
-        self.listings: dict[str, tuple[DataHubSettings, str]] = {}
         self.notes: list[str] = []
 
     def _plan(self, data: DataSettings, model: ModelSourceSettings, tokens: str):
@@ -419,9 +402,6 @@ class DataPlans:
         if key not in self._plans:
             try:
                 plan = plan_data(data, model, listings=Path(self.layout.listings))
-            except ListingPending as e:
-                self.listings[e.key] = (e.hub, e.text_field)
-                raise
             except DistlmError as e:
                 from distlm.data.tokens import finished_shards
 
@@ -467,7 +447,3 @@ class DataPlans:
 
     def tokenizer(self, tokenizer_id: str) -> TokenizerSpec:
         return self._find(self.tokenizers, tokenizer_id, "tokenizer")
-
-    def listing(self, key: str) -> tuple[DataHubSettings, str]:
-        """The hub settings and text field of the listing `key` (the data_listing job's)."""
-        return self._find(self.listings, key, "hub listing")

@@ -29,11 +29,9 @@ from distlm.data.documents import (
 from distlm.data.encode import tokenize_shard
 from distlm.data.sharding import (
     DataPlan,
-    ListingPending,
     data_digest,
     plan_data,
     split_origins,
-    write_listing,
 )
 from distlm.data.sources import records
 from distlm.data.tokenizer import load_tokenizer, model_tokenizer, named_tokenizer, train_tokenizer
@@ -245,6 +243,7 @@ def _shard_stats(meta: ShardMeta) -> ShardStats:
         documents={s: p.documents for s, p in meta.splits.items()},
         seconds=meta.seconds,
         tokens_per_s=meta.tokens_per_s,
+        peak_rss_mb=round(meta.peak_rss_bytes / 1e6, 1),
     )
 
 
@@ -264,12 +263,7 @@ def prepare(
     only when its file is missing, under the token file's folder, as the workflow lays them out),
     then the gather."""
     root = Path(tokens_path).parent
-    if plan is None:
-        try:
-            plan = plan_data(dcfg, mcfg, listings=root / LISTINGS)
-        except ListingPending as e:  # a hub id: its listing first, as the workflow's job does
-            write_listing(e.hub, e.text_field, root / LISTINGS / f"{e.key}.json")
-            plan = plan_data(dcfg, mcfg, listings=root / LISTINGS)
+    plan = plan or plan_data(dcfg, mcfg, listings=root / LISTINGS)
     tok_dir = root / TOKENIZERS / plan.tokenizer.id
     if not tok_dir.is_dir():
         make_tokenizer(plan.tokenizer, tok_dir)

@@ -147,6 +147,7 @@ def read_stats(path: Path) -> tuple[dict, pd.DataFrame]:
             "text_mb": round(sh.text_bytes / 1e6, 2),
             "seconds": sh.seconds,
             "tokens_per_s": sh.tokens_per_s,
+            "peak_rss_mb": sh.peak_rss_mb,
         }
         for sh in stats.shards
     ]
