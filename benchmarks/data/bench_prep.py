@@ -162,7 +162,11 @@ def prep(scratch: Path, tokenizer: Path, mb: float) -> dict:
     return {
         "corpus_mb": round(nbytes / 1e6, 1),
         "tokens": tokens,
-        "nanogpt": {**base, "tokens": base_tokens, "tokens_per_s": round(base_tokens / base["seconds"])},
+        "nanogpt": {
+            **base,
+            "tokens": base_tokens,
+            "tokens_per_s": round(base_tokens / base["seconds"]),
+        },
         "distlm": {
             **ours,
             "tokens_per_s": round(tokens / ours["seconds"]),
@@ -170,7 +174,9 @@ def prep(scratch: Path, tokenizer: Path, mb: float) -> dict:
             "shard_peak_rss_mb": max(s["peak_rss_mb"] for s in shards),
             "shard_tokens_per_s": [s["tokens_per_s"] for s in shards],
         },
-        "tokens_per_s_ratio": round((tokens / ours["seconds"]) / (base_tokens / base["seconds"]), 3),
+        "tokens_per_s_ratio": round(
+            (tokens / ours["seconds"]) / (base_tokens / base["seconds"]), 3
+        ),
     }
 
 
@@ -225,8 +231,14 @@ def loader(scratch: Path, mb: float, steps: int = 2000) -> dict:
         for s in range(steps):
             fn(1000 + s)
         dt = time.perf_counter() - t0
-        out[name] = {"steps": steps, "seconds": round(dt, 3), "tokens_per_s": round(steps * batch * bs / dt)}
-    out["ratio"] = round(out["distlm_rows"]["tokens_per_s"] / out["nanogpt_get_batch"]["tokens_per_s"], 3)
+        out[name] = {
+            "steps": steps,
+            "seconds": round(dt, 3),
+            "tokens_per_s": round(steps * batch * bs / dt),
+        }
+    out["ratio"] = round(
+        out["distlm_rows"]["tokens_per_s"] / out["nanogpt_get_batch"]["tokens_per_s"], 3
+    )
     return out
 
 
