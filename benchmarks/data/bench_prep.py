@@ -186,7 +186,7 @@ def scaling(scratch: Path, mb: float) -> dict:
     conf = scratch / f"data-{mb:g}.yaml"
     shards = sorted((work / "results" / "data" / "shards").glob("*.h5"))
     targets = [str(p.relative_to(work)) for p in shards]
-    out = {"shards": len(shards)}
+    out: dict = {"shards": len(shards)}
     for name, cores, pin in (("one_job_one_core", 1, True), ("two_jobs_two_cores", 2, False)):
         for p in shards:
             p.unlink()
@@ -223,7 +223,7 @@ def loader(scratch: Path, mb: float, steps: int = 2000) -> dict:
     def ours(step):  # StepLoader's read of a step on the CPU
         return torch.from_numpy(blocks.rows(sampler.indices(step).reshape(-1)))
 
-    out = {"blocks_of": bs, "batch": batch, "store_tokens": blocks.n_tokens}
+    out: dict = {"blocks_of": bs, "batch": batch, "store_tokens": blocks.n_tokens}
     for name, fn in (("nanogpt_get_batch", lambda s: get_batch()), ("distlm_rows", ours)):
         for s in range(50):
             fn(s)
@@ -264,7 +264,7 @@ def fineweb(scratch: Path, tokenizer: Path, mb: float) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--sizes", default="100,400", help="corpus sizes in MB")
     p.add_argument("--tokenizer", type=Path, help="a tokenizer folder (default: the embedded BPE)")
     p.add_argument("--fineweb-mb", type=float, default=450)

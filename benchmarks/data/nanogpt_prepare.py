@@ -20,7 +20,7 @@ import numpy as np
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("corpus")
     p.add_argument("tokenizer")
     p.add_argument("out")
