@@ -39,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from provenance import git_revision
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py: the commit measured
+from provenance import git_revision  # noqa: E402
 
 
 def stdlib_docs() -> list[str]:

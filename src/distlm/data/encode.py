@@ -124,7 +124,7 @@ def tokenize_shard(
         writer.finish(meta, last)
     bar.close()
     log.info(
-        "shard %s: wrote %s: %s tokens (%s) in %.1f s, %s tokens/s, peak memory %.0f MB",
+        "shard %s: wrote %s: %s tokens (%s) in %.1f s, %s tokens a second, peak memory %.0f MB",
         spec.id,
         out_path,
         f"{tokens:,}",
@@ -163,7 +163,7 @@ class _Meter:
 
     def rate(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        return f"{self.tokens / dt / 1e6:.2f}M tok/s"
+        return f"{self.tokens / dt / 1e6:.2f}M tokens a second"
 
     def maybe_log(self) -> None:
         now = time.perf_counter()
