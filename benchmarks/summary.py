@@ -55,6 +55,16 @@ BATCH_GPU = "benchmarks/inference/results-gpu.json"
 SMOLLM2_MFU = 0.35  # issue #45: the Llama family's steady-state MFU at SmolLM2-135M's shape
 BATCH_GPU_GOAL = 2.0  # issue #45: all prompts in flight against `generate` batched, on the GPU
 GPU_RUN = "benchmarks/gpu/run.sh"
+# issue #78: the data stage against nanoGPT's prepare.py way (benchmarks/data/bench_prep.py)
+DATA = "benchmarks/data/results.json"
+DATA_SPEED = 1.2  # tokens a second of the whole stage, two shard jobs on the two cores
+DATA_RSS_MB = 1000.0  # the largest data process's peak RSS at each size
+DATA_RSS_GROWTH = 1.2  # from the smaller corpus to the larger
+DATA_SCALING = 1.8  # two shard jobs on two cores against one on one
+DATA_LOADER = 1.0  # the training loader against nanoGPT's get_batch
+DATA_FINEWEB_MB = 2000.0  # one FineWeb-edu shard's job
+DATA_WAIT = 0.01  # a GPU training step's wait for its rows, at most this share of the step
+WORKFLOW_GPU = "benchmarks/gpu/workflow-gpu.json"  # run.sh's workflow step (config/gpu.yaml)
 
 # The serving goals (issue #31): (clients, the ratio's key, its name) -> (comparison, bound): at
 # least 2x the peer's throughput and at most 0.5x its p99 latency at 16 and 64 clients; ahead of
@@ -399,6 +409,14 @@ def gpu_rows() -> list[Row]:
         )
     else:
         rows.append(waits(what, "-", f"≤ {SWAP_STALL_GPU_S:g} s"))
+    # issue #78: the training loader's wait for rows, a share of a GPT-2 small step on the GPU
+    flow = load(WORKFLOW_GPU).get("train", {}) if (ROOT / WORKFLOW_GPU).is_file() else {}
+    share = flow.get("data_wait_share")
+    what = "training on a GPU, GPT-2 small's shape: the step's wait for its rows"
+    if share is not None:
+        rows.append(Row(what, "the step", f"{share:.2%}", "≤ 1%", share <= DATA_WAIT, WORKFLOW_GPU))
+    else:
+        rows.append(waits(what, "the step", f"≤ {DATA_WAIT:.0%}"))
     return rows
 
 
@@ -454,8 +472,88 @@ def update_rows() -> list[Row]:
     ]
 
 
+def data_rows() -> list[Row]:
+    """Issue #78's goals: the data stage beside nanoGPT's prepare.py way."""
+    d = load(DATA)
+    nanogpt = "nanoGPT's `prepare.py` way (`datasets.map(num_proc=2)`, one `np.memmap`)"
+    sizes = list(d["prep"])
+    rows = []
+    for mb in sizes:
+        p = d["prep"][mb]
+        rows.append(
+            Row(
+                f"dataset prep, {p['corpus_mb']:g} MB corpus ({p['tokens'] / 1e6:.1f}M tokens): "
+                f"tokens a second, {p['distlm']['shards']} shard jobs on 2 cores",
+                nanogpt,
+                ratio(p["tokens_per_s_ratio"], DATA_SPEED),
+                f"≥ {DATA_SPEED:g}x",
+                p["tokens_per_s_ratio"] >= DATA_SPEED,
+                DATA,
+            )
+        )
+    peaks = [d["prep"][mb]["distlm"]["peak_rss_mb"] for mb in sizes]
+    theirs = [d["prep"][mb]["nanogpt"]["peak_rss_mb"] for mb in sizes]
+    rows.append(
+        Row(
+            f"dataset prep, {' / '.join(sizes)} MB: the largest process's peak RSS",
+            "the same, nanoGPT's way: " + " / ".join(f"{m:.0f} MB" for m in theirs),
+            " / ".join(f"{m:.0f} MB" for m in peaks) + f" ({d['peak_rss_growth']:.2f}x)",
+            f"≤ {DATA_RSS_MB:g} MB, ≤ {DATA_RSS_GROWTH:g}x",
+            max(peaks) <= DATA_RSS_MB and d["peak_rss_growth"] <= DATA_RSS_GROWTH,
+            DATA,
+        )
+    )
+    if "scaling" in d:
+        sc = d["scaling"]["ratio"]
+        rows.append(
+            Row(
+                "dataset prep: two shard jobs on two cores, tokens a second",
+                "one job on one core",
+                ratio(sc, DATA_SCALING),
+                f"≥ {DATA_SCALING:g}x",
+                sc >= DATA_SCALING,
+                DATA,
+            )
+        )
+    if "loader" in d:
+        lo = d["loader"]
+        rows.append(
+            Row(
+                f"training loader, random steps on {lo['store_tokens'] / 1e6:.0f}M tokens: "
+                "tokens a second",
+                "nanoGPT's `get_batch` (memmap, random offsets)",
+                ratio(lo["ratio"], DATA_LOADER),
+                f"≥ {DATA_LOADER:g}x",
+                lo["ratio"] >= DATA_LOADER,
+                DATA,
+            )
+        )
+    if "fineweb" in d:
+        fw = d["fineweb"]["shard"]
+        rows.append(
+            Row(
+                f"dataset prep, one FineWeb-edu-shaped shard ({d['fineweb']['text_mb']:g} MB of "
+                "parquet text): its job's peak RSS",
+                "",
+                f"{fw['peak_rss_mb']:.0f} MB",
+                f"< {DATA_FINEWEB_MB:g} MB",
+                fw["peak_rss_mb"] < DATA_FINEWEB_MB,
+                DATA,
+            )
+        )
+    return rows
+
+
 def render() -> str:
-    rows = serving_rows() + update_rows() + batch_rows() + training_rows() + e2e_rows() + gpu_rows()
+    rows = (
+        serving_rows()
+        + update_rows()
+        + batch_rows()
+        + training_rows()
+        + data_rows()
+        + e2e_rows()
+        + gpu_rows()
+    )
     header = ["what", "distlm against", "device", "measured", "goal", "", "from"]
     lines = [
         BEGIN,

@@ -43,7 +43,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # provenance.py: the commit measured
-from provenance import git_revision  # noqa: E402
+from provenance import git_revision
 
 
 def stdlib_docs() -> list[str]:
@@ -127,7 +127,8 @@ def snakemake(work: Path, config: Path, *targets: str, cores: int = 2, pin: bool
 
 
 def data_config(path: Path, data: dict) -> Path:
-    path.write_text(yaml.safe_dump({"data": data}))
+    """The default config's data stage on these keys (a model of 1,024 positions for its blocks)."""
+    path.write_text(yaml.safe_dump({"data": data, "model": {"init": {"n_positions": 1024}}}))
     return path
 
 
@@ -251,6 +252,7 @@ def fineweb(scratch: Path, tokenizer: Path, mb: float) -> dict:
     fw["data"]["hub"]["path"] = str(root)
     fw["data"]["tokenizer"] = {"name": str(tokenizer), "vocab_size": 4096}
     fw["data"]["shard_mb"] = mb * 1.1
+    fw["data"]["validation_fraction"] = fw["data"]["test_fraction"] = 0.01  # blocks at any size
     conf = scratch / "fineweb.yaml"
     conf.write_text(yaml.safe_dump(fw))
     work = scratch / "fineweb-work"

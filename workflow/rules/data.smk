@@ -8,6 +8,7 @@
 rule data_tokenizer:
     output:
         tokenizer=directory(DATA.layout.tokenizer("{tokenizer}")),
+        info=DATA.layout.tokenizer_info("{tokenizer}"),
     log:
         "logs/data/tokenizers/{tokenizer}.log",
     benchmark:

@@ -9,4 +9,5 @@ setup_logging(snakemake.log[0])
 make_tokenizer(
     TokenizerSpec.from_json(snakemake.params.spec, "rule data_tokenizer's params"),
     snakemake.output.tokenizer,
+    snakemake.output.info,
 )

@@ -12,6 +12,7 @@ gather(
     cfg.data,
     cfg.model,
     tokenizer_src=snakemake.input.get("tokenizer", ""),
+    tokenizer_info=snakemake.input.get("tokenizer_info", ""),
     shard_paths=list(snakemake.input.get("shards", [])),
     tokens_path=snakemake.output.tokens,
     tokenizer_dir=snakemake.output.tokenizer,

@@ -119,6 +119,19 @@ class TokenizerSpec(Document):
 # ----------------------------------------------------------------------------- what a job wrote
 
 
+class TokenizerInfo(Document):
+    """What the tokenizer job made (results/data/tokenizers/<id>.json, beside the folder), as
+    transformers counts it: the gather writes it into the token index's metadata without loading
+    the tokenizer again."""
+
+    KIND: ClassVar[str] = "distlm-tokenizer-info"
+    VERSION: ClassVar[int] = 1
+    id: str
+    describe: str
+    vocab_size: int  # len(tokenizer)
+    eos_token_id: int | None
+
+
 class ShardSplit(Part):
     """One split's part of a shard: its records, and its token stream (`tokens`: every record
     followed by the separator; `last`: the last record alone, which ends the split's stream when

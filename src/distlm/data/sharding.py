@@ -376,6 +376,9 @@ class Layout:
     def tokenizer(self, tokenizer_id: str) -> str:
         return f"{self.tokenizers}/{tokenizer_id}"
 
+    def tokenizer_info(self, tokenizer_id: str) -> str:
+        return f"{self.tokenizers}/{tokenizer_id}.json"
+
 
 class DataPlans:
     """The data stage as the workflow sees it while it builds the DAG: each run's plan (by its
@@ -423,7 +426,8 @@ class DataPlans:
     def inputs(
         self, data: DataSettings, model: ModelSourceSettings, *, tokens: str, stats: str
     ) -> dict[str, str | list[str]]:
-        """The gather's inputs: {"tokenizer": folder, "shards": [files]}, or none (above)."""
+        """The gather's inputs: {"tokenizer": folder, "tokenizer_info": its TokenizerInfo,
+        "shards": [files]}, or none (above)."""
         from distlm.data.tokens import finished_v1
 
         if Path(stats).is_file() and finished_v1(tokens, data_digest(data, model)):
@@ -431,6 +435,7 @@ class DataPlans:
         tok, shards = self._plan(data, model, tokens)
         return {
             "tokenizer": self.layout.tokenizer(tok),
+            "tokenizer_info": self.layout.tokenizer_info(tok),
             "shards": [self.layout.shard(s.id) for s in shards],
         }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from distlm import DistlmError
-from distlm.core.documents import write_document
+from distlm.core.documents import read_document, write_document
 from distlm.core.io import atomic_dir
 from distlm.core.log import get_logger
 from distlm.data.documents import (
@@ -23,6 +23,7 @@ from distlm.data.documents import (
     ShardMeta,
     ShardStats,
     SplitStats,
+    TokenizerInfo,
     TokenizerSpec,
     TokenMeta,
 )
@@ -34,7 +35,7 @@ from distlm.data.sharding import (
     split_origins,
 )
 from distlm.data.sources import records
-from distlm.data.tokenizer import load_tokenizer, model_tokenizer, named_tokenizer, train_tokenizer
+from distlm.data.tokenizer import model_tokenizer, named_tokenizer, train_tokenizer
 from distlm.data.tokens import (
     TokenBlocks,
     read_shard_meta,
@@ -54,10 +55,10 @@ LISTINGS = "hub"  # results/data/hub/<digest>.json: a hub id's listing
 # ----------------------------------------------------------------------------- the tokenizer
 
 
-def make_tokenizer(spec: TokenizerSpec, out_dir: str | Path) -> None:
+def make_tokenizer(spec: TokenizerSpec, out_dir: str | Path, info_path: str | Path) -> None:
     """The tokenizer job: the model's own tokenizer, the named one, or a byte-level BPE trained
     on the train records of the corpus's first `spec.sample_bytes`; saved in transformers' format
-    into `out_dir` (atomically)."""
+    into `out_dir` (atomically), then what it is into `info_path` (TokenizerInfo)."""
     t0 = time.perf_counter()
     with atomic_dir(out_dir) as tmp:
         if spec.kind == "model":
@@ -76,7 +77,14 @@ def make_tokenizer(spec: TokenizerSpec, out_dir: str | Path) -> None:
                 spec.sample_bytes / 1e6,
             )
             train_tokenizer(sample, spec.vocab_size, spec.min_frequency, tmp)
-        settle_tokenizer(tmp)
+        tok = settle_tokenizer(tmp)
+    info = TokenizerInfo(
+        id=spec.id,
+        describe=spec.describe(),
+        vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id,
+    )
+    write_document(info_path, info)
     log.info(
         "tokenizer %s (%s) in %s, %.1f s",
         spec.id,
@@ -86,20 +94,21 @@ def make_tokenizer(spec: TokenizerSpec, out_dir: str | Path) -> None:
     )
 
 
-def settle_tokenizer(folder: Path) -> None:
+def settle_tokenizer(folder: Path):
     """Make the folder's tokenizer.json the tokenizer transformers builds from the folder, which
     the tokenize jobs run without transformers (distlm.data.tokenizer.Encoder): a class that
     rebuilds its backend when loaded (transformers 5's Llama tokenizer from a folder of an older
     one) gets that backend written once, after which loading it changes nothing; one that still
-    differs is refused, naming the folder."""
+    differs is refused, naming the folder. Returns transformers' tokenizer of the folder."""
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     path = folder / "tokenizer.json"
     for attempt in range(2):
-        built = AutoTokenizer.from_pretrained(str(folder), local_files_only=True).backend_tokenizer
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        built = tok.backend_tokenizer
         if path.is_file() and built.to_str() == Tokenizer.from_file(str(path)).to_str():
-            return
+            return tok
         if attempt == 0:
             built.save(str(path))
     raise DistlmError(
@@ -129,6 +138,7 @@ def gather(
     mcfg: ModelSourceSettings,
     *,
     tokenizer_src: str | Path,
+    tokenizer_info: str | Path,
     shard_paths: Sequence[str | Path],
     tokens_path: str | Path,
     tokenizer_dir: str | Path,
@@ -146,8 +156,8 @@ def gather(
             "it matched the config, was removed): run the same command again to tokenize the "
             "corpus into shards"
         )
-    tok = load_tokenizer(tokenizer_src)
-    vocab_size = len(tok)
+    info = read_document(tokenizer_info, TokenizerInfo)
+    vocab_size = info.vocab_size
     dtype = token_dtype(vocab_size)
     shards = [(Path(p), read_shard_meta(p)) for p in shard_paths]
     for path, meta in shards:
@@ -183,7 +193,7 @@ def gather(
         "config_digest": data_digest(dcfg, mcfg),
         "tokenizer": _tokenizer_kind(dcfg, mcfg),
         "vocab_size": vocab_size,
-        "eos_token_id": tok.eos_token_id,
+        "eos_token_id": info.eos_token_id,
         "block_size": bs,
     }
     write_index(tokens_path, streams, meta=TokenMeta(**meta), dtype=dtype)
@@ -265,8 +275,9 @@ def prepare(
     root = Path(tokens_path).parent
     plan = plan or plan_data(dcfg, mcfg, listings=root / LISTINGS)
     tok_dir = root / TOKENIZERS / plan.tokenizer.id
-    if not tok_dir.is_dir():
-        make_tokenizer(plan.tokenizer, tok_dir)
+    tok_info = tok_dir.with_suffix(".json")
+    if not tok_info.is_file():
+        make_tokenizer(plan.tokenizer, tok_dir, tok_info)
     paths = []
     for spec in plan.shards:
         path = root / SHARDS / f"{spec.id}.h5"
@@ -277,6 +288,7 @@ def prepare(
         dcfg,
         mcfg,
         tokenizer_src=tok_dir,
+        tokenizer_info=tok_info,
         shard_paths=paths,
         tokens_path=tokens_path,
         tokenizer_dir=tokenizer_dir,
