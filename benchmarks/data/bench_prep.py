@@ -76,20 +76,23 @@ def write_jsonl(path: Path, mb: float) -> int:
 
 
 def write_fineweb(root: Path, mb: float) -> int:
-    """A local folder laid out like HuggingFaceFW/fineweb-edu's sample-10BT, `mb` MB of text."""
+    """A local folder laid out like HuggingFaceFW/fineweb-edu's sample-10BT, `mb` MB of text,
+    written a row group (1,000 documents) at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     sub = root / "sample" / "10BT"
     sub.mkdir(parents=True, exist_ok=True)
     docs = stdlib_docs()
-    texts, size, i = [], 0, 0
-    while size < mb * 1e6:
-        texts.append(docs[i % len(docs)])
-        size += len(texts[-1].encode())
-        i += 1
-    table = pa.table({"text": texts, "id": [f"<urn:uuid:{j}>" for j in range(len(texts))]})
-    pq.write_table(table, sub / "000_00000.parquet", row_group_size=1000)
+    size, i = 0, 0
+    schema = pa.schema([("text", pa.string()), ("id", pa.string())])
+    with pq.ParquetWriter(sub / "000_00000.parquet", schema) as w:
+        while size < mb * 1e6:
+            texts = [docs[(i + j) % len(docs)] for j in range(1000)]
+            ids = [f"<urn:uuid:{i + j}>" for j in range(1000)]
+            w.write_table(pa.table({"text": texts, "id": ids}, schema=schema))
+            size += sum(len(t.encode()) for t in texts)
+            i += 1000
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: sample-10BT\n  data_files:\n  - split: train\n"
         "    path: sample/10BT/*\n---\n"
@@ -98,23 +101,23 @@ def write_fineweb(root: Path, mb: float) -> int:
 
 
 def run(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None) -> dict:
-    """Wall seconds and the peak RSS (MB) of the largest of the command's processes."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
+    """Wall seconds and the peak RSS (MB) of the largest of the command's processes, by GNU time
+    (a process forked from this one would start from this one's high-water mark)."""
+    measure = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-prep-time-{os.getpid()}.txt"
+    proc = subprocess.run(
+        ["/usr/bin/time", "-f", "%e %M", "-o", str(measure), *map(str, cmd)],
         cwd=cwd,
         env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        capture_output=True,
         text=True,
+        check=False,
     )
-    out = proc.stdout.read() if proc.stdout else ""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{out[-4000:]}")
-    return {"seconds": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "out": out}
+    wall, kb = measure.read_text().split()[-2:]
+    measure.unlink()
+    return {"seconds": round(float(wall), 2), "peak_rss_mb": round(int(kb) / 1024, 1), "out": out}
 
 
 def snakemake(work: Path, config: Path, *targets: str, cores: int = 2, pin: bool = False) -> dict:

@@ -37,7 +37,6 @@ from distlm.data.sharding import (
 from distlm.data.sources import records
 from distlm.data.tokenizer import model_tokenizer, named_tokenizer, train_tokenizer
 from distlm.data.tokens import (
-    TokenBlocks,
     read_shard_meta,
     stream_segments,
     token_dtype,
@@ -208,7 +207,7 @@ def gather(
                 tokens=split_tokens[s],
                 blocks=split_tokens[s] // bs,
                 tail_tokens_not_in_blocks=split_tokens[s] % bs,
-                tokens_sha256=stream_sha256(TokenBlocks(tokens_path, s)),
+                tokens_sha256=stream_sha256(tokens_path, s),
                 origin=origins.get(s, ""),
                 shards=holding[s],
             )
@@ -235,12 +234,17 @@ def _tokenizer_kind(dcfg: DataSettings, mcfg: ModelSourceSettings) -> str:
     return "byte-level BPE trained on the train split"
 
 
-def stream_sha256(blocks: TokenBlocks, chunk: int = 1 << 22) -> str:
-    """sha256 of a split's stream as int64 bytes, read a chunk at a time."""
+def stream_sha256(index: Path, split: str, chunk: int = 1 << 22) -> str:
+    """sha256 of a split's stream as int64 bytes, read a chunk at a time through the index (plain
+    reads: a memory map would keep every page it read resident)."""
+    import h5py
+
     h = hashlib.sha256()
-    for a in range(0, blocks.n_tokens, chunk):
-        h.update(blocks.read(a, min(a + chunk, blocks.n_tokens)).tobytes())
-    blocks.close()
+    with h5py.File(index, "r") as f:
+        ds = f[f"{split}/tokens"]
+        assert isinstance(ds, h5py.Dataset)
+        for a in range(0, ds.shape[0], chunk):
+            h.update(ds[a : a + chunk].astype(np.int64).tobytes())
     return h.hexdigest()
 
 
