@@ -112,12 +112,13 @@ def run(cmd: list[str], *, env: dict | None = None, cwd: Path | None = None) -> 
         text=True,
         check=False,
     )
-    out = proc.stdout + proc.stderr
     if proc.returncode != 0:
+        out = proc.stdout + proc.stderr
         raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{out[-4000:]}")
     wall, kb = measure.read_text().split()[-2:]
     measure.unlink()
-    return {"seconds": round(float(wall), 2), "peak_rss_mb": round(int(kb) / 1024, 1), "out": out}
+    mb = round(int(kb) / 1024, 1)
+    return {"seconds": round(float(wall), 2), "peak_rss_mb": mb, "out": proc.stdout}
 
 
 def snakemake(work: Path, config: Path, *targets: str, cores: int = 2, pin: bool = False) -> dict:
