@@ -10,9 +10,10 @@ byte-level BPE (4,096 ids, trained as its data stage trains it), or `--tokenizer
   prep      the whole data stage, `snakemake --profile profiles/local results/data/stats.json`
             (its listing, tokenizer and shard jobs and the gather; 2 cores, data.shard_mb 64),
             against `nanogpt_prepare.py` (datasets.map(num_proc=2), one np.memmap uint16 file a
-            split): wall seconds, tokens a second, and the peak RSS of the largest process of
-            each (os.wait4: the largest of the command's processes, Snakemake's own included; the
-            shard jobs' own peaks from stats.json beside it)
+            split), `--repeats` runs of each taking turns: wall seconds, tokens a second (the
+            median run's ratio, and every run's), and the peak RSS of the largest process of
+            each (GNU time: the largest of the command's processes, Snakemake's own included;
+            the shard jobs' own peaks from stats.json beside it)
   scaling   the shard jobs alone (the tokenizer made): one job on one core (`taskset -c 0`,
             `--cores 1`) against two jobs on the two cores, on the corpus of the first size
   loader    the training loader (TokenBlocks.rows of StepSampler's steps, 16 blocks of 1024)
@@ -31,6 +32,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -140,33 +142,22 @@ def stats_of(work: Path) -> dict:
     return json.loads((work / "results" / "data" / "stats.json").read_text())
 
 
-def prep(scratch: Path, tokenizer: Path, mb: float) -> dict:
-    corpus = scratch / f"corpus-{mb:g}.jsonl"
-    nbytes = write_jsonl(corpus, mb)
-    os.sync()
-    # the baseline first, then distlm, on a quiet machine
+def prep_once(scratch: Path, tokenizer: Path, mb: float, corpus: Path, r: int) -> dict:
+    """One repeat: the baseline first, then distlm, each in folders of their own (no cache of an
+    earlier repeat: `datasets` caches its map, distlm its shards)."""
+    suffix = f"{mb:g}" + (f"-{r}" if r else "")
     base = run(
         [sys.executable, str(HERE / "nanogpt_prepare.py"), str(corpus), str(tokenizer)]
-        + [str(scratch / f"nanogpt-{mb:g}"), "--num-proc", "2"]
+        + [str(scratch / f"nanogpt-{suffix}"), "--num-proc", "2"]
     )
     base_tokens = sum(json.loads(base.pop("out").strip().splitlines()[-1])["tokens"].values())
-    work = scratch / f"distlm-{mb:g}"
-    conf = data_config(
-        scratch / f"data-{mb:g}.yaml",
-        {
-            "source": "local",
-            "local": {"train": [str(corpus)]},
-            "block_size": 1024,
-            "tokenizer": {"name": str(tokenizer), "vocab_size": 4096},
-        },
-    )
-    ours = snakemake(work, conf, "results/data/stats.json")
+    work = scratch / f"distlm-{suffix}"
+    ours = snakemake(work, scratch / f"data-{mb:g}.yaml", "results/data/stats.json")
     ours.pop("out")
     stats = stats_of(work)
     tokens = sum(s["tokens"] for s in stats["splits"].values())
     shards = stats["shards"]
     return {
-        "corpus_mb": round(nbytes / 1e6, 1),
         "tokens": tokens,
         "nanogpt": {
             **base,
@@ -183,6 +174,35 @@ def prep(scratch: Path, tokenizer: Path, mb: float) -> dict:
         "tokens_per_s_ratio": round(
             (tokens / ours["seconds"]) / (base_tokens / base["seconds"]), 3
         ),
+    }
+
+
+def prep(scratch: Path, tokenizer: Path, mb: float, repeats: int) -> dict:
+    """`repeats` runs of each way, taking turns; the median ratio and each run's figures."""
+    corpus = scratch / f"corpus-{mb:g}.jsonl"
+    nbytes = write_jsonl(corpus, mb)
+    data_config(
+        scratch / f"data-{mb:g}.yaml",
+        {
+            "source": "local",
+            "local": {"train": [str(corpus)]},
+            "block_size": 1024,
+            "tokenizer": {"name": str(tokenizer), "vocab_size": 4096},
+        },
+    )
+    os.sync()
+    runs = [prep_once(scratch, tokenizer, mb, corpus, r) for r in range(repeats)]
+    ratios = [x["tokens_per_s_ratio"] for x in runs]
+    mid = runs[ratios.index(statistics.median_low(ratios))]
+    return {
+        "corpus_mb": round(nbytes / 1e6, 1),
+        **mid,  # the run of the median ratio (every run in `runs`)
+        "tokens_per_s_ratios": ratios,
+        "peak_rss_mb": {
+            "distlm": max(x["distlm"]["peak_rss_mb"] for x in runs),
+            "nanogpt": max(x["nanogpt"]["peak_rss_mb"] for x in runs),
+        },
+        "runs": runs,
     }
 
 
@@ -275,6 +295,7 @@ def main() -> None:
     p.add_argument("--sizes", default="100,400", help="corpus sizes in MB")
     p.add_argument("--tokenizer", type=Path, help="a tokenizer folder (default: the embedded BPE)")
     p.add_argument("--fineweb-mb", type=float, default=450)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each way per size, taking turns")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out (fineweb, ...)")
     p.add_argument("--scratch", type=Path, default=Path("/tmp/distlm-bench-data"))
     p.add_argument("--out", type=Path, default=HERE / "results.json")
@@ -309,11 +330,11 @@ def main() -> None:
     }
     for mb in sizes:
         print(f"prep {mb:g} MB", flush=True)
-        result["prep"][f"{mb:g}"] = prep(a.scratch, tokenizer, mb)
-        print(json.dumps(result["prep"][f"{mb:g}"]), flush=True)
+        result["prep"][f"{mb:g}"] = prep(a.scratch, tokenizer, mb, a.repeats)
+        print(json.dumps(result["prep"][f"{mb:g}"]["tokens_per_s_ratios"]), flush=True)
     small, large = (result["prep"][f"{mb:g}"] for mb in (sizes[0], sizes[-1]))
     result["peak_rss_growth"] = round(
-        large["distlm"]["peak_rss_mb"] / small["distlm"]["peak_rss_mb"], 3
+        large["peak_rss_mb"]["distlm"] / small["peak_rss_mb"]["distlm"], 3
     )
     if "scaling" not in skip:
         print("scaling", flush=True)
