@@ -10,6 +10,7 @@ and the time left.
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def tokenize_shard(
                 return
             encoded = encoder.encode(part.pending)
             n = sum(map(len, encoded))
-            ids = np.fromiter((i for e in encoded for i in e), dtype=dtype, count=n)
+            ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=n)
             writer.add(split, ids)
             part.tokens += n
             part.last_piece = len(encoded[-1])

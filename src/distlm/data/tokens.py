@@ -32,7 +32,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Self
+from typing import BinaryIO, Self, TypeVar
 
 import h5py
 import numpy as np
@@ -195,6 +195,14 @@ def _shard_meta(f: h5py.File, path: Path) -> ShardMeta:
         raise DistlmError(
             f"{path}: not a distlm token shard of format {SHARD_FORMAT!r} ({found!r})"
         )
+    return _meta_attr(f, path, ShardMeta)
+
+
+D = TypeVar("D", ShardMeta, TokenMeta)
+
+
+def _meta_attr(f: h5py.File, path: Path, cls: type[D]) -> D:
+    """The document in a file's `meta` attribute (its `format` attribute checked already)."""
     meta = f.attrs.get("meta")
     if not isinstance(meta, str):
         raise DistlmError(f"{path}: attribute 'meta' is {meta!r}, not a JSON string")
@@ -204,7 +212,7 @@ def _shard_meta(f: h5py.File, path: Path) -> ShardMeta:
         raise DistlmError(f"{path}: attribute 'meta' is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise DistlmError(f"{path}: attribute 'meta' is not a JSON object")
-    return ShardMeta.from_json({"format": SHARD_FORMAT, **body}, f"{path} (attribute 'meta')")
+    return cls.from_json({"format": cls.tag(), **body}, f"{path} (attribute 'meta')")
 
 
 def _mapped(path: Path, name: str) -> np.ndarray:
@@ -316,18 +324,9 @@ def read_tokens_meta(path: str | os.PathLike) -> TokenMeta:
     try:
         with h5py.File(path, "r") as f:
             check_tokens_file(f, Path(path))
-            meta = f.attrs.get("meta")
-            if not isinstance(meta, str):
-                raise DistlmError(f"{path}: attribute 'meta' is {meta!r}, not a JSON string")
-            try:
-                body = json.loads(meta)
-            except json.JSONDecodeError as e:
-                raise DistlmError(f"{path}: attribute 'meta' is not valid JSON ({e})") from None
+            return _meta_attr(f, Path(path), TokenMeta)
     except OSError as e:
         raise DistlmError(f"{path}: cannot read token file ({e})") from None
-    if not isinstance(body, dict):
-        raise DistlmError(f"{path}: attribute 'meta' is not a JSON object")
-    return TokenMeta.from_json({"format": FORMAT, **body}, f"{path} (attribute 'meta')")
 
 
 def index_shards(path: str | os.PathLike) -> list[Path]:
