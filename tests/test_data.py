@@ -207,6 +207,42 @@ def test_shards_cut_anywhere_give_one_stream(tmp_path):
     assert np.array_equal(tb[list(range(len(tb)))].reshape(-1), a["train"][: len(tb) * 32])
 
 
+def test_the_training_loader_reads_and_resumes_across_shards(tmp_path):
+    """A step's rows from a store of many shards (blocks that cross shard boundaries among them)
+    are the rows one shard gives; a loader that starts at step k (a resume, on 1 rank or 2)
+    reads what the uninterrupted one read there; reads ahead are the rows asked for later."""
+    import torch
+
+    from distlm.runtime.device import DeviceBackend
+    from distlm.train.step_sampler import BatchPlan, StepLoader, StepSampler
+
+    docs = english(40, seed=11)
+    files = [write_jsonl(tmp_path / f"p{i}.jsonl", docs[i * 10 : (i + 1) * 10]) for i in range(4)]
+    base = {"source": "local", "local": {"train": files}}
+    one_out, _ = run(tmp_path / "one", cfg(data={**base, "shard_mb": 64}))
+    many_out, many = run(tmp_path / "many", cfg(data={**base, "shard_mb": 0.005}))
+    assert len(many.shards) > 8
+    one, split = (TokenBlocks(o / "tokens.h5", "train") for o in (one_out, many_out))
+    cpu = DeviceBackend.cpu()
+
+    def steps(blocks, plan, rank, start, n):
+        loader = StepLoader(blocks, StepSampler(len(blocks), plan, rank, seed=3), cpu)
+        try:
+            return [torch.cat(loader(s)) for s in range(start, start + n)]
+        finally:
+            loader.close()
+
+    plan = BatchPlan(4, 2, 1)
+    whole = steps(one, plan, 0, 0, 12)
+    assert all(torch.equal(a, b) for a, b in zip(whole, steps(split, plan, 0, 0, 12)))
+    assert all(torch.equal(a, b) for a, b in zip(whole[7:], steps(split, plan, 0, 7, 5)))
+    # two ranks of half the batch each read, together, the rows of the one-rank step
+    two = BatchPlan(4, 1, 2)
+    for s in (0, 5):
+        ranks = [steps(split, two, r, s, 1)[0] for r in (0, 1)]
+        assert torch.equal(torch.cat(ranks), whole[s])
+
+
 def test_held_out_splits_are_carved_by_text_hash_and_kept_when_files_are_added(tmp_path):
     docs = english(70, seed=3)
     files = [write_jsonl(tmp_path / f"f{i}.jsonl", docs[i * 10 : (i + 1) * 10]) for i in range(7)]
