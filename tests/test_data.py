@@ -141,6 +141,16 @@ def test_the_store_is_shards_behind_an_index(embedded):
     assert meta.config_digest == stats.config_digest and meta.vocab_size == stats.vocab_size
 
 
+def test_the_index_is_the_same_bytes_when_made_again(embedded, tmp_path):
+    """No creation or modification time in the index: the same shards give the same file."""
+    import time
+
+    out, _ = embedded
+    time.sleep(1.1)
+    again, _ = run(tmp_path, cfg())
+    assert (again / "tokens.h5").read_bytes() == (out / "tokens.h5").read_bytes()
+
+
 def test_a_token_file_of_the_release_before_reads_and_is_kept(embedded, tmp_path):
     """One HDF5 file with each split's stream and blocks (format distlm-tokens/1): TokenBlocks
     reads it, and the workflow's gather has no input for it while it matches the config."""
@@ -535,6 +545,23 @@ def test_a_corpus_file_gone_after_its_data_is_made_keeps_the_finished_data(tmp_p
         DataPlans(Layout("s", "t", "h"), lambda: [c]).inputs(
             c.data, c.model, tokens=str(tmp_path / "none.h5"), stats=stats
         )
+
+
+def test_a_hub_data_set_that_cannot_be_listed_stops_a_run_and_warns_a_dry_run(
+    tmp_path, hub_offline
+):
+    """A login node with no network: a real run stops before any job, naming data.hub; a dry run
+    plans the gather alone and says its tokenizer and shard jobs wait for the listing."""
+    c = cfg(data={"source": "hub", "hub": {"path": "nobody/no-such-data-set", "name": None}})
+    out = {"tokens": str(tmp_path / "tokens.h5"), "stats": str(tmp_path / "stats.json")}
+    with pytest.raises(DistlmError, match="data.hub 'nobody/no-such-data-set': could not load"):
+        DataPlans(Layout("s", "t", str(tmp_path / "h")), lambda: [c]).inputs(c.data, c.model, **out)
+    dry = DataPlans(Layout("s", "t", str(tmp_path / "h")), lambda: [c], dry_run=lambda: True)
+    assert dry.inputs(c.data, c.model, **out) == {}
+    assert dry.inputs(c.data, c.model, **out) == {}  # tried once
+    (note,) = dry.notes
+    assert "data.hub 'nobody/no-such-data-set'" in note and "dry run plans" in note
+    assert not (tmp_path / "h").exists()  # nothing kept of a listing never made
 
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -264,17 +264,21 @@ def test_ddp_configs_digest_as_before_and_fsdp_is_a_run_of_its_own():
 
 
 def _tokens_with_validation(src: Path, dest: Path, blocks: int) -> Path:
-    """A copy of a token file whose validation split holds its first `blocks` blocks alone."""
-    import shutil
+    """A token store (dest and its shard) as `src`'s, whose validation split holds the first
+    `blocks` blocks of src's alone."""
+    from harness.synthetic import write_tokens
 
-    import h5py
+    from distlm.data.tokens import TokenBlocks, read_tokens_meta
 
-    shutil.copyfile(src, dest)
-    with h5py.File(dest, "r+") as f:
-        kept = f["validation/blocks"][:blocks]
-        del f["validation/blocks"]
-        f.create_dataset("validation/blocks", data=kept)
-        f["validation"].attrs["n_blocks"] = blocks
+    meta = read_tokens_meta(src)
+    streams = {}
+    for split in ("train", "validation", "test"):
+        tb = TokenBlocks(src, split)
+        n = blocks * tb.block_size if split == "validation" else tb.n_tokens
+        assert n <= tb.n_tokens, (split, n, tb.n_tokens)
+        streams[split] = tb.read(0, n)
+    write_tokens(dest, streams, meta.block_size, meta.vocab_size, meta)
+    assert TokenBlocks(dest, "validation").n_blocks == blocks
     return dest
 
 

@@ -183,6 +183,8 @@ def _dry(forks, wd: Path, tmp: Path, sweep: dict, name: str) -> dict[str, int]:
 def test_tiny_sweep_runs_shared_stages_once(sweep_run):
     _, counts = sweep_run
     assert counts == {
+        "data_tokenizer": 1,
+        "tokenize_shard": 1,
         "prepare_data": 1,
         "serialize_model": 1,
         "broadcast": 1,

@@ -208,6 +208,7 @@ DATA = DataPlans(
         listings=STAGES["data"].scratch_path("hub"),
     ),
     lambda: PLAN.every_settings,
+    dry_run=lambda: workflow.dryrun,
 )
 
 

@@ -276,6 +276,10 @@ def plan_data(
 # ----------------------------------------------------------------------------- hub data sets
 
 
+class Unlisted(DistlmError):
+    """A hub data set that cannot be listed here (no network, no cached copy)."""
+
+
 def _where(data: DataSettings) -> str:
     hub = data.hub
     return f"data.hub {hub.path!r}" + (f" / {hub.name!r}" if hub.name else "")
@@ -331,7 +335,7 @@ def list_hub(hub: DataHubSettings, text_field: str) -> dict[str, list[dict]]:
 
         builder = datasets.load_dataset_builder(hub.path, hub.name, revision=hub.revision)
     except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
-        raise DistlmError(
+        raise Unlisted(
             f"{where}: could not load the dataset ({type(e).__name__}: {e}). Offline? Set "
             "HF_DATASETS_OFFLINE=1 with a cached copy, or use data.source local"
         ) from None
@@ -389,13 +393,17 @@ class DataPlans:
     - a token file of the release before (one file, version 1) made from this very config is the
       data: the gather has no input, so a results folder of that release reruns nothing;
     - a corpus that cannot be listed any more (a file freed once tokenized) with a finished index
-      of this config: the index's own shards, and a warning (`notes`) that the work is kept.
+      of this config: the index's own shards, and a warning (`notes`) that the work is kept;
+    - in a dry run (`dry_run()` true), a hub data set that cannot be listed here (a machine with
+      no network): no inputs, and a warning that its tokenizer and shard jobs are planned once it
+      can be listed. A real run stops there, naming data.hub.
     """
 
-    def __init__(self, layout: Layout, every_settings) -> None:
+    def __init__(self, layout: Layout, every_settings, dry_run=lambda: False) -> None:
         self.layout = layout
         self._every = every_settings  # () -> the settings of every run, to find a job's spec
-        self._plans: dict[str, tuple[str, tuple[ShardSpec, ...]]] = {}
+        self._dry_run = dry_run
+        self._plans: dict[str, tuple[str, tuple[ShardSpec, ...]] | None] = {}
         self.shards: dict[str, ShardSpec] = {}
         self.tokenizers: dict[str, TokenizerSpec] = {}
         self.notes: list[str] = []
@@ -409,18 +417,26 @@ class DataPlans:
                 from distlm.data.tokens import finished_shards
 
                 kept = finished_shards(tokens, data_digest(data, model)) if tokens else None
-                if kept is None:
+                if kept is not None:
+                    self.notes.append(
+                        f"{e}; the finished token file {tokens} of this config is kept (its "
+                        "shards are there): the corpus is needed only to tokenize it again"
+                    )
+                    self._plans[key] = (kept[0], tuple(kept[1]))
+                elif isinstance(e, Unlisted) and self._dry_run():
+                    self.notes.append(
+                        f"{e}. This dry run plans the data stage's gather alone: its tokenizer "
+                        "and shard jobs are planned once the data set can be listed"
+                    )
+                    self._plans[key] = None
+                else:
                     raise
-                self.notes.append(
-                    f"{e}; the finished token file {tokens} of this config is kept (its shards "
-                    "are there): the corpus is needed only to tokenize it again"
-                )
-                tok, specs = kept
-                self._plans[key] = (tok, tuple(specs))
             else:
                 self.tokenizers[plan.tokenizer.id] = plan.tokenizer
                 self._plans[key] = (plan.tokenizer.id, plan.shards)
-            self.shards.update({s.id: s for s in self._plans[key][1]})
+            planned = self._plans[key]
+            if planned is not None:
+                self.shards.update({s.id: s for s in planned[1]})
         return self._plans[key]
 
     def inputs(
@@ -432,7 +448,10 @@ class DataPlans:
 
         if Path(stats).is_file() and finished_v1(tokens, data_digest(data, model)):
             return {}
-        tok, shards = self._plan(data, model, tokens)
+        planned = self._plan(data, model, tokens)
+        if planned is None:
+            return {}
+        tok, shards = planned
         return {
             "tokenizer": self.layout.tokenizer(tok),
             "tokenizer_info": self.layout.tokenizer_info(tok),

@@ -150,6 +150,14 @@ class ShardWriter:
                 out.flush()
 
 
+def _untimed() -> h5py.h5p.PropDCID:
+    """A dataset's creation properties without its creation and modification times: the same
+    tokens give the same file, byte for byte."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_obj_track_times(False)
+    return dcpl
+
+
 def _skeleton(
     path: Path, meta: ShardMeta, sizes: Mapping[tuple[str, str], int], dtype: np.dtype
 ) -> dict[tuple[str, str], int]:
@@ -161,7 +169,7 @@ def _skeleton(
         f.attrs["meta"] = json.dumps(meta.model_dump(mode="json"), sort_keys=True)
         for (split, name), n in sizes.items():
             g = f.require_group(split)
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl = _untimed()
             dcpl.set_layout(h5py.h5d.CONTIGUOUS)
             dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
             dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
@@ -279,19 +287,24 @@ def write_index(
         f.attrs["meta"] = json.dumps(meta.model_dump(mode="json"), sort_keys=True)
         for split, segs in streams.items():
             n = sum(s.stop - s.start for s in segs)
-            layout = h5py.VirtualLayout(shape=(n,), dtype=dtype)
+            dcpl = _untimed()
+            dcpl.set_fill_value(np.zeros(1, dtype=dtype))
             at = 0
             sizes: dict[tuple[Path, str], int] = {}
             for s in segs:
                 if (s.file, s.name) not in sizes:
                     with h5py.File(s.file, "r") as sf:
                         sizes[(s.file, s.name)] = int(sf[s.name].shape[0])  # pyright: ignore[reportAttributeAccessIssue]
+                vspace = h5py.h5s.create_simple((n,))
+                vspace.select_hyperslab((at,), (s.stop - s.start,))
+                src = h5py.h5s.create_simple((sizes[(s.file, s.name)],))
+                src.select_hyperslab((s.start,), (s.stop - s.start,))
                 rel = os.path.relpath(s.file, path.parent)
-                src = h5py.VirtualSource(rel, s.name, shape=(sizes[(s.file, s.name)],))
-                layout[at : at + s.stop - s.start] = src[s.start : s.stop]
+                dcpl.set_virtual(vspace, rel.encode(), s.name.encode(), src)
                 at += s.stop - s.start
             g = f.create_group(split)
-            g.create_virtual_dataset("tokens", layout, fillvalue=0)
+            space = h5py.h5s.create_simple((n,))
+            h5py.h5d.create(g.id, b"tokens", h5py.h5t.py_create(dtype), space, dcpl=dcpl)
             g.attrs["n_tokens"] = n
             g.attrs["n_blocks"] = n // meta.block_size
 
