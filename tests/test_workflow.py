@@ -63,7 +63,8 @@ def test_bad_config_fails_before_any_job(tmp_path):
 def test_real_setup_plans(tmp_path):
     """The real setup's dry run, offline: its hub data set's listing (made once, while a DAG is
     built with the hub reachable) kept in results/data/hub/ as the listing of a local copy laid
-    out like wikitext; without it, the plan stops naming data.hub."""
+    out like wikitext. Without it, the run stops before any job, naming data.hub, and the dry
+    run plans the data stage's gather alone, with a warning naming data.hub."""
     from test_data import english, write_wikitext_copy
     from test_kill_workflow import job_counts
 
@@ -72,9 +73,15 @@ def test_real_setup_plans(tmp_path):
 
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     config = ROOT / "config/gpt2-wikitext2.yaml"
-    proc = run_snakemake(tmp_path / "w", "-n", configfile=config, check=False, env=offline)
-    assert proc.returncode != 0
-    assert "data.hub 'wikitext' / 'wikitext-2-raw-v1': could not load" in proc.stdout + proc.stderr
+    named = "data.hub 'wikitext' / 'wikitext-2-raw-v1': could not load"
+    proc = run_snakemake(tmp_path / "w", configfile=config, check=False, env=offline)
+    assert proc.returncode != 0 and named in proc.stdout + proc.stderr
+    assert not (tmp_path / "w" / "results").exists()  # no job ran
+    proc = run_snakemake(tmp_path / "w", "-n", configfile=config, env=offline)
+    assert named in proc.stdout + proc.stderr and "This dry run plans" in proc.stdout + proc.stderr
+    jobs = job_counts(proc)
+    assert "tokenize_shard" not in jobs and "data_tokenizer" not in jobs
+    assert jobs["prepare_data"] == 1 and jobs["train"] == 1
     copy = tmp_path / "wikitext"
     write_wikitext_copy(copy, english(12))
     hub = load_settings(config).data.hub
