@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm import DistlmError
+from distlm.family.packing import Packing
 from distlm.family.spec import ACTIVATIONS, ModelArgs
 from distlm.family.table import Cut, Rule
 
@@ -80,25 +81,27 @@ class Block(nn.Module):
         (..., n_heads * D) -> its output (..., C)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, rot: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The block over whole causal blocks x (B, T, C): SDPA with `is_causal` and no mask,
         which takes the flash (or cuDNN) kernel on CUDA; grouped heads are attended as they are
-        (`enable_gqa`), not repeated. With `checkpointing`, in training, its activations are
-        computed again in the backward pass (torch.utils.checkpoint) instead of kept."""
+        (`enable_gqa`), not repeated. `mask` (B, 1, T, T), a packed batch's (Packing.mask):
+        attention within each example alone. With `checkpointing`, in training, its activations
+        are computed again in the backward pass (torch.utils.checkpoint) instead of kept."""
         if self.checkpointing and torch.is_grad_enabled():
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(self._attend_whole, x, rot, use_reentrant=False)
-        return self._attend_whole(x, rot)
+            return checkpoint(self._attend_whole, x, rot, mask, use_reentrant=False)
+        return self._attend_whole(x, rot, mask)
 
-    def _attend_whole(self, x: torch.Tensor, rot: Any) -> torch.Tensor:
+    def _attend_whole(self, x: torch.Tensor, rot: Any, mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.project(x, rot)  # (B, T, nh, D), (B, T, nkv, D) x 2
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # (B, nh, T, D)
             k.transpose(1, 2),
             v.transpose(1, 2),
+            attn_mask=mask,
             dropout_p=self.attn_dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.gqa,
         )
@@ -227,20 +230,25 @@ class Transformer(nn.Module):
         self,
         ids: torch.Tensor,
         *,
+        packing: Packing | None = None,
         head: bool = True,
         head_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) at positions 0..T-1 -> logits (B, T, V), or with `head` False the
         final norm's output (B, T, C) (a whole model: first and last), or with `head_loss` what
         it makes of that output and the LM head's weight (a loss that fuses the head: training's
-        on the CPU). Training and evaluation call the model (not its parts), and the head's
-        weight is read here, inside its forward pass, so that FSDP's hooks have gathered what it
-        holds sharded whatever they reshard when."""
-        pos = torch.arange(ids.shape[1], device=ids.device)
+        on the CPU). With `packing`, each row holds examples packed end to end: each example's
+        positions start at 0 and it attends to itself alone. Training and evaluation call the
+        model (not its parts), and the head's weight is read here, inside its forward pass, so
+        that FSDP's hooks have gathered what it holds sharded whatever they reshard when."""
+        if packing is None:
+            pos, mask = torch.arange(ids.shape[1], device=ids.device), None
+        else:
+            pos, mask = packing.positions(), packing.mask()
         x = self.embed(ids, pos)  # (B, T, C)
         rot = self.positions(pos, x.dtype)
         for block in self.layers.values():
-            x = block(x, rot)
+            x = block(x, rot, mask)
         h = self.norm(x)
         if head_loss is not None:
             return head_loss(h, self.lm_head.weight)
