@@ -97,3 +97,26 @@ def test_a_template_that_renders_a_turn_differently_later_is_refused(chatml):
             render_chat(tok, CONVERSATION, where=WHERE)
     finally:
         tok.chat_template = saved
+
+
+def test_packing_fills_the_rows_and_counts_what_is_too_long():
+    import random
+
+    from distlm.data.chat import pack_examples
+
+    rng = random.Random(0)
+    lengths = [int(rng.lognormvariate(5.0, 0.8)) + 8 for _ in range(2000)]  # 8 .. ~2,000
+    lengths[5] = 5000
+    for too_long in ("drop", "truncate"):
+        p = pack_examples(lengths, 1024, too_long=too_long)
+        placed = sorted(i for row in p.rows for i in row)
+        assert placed == sorted(set(range(len(lengths))) - set(p.dropped))  # each once
+        assert all(sum(p.lengths[i] for i in row) <= 1024 for row in p.rows)
+        assert p.efficiency >= 0.95
+        assert p == pack_examples(lengths, 1024, too_long=too_long)  # a pure function
+    long = [i for i, n in enumerate(lengths) if n > 1024]
+    assert pack_examples(lengths, 1024).dropped == long
+    cut = pack_examples(lengths, 1024, too_long="truncate")
+    assert cut.truncated == long and all(cut.lengths[i] == 1024 for i in long)
+    with pytest.raises(DistlmError, match="too_long: 'cut' is not one of drop, truncate"):
+        pack_examples(lengths, 1024, too_long="cut")

@@ -14,6 +14,9 @@ eos). A template whose rendering of the turns before is not a prefix of the conv
 that renders a turn differently once later turns follow it) is refused, naming the record: its
 targets cannot be told by ids. A model made from scratch (model.source init) gets CHATML, so the
 served chat route renders what training saw.
+
+Examples are packed whole into blocks (`pack_examples`, best-fit decreasing); the model runs a
+packed block with positions from 0 and attention within each example (distlm.family.packing).
 """
 
 from __future__ import annotations
@@ -102,3 +105,63 @@ def render_chat(tokenizer, messages: list[dict[str, str]], *, where: str) -> Cha
         end = len(opened) + len(turn) - turn[::-1].index(eot)  # through its last end of turn
         targets[len(opened) : end] = [True] * (end - len(opened))
     return ChatExample(ids=full, targets=targets)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Examples packed into rows of `block` positions: `rows[r]` the indices of the examples of
+    row r, in order; `lengths[i]` example i's length as packed (truncated ones cut to a block);
+    `dropped` and `truncated` the indices of the examples longer than a block, by policy."""
+
+    block: int
+    rows: list[list[int]]
+    lengths: list[int]
+    dropped: list[int]
+    truncated: list[int]
+
+    @property
+    def efficiency(self) -> float:
+        """The share of the rows' positions that hold an example's token."""
+        used = sum(self.lengths[i] for row in self.rows for i in row)
+        return used / (len(self.rows) * self.block) if self.rows else 1.0
+
+
+def pack_examples(lengths: list[int], block: int, *, too_long: str = "drop") -> Packed:
+    """Whole examples packed into rows of `block` positions, best-fit decreasing (TRL's packing):
+    the longest first, each into the row whose free space it fills best, a new row when none has
+    room. The result is a pure function of the lengths (ties keep the examples' order), so a
+    resumed run packs as the first did. An example longer than a block is dropped or cut to one
+    (`too_long`: "drop", "truncate"), and counted."""
+    import bisect
+
+    if too_long not in ("drop", "truncate"):
+        raise DistlmError(f"too_long: {too_long!r} is not one of drop, truncate")
+    packed_len = list(lengths)
+    dropped, truncated = [], []
+    for i, n in enumerate(lengths):
+        if n > block:
+            if too_long == "drop":
+                dropped.append(i)
+            else:
+                truncated.append(i)
+                packed_len[i] = block
+    gone = set(dropped)
+    order = sorted((i for i in range(len(lengths)) if i not in gone), key=lambda i: -packed_len[i])
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free positions, row), sorted
+    for i in order:
+        n = packed_len[i]
+        at = bisect.bisect_left(free, (n, -1))
+        if at == len(free):
+            rows.append([i])
+            room, r = block - n, len(rows) - 1
+        else:
+            room, r = free.pop(at)
+            rows[r].append(i)
+            room -= n
+        if room > 0:
+            bisect.insort(free, (room, r))
+    return Packed(block, rows, packed_len, dropped, truncated)
