@@ -754,3 +754,26 @@ def test_generate_batch_records_truncation_and_config_errors(tiny_models, hf_ref
         DistlmError, match="config inference.max_new_tokens: 64 is beyond the model's context"
     ):
         generate_batch(pipe, ["A class"], icfg(max_new_tokens=64))
+
+
+def test_the_batch_stages_seeds_wrap_as_a_requests_choices_do(tiny_models, hf_reference):
+    """inference.seed at its largest: prompt i samples with the i-th seed after it, wrapped into
+    0..MAX_SEED (settings.derived_seed, the rule a request's choices follow), so prompt 2 samples
+    as seed 0 does, and no prompt is refused."""
+    from distlm.inference.engine.batch import generate_batch
+    from distlm.inference.engine.bootstrap import Pipeline
+    from distlm.settings import MAX_SEED, derived_seed
+
+    assert derived_seed(MAX_SEED, 1) == 0 and derived_seed(7, 2) == 9
+    model = load_stage(tiny_models[1], 0, world=1)
+    topo, stats = Topology.single(backend=MPI_RING), StageStats(0)
+    pipe = Pipeline(
+        topo, model, None, stats, tokenizer=hf_reference.tokenizer, context=64, eos_token_id=None
+    )
+    pipe.scheduler = Scheduler(
+        model, None, topo, lanes=2, eos_token_id=None, context=64, timeout_s=10, stats=stats
+    )
+    sample = {"max_new_tokens": 8, "temperature": 1.0}
+    recs, _ = generate_batch(pipe, ["A class", "The river"], icfg(seed=MAX_SEED, **sample))
+    (alone,), _ = generate_batch(pipe, ["The river"], icfg(seed=0, **sample))
+    assert recs[1]["token_ids"] == alone["token_ids"]

@@ -260,10 +260,6 @@ class Plan:
         """Paths of `output` of every variant of `job` (what `rule all` and the report ask for)."""
         return [output_path(job, output, v) for v in self.shared[job]]
 
-    def job_paths(self, run: str) -> dict[str, str]:
-        """A run's job -> its variant folder (results/variants/<variant>)."""
-        return {job: variant_folder(v) for job, v in self.runs[run].variants.items()}
-
 
 def variant_folder(variant: str) -> str:
     """results/variants/<variant>: the folder of one job variant's outputs."""

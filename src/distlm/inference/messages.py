@@ -83,7 +83,7 @@ class Attach:
 class Submit:
     """A completions request: each prompt (token ids) gets `n` choices; index = prompt * n + j.
 
-    Choice j > 0 of a prompt samples with seed + j.
+    Choice j > 0 of a prompt samples with seed + j (mod 2^63: settings.derived_seed).
     """
 
     __pydantic_config__ = _CHECKED

@@ -19,6 +19,7 @@ from distlm.settings.base import (
     Temperature,
     TopK,
     TopP,
+    derived_seed,
 )
 from distlm.settings.data import DataSettings
 from distlm.settings.eval import EvalSettings
@@ -69,6 +70,7 @@ __all__ = [
     "TopP",
     "TrainSettings",
     "TransferSettings",
+    "derived_seed",
     "init_settings",
     "known_architecture",
 ]

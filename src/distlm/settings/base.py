@@ -35,9 +35,24 @@ class ConfigError(DistlmError):
     """A config key is unknown, mistyped, moved or impossible; the message names the key."""
 
 
-__all__ = ["MAX_SEED", "ConfigError", "KeepInt", "Real", "Section", "StageConfig"]
+__all__ = [
+    "MAX_SEED",
+    "ConfigError",
+    "KeepInt",
+    "Real",
+    "Section",
+    "StageConfig",
+    "derived_seed",
+]
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+
+def derived_seed(seed: int, k: int) -> int:
+    """The k-th seed after `seed` (a batch's k-th prompt, a request's k-th choice): seed + k,
+    wrapped into 0..MAX_SEED, so every seed a config or request may give derives valid ones."""
+    return (seed + k) % (MAX_SEED + 1)
+
 
 # The sampling ranges, defined once: SamplingSettings, InferenceSettings' flat keys and every
 # request model validate through these.

@@ -51,7 +51,7 @@ class SamplingSettings(Section):
     )
     seed: Seed = Field(
         default=0,
-        description="Sampling seed; prompt i of the batch stage uses seed + i. Serve: the default.",
+        description="Sampling seed; prompt i of the batch stage uses seed + i (mod 2^63). Serve: the default.",
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from distlm.core.documents import read_document, write_document
+from distlm.core.documents import write_document
 from distlm.settings.base import StageConfig
 from distlm.settings.data import DataConfig
 from distlm.settings.eval import EvalConfig
@@ -71,7 +71,3 @@ def write_stage_config(stage: str, params: Mapping[str, Any], path: str | os.Pat
     write_document(path, doc)
     return doc.digest
 
-
-def read_stage_config(path: str | os.PathLike, stage: str) -> StageConfig:
-    """The typed config of `stage` (a script that knows its class calls read_document)."""
-    return read_document(path, STAGE_CONFIGS[stage])

@@ -21,7 +21,7 @@ from distlm.inference.engine.bootstrap import Pipeline, mpi_pipeline, run_worker
 from distlm.inference.engine.scheduler import Sequence, run_stage0
 from distlm.inference.prompts import RequestError, read_prompts
 from distlm.inference.request import prepare_request, sampling_settings
-from distlm.settings import InferenceSettings
+from distlm.settings import InferenceSettings, derived_seed
 
 log = get_logger(__name__)
 
@@ -42,8 +42,10 @@ def generate_batch(
     seqs, dropped = [], []
     for i, text in enumerate(prompts):
         try:
-            # each prompt its own seed: seed + i
-            sampling = sampling_settings({"seed": settings.seed + i}, defaults=settings)
+            # each prompt its own seed: the i-th after inference.seed
+            sampling = sampling_settings(
+                {"seed": derived_seed(settings.seed, i)}, defaults=settings
+            )
             req = prepare_request(
                 [text],
                 sampling,

@@ -60,7 +60,7 @@ from distlm.inference.messages import (
     encode_batch,
     endpoints,
 )
-from distlm.settings import MAX_SEED, EngineSettings
+from distlm.settings import EngineSettings, derived_seed
 
 log = get_logger(__name__)
 
@@ -389,7 +389,7 @@ class Engine:
                 p = (
                     params
                     if j == 0
-                    else dataclasses.replace(params, seed=(params.seed + j) % (MAX_SEED + 1))
+                    else dataclasses.replace(params, seed=derived_seed(params.seed, j))
                 )
                 seq = Sequence(
                     self.sched.new_id(),
