@@ -450,12 +450,12 @@ def test_two_steps_in_flight_give_what_one_at_a_time_gives(
             steps_in_flight=steps,
         )
         sched = _scheduler(tiny_models[1], lanes=4, eos=eos, hw=hw)
-        assert sched.in_flight == steps and sched.cap == 4 // steps
+        assert sched.max_in_flight == steps and sched.cap == 4 // steps
         most = [0]
         land = sched._land
 
         def landing() -> None:
-            most[0] = max(most[0], sched.inflight)
+            most[0] = max(most[0], sched.in_flight)
             land()
 
         sched._land = landing  # type: ignore[method-assign]

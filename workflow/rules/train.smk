@@ -1,4 +1,5 @@
-# DDP training (torchrun): token blocks + serialized model -> final model folder, metrics, profile.
+# Training (torchrun; DDP or FSDP2): token blocks + serialized model -> final model folder, metrics,
+# profile.
 # Checkpoints live in results/train/checkpoints/<run identity>/ (not a declared output, so that a
 # killed or forced job resumes from them, and one whose identity is finished writes final/ from it
 # without training); train.resume: never starts that identity afresh. The log is appended to:

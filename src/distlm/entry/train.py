@@ -1,4 +1,4 @@
-"""DDP training stage entry point, started by torchrun (workflow/rules/train.smk):
+"""The training stage's entry point (DDP or FSDP2), started by torchrun (workflow/rules/train.smk):
 
     torchrun --standalone --nproc-per-node=2 --max-restarts=0 -m distlm.entry.train \\
         --config results/config/train.json --tokens results/data/tokens.h5 \\

@@ -16,8 +16,8 @@ machine. Stages ask it; none of them branches on the device itself.
 Which kernels apply is the device's: on the CPU, the kernels tuned for it (the LM head fused with
 its loss in cache-sized chunks, GPT-2's GELU in place; they save memory traffic a CPU is bound
 by); on CUDA, standard operations that `torch.compile` fuses, SDPA's flash kernels and
-maintained libraries. The CPU-tuned ones made the compiled GPU step 1.7x slower on an H100 and
-one of them (a 0-dim CPU constant) crashed CUDA (benchmarks/LOG.md, "GPU"), so they are
+maintained libraries. The CPU-tuned ones made the compiled GPU step slower on an H100 and one
+of them (a 0-dim CPU constant) crashed CUDA (benchmarks/LOG.md, "GPU"), so they are
 chosen here, once, and never applied everywhere. Both sets compute the same functions to float
 rounding, and the CPU tests run both (tests/test_device.py).
 
@@ -309,7 +309,7 @@ class DeviceBackend:
     # How many micro-batches a one-stage engine keeps on the device at once
     # (distlm.inference.engine.scheduler; inference.steps_in_flight): 2 has the host finish one
     # (its picks, its messages) and prepare the next while the device runs the other; 1, the
-    # default on every device until a GPU's figures say otherwise (on the CPU 2 serves 0.61x).
+    # default on every device until a GPU's figures say otherwise (the CPU's: docs/performance.md).
     steps_in_flight: int = 1
 
     def __post_init__(self) -> None:

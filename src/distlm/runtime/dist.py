@@ -104,8 +104,8 @@ class Topology:
         """Give this rank its share of its host's thread budget; return its intra-op threads.
 
         Snakemake sets OMP_NUM_THREADS to the rule's `threads`, a total for the job, and both
-        launchers pass it on to every rank: 2 ranks x 2 threads on 2 cores made training steps
-        4x slower, with spikes. Under torchrun it is a ceiling a rank (torchrun's meaning: it
+        launchers pass it on to every rank: 2 ranks x 2 threads on 2 cores oversubscribe the cores
+        (slower steps, with spikes: benchmarks/LOG.md). Under torchrun it is a ceiling a rank (torchrun's meaning: it
         sets 1 itself when it starts several ranks), and a GPU rank keeps torch's own count; under
         mpiexec (the pipeline, which sets none) it is the job's budget, shared by the ranks on
         this host (`distlm.runtime.host.threads_per_rank`); serve's API server processes beside

@@ -111,7 +111,7 @@ class EngineSettings(SamplingSettings):
             "Micro-batches a one-stage pipeline keeps on its device at once: 2 splits the "
             "running sequences in two and overlaps the host's work on one's tokens with the "
             "device's on the other; 1 runs a step at a time (on the CPU, whose forward pass is "
-            "the host's own work, 2 serves 0.61x)."
+            "the host's own work, 2 is slower: docs/performance.md)."
         ),
     )
 

@@ -70,4 +70,3 @@ def write_stage_config(stage: str, params: Mapping[str, Any], path: str | os.Pat
     doc = STAGE_CONFIGS[stage].of(params)
     write_document(path, doc)
     return doc.digest
-

@@ -6,7 +6,7 @@ Which applies is the device's kernel set (distlm.runtime.device) and the model's
 linear cross-entropy on the CPU for a model whose logits are the plain LM head of its hidden
 states (`Transformer.linear_logits`); `NextTokenLoss` elsewhere, standard operations that
 torch.compile fuses (the chunked head, eager inside a compiled graph, made the compiled H100
-step 1.7x slower). `train.fast_kernels: false` takes `NextTokenLoss` on every device.
+step slower: benchmarks/LOG.md, "GPU"). `train.fast_kernels: false` takes `NextTokenLoss` on every device.
 
 Both are transformers' `model(input_ids, labels=input_ids).loss` (the mean cross-entropy of
 every next token; tests/test_family_model.py checks them against it), and both attend with
@@ -15,9 +15,8 @@ SDPA's `is_causal` over whole blocks (the model's own attention: flash or cuDNN 
 - `linear_cross_entropy`: the LM head's logits (tokens x vocab; 16 MB a rank for the embedded
   default, 3.3 GB for GPT-2 at 16 x 1024) are never materialised whole. Chunks of rows go through
   logits -> softmax -> gradient while they sit in cache, and the gradients of the hidden states
-  and of the head's weight are made in the forward pass (backward only scales them). Measured on
-  the embedded default (2 ranks x 1 thread, 8 x 128 tokens per rank), it takes about a fifth off
-  the step (benchmarks/LOG.md, "Training").
+  and of the head's weight are made in the forward pass (backward only scales them). What it
+  saves on the embedded default's step: benchmarks/LOG.md, "Training".
 """
 
 from __future__ import annotations
@@ -35,11 +34,10 @@ R = TypeVar("R")
 
 def _chunk_rows(vocab: int, width: int) -> int:
     # Chunks of about 2 MiB of logits (the kernel set "cpu" is where this kernel runs), in cache
-    # from the matmul through the gradient: 128 rows of a 4,096 vocabulary were fastest on a
-    # 2-core Xeon (64 rows 1.18x slower, 256 1.10x). But every chunk reads and writes the head's
-    # whole weight gradient (V x C) once: where that is beyond the caches, fewer chunks win.
-    # GPT-2's 50,257 x 768 head (154 MB), one thread: 64 rows 2.20 s, 256 rows 1.66 s, one chunk
-    # of 1,023 rows 1.59 s (16 rows, the 2 MiB rule, about 4.9 s).
+    # from the matmul through the gradient. But every chunk reads and writes the head's whole
+    # weight gradient (V x C) once: where that is beyond the caches, fewer chunks win, so a head
+    # over 8 MiB takes chunks of at least 256 rows (the measurements: benchmarks/LOG.md,
+    # "Training: the fused head's chunks").
     rows = (2 << 20) // (4 * vocab)
     if 4 * vocab * width > (8 << 20):
         rows = max(rows, 256)

@@ -1,4 +1,5 @@
-"""Data-parallel training of a GPT-2-class model under torchrun, with exact resume.
+"""Training of a family's model (GPT-2, the Llama family) under torchrun, data-parallel (DDP) or
+sharded (FSDP2), with exact resume.
 
     torchrun --standalone --nproc-per-node=2 -m distlm.entry.train \\
         --config results/config/train.json --tokens results/data/tokens.h5 \\
@@ -8,12 +9,7 @@ Phases: construction (`Trainer(cfg, paths, topo)`, top to bottom: lease, data, t
 layout and its model, optimiser, run identity, resume, the starting weights on every rank, the
 wrapped step, metrics), `train_step` (micro-batches synced as the layout says, clipping, AdamW,
 schedule), `evaluate`, `save_checkpoint`, `write_final`, `fit` (the loop), `close`. The phases'
-parts live beside this module: `setup` (lease, data, the base model's args, weight sync),
-`parallel` (the layout: DDP or FSDP2, all that differs between them), `optim` (schedule,
-clipping, AdamW), `identity` (the run identity and its run folders), `state` (`TrainState`: what
-a checkpoint saves and a resume loads), `checkpoint_save` (the one save path), `checkpoint` (the
-format), `checkpoint_writer` (the background writer), `resume` (checkpoint choice and loading),
-`outputs` (the final folder), `stopping` (divergence, stop signals), `paths` (`TrainPaths`).
+parts live beside this module (the package's map: distlm.train's docstring).
 
 Learning rate: `train.lr` is the peak rate for the *global* batch (micro_batch x grad_accum x
 world size blocks); it is not rescaled when the world size changes, so keep the global batch fixed

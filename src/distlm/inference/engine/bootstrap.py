@@ -162,7 +162,7 @@ def mpi_pipeline(
             log.info(
                 "stage 0: micro-batches of at most %d sequences, %d in flight at once (%s)",
                 pipe.scheduler.cap,
-                pipe.scheduler.in_flight,
+                pipe.scheduler.max_in_flight,
                 "one a stage" if ring is not None else "inference.steps_in_flight",
             )
         freeze_startup_heap(f"stage {rank}")  # before the first micro-batch

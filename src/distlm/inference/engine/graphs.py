@@ -68,8 +68,8 @@ class DecodeGraphs:
       a power of two, at least `MIN_SPAN`, at most the cache's positions: a block has a step
       per T, and as its sequences grow it captures the next one (at most log2(context /
       MIN_SPAN) + 1 a block). A served cache keeps the positions its longest sequence needed,
-      so attending all of them read 6.8x the positions the rows held at 64 clients
-      (benchmarks/LOG.md, "The static decode step's positions").
+      so attending all of them read many times the positions the rows held (benchmarks/LOG.md,
+      "The static decode step's positions").
     - **Inputs in place.** The step's token ids (or hidden states, after stage 0), positions,
       write positions and mask are copied into the step's own tensors before each replay; its
       output rows are picked in the items' order after it.

@@ -15,8 +15,8 @@ sends while the device runs the new one, so the host's work on a step's outputs 
 step's inputs overlaps the device's. A sequence is in one micro-batch at a time, and one
 cancelled while its step is on the device ends when that step's token comes back, as in a
 pipeline of several stages. With 1 each step is picked as it returns. (On the CPU, whose forward
-pass is the host's own work, 2 only halves the micro-batches: 0.61x; what it gives a GPU, whose
-steps are launched, is for its figures to say.)
+pass is the host's own work, 2 only halves the micro-batches; what it gives either device:
+docs/performance.md.)
 
 Where the stages replay their decode steps as CUDA graphs (`StageModel.graphs`: a GPU's), a
 micro-batch is either decodes or prefills, never both: a mixed one runs eagerly, a few hundred
@@ -63,9 +63,10 @@ from distlm.inference.stats import StageBrief, StageInfo, StageStats
 from distlm.runtime.dist import Topology
 
 # With decode graphs: how many decode micro-batches a ready prefill may wait for before it goes
-# (with every other prefill ready then). A mixed micro-batch is eager (~5 ms of launches for a
-# 12-block GPT-2 on an H100 host), a decode one a graph (~1 ms): prefills gathered over 4 decode
-# steps cost one eager step in 5 instead of every step, for up to 4 decode steps of waiting.
+# (with every other prefill ready then). A mixed micro-batch is eager (a few hundred kernel
+# launches), a decode one a graph (one launch; their costs: docs/performance.md): prefills
+# gathered over 4 decode steps cost one eager step in 5 instead of every step, for up to 4 decode
+# steps of waiting.
 PREFILL_EVERY = 4
 
 
@@ -145,10 +146,10 @@ class Scheduler:
         self.lanes = lanes
         # micro-batches in flight at once: one a stage round a pipeline's ring; on one stage the
         # device backend's `steps_in_flight` (see `_launch`)
-        self.in_flight = (
+        self.max_in_flight = (
             topo.world_size if ring is not None else topo.device_backend.steps_in_flight
         )
-        self.cap = math.ceil(lanes / self.in_flight)  # sequences per micro-batch
+        self.cap = math.ceil(lanes / self.max_in_flight)  # sequences per micro-batch
         self.eos = eos_token_id
         self.context = context
         self.timeout_s = timeout_s
@@ -158,7 +159,7 @@ class Scheduler:
         self.ready: deque[Sequence] = deque()
         self.active: dict[int, Sequence] = {}
         self.free = list(range(lanes - 1, -1, -1))
-        self.inflight = 0
+        self.in_flight = 0  # micro-batches launched and not yet back (at most max_in_flight)
         # a one-stage pipeline's micro-batches on the device, oldest first (see `_launch`)
         self.local: deque[LastStep] = deque()
         self.launching = True  # False: only collect what is in the ring (shutting down)
@@ -209,12 +210,12 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.ready or self.inflight)
+        return bool(self.waiting or self.ready or self.in_flight)
 
     def step(self) -> bool:
         """Do what can be done now without waiting; False when nothing could (caller pauses)."""
         did = False
-        while self.ring is not None and self.inflight and self.ring.ready():
+        while self.ring is not None and self.in_flight and self.ring.ready():
             self._reply(self.ring.take())
             did = True
         held: list[Sequence] = []
@@ -239,7 +240,7 @@ class Scheduler:
             self.waiting.extendleft(reversed(left))
             seq.siblings = []
         self.waiting.extendleft(reversed(held))
-        if self.launching and self.ready and self.inflight < self.in_flight:
+        if self.launching and self.ready and self.in_flight < self.max_in_flight:
             batch = self._pick()
             batch.sort(key=_launch_order)
             self._launch(batch)
@@ -247,7 +248,7 @@ class Scheduler:
         if self.local:  # nothing to launch first: now wait for the device's oldest step
             self._land()
             return True
-        if self.inflight and not did and time.monotonic() - self.progress_at > self.timeout_s:
+        if self.in_flight and not did and time.monotonic() - self.progress_at > self.timeout_s:
             raise PipelineError(
                 f"stage 0: no tokens back from the pipeline (stages 1-{self.topo.world_size - 1}) for "
                 f"{self.timeout_s:g} s (inference.timeout_s): a stage died or hangs"
@@ -265,17 +266,17 @@ class Scheduler:
     def ping(self) -> None:
         """An empty micro-batch round the ring now, when none is in flight: it carries the
         stages' words on an update's staging back (an idle ring has nothing else to carry them)."""
-        if self.ring is not None and not self.inflight:
+        if self.ring is not None and not self.in_flight:
             self._send_work((), None)
 
     def send_ring(self, msg: Prepare | Swap) -> None:
         """An update's message round the ring (it comes back to `on_ring`)."""
         if self.ring is None:
             raise PipelineError("stage 0: a one-stage pipeline sends nothing")
-        if self.inflight == 0:
+        if self.in_flight == 0:
             self.progress_at = time.monotonic()
         self.ring.send(msg)
-        self.inflight += 1
+        self.in_flight += 1
 
     def hello(self) -> list[StageInfo]:
         """Each stage adds where it runs (host, pid, layers); stage 0 gets the list back."""
@@ -306,7 +307,7 @@ class Scheduler:
         self.launching = False
         deadline = time.monotonic() + timeout_s
         backoff = Backoff()
-        while self.inflight:
+        while self.in_flight:
             if not self.step():
                 if time.monotonic() > deadline:
                     raise PipelineError("stage 0: the ring did not drain while stopping")
@@ -331,7 +332,7 @@ class Scheduler:
         self.free = list(range(self.lanes - 1, -1, -1))
         self.released.clear()
         self.local.clear()
-        self.inflight = 0
+        self.in_flight = 0
         return seqs
 
     # -- internals
@@ -343,8 +344,8 @@ class Scheduler:
         (`separate`), decodes alone, or the ready prefills alone once they have waited
         PREFILL_EVERY decode micro-batches (or when there is no decode to run)."""
         cap = self.cap
-        if self.ring is None and self.in_flight > 1:  # an even share of the running sequences:
-            cap = min(cap, math.ceil(len(self.active) / self.in_flight))  # a step beside each
+        if self.ring is None and self.max_in_flight > 1:  # an even share of the running sequences:
+            cap = min(cap, math.ceil(len(self.active) / self.max_in_flight))  # a step beside each
         if not self.separate:
             return [self.ready.popleft() for _ in range(min(cap, len(self.ready)))]
         prefills = [s for s in self.ready if not s.tokens]
@@ -390,9 +391,9 @@ class Scheduler:
         self.model.clock.start()
         if self.ring is None:  # a one-stage pipeline: this rank is also the last stage
             self.local.append(
-                launch_last_stage(self.model, self.sampler, slots, x, hold=self.in_flight > 1)
+                launch_last_stage(self.model, self.sampler, slots, x, hold=self.max_in_flight > 1)
             )
-            self.inflight += 1
+            self.in_flight += 1
         else:
             hidden = self.model(items, x)
         fork_caches(self.model, slots)
@@ -406,11 +407,11 @@ class Scheduler:
         if self.ring is not None:
             self._send_work(slots, hidden)
             return
-        # One stage: with `in_flight` 2 the step just queued runs on the device while the host
+        # One stage: with `max_in_flight` 2 the step just queued runs on the device while the host
         # waits for the one before it, then picks its tokens and sends them (the engine's
         # after_step) and prepares the next; with 1 it is picked at once. A sequence is in one
         # micro-batch at a time, so each step's positions and inputs are its tokens so far.
-        while len(self.local) >= self.in_flight:
+        while len(self.local) >= self.max_in_flight:
             self._land()
 
     def _land(self) -> None:
@@ -418,7 +419,7 @@ class Scheduler:
         t0 = time.perf_counter()
         picks = self.local.popleft().picks()
         self.stats.compute_s += time.perf_counter() - t0
-        self.inflight -= 1
+        self.in_flight -= 1
         self.progress_at = time.monotonic()
         self._picks(picks)
 
@@ -426,22 +427,22 @@ class Scheduler:
         if self.ring is None:
             raise PipelineError("stage 0: a one-stage pipeline sends nothing")
         payload = to_wire(out) if out is not None else None
-        if self.inflight == 0:
+        if self.in_flight == 0:
             self.progress_at = time.monotonic()
         release, self.released = tuple(self.released), []
         self.ring.send(Work(slots, payload, release=release), payload[1].nbytes if payload else 0)
-        self.inflight += 1
+        self.in_flight += 1
         self.last_send = time.monotonic()
 
     def _reply(self, msg) -> None:
         if isinstance(msg, (Prepare, Swap)) and self.on_ring is not None:
-            self.inflight -= 1
+            self.in_flight -= 1
             self.progress_at = time.monotonic()
             self.on_ring(msg)
             return
         if not isinstance(msg, Tokens):
             raise PipelineError(f"stage 0: unexpected {type(msg).__name__} from the last stage")
-        self.inflight -= 1
+        self.in_flight -= 1
         self.progress_at = time.monotonic()
         self.words.extend(msg.staged)
         for st in msg.stats:
@@ -533,5 +534,5 @@ def run_stage0(
         else:
             t0 = time.perf_counter()
             backoff.pause()
-            if sched.inflight:
+            if sched.in_flight:
                 sched.stats.recv_wait_s += time.perf_counter() - t0
