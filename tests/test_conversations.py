@@ -1,4 +1,4 @@
-"""Conversations as training examples (distlm.data.chat): the targets are exactly the assistant's
+"""Conversations as training examples (distlm.data.conversations): the targets are exactly the assistant's
 content and end-of-turn tokens, told by token ids and checked against the rendered text; a bad
 record is refused naming the file, the record and the field; a template whose turns cannot be
 told by ids is refused."""
@@ -9,7 +9,7 @@ import pytest
 
 from distlm import DistlmError
 from distlm.data import load_embedded, train_tokenizer
-from distlm.data.chat import CHATML, IM_END, IM_START, check_messages, render_chat
+from distlm.data.conversations import CHATML, IM_END, IM_START, check_messages, render_chat
 
 WHERE = "corpus.jsonl: record 3"
 
@@ -102,7 +102,7 @@ def test_a_template_that_renders_a_turn_differently_later_is_refused(chatml):
 def test_packing_fills_the_rows_and_counts_what_is_too_long():
     import random
 
-    from distlm.data.chat import pack_examples
+    from distlm.data.conversations import pack_examples
 
     rng = random.Random(0)
     lengths = [int(rng.lognormvariate(5.0, 0.8)) + 8 for _ in range(2000)]  # 8 .. ~2,000
