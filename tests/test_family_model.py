@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.families import LLAMA3_ROPE
 from harness.family_shapes import SHAPES, VOCAB, ids, models
 
 from distlm import DistlmError
@@ -162,14 +163,7 @@ def test_each_model_holds_exactly_its_tables_parameters(shape):
     [
         {"rope_type": "default", "rope_theta": 10000.0},
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-        {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
+        LLAMA3_ROPE,
         {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0},
         {
             "rope_type": "yarn",

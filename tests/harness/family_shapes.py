@@ -5,6 +5,7 @@ checks the two against each other, tests/test_packing.py runs packed batches on 
 from __future__ import annotations
 
 import torch
+from harness.families import LLAMA3_ROPE
 
 from distlm.family import family_of, model_args
 
@@ -30,14 +31,7 @@ SHAPES: dict[str, dict] = {
         "intermediate_size": 48,
         "max_position_embeddings": CONTEXT,
         "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
+        "rope_parameters": LLAMA3_ROPE,
     },
     "qwen2-qkv-bias": {
         "model_type": "qwen2",
